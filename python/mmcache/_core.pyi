@@ -1,0 +1,144 @@
+"""Type stubs for the Rust core, ``mmcache._core`` (kept honest by ``mypy.stubtest``)."""
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, final
+
+from typing_extensions import Buffer, Self
+
+__version__: str
+LAYOUT_VERSION: int
+
+class MmcacheError(Exception):
+    """Base class of every error the shared-memory core raises on its own account."""
+
+class SegmentCorruptError(MmcacheError):
+    """A segment's header or a chunk failed validation (corrupt, foreign or incompatible)."""
+
+class ClosedError(MmcacheError):
+    """The store (or the cache around it) was closed."""
+
+class InvalidHandleError(MmcacheError):
+    """A handle that is forged, truncated, out of range or signed for another key."""
+
+class StaleHandleError(MmcacheError):
+    """A genuine handle whose object is gone (evicted, overwritten, invalidated, cleared)."""
+
+class WriterGoneError(MmcacheError):
+    """The writer process of a segment exited."""
+
+class NoReaderSlotError(MmcacheError):
+    """Every reader slot of the segment is taken."""
+
+@final
+class ShmHandle:
+    """Where one object lives: ring address, monotonic id and a keyed signature."""
+
+    def __new__(cls, *, address: int, monotonic_id: int, signature: bytes) -> ShmHandle: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def monotonic_id(self) -> int: ...
+    @property
+    def signature(self) -> bytes: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
+@final
+class ReaderHandle:
+    """Everything a reader process needs to attach: segment name, layout and signing key."""
+
+    def __new__(
+        cls,
+        *,
+        name: str,
+        capacity: int,
+        n_readers: int,
+        max_object_size: int,
+        layout_version: int,
+        secret: bytes,
+    ) -> ReaderHandle: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def n_readers(self) -> int: ...
+    @property
+    def max_object_size(self) -> int: ...
+    @property
+    def layout_version(self) -> int: ...
+    @property
+    def secret(self) -> bytes: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
+@final
+class ShmView:
+    """A read-only, zero-copy view of one object's bytes (buffer protocol).
+
+    While it (or any memoryview, array or tensor made from it) is alive, the object cannot be
+    reclaimed and the mapping stays open.
+    """
+
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+@final
+class ShmObjectStore:
+    """One named shared-memory ring: created by its single writer, attached by readers."""
+
+    @staticmethod
+    def create(
+        capacity: int,
+        *,
+        n_readers: int = 1,
+        max_object_size: int | None = None,
+        name: str | None = None,
+    ) -> ShmObjectStore: ...
+    @staticmethod
+    def attach(handle: ReaderHandle) -> ShmObjectStore: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def n_readers(self) -> int: ...
+    @property
+    def max_object_size(self) -> int: ...
+    @property
+    def is_writer(self) -> bool: ...
+    @property
+    def reader_slot(self) -> int | None: ...
+    @property
+    def closed(self) -> bool: ...
+    def handle(self) -> ReaderHandle: ...
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ShmHandle: ...
+    def is_cached(self, key: str) -> bool: ...
+    def get_cached(self, key: str) -> ShmHandle: ...
+    def pin(self, key: str) -> None: ...
+    def unpin(self, key: str) -> None: ...
+    def release(self, handle: ShmHandle) -> None: ...
+    def invalidate(self, key: str) -> None: ...
+    def clear(self) -> None: ...
+    def keys(self) -> list[str]: ...
+    def get(self, handle: ShmHandle, key: str, copy: bool = True) -> bytes | ShmView: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+def inspect_segment(name: str) -> dict[str, Any]:
+    """Read a live segment's header without attaching as a reader (never writes to it)."""
+
+def list_segments() -> list[str]:
+    """Names of the segments this package created on this host (live or orphaned)."""
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name (its memory is freed once every process unmaps it)."""

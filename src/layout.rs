@@ -1,0 +1,344 @@
+//! The bytes of a segment: where every field lives and how a segment is validated.
+//!
+//! ```text
+//! 0                      512            header_size                       total_len
+//! | segment header ...   | reader table | data ring: chunks, 64-byte aligned ... |
+//! ```
+//!
+//! Every field is a little-endian `u64` at a fixed offset, read and written only as an
+//! `AtomicU64` (offsets, not pointers: each process maps the segment at its own address).
+//! Fields marked *const* are written once by the creator before the segment's name is
+//! handed to anyone and never change; readers still load them atomically.
+//!
+//! A chunk in the ring:
+//!
+//! ```text
+//! +0  id          AtomicU64  monotonic id; 0 = dead. Published last (Release) by the
+//!                            writer, after every other header field and the payload;
+//!                            stored 0 before the bytes are reused (see store.rs).
+//! +8  sig_lo      AtomicU64  the handle signature, so a reader can tell its chunk from
+//! +16 sig_hi      AtomicU64  payload bytes that later landed at the same address.
+//! +24 len         AtomicU64  payload length in bytes.
+//! +32 refs        AtomicU64  references issued over the chunk's life (for inspect).
+//! +64 words[n]    AtomicU64  one `SlotWord` per reader slot (below).
+//! +chunk_header_size         payload (64-byte aligned)
+//! ```
+
+use std::sync::atomic::Ordering;
+
+use crate::error::{Error, Result};
+use crate::segment::Segment;
+
+/// "MMCACHE\x01" — first word of every segment.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
+/// Bumped on any change to the byte layout below; attach refuses other versions.
+pub const LAYOUT_VERSION: u64 = 1;
+/// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
+pub const ALIGN: u64 = 64;
+/// Most reader slots a segment may have (the reader table must fit its pages).
+pub const MAX_READERS: u32 = 64;
+
+/// Segment header field offsets.
+pub mod header {
+    pub const MAGIC: u64 = 0; // const
+    pub const VERSION: u64 = 8; // const
+    pub const HEADER_SIZE: u64 = 16; // const: offset of the data ring
+    pub const CAPACITY: u64 = 24; // const: bytes in the data ring
+    pub const TOTAL_LEN: u64 = 32; // const: header_size + capacity
+    pub const N_READERS: u64 = 40; // const
+    pub const MAX_OBJECT_SIZE: u64 = 48; // const
+    pub const CHUNK_HEADER_SIZE: u64 = 56; // const
+    pub const CREATOR_PID: u64 = 64; // const
+    pub const CREATOR_START: u64 = 72; // const: creator's start time (pid reuse guard)
+    /// `WRITER_LIVE` until the writer closes (`WRITER_CLOSED`), Release/Acquire.
+    pub const WRITER_STATE: u64 = 80;
+    // Counters published by the writer for `inspect` (Relaxed: statistics only).
+    pub const PUTS: u64 = 128;
+    pub const HITS: u64 = 136;
+    pub const EVICTIONS: u64 = 144;
+    pub const BYTES_IN_USE: u64 = 152;
+    pub const OBJECTS: u64 = 160;
+    pub const REFS_ISSUED: u64 = 168;
+    pub const LAST_ID: u64 = 176;
+    pub const READERS_RECLAIMED: u64 = 184;
+    pub const CLEARS: u64 = 192;
+    /// First reader slot; slot `i` is at `READER_TABLE + i * READER_SLOT_SIZE`.
+    pub const READER_TABLE: u64 = 512;
+    pub const READER_SLOT_SIZE: u64 = 64;
+}
+
+pub const WRITER_LIVE: u64 = 1;
+pub const WRITER_CLOSED: u64 = 2;
+
+/// Reader slot field offsets (relative to the slot). One cache line per reader.
+pub mod slot {
+    /// `epoch << 1 | claimed`. A reader claims a free slot with one CAS from
+    /// `(e, 0)` to `(e + 1, 1)` and frees it with a Release store of `(e + 1, 0)`; the writer
+    /// frees the slot of a dead reader with a CAS. Epochs only grow, so a chunk word stamped
+    /// for an earlier occupant can never be mistaken for the current one's.
+    pub const CLAIM: u64 = 0;
+    pub const PID: u64 = 8; // written by the claimant after the CAS; 0 = not yet known
+    pub const START: u64 = 16; // claimant's start time
+    pub const REFS: u64 = 24; // references issued to this slot (writer, Relaxed)
+    pub const ACKS: u64 = 32; // references acknowledged by this slot (reader, Relaxed)
+    pub const STALE: u64 = 40; // handles this slot found stale (reader, Relaxed)
+}
+
+/// Chunk header field offsets (relative to the chunk).
+pub mod chunk {
+    pub const ID: u64 = 0;
+    pub const SIG_LO: u64 = 8;
+    pub const SIG_HI: u64 = 16;
+    pub const LEN: u64 = 24;
+    pub const REFS: u64 = 32;
+    pub const WORDS: u64 = 64;
+}
+
+pub const fn align_up(n: u64) -> Option<u64> {
+    match n.checked_add(ALIGN - 1) {
+        Some(v) => Some(v & !(ALIGN - 1)),
+        None => None,
+    }
+}
+
+/// A claim word: `epoch << 1 | claimed`.
+pub fn claim_word(epoch: u64, claimed: bool) -> u64 {
+    (epoch << 1) | claimed as u64
+}
+
+pub fn claim_epoch(word: u64) -> u64 {
+    word >> 1
+}
+
+pub fn claim_is_claimed(word: u64) -> bool {
+    word & 1 == 1
+}
+
+/// One reader slot's state for one chunk, packed in a `u64` so it changes with one CAS:
+///
+/// * `stamp` (high 32 bits): the chunk's signature tag XOR the slot's epoch. A word whose
+///   stamp is not the current occupant's owes that occupant nothing (the references were
+///   issued to an earlier occupant, who is gone and so credited). Readers modify a word only
+///   when its stamp matches: payload bytes that later land where a header was cannot be
+///   mistaken for one (32 keyed bits).
+/// * `outstanding` (16 bits): references issued to this slot not yet acknowledged.
+/// * `views` (16 bits): zero-copy views this slot holds.
+///
+/// The chunk is reclaimable for this slot when the stamp is not the occupant's, or both
+/// counts are zero.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotWord {
+    pub stamp: u32,
+    pub outstanding: u16,
+    pub views: u16,
+}
+
+impl SlotWord {
+    pub fn stamp_for(tag: u32, epoch: u64) -> u32 {
+        tag ^ (epoch as u32)
+    }
+
+    pub fn unpack(word: u64) -> SlotWord {
+        SlotWord {
+            stamp: (word >> 32) as u32,
+            outstanding: (word >> 16) as u16,
+            views: word as u16,
+        }
+    }
+
+    pub fn pack(self) -> u64 {
+        ((self.stamp as u64) << 32) | ((self.outstanding as u64) << 16) | self.views as u64
+    }
+}
+
+/// The geometry of one segment, derived from its creation arguments and stored in its
+/// header; both sides compute every offset from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub header_size: u64,
+    pub capacity: u64,
+    pub n_readers: u32,
+    pub max_object_size: u64,
+    pub chunk_header_size: u64,
+}
+
+impl Layout {
+    /// Validate creation arguments and derive the geometry (`capacity` is rounded up to a
+    /// multiple of `ALIGN`).
+    pub fn new(capacity: u64, n_readers: u32, max_object_size: Option<u64>) -> Result<Layout> {
+        if capacity == 0 {
+            return Err(Error::InvalidArgument("capacity must be positive".into()));
+        }
+        if n_readers == 0 || n_readers > MAX_READERS {
+            return Err(Error::InvalidArgument(format!(
+                "n_readers must be between 1 and {MAX_READERS}, got {n_readers}"
+            )));
+        }
+        let too_big = || Error::InvalidArgument(format!("capacity {capacity} is too large"));
+        let capacity = align_up(capacity).ok_or_else(too_big)?;
+        let chunk_header_size =
+            align_up(chunk::WORDS + 8 * n_readers as u64).ok_or_else(too_big)?;
+        let table_end = header::READER_TABLE + header::READER_SLOT_SIZE * n_readers as u64;
+        let header_size = table_end.div_ceil(4096) * 4096;
+        header_size.checked_add(capacity).ok_or_else(too_big)?;
+        let largest = capacity.checked_sub(chunk_header_size).filter(|&n| n > 0).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "capacity {capacity} cannot hold even one chunk header ({chunk_header_size} bytes)"
+            ))
+        })?;
+        let max_object_size = match max_object_size {
+            None => largest,
+            Some(0) => {
+                return Err(Error::InvalidArgument(
+                    "max_object_size must be positive".into(),
+                ));
+            }
+            Some(m) if m > largest => {
+                return Err(Error::InvalidArgument(format!(
+                    "max_object_size {m} exceeds what a ring of {capacity} bytes can hold \
+                     ({largest} bytes)"
+                )));
+            }
+            Some(m) => m,
+        };
+        Ok(Layout {
+            header_size,
+            capacity,
+            n_readers,
+            max_object_size,
+            chunk_header_size,
+        })
+    }
+
+    pub fn total_len(&self) -> u64 {
+        self.header_size + self.capacity
+    }
+
+    pub fn slot_offset(&self, slot: u32) -> u64 {
+        header::READER_TABLE + header::READER_SLOT_SIZE * slot as u64
+    }
+
+    /// Segment offset of the chunk at ring address `address`.
+    pub fn chunk_offset(&self, address: u64) -> u64 {
+        self.header_size + address
+    }
+
+    /// Whether `address` can start a chunk whose header lies inside the ring.
+    pub fn valid_chunk_address(&self, address: u64) -> bool {
+        address % ALIGN == 0
+            && address
+                .checked_add(self.chunk_header_size)
+                .is_some_and(|end| end <= self.capacity)
+    }
+
+    /// Whether a payload of `len` bytes at `address` fits inside the ring.
+    pub fn valid_payload(&self, address: u64, len: u64) -> bool {
+        len <= self.max_object_size
+            && address
+                .checked_add(self.chunk_header_size)
+                .and_then(|p| p.checked_add(len))
+                .is_some_and(|end| end <= self.capacity)
+    }
+
+    /// Write the const fields of a fresh segment (creator only, before it is shared).
+    pub fn write(&self, seg: &Segment, creator_pid: u32, creator_start: u64) -> Result<()> {
+        let fields = [
+            (header::MAGIC, MAGIC),
+            (header::VERSION, LAYOUT_VERSION),
+            (header::HEADER_SIZE, self.header_size),
+            (header::CAPACITY, self.capacity),
+            (header::TOTAL_LEN, self.total_len()),
+            (header::N_READERS, self.n_readers as u64),
+            (header::MAX_OBJECT_SIZE, self.max_object_size),
+            (header::CHUNK_HEADER_SIZE, self.chunk_header_size),
+            (header::CREATOR_PID, creator_pid as u64),
+            (header::CREATOR_START, creator_start),
+        ];
+        for (offset, value) in fields {
+            seg.atomic(offset)?.store(value, Ordering::Relaxed);
+        }
+        // Release: a process that observes WRITER_LIVE sees every field above.
+        seg.atomic(header::WRITER_STATE)?
+            .store(WRITER_LIVE, Ordering::Release);
+        Ok(())
+    }
+
+    /// Read and validate a segment's header: every field is checked for consistency with
+    /// checked arithmetic, so a corrupt or foreign segment is an error, never a wild offset.
+    pub fn read(seg: &Segment) -> Result<Layout> {
+        if (seg.len() as u64) < header::READER_TABLE {
+            return Err(Error::Corrupt(format!(
+                "segment is {} bytes, smaller than a header",
+                seg.len()
+            )));
+        }
+        // Acquire pairs with the Release store of WRITER_STATE in `write`.
+        let state = seg.atomic(header::WRITER_STATE)?.load(Ordering::Acquire);
+        let load = |offset: u64| -> Result<u64> { Ok(seg.atomic(offset)?.load(Ordering::Relaxed)) };
+        let magic = load(header::MAGIC)?;
+        if magic != MAGIC {
+            return Err(Error::Corrupt(format!("bad magic {magic:#018x}")));
+        }
+        let version = load(header::VERSION)?;
+        if version != LAYOUT_VERSION {
+            return Err(Error::Corrupt(format!(
+                "layout version {version}, this build reads version {LAYOUT_VERSION}"
+            )));
+        }
+        if state != WRITER_LIVE && state != WRITER_CLOSED {
+            return Err(Error::Corrupt(format!("bad writer state {state}")));
+        }
+        let n_readers = u32::try_from(load(header::N_READERS)?)
+            .map_err(|_| Error::Corrupt("n_readers out of range".into()))?;
+        let max_object_size = load(header::MAX_OBJECT_SIZE)?;
+        let expected = Layout::new(load(header::CAPACITY)?, n_readers, Some(max_object_size))
+            .map_err(|e| Error::Corrupt(format!("inconsistent header ({e})")))?;
+        if load(header::HEADER_SIZE)? != expected.header_size
+            || load(header::CHUNK_HEADER_SIZE)? != expected.chunk_header_size
+            || load(header::CAPACITY)? != expected.capacity
+            || load(header::TOTAL_LEN)? != expected.total_len()
+        {
+            return Err(Error::Corrupt("header sizes are inconsistent".into()));
+        }
+        if expected.total_len() != seg.len() as u64 {
+            return Err(Error::Corrupt(format!(
+                "header says {} bytes but the segment is {} bytes",
+                expected.total_len(),
+                seg.len()
+            )));
+        }
+        Ok(expected)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn geometry_is_aligned_and_bounded() {
+        let l = Layout::new(1000, 3, None).unwrap();
+        assert_eq!(l.capacity, 1024);
+        assert_eq!(l.chunk_header_size, 128);
+        assert_eq!(l.header_size, 4096);
+        assert_eq!(l.max_object_size, 1024 - 128);
+        assert!(l.valid_chunk_address(0) && !l.valid_chunk_address(1));
+        assert!(!l.valid_chunk_address(1024 - 64));
+        assert!(l.valid_payload(0, 896) && !l.valid_payload(64, 896));
+        assert!(Layout::new(0, 1, None).is_err());
+        assert!(Layout::new(1 << 20, 0, None).is_err());
+        assert!(Layout::new(1 << 20, MAX_READERS + 1, None).is_err());
+        assert!(Layout::new(64, 1, None).is_err());
+        assert!(Layout::new(1 << 20, 1, Some(1 << 21)).is_err());
+        assert!(Layout::new(u64::MAX, 1, None).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn slot_words_round_trip(stamp: u32, outstanding: u16, views: u16) {
+            let w = SlotWord { stamp, outstanding, views };
+            prop_assert_eq!(SlotWord::unpack(w.pack()), w);
+        }
+    }
+}
