@@ -334,7 +334,68 @@ mod tests {
         assert!(Layout::new(u64::MAX, 1, None).is_err());
     }
 
+    fn scratch_segment(len: usize) -> Segment {
+        let r = u32::from_le_bytes(crate::segment::random_bytes::<4>().unwrap());
+        let name = format!("mmct_hdr_{}_{r:x}", crate::segment::current_pid());
+        let seg = Segment::create(&name, len).unwrap();
+        seg.unlink().unwrap(); // the mapping stays; nothing is left in /dev/shm
+        seg
+    }
+
+    fn write_words(seg: &Segment, words: &[(u64, u64)]) {
+        for &(offset, value) in words {
+            seg.atomic(offset).unwrap().store(value, Ordering::Relaxed);
+        }
+    }
+
     proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// Fuzz target (stable-toolchain form; `fuzz/` has the libFuzzer one): random header
+        /// words never panic `Layout::read`, and whatever it accepts is self-consistent and
+        /// fits the segment.
+        #[test]
+        fn random_headers_are_refused_or_consistent(
+            words in proptest::collection::vec((0u64..64, any::<u64>()), 0..24),
+            keep_magic: bool,
+        ) {
+            let good = Layout::new(8192, 2, None).unwrap();
+            let seg = scratch_segment(good.total_len() as usize);
+            good.write(&seg, 1, 1).unwrap();
+            let words: Vec<(u64, u64)> = words.into_iter().map(|(i, v)| (i * 8, v)).collect();
+            write_words(&seg, &words);
+            if keep_magic {
+                write_words(&seg, &[(header::MAGIC, MAGIC), (header::VERSION, LAYOUT_VERSION)]);
+            }
+            if let Ok(l) = Layout::read(&seg) {
+                prop_assert_eq!(l.total_len(), seg.len() as u64);
+                prop_assert!(l.valid_payload(0, l.max_object_size));
+                prop_assert!(l.n_readers >= 1 && l.n_readers <= MAX_READERS);
+                prop_assert!(l.slot_offset(l.n_readers) <= l.header_size);
+            }
+        }
+
+        /// A single changed size field is always caught.
+        #[test]
+        fn any_changed_size_field_is_refused(
+            field in prop::sample::select(vec![
+                header::HEADER_SIZE, header::CAPACITY, header::TOTAL_LEN, header::N_READERS,
+                header::MAX_OBJECT_SIZE, header::CHUNK_HEADER_SIZE,
+            ]),
+            delta in 1u64..u64::MAX,
+        ) {
+            let good = Layout::new(8192, 2, Some(4000)).unwrap();
+            let seg = scratch_segment(good.total_len() as usize);
+            good.write(&seg, 1, 1).unwrap();
+            let atomic = seg.atomic(field).unwrap();
+            atomic.store(atomic.load(Ordering::Relaxed).wrapping_add(delta), Ordering::Relaxed);
+            // MAX_OBJECT_SIZE may legitimately change to another valid value.
+            match Layout::read(&seg) {
+                Ok(l) => prop_assert!(field == header::MAX_OBJECT_SIZE && l.max_object_size != 4000),
+                Err(e) => prop_assert!(matches!(e, Error::Corrupt(_))),
+            }
+        }
+
         #[test]
         fn slot_words_round_trip(stamp: u32, outstanding: u16, views: u16) {
             let w = SlotWord { stamp, outstanding, views };

@@ -103,14 +103,19 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// Whether the process `pid` that started at `start_time` (0: unknown) is still running.
-pub fn process_alive(pid: u32, start_time: u64) -> bool {
+/// Whether a process with this pid exists (one syscall; a zombie or a reused pid counts).
+pub fn pid_exists(pid: u32) -> bool {
     if pid == 0 || pid > i32::MAX as u32 {
         return false;
     }
     // SAFETY: kill with signal 0 sends nothing; it only checks that the pid exists.
     let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    if rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+    rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Whether the process `pid` that started at `start_time` (0: unknown) is still running.
+pub fn process_alive(pid: u32, start_time: u64) -> bool {
+    if !pid_exists(pid) {
         return false;
     }
     // A zombie has exited: its memory is gone and it will never acknowledge anything.

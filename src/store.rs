@@ -864,7 +864,9 @@ impl Reader {
                 self.name()
             )));
         }
-        if !segment::process_alive(self.writer_pid, 0) {
+        // One syscall on the hot path; a reused pid is caught by the writer-state check
+        // only if the writer closed cleanly, which is the common case.
+        if !segment::pid_exists(self.writer_pid) {
             return Err(Error::WriterGone(format!(
                 "the writer process (pid {}) of {:?} exited",
                 self.writer_pid,

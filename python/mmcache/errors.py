@@ -1,0 +1,54 @@
+"""Errors of the caches and of the shared-memory core.
+
+Everything the package raises on its own account derives from :class:`MmcacheError`;
+where a user already expects a builtin (``ValueError``, ``KeyError``, ``MemoryError``, ...)
+that builtin is raised instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mmcache._core import (
+    ClosedError,
+    InvalidHandleError,
+    MmcacheError,
+    NoReaderSlotError,
+    SegmentCorruptError,
+    StaleHandleError,
+    WriterGoneError,
+)
+
+__all__ = [
+    "CacheMissError",
+    "ClosedError",
+    "InvalidHandleError",
+    "MmcacheError",
+    "NoReaderSlotError",
+    "SegmentCorruptError",
+    "StaleHandleError",
+    "WriterGoneError",
+]
+
+
+class CacheMissError(MmcacheError, RuntimeError):
+    """A receiver was asked for items it does not hold (the two sides drifted apart).
+
+    ``mm_hashes`` lists every missing hash of the request, in request order.  The sender
+    should ``invalidate`` each of them; the request then succeeds when retried once with its
+    data attached.
+    """
+
+    mm_hashes: list[str]
+
+    def __init__(self, mm_hashes: Iterable[str]) -> None:
+        self.mm_hashes = list(mm_hashes)
+        super().__init__(
+            f"multimodal cache miss for {self.mm_hashes}: the sender's view of the cache "
+            "drifted from the receiver's; invalidate these hashes on the sender and retry "
+            "the request with its data attached"
+        )
+
+    def __reduce__(self) -> tuple[type[CacheMissError], tuple[list[str]]]:
+        # Rebuild from the hashes (the default would pass the message as `mm_hashes`).
+        return (type(self), (self.mm_hashes,))

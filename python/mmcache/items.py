@@ -1,0 +1,204 @@
+"""The data model: items, features, their sizes and their content hashes.
+
+An *item* is what a multimodal processor produces for one image, audio clip or video: a
+mapping from field name to tensors, arrays and small values.  torch is never imported here;
+a value is recognised as a tensor only if torch is already loaded (if it is not, no value can
+be a tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from mmcache._core import ShmHandle
+
+__all__ = [
+    "CachedItem",
+    "Feature",
+    "Item",
+    "ItemMetadata",
+    "ShmHandle",
+    "content_hash",
+    "is_tensor",
+    "item_size",
+]
+
+Item: TypeAlias = Mapping[str, Any]
+"""Field name -> ``torch.Tensor``, ``numpy.ndarray``, ``bytes``, ``int``, ``float``, ``str``,
+``bool``, ``None``, or lists/tuples/dicts of these."""
+
+
+def is_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.Tensor``, without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+class Feature:
+    """One multimodal item of a request, as P1 and the workers see it.
+
+    ``data`` is the item itself, an :class:`ShmHandle` standing in for it, or ``None`` (the
+    sender believes the receiver holds it, or the engine stripped a payload it does not
+    need).  The cache key is ``mm_hash or identifier`` (so variants of one item that differ
+    only in ``identifier`` share an entry).  Any other keyword becomes an attribute too
+    (e.g. ``modality``, ``position``), for the engine's own use.
+    """
+
+    data: Item | ShmHandle | None
+    mm_hash: str | None
+    identifier: str
+
+    def __init__(
+        self,
+        data: Item | ShmHandle | None = None,
+        mm_hash: str | None = None,
+        identifier: str = "",
+        **extra: Any,
+    ) -> None:
+        if not (mm_hash or identifier):
+            raise ValueError("a Feature needs an mm_hash or an identifier (its cache key)")
+        for name in extra:
+            if hasattr(type(self), name):
+                raise TypeError(f"Feature field {name!r} clashes with a Feature attribute")
+        self.data = data
+        self.mm_hash = mm_hash
+        self.identifier = identifier
+        self.__dict__.update(extra)
+
+    @property
+    def cache_key(self) -> str:
+        """The key the caches use: ``mm_hash or identifier``."""
+        return self.mm_hash or self.identifier
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The free-form fields (everything but ``data``, ``mm_hash`` and ``identifier``)."""
+        return {k: v for k, v in vars(self).items() if k not in ("data", "mm_hash", "identifier")}
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "data")
+        return f"Feature({fields}, data={type(self.data).__name__})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Feature):
+            return NotImplemented
+        return vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+
+@dataclass(slots=True)
+class CachedItem:
+    """A full item and its prompt updates, as a P0 cache that keeps data stores it."""
+
+    item: Item
+    prompt_updates: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ItemMetadata:
+    """What the mirroring sender keeps of an item: its size and its prompt updates."""
+
+    size: int
+    prompt_updates: Any
+
+    @classmethod
+    def of(cls, item: Item, prompt_updates: Any) -> ItemMetadata:
+        """The metadata of ``item``: ``item_size(metadata) == item_size(item)``."""
+        return cls(item_size(item), prompt_updates)
+
+
+def item_size(value: object) -> int:
+    """Bytes an item (or any part of one) counts for in a cache.
+
+    Tensors and arrays count their data (``nbytes``), bytes-like values their length, any
+    other leaf ``sys.getsizeof``; containers sum their elements (mapping keys do not count).
+    :class:`CachedItem` counts its item and :class:`ItemMetadata` its recorded size, so an
+    item, the metadata the sender keeps of it and the receiver's copy all have one size.
+    Prompt updates never count.
+    """
+    if isinstance(value, np.ndarray) or is_tensor(value):
+        return int(value.nbytes)  # type: ignore[attr-defined]
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes
+    if isinstance(value, Mapping):
+        return sum(item_size(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(item_size(v) for v in value)
+    if isinstance(value, CachedItem):
+        return item_size(value.item)
+    if isinstance(value, ItemMetadata):
+        return value.size
+    return sys.getsizeof(value)
+
+
+def content_hash(*parts: object, **kwargs: object) -> str:
+    """A full-width (256-bit, hex) hash of content, the same in every process and run.
+
+    Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, shape and
+    bytes, whatever their memory layout), ``str``, ``int``, ``float``, ``bool``, ``None`` and
+    lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
+    by name, in sorted order, so their order does not matter.  Every value is tagged with its
+    type and length, so different inputs cannot collide by concatenation.
+    """
+    h = hashlib.blake2b(digest_size=32, person=b"mmcache.v1")
+    _feed(h, list(parts), "parts")
+    _feed(h, {name: kwargs[name] for name in sorted(kwargs)}, "kwargs")
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: object, path: str) -> None:
+    """Feed one value, tagged and length-prefixed, into the hash ``h``."""
+
+    def tag(code: bytes, payload: bytes | memoryview) -> None:
+        h.update(code + struct.pack("<Q", len(payload)))
+        h.update(payload)
+
+    if value is None:
+        tag(b"N", b"")
+    elif isinstance(value, bool):
+        tag(b"B", b"\x01" if value else b"\x00")
+    elif isinstance(value, int):
+        tag(b"I", str(value).encode())
+    elif isinstance(value, float):
+        tag(b"F", value.hex().encode())
+    elif isinstance(value, str):
+        tag(b"S", value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, bytes | bytearray | memoryview):
+        tag(b"Y", memoryview(value).cast("B"))
+    elif isinstance(value, np.ndarray | np.generic):
+        arr = np.asarray(value)  # keeps 0-d arrays 0-d, unlike ascontiguousarray
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        if arr.dtype.hasobject:
+            raise TypeError(f"content_hash: {path} is an object array, which has no content bytes")
+        tag(b"A", f"{arr.dtype.str}{arr.shape}".encode())
+        tag(b"D", arr.reshape(-1).view(np.uint8).data)
+    elif is_tensor(value):
+        tensor: Any = value
+        t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        tag(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
+        tag(b"D", t.reshape(-1).view(sys.modules["torch"].uint8).numpy().data)
+    elif isinstance(value, list | tuple):
+        tag(b"L" if isinstance(value, list) else b"U", struct.pack("<Q", len(value)))
+        for i, v in enumerate(value):
+            _feed(h, v, f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        keys = list(value)
+        if not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"content_hash: {path} has a non-str key")
+        tag(b"M", struct.pack("<Q", len(keys)))
+        for k in sorted(keys):
+            _feed(h, k, path)
+            _feed(h, value[k], f"{path}[{k!r}]")
+    else:
+        raise TypeError(f"content_hash: {path} has unsupported type {type(value).__qualname__}")

@@ -1,0 +1,237 @@
+"""The shared-memory caches: P0 writes each item once into a ring, every worker reads it.
+
+P0's :class:`ShmSenderCache` is the single writer of one :class:`~mmcache._core.ShmObjectStore`
+and hands out small :class:`ShmHandle` s; each worker's :class:`ShmReceiverCache` attaches as
+one reader and turns handles back into items.  Every handle P0 issues holds one reference on
+its object, given back when every reader has read it (or by
+:meth:`ShmSenderCache.release_handles` for a request that never reaches the readers), so an
+object is never reclaimed while a handle to it is in flight.  Prompt updates stay in P0's
+memory and never enter shared memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from mmcache import serde
+from mmcache._core import ReaderHandle, ShmObjectStore, StaleHandleError
+from mmcache.caches import (
+    BaseReceiverCache,
+    BaseSenderCache,
+    SenderInput,
+    SenderOutput,
+    capacity_bytes,
+    split_sender_input,
+)
+from mmcache.errors import CacheMissError
+from mmcache.items import Item, ShmHandle
+from mmcache.lru import CacheInfo
+
+__all__ = ["ShmReceiverCache", "ShmSenderCache"]
+
+MiB = 1 << 20
+
+
+class ShmSenderCache(BaseSenderCache):
+    """P0's cache in ``shm`` mode: the writer of a shared-memory ring.
+
+    A hit returns ``(ShmHandle, prompt_updates)`` and issues one reference; a miss writes the
+    item into the ring and returns its handle.  An item larger than ``max_object_size_mb``,
+    or one that finds the ring full of protected objects (unread, pinned or viewed), is
+    served uncached: the item itself is returned (tell it from a handle by type), counted in
+    :meth:`stats` and logged once.
+
+    ``capacity_gb`` sizes the ring (``MemoryError`` at creation if ``/dev/shm`` cannot hold
+    it); ``n_readers`` is the number of workers, each of which must read every handle.
+    Items whose payload exceeds ``max_object_size_mb`` (or what the ring can hold) are served
+    uncached.
+    """
+
+    def __init__(
+        self,
+        capacity_gb: float,
+        *,
+        max_object_size_mb: float = 128,
+        n_readers: int = 1,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not max_object_size_mb > 0:
+            raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
+        # The core's own limit is what the ring can hold; max_object_size_mb is this cache's
+        # policy on top (so a small ring with the default limit is not an error).
+        self._store = ShmObjectStore.create(
+            capacity_bytes(capacity_gb), n_readers=n_readers, name=name
+        )
+        self._max_object_size = min(int(max_object_size_mb * MiB), self._store.max_object_size)
+        self._prompt_updates: dict[str, Any] = {}
+        self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
+        self._pinned: set[str] = set()
+        self._hits = 0
+        self._total = 0
+        self._last = CacheInfo(0, 0)
+
+    @property
+    def name(self) -> str:
+        """The shared-memory segment's name."""
+        return self._store.name
+
+    def handle(self) -> ReaderHandle:
+        """Everything a worker needs to attach: ``ShmReceiverCache(cache.handle())``."""
+        return self._store.handle()
+
+    def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
+        self._total += 1
+        try:
+            try:
+                handle = self._store.get_cached(mm_hash)
+            except KeyError:
+                data, prompt_updates = split_sender_input(item, mm_hash)
+                return self._put(mm_hash, data, prompt_updates), prompt_updates
+            self._hits += 1
+            return handle, self._prompt_updates[mm_hash]
+        finally:
+            # The handle's reference now protects the object; the touch's pin is not needed.
+            self._unpin(mm_hash)
+
+    def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
+        header, buffers = serde.encode(data)
+        size = serde.payload_size(header, buffers)
+        limit = self._max_object_size
+        if size > limit:
+            self._serve_uncached(
+                "oversize",
+                f"item {mm_hash} takes {size / MiB:.1f} MiB in shared memory, more than "
+                f"max_object_size_mb={limit / MiB:g} (raise it to cache items this large)",
+            )
+            return data
+        try:
+            handle = self._store.put(mm_hash, [header, *buffers])
+        except MemoryError:
+            self._serve_uncached(
+                "full",
+                f"no room for item {mm_hash} ({size / MiB:.1f} MiB): every object in the "
+                "shared-memory ring is still unread, pinned or viewed (raise capacity_gb, or "
+                "check that every reader keeps up and aborted requests call release_handles)",
+            )
+            return data
+        self._prompt_updates[mm_hash] = prompt_updates
+        if len(self._prompt_updates) >= self._prune_at:
+            self._drop_dangling_prompt_updates()
+        return handle
+
+    def _drop_dangling_prompt_updates(self) -> None:
+        """Forget prompt updates of evicted objects (amortised: the threshold doubles)."""
+        live = set(self._store.keys())
+        self._prompt_updates = {h: p for h, p in self._prompt_updates.items() if h in live}
+        self._prune_at = max(64, 2 * len(self._prompt_updates))
+
+    def is_cached_item(self, mm_hash: str) -> bool:
+        return self._store.is_cached(mm_hash)
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        """Pin ``mm_hash`` (if cached) until its :meth:`get_and_update_item`, so writing the
+        request's other items cannot evict it."""
+        if mm_hash in self._pinned:
+            return
+        try:
+            self._store.pin(mm_hash)
+        except KeyError:
+            return
+        self._pinned.add(mm_hash)
+
+    def release_sender_touches(self) -> None:
+        """Unpin every touched item whose update never came (an abandoned request)."""
+        for mm_hash in self._pinned:
+            self._store.unpin(mm_hash)
+        self._pinned.clear()
+
+    def _unpin(self, mm_hash: str) -> None:
+        if mm_hash in self._pinned:
+            self._pinned.discard(mm_hash)
+            self._store.unpin(mm_hash)
+
+    def release_handles(self, handles: Iterable[object]) -> None:
+        """Give back the references of handles that will never reach the readers (their
+        request was aborted or rejected).  Anything that is not a handle is skipped, so the
+        data of a request's features can be passed as is."""
+        for handle in handles:
+            if isinstance(handle, ShmHandle):
+                self._store.release(handle)
+
+    def invalidate(self, mm_hash: str) -> None:
+        """Drop ``mm_hash`` from the ring: handles to it become misses, never wrong data."""
+        self._unpin(mm_hash)
+        self._store.invalidate(mm_hash)
+        self._prompt_updates.pop(mm_hash, None)
+
+    def clear_cache(self) -> None:
+        """Drop every object and reset the hit statistics.  Handles issued before read as
+        misses; monotonic ids keep counting, so they can never alias new data."""
+        self._pinned.clear()
+        self._store.clear()
+        self._prompt_updates.clear()
+        self._hits = self._total = 0
+        self._last = CacheInfo(0, 0)
+
+    def close(self) -> None:
+        """Close the ring (the creator unlinks the segment); idempotent."""
+        if not self._store.closed:
+            self._pinned.clear()
+            self._store.close()
+
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        info = CacheInfo(self._hits, self._total)
+        if not delta:
+            return info
+        change, self._last = info - self._last, info
+        return change
+
+    def stats(self) -> dict[str, int]:
+        """Hit counters, items served uncached, and the store's counters (``store_*``)."""
+        store = {f"store_{k}": v for k, v in self._store.stats().items()}
+        own = {"hits": self._hits, "total": self._total, "max_object_size": self._max_object_size}
+        return {**own, **super().stats(), **store}
+
+
+class ShmReceiverCache(BaseReceiverCache):
+    """A worker's cache in ``shm`` mode: one reader of the ring P0 writes.
+
+    Resolves an :class:`ShmHandle` to the item it stands for (a handle whose object is gone
+    is a :class:`CacheMissError`; a forged or mismatched one raises
+    :class:`~mmcache.errors.InvalidHandleError`), returns a plain item as is and skips
+    ``None``.  Each instance claims its own reader slot (``NoReaderSlotError`` when all are
+    taken) until :meth:`close`.
+
+    With ``copy=False`` tensors and arrays are read-only zero-copy views of shared memory;
+    each keeps its object from being reclaimed until the last view of it is gone.
+    """
+
+    def __init__(self, handle: ReaderHandle, *, copy: bool = True) -> None:
+        super().__init__()
+        self._store = ShmObjectStore.attach(handle)
+        self._copy = copy
+
+    def get_and_update_item(self, item: Item | ShmHandle | None, mm_hash: str) -> Item | None:
+        if item is None or isinstance(item, Mapping):
+            return item
+        if not isinstance(item, ShmHandle):
+            raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
+        try:
+            # A view even when copying: decode copies each tensor once, straight out of it.
+            view = self._store.get(item, mm_hash, copy=False)
+        except StaleHandleError:
+            raise CacheMissError([mm_hash]) from None
+        return serde.decode(view, copy=self._copy)
+
+    def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
+        """Nothing to do: references are taken by P0 and given back by reading."""
+
+    def clear_cache(self) -> None:
+        """Nothing to do: a reader does not own the ring (P0 clears it)."""
+
+    def close(self) -> None:
+        """Detach, freeing the reader slot (what it had not read is credited); idempotent."""
+        if not self._store.closed:
+            self._store.close()

@@ -1,0 +1,355 @@
+"""The processor-only and mirrored LRU caches: consistency, mirroring, eviction, drift."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from mmcache import (
+    CacheInfo,
+    CacheMissError,
+    Feature,
+    ProcessorOnlyCache,
+    ReaderHandle,
+    ReceiverCache,
+    SenderCache,
+    ShmSenderCache,
+    make_caches,
+)
+from mmcache.caches import BaseReceiverCache, BaseSenderCache
+
+KiB = 1024
+GiB = 1 << 30
+
+
+def gb(n_bytes: float) -> float:
+    """``capacity_gb`` for a capacity of ``n_bytes``."""
+    return n_bytes / GiB
+
+
+def make_item(key: str, n_bytes: int = KiB) -> dict[str, Any]:
+    """A distinct item whose tensors weigh ``n_bytes``."""
+    seed = int.from_bytes(key.encode(), "little") % (2**31)
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "pixel_values": torch.randint(0, 255, (n_bytes - 8,), dtype=torch.uint8, generator=g),
+        "grid": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def updates_of(key: str) -> list[str]:
+    return [f"updates of {key}"]
+
+
+def same_item(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, dict)
+        and isinstance(b, dict)
+        and a.keys() == b.keys()
+        and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    )
+
+
+def run_request(
+    p0: BaseSenderCache | None,
+    p1: BaseReceiverCache | None,
+    hashes: Sequence[str],
+    truth: dict[str, dict[str, Any]],
+    extra_lookups: int = 0,
+) -> tuple[list[Any], list[Any]]:
+    """One request through P0 and P1 as an engine drives them; (P1's data, prompt updates)."""
+    if p0 is None:
+        data, updates = [truth[h] for h in hashes], [updates_of(h) for h in hashes]
+    else:
+        for _ in range(extra_lookups):
+            p0.is_cached(hashes)
+        cached = p0.is_cached(hashes)
+        inputs = [None if c else (truth[h], updates_of(h)) for h, c in zip(hashes, cached)]
+        for h in hashes:
+            p0.touch_sender_cache_item(h)
+        outputs = p0.get_and_update(inputs, hashes)
+        data, updates = [d for d, _ in outputs], [u for _, u in outputs]
+    features = [Feature(d, mm_hash=h, identifier=h, modality="image") for d, h in zip(data, hashes)]
+    if p1 is not None:
+        p1.get_and_update_features(features)
+    return [f.data for f in features], updates
+
+
+# -- construction ----------------------------------------------------------------------------
+
+
+def test_make_caches_builds_each_mode() -> None:
+    assert make_caches("none", capacity_gb=1) == (None, None)
+    p0, p1 = make_caches("processor_only", capacity_gb=1)
+    assert isinstance(p0, ProcessorOnlyCache) and p1 is None
+    p0, p1 = make_caches("lru", capacity_gb=1)
+    assert isinstance(p0, SenderCache) and isinstance(p1, ReceiverCache)
+    p0, downstream = make_caches("shm", capacity_gb=gb(4 << 20), n_readers=2, max_object_size_mb=1)
+    with p0:
+        assert isinstance(p0, ShmSenderCache) and isinstance(downstream, ReaderHandle)
+        assert downstream.n_readers == 2 and downstream.name == p0.name
+    with pytest.raises(ValueError, match="unknown cache mode"):
+        make_caches("redis", capacity_gb=1)  # type: ignore[arg-type]
+
+
+def test_capacity_must_not_be_negative() -> None:
+    with pytest.raises(ValueError):
+        SenderCache(-1)
+
+
+def test_batch_lengths_must_match() -> None:
+    for cache in (SenderCache(1), ReceiverCache(1), ProcessorOnlyCache(1)):
+        with pytest.raises(ValueError):
+            cache.get_and_update([None], ["a", "b"])
+
+
+# -- per-cache semantics ---------------------------------------------------------------------
+
+
+def test_processor_only_returns_the_stored_item_on_a_hit() -> None:
+    cache = ProcessorOnlyCache(1)
+    item = make_item("a")
+    assert cache.get_and_update_item((item, ["u"]), "a") == (item, ["u"])
+    data, updates = cache.get_and_update_item(None, "a")
+    assert data is item and updates == ["u"]
+    assert cache.make_stats() == CacheInfo(1, 2)
+
+
+def test_sender_returns_none_on_a_hit() -> None:
+    cache = SenderCache(1)
+    item = make_item("a")
+    data, updates = cache.get_and_update_item((item, ["u"]), "a")
+    assert data is item and updates == ["u"]
+    assert cache.get_and_update_item(None, "a") == (None, ["u"])
+    # The sender keeps metadata only: a resend of data on a hit is not needed and not kept.
+    assert cache.get_and_update_item((make_item("b"), ["v"]), "a") == (None, ["u"])
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache])
+def test_sender_miss_without_data_raises_cache_miss(cache_type: type) -> None:
+    cache = cache_type(1)
+    with pytest.raises(CacheMissError) as info:
+        cache.get_and_update_item(None, "missing")
+    assert info.value.mm_hashes == ["missing"]
+    assert isinstance(info.value, RuntimeError) and "retr" in str(info.value)
+    with pytest.raises(TypeError):
+        cache.get_and_update_item(make_item("bare"), "bare")  # not (item, prompt_updates)
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache])
+def test_lookups_are_pure_and_stats_have_deltas(cache_type: type) -> None:
+    cache = cache_type(gb(2 * KiB + 100))
+    cache.get_and_update_item((make_item("a"), []), "a")
+    cache.get_and_update_item((make_item("b"), []), "b")
+    assert cache.is_cached(["a", "b", "c"]) == [True, True, False]
+    assert cache.is_cached_item("a")
+    assert cache.make_stats() == CacheInfo(0, 2)
+    assert cache.keys() == ["a", "b"]  # is_cached did not make "a" recent
+    cache.get_and_update_item(None, "a")
+    assert cache.make_stats(delta=True) == CacheInfo(1, 3)
+    cache.get_and_update_item(None, "b")
+    assert cache.make_stats(delta=True) == CacheInfo(1, 1)
+    cache.clear_cache()
+    assert cache.make_stats() == CacheInfo(0, 0) and cache.keys() == []
+
+
+def test_invalidate_forgets_and_is_a_noop_when_absent() -> None:
+    cache = SenderCache(1)
+    cache.get_and_update_item((make_item("a"), []), "a")
+    cache.invalidate("a")
+    cache.invalidate("never-seen")
+    assert not cache.is_cached_item("a")
+
+
+def test_receiver_keeps_full_items() -> None:
+    with ReceiverCache(1) as cache:
+        item = make_item("a")
+        assert cache.get_and_update_item(item, "a") is item
+        assert cache.get_and_update_item(None, "a") is item
+        with pytest.raises(CacheMissError):
+            cache.get_and_update_item(None, "b")
+        assert cache.stats()["entries"] == 1 and cache.stats()["used_bytes"] == KiB
+
+
+# -- consistency and mirroring ---------------------------------------------------------------
+
+
+def test_lru_processor_only_and_none_give_p1_identical_tensors() -> None:
+    rng = random.Random(1234)
+    keys = [f"img{i}" for i in range(16)]
+    truth = {k: make_item(k, rng.choice([1, 2, 4, 8]) * KiB) for k in keys}
+    capacity = gb(40 * KiB)  # room for any request (<= 4 items), not for all 16 items
+    configs = {
+        "lru": (SenderCache(capacity), ReceiverCache(capacity)),
+        "processor_only": (ProcessorOnlyCache(capacity), None),
+        "none": (None, None),
+    }
+    for _ in range(100):
+        hashes = [rng.choice(keys) for _ in range(rng.randint(1, 4))]
+        extra = rng.randint(1, 3)
+        results = {
+            name: run_request(p0, p1, hashes, truth, extra) for name, (p0, p1) in configs.items()
+        }
+        for data, updates in results.values():
+            assert updates == [updates_of(h) for h in hashes]
+            assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+    # The run exercised hits and evictions.
+    sender, receiver = configs["lru"]
+    assert 0 < sender.make_stats().hits < sender.make_stats().total
+    assert len(receiver.keys()) < len(keys)
+
+
+def test_sender_mirrors_receiver_after_every_request() -> None:
+    rng = random.Random(99)
+    keys = [f"k{i}" for i in range(24)]
+    truth = {k: make_item(k, rng.choice([1, 2, 3, 5]) * KiB) for k in keys}
+    truth["too-big"] = make_item("too-big", 64 * KiB)
+    keys.append("too-big")
+    capacity = gb(20 * KiB)
+    sender, receiver = SenderCache(capacity), ReceiverCache(capacity)
+    evicted_some = False
+    for _ in range(200):
+        hashes = [rng.choice(keys) for _ in range(rng.randint(1, 3))]
+        data, _ = run_request(sender, receiver, hashes, truth, rng.randint(0, 2))
+        assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+        assert sender.keys() == receiver.keys()
+        assert sender.stats()["used_bytes"] == receiver.stats()["used_bytes"]
+        assert sender.stats()["evictions"] == receiver.stats()["evictions"]
+        evicted_some |= len(sender.keys()) < len(set(keys) - {"too-big"})
+    assert evicted_some
+    assert "too-big" not in sender.keys()
+
+
+def test_lru_pair_eviction_order() -> None:
+    truth = {k: make_item(k) for k in "abcdef"}
+    sender, receiver = SenderCache(gb(3.5 * KiB)), ReceiverCache(gb(3.5 * KiB))
+    for hashes in (["a"], ["b"], ["c"], ["a"], ["d"]):
+        run_request(sender, receiver, hashes, truth)
+    # "a" was hit, so "b" was the least recent when "d" came.
+    assert sender.keys() == receiver.keys() == ["c", "a", "d"]
+    # "c" is least recent, but the request touches it before inserting "b": "a" goes instead
+    # (without the touch, P0 would have sent None for an item inserting "b" evicted).
+    data, _ = run_request(sender, receiver, ["b", "c"], truth)
+    assert sender.keys() == receiver.keys() == ["d", "b", "c"]
+    assert same_item(data[1], truth["c"])
+    # New items replace the least recent ones, on both sides alike.
+    run_request(sender, receiver, ["e", "f"], truth)
+    assert sender.keys() == receiver.keys() == ["c", "e", "f"]
+
+
+# -- oversize --------------------------------------------------------------------------------
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "mmcache" and r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru"])
+def test_oversize_items_are_served_uncached(mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    truth = {"big1": make_item("big1", 16 * KiB), "big2": make_item("big2", 16 * KiB)}
+    truth["small"] = make_item("small", KiB)
+    p0, p1 = make_caches(mode, capacity_gb=gb(8 * KiB))
+    assert p0 is not None
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        for hashes in (["big1"], ["big2", "small"], ["big1"]):
+            data, _ = run_request(p0, p1, hashes, truth)
+            assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+    assert p0.is_cached(["big1", "big2", "small"]) == [False, False, True]
+    assert p0.stats()["uncached_oversize"] == 3
+    if p1 is not None:
+        assert p1.keys() == ["small"] and p1.stats()["uncached_oversize"] == 3
+    # One warning per cache, naming the setting to raise.
+    assert len(_warnings(caplog)) == (2 if p1 is not None else 1)
+    assert "capacity_gb" in _warnings(caplog)[0].getMessage()
+
+
+def test_oversize_resend_drops_a_stale_receiver_entry() -> None:
+    receiver = ReceiverCache(gb(8 * KiB))
+    receiver.get_and_update_item(make_item("old"), "h")
+    fresh = make_item("fresh", 16 * KiB)
+    assert receiver.get_and_update_item(fresh, "h") is fresh
+    with pytest.raises(CacheMissError):  # never the old payload
+        receiver.get_and_update_item(None, "h")
+
+
+# -- drift -----------------------------------------------------------------------------------
+
+
+def test_receiver_reports_every_miss_in_order_and_ingests_the_rest() -> None:
+    receiver = ReceiverCache(1)
+    kept = make_item("d")
+    receiver.get_and_update_item(kept, "d")
+    fresh = make_item("b")
+    features = [
+        Feature(None, mm_hash="a", identifier="a"),
+        Feature(fresh, mm_hash="b", identifier="b"),
+        Feature(None, mm_hash="c", identifier="c"),
+        Feature(None, mm_hash="d", identifier="d"),
+        Feature(None, mm_hash="e", identifier="e"),
+    ]
+    with pytest.raises(CacheMissError) as info:
+        receiver.get_and_update_features(features)
+    assert info.value.mm_hashes == ["a", "c", "e"]
+    assert receiver.get_and_update_item(None, "b") is fresh
+    assert features[3].data is kept
+
+
+def test_invalidate_and_one_resend_recover_from_drift() -> None:
+    truth = {k: make_item(k) for k in "xyz"}
+    sender, receiver = SenderCache(1), ReceiverCache(1)
+    run_request(sender, receiver, ["x", "y", "z"], truth)
+    receiver.clear_cache()  # the engine restarted; P0 does not know
+    receiver.get_and_update_item(truth["y"], "y")  # ... and saw "y" again since
+    with pytest.raises(CacheMissError) as info:
+        run_request(sender, receiver, ["z", "y", "x"], truth)
+    assert info.value.mm_hashes == ["z", "x"]
+    for h in info.value.mm_hashes:
+        sender.invalidate(h)
+    data, _ = run_request(sender, receiver, ["z", "y", "x"], truth)  # the single retry
+    assert all(same_item(d, truth[h]) for d, h in zip(data, ["z", "y", "x"]))
+    assert sender.keys() == receiver.keys() == ["z", "y", "x"]
+
+
+def test_receiver_prefers_the_resent_payload() -> None:
+    receiver = ReceiverCache(1)
+    first, second = make_item("first"), make_item("second")
+    receiver.get_and_update_item(first, "h")
+    features = [Feature(second, mm_hash="h", identifier="h")]
+    receiver.get_and_update_features(features)
+    assert features[0].data is second
+    assert receiver.get_and_update_item(None, "h") is second
+
+
+def test_identifiers_sharing_an_mm_hash_share_one_entry() -> None:
+    receiver = ReceiverCache(1)
+    item = make_item("shared")
+    features = [
+        Feature(item, mm_hash="h", identifier="lora-1:h"),
+        Feature(None, mm_hash="h", identifier="lora-2:h"),
+        Feature(None, mm_hash=None, identifier="h"),
+    ]
+    receiver.get_and_update_features(features)
+    assert all(f.data is item for f in features)
+    assert receiver.keys() == ["h"]
+
+
+def test_identifier_is_the_key_without_mm_hash() -> None:
+    receiver = ReceiverCache(1)
+    item = make_item("i")
+    receiver.get_and_update_features([Feature(item, mm_hash=None, identifier="id-1")])
+    assert receiver.keys() == ["id-1"]
+    with pytest.raises(CacheMissError) as info:
+        receiver.get_and_update_features([Feature(None, mm_hash=None, identifier="id-2")])
+    assert info.value.mm_hashes == ["id-2"]
+
+
+def test_cache_miss_error_survives_pickling() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(CacheMissError(["a", "b"])))
+    assert isinstance(err, CacheMissError) and err.mm_hashes == ["a", "b"]

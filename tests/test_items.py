@@ -1,0 +1,194 @@
+"""Items: size accounting, features and content hashes."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache import Feature, content_hash, item_size
+from mmcache.items import CachedItem, ItemMetadata
+from mmcache.serde import decode, encode, part_offsets
+
+
+def _int8(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int8)
+
+
+def _through_serde(item: dict) -> dict:
+    """A copy of ``item`` as a receiver rebuilds it from a payload."""
+    header, buffers = encode(item)
+    parts = [header, *(bytes(b) for b in buffers)]
+    payload = bytearray()
+    for offset, part in zip(part_offsets([len(p) for p in parts]), parts):
+        payload += bytes(offset - len(payload)) + part
+    return decode(bytes(payload))
+
+
+# -- item_size -------------------------------------------------------------------------------
+
+
+def test_size_of_tensors_counts_their_bytes() -> None:
+    assert item_size(_int8(100)) == 100
+    assert item_size({"a": _int8(100), "b": _int8(110)}) == 210
+    assert item_size(torch.zeros(3, 4, dtype=torch.float32)) == 48
+    assert item_size(torch.zeros(8, dtype=torch.bfloat16)) == 16
+
+
+def test_size_of_arrays_bytes_and_nesting() -> None:
+    item = {
+        "pixels": np.zeros((2, 5), dtype=np.float64),  # 80
+        "raw": b"x" * 33,  # 33
+        "grid": [_int8(7), (np.zeros(3, dtype=np.int16), {"deep": _int8(5)})],  # 7 + 6 + 5
+    }
+    assert item_size(item) == 80 + 33 + 7 + 6 + 5
+
+
+def test_size_of_other_leaves_is_getsizeof() -> None:
+    assert item_size({"n": 12345, "s": "hello"}) == sys.getsizeof(12345) + sys.getsizeof("hello")
+    assert item_size({"none": None}) == sys.getsizeof(None)
+
+
+def test_size_is_the_same_for_item_metadata_and_copy() -> None:
+    item = {
+        "pixel_values": torch.randn(3, 8, 8),
+        "grid_thw": torch.tensor([1, 2, 2]),
+        "extra": [np.ones(4, dtype=np.float32), b"abc"],
+    }
+    updates = ["a large prompt update list"] * 1000  # never counted
+    expected = 3 * 8 * 8 * 4 + 3 * 8 + 4 * 4 + 3
+    assert item_size(item) == expected
+    assert item_size(CachedItem(item, updates)) == expected
+    assert item_size(ItemMetadata.of(item, updates)) == expected
+    assert item_size(copy.deepcopy(item)) == expected
+    assert item_size(_through_serde(item)) == expected
+
+
+def test_non_contiguous_tensor_counts_its_elements() -> None:
+    t = torch.randn(4, 6).t()[::2]
+    assert item_size(t) == t.contiguous().nbytes == 3 * 4 * 4
+
+
+# -- Feature ---------------------------------------------------------------------------------
+
+
+def test_feature_key_is_mm_hash_or_identifier() -> None:
+    assert Feature(None, mm_hash="h", identifier="lora1:h").cache_key == "h"
+    assert Feature(None, mm_hash=None, identifier="id").cache_key == "id"
+    with pytest.raises(ValueError):
+        Feature({"x": 1})
+
+
+def test_feature_free_form_fields_are_mutable_and_picklable() -> None:
+    f = Feature({"x": 1}, mm_hash="h", identifier="h", modality="image", position=(3, 7))
+    assert f.modality == "image" and f.position == (3, 7)
+    assert f.extra == {"modality": "image", "position": (3, 7)}
+    f.data = None
+    f.position = (4, 8)
+    clone = pickle.loads(pickle.dumps(f))
+    assert clone == f and clone.position == (4, 8) and clone.data is None
+    assert clone != Feature(None, mm_hash="h", identifier="h", modality="audio", position=(4, 8))
+
+
+def test_feature_refuses_fields_that_shadow_its_own() -> None:
+    with pytest.raises(TypeError):
+        Feature(None, mm_hash="h", cache_key="x")
+
+
+# -- content_hash ----------------------------------------------------------------------------
+
+
+def test_hash_is_full_width_hex_and_deterministic() -> None:
+    h = content_hash(b"image bytes", size=448)
+    assert len(h) == 64 and int(h, 16) >= 0
+    assert h == content_hash(b"image bytes", size=448)
+
+
+def test_hash_is_the_same_in_another_process() -> None:
+    code = (
+        "import numpy as np, torch; from mmcache import content_hash;"
+        "print(content_hash(b'abc', np.arange(6).reshape(2, 3),"
+        " torch.ones(2, dtype=torch.bfloat16), 'x', 1, 2.5, None, [True], mode='rgb'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    local = content_hash(
+        b"abc",
+        np.arange(6).reshape(2, 3),
+        torch.ones(2, dtype=torch.bfloat16),
+        "x",
+        1,
+        2.5,
+        None,
+        [True],
+        mode="rgb",
+    )
+    assert out.stdout.strip() == local
+
+
+def test_hash_distinguishes_types_values_and_structure() -> None:
+    hashes = {
+        content_hash(1),
+        content_hash("1"),
+        content_hash(1.0),
+        content_hash(True),
+        content_hash(b"1"),
+        content_hash([1]),
+        content_hash((1,)),
+        content_hash(b"ab", b"c"),
+        content_hash(b"a", b"bc"),
+        content_hash(None),
+        content_hash(x=1),
+        content_hash(y=1),
+        content_hash(np.zeros(4, dtype=np.float32)),
+        content_hash(np.zeros(4, dtype=np.int32)),
+        content_hash(np.zeros((2, 2), dtype=np.float32)),
+        content_hash(torch.zeros(4)),
+        content_hash(torch.zeros(4, dtype=torch.int32)),
+        content_hash(torch.zeros(2, 2)),
+        content_hash(np.array(0.0, dtype=np.float32)),
+        content_hash(torch.tensor([0.0])),
+        content_hash(torch.tensor(0.0)),
+    }
+    assert len(hashes) == 21
+    assert content_hash(np.float32(0)) == content_hash(np.array(0.0, dtype=np.float32))
+
+
+def test_hash_ignores_kwarg_order_and_memory_layout() -> None:
+    assert content_hash(a=1, b=2) == content_hash(b=2, a=1)
+    assert content_hash({"a": 1, "b": 2}) == content_hash({"b": 2, "a": 1})
+    base = torch.arange(12.0).reshape(3, 4)
+    assert content_hash(base.t()) == content_hash(base.t().contiguous())
+    arr = np.arange(12).reshape(3, 4)
+    assert content_hash(arr.T) == content_hash(np.ascontiguousarray(arr.T))
+    assert content_hash(base) != content_hash(base.t().contiguous())
+
+
+def test_hash_sees_every_byte() -> None:
+    t = torch.zeros(1000, dtype=torch.bfloat16)
+    u = t.clone()
+    u[999] = 1
+    assert content_hash(t) != content_hash(u)
+
+
+def test_hash_rejects_unsupported_values() -> None:
+    with pytest.raises(TypeError, match="parts"):
+        content_hash(object())
+    with pytest.raises(TypeError, match="opts"):
+        content_hash(opts={1: "non-str key"})
+    with pytest.raises(TypeError):
+        content_hash(np.array([object()]))
+
+
+def test_import_does_not_pull_in_torch() -> None:
+    code = (
+        "import sys, numpy as np, mmcache;"
+        "mmcache.content_hash(b'x', np.ones(3)); mmcache.item_size({'a': np.ones(2)});"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,164 @@
+"""LRUCache and CacheInfo."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from mmcache import CacheInfo, LRUCache
+
+
+def unit_cache(capacity: int) -> LRUCache:
+    return LRUCache(capacity, getsizeof=lambda v: 1)
+
+
+def test_cache_info() -> None:
+    assert CacheInfo(0, 0).hit_ratio == 0.0
+    assert CacheInfo(3, 4).hit_ratio == 0.75
+    assert CacheInfo(5, 9) - CacheInfo(2, 4) == CacheInfo(3, 5)
+    assert isinstance(CacheInfo(5, 9) - CacheInfo(2, 4), CacheInfo)
+
+
+def test_evicts_least_recently_used_and_counts_lookups() -> None:
+    cache = unit_cache(3)
+    cache.put(1, "a")
+    cache.put(1, "a")
+    cache.put(2, "b")
+    cache.put(3, "c")
+    assert len(cache) == 3
+    assert cache.get(1) == "a"  # 1 becomes most recent
+    cache.put(4, "d")  # evicts 2
+    assert cache.recency_order() == [3, 1, 4]
+    assert cache.evictions == 1
+    assert cache.stat() == CacheInfo(1, 1)
+    assert cache.stat(delta=True) == CacheInfo(1, 1)
+    assert cache.get(2) is None and cache.get(2, "dflt") == "dflt"
+    assert cache.stat() == CacheInfo(1, 3)
+    assert cache.stat(delta=True) == CacheInfo(0, 2)
+    assert cache.stat(delta=True) == CacheInfo(0, 0)
+
+
+def test_contains_neither_counts_nor_reorders() -> None:
+    cache = unit_cache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert "a" in cache and "zz" not in cache
+    assert cache.stat() == CacheInfo(0, 0)
+    cache.put("c", 3)  # "a" is still the least recent
+    assert "a" not in cache and cache.recency_order() == ["b", "c"]
+
+
+def test_touch_moves_to_most_recent_and_ignores_absent_keys() -> None:
+    cache = unit_cache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    cache.touch("a")
+    assert cache.recency_order() == ["b", "a"]
+    cache.touch("ghost")
+    assert "ghost" not in cache and cache.recency_order() == ["b", "a"]
+    cache.put("c", 3)  # evicts "b", terminates, no phantom entry
+    assert cache.recency_order() == ["a", "c"]
+    assert cache.stat() == CacheInfo(0, 0)
+
+
+def test_size_aware_eviction_and_put_if_fits() -> None:
+    cache = LRUCache(100)
+    cache.put("a", {"x": np.zeros(40, dtype=np.uint8)})
+    cache.put("b", {"x": np.zeros(40, dtype=np.uint8)})
+    assert cache.currsize == 80
+    assert cache.put_if_fits("c", {"x": np.zeros(50, dtype=np.uint8)})  # evicts "a"
+    assert cache.recency_order() == ["b", "c"] and cache.currsize == 90
+    assert not cache.put_if_fits("huge", {"x": np.zeros(101, dtype=np.uint8)})
+    assert "huge" not in cache and cache.recency_order() == ["b", "c"]
+    with pytest.raises(ValueError):
+        cache.put("huge", {"x": np.zeros(101, dtype=np.uint8)})
+    assert cache.put_if_fits("exact", {"x": np.zeros(100, dtype=np.uint8)})
+    assert cache.recency_order() == ["exact"]
+
+
+def test_replacing_a_value_updates_its_size_and_recency() -> None:
+    cache = LRUCache(100)
+    cache.put("a", b"x" * 10)
+    cache.put("b", b"x" * 10)
+    cache.put("a", b"x" * 60)
+    assert cache.currsize == 70 and cache.recency_order() == ["b", "a"]
+
+
+def test_pop_and_clear() -> None:
+    cache = unit_cache(3)
+    for key in "xyzw":
+        cache.put(key, 0)
+    cache.clear()
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.evictions == 0
+    assert cache.pop("a") == 1 and cache.pop("a") is None and cache.pop("a", 0) == 0
+    cache.get("b")
+    cache.get("nope")
+    assert cache.stat() == CacheInfo(1, 2)
+    cache.clear()
+    assert cache.evictions == 0
+    assert len(cache) == 0 and cache.currsize == 0
+    assert cache.stat() == CacheInfo(0, 0) and cache.stat(delta=True) == CacheInfo(0, 0)
+
+
+class LRUAgainstModel(RuleBasedStateMachine):
+    """Random operations against a tiny model; every insert must terminate and agree."""
+
+    CAPACITY = 20
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = LRUCache(self.CAPACITY, getsizeof=len)
+        self.model: OrderedDict[str, bytes] = OrderedDict()
+        self.hits = self.total = 0
+
+    keys = st.sampled_from("abcdefg")
+
+    @rule(key=keys, size=st.integers(0, 25))
+    def put_if_fits(self, key: str, size: int) -> None:
+        value = b"v" * size
+        fits = self.cache.put_if_fits(key, value)
+        assert fits == (size <= self.CAPACITY)
+        if fits:
+            self.model.pop(key, None)
+            while sum(map(len, self.model.values())) + size > self.CAPACITY:
+                self.model.popitem(last=False)
+            self.model[key] = value
+
+    @rule(key=keys)
+    def get(self, key: str) -> None:
+        self.total += 1
+        if key in self.model:
+            self.hits += 1
+            self.model.move_to_end(key)
+        assert self.cache.get(key) == self.model.get(key)
+
+    @rule(key=keys)
+    def touch(self, key: str) -> None:
+        if key in self.model:
+            self.model.move_to_end(key)
+        self.cache.touch(key)
+
+    @rule(key=keys)
+    def pop(self, key: str) -> None:
+        assert self.cache.pop(key) == self.model.pop(key, None)
+
+    @rule(key=keys)
+    def contains(self, key: str) -> None:
+        assert (key in self.cache) == (key in self.model)
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.cache.recency_order() == list(self.model)
+        assert self.cache.currsize == sum(map(len, self.model.values())) <= self.CAPACITY
+        assert self.cache.stat() == CacheInfo(self.hits, self.total)
+
+
+TestLRUAgainstModel = LRUAgainstModel.TestCase
+TestLRUAgainstModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,0 +1,409 @@
+"""The shared-memory caches: handles, lifetimes, eviction, misses and several processes."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache import (
+    CacheInfo,
+    CacheMissError,
+    Feature,
+    InvalidHandleError,
+    MmcacheError,
+    ReceiverCache,
+    ShmHandle,
+    ShmReceiverCache,
+    ShmSenderCache,
+    content_hash,
+    make_caches,
+)
+
+KiB = 1024
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Objects of OBJ bytes; a ring of RING bytes holds three of them (chunk headers included)
+# but not four.
+OBJ = 64 * KiB
+RING = 224 * KiB
+
+
+def make_item(key: str, n_bytes: int = OBJ - 256) -> dict[str, Any]:
+    seed = int.from_bytes(key.encode(), "little") % (2**31)
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randint(0, 255, (n_bytes,), dtype=torch.uint8, generator=g)}
+
+
+def same_item(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, dict)
+        and isinstance(b, dict)
+        and a.keys() == b.keys()
+        and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    )
+
+
+@pytest.fixture
+def sender() -> Iterator[ShmSenderCache]:
+    with ShmSenderCache(RING / GiB, max_object_size_mb=1) as cache:
+        yield cache
+
+
+@pytest.fixture
+def reader(sender: ShmSenderCache) -> Iterator[ShmReceiverCache]:
+    with ShmReceiverCache(sender.handle()) as cache:
+        yield cache
+
+
+def put(sender: ShmSenderCache, key: str, item: dict[str, Any] | None = None) -> Any:
+    """P0's update for one new item; returns what P0 sends (a handle, or the data)."""
+    data, updates = sender.get_and_update_item((item or make_item(key), [f"pu-{key}"]), key)
+    assert updates == [f"pu-{key}"]
+    return data
+
+
+def cached(sender: ShmSenderCache, keys: str) -> set[str]:
+    return {k for k, c in zip(keys, sender.is_cached(list(keys))) if c}
+
+
+# -- the sender ------------------------------------------------------------------------------
+
+
+def test_hit_returns_a_handle_and_the_prompt_updates(sender: ShmSenderCache) -> None:
+    handle = put(sender, "a")
+    assert isinstance(handle, ShmHandle)
+    assert sender.is_cached(["a", "b"]) == [True, False]
+    assert sender.make_stats() == CacheInfo(0, 1)  # is_cached counted nothing
+    again, updates = sender.get_and_update_item(None, "a")
+    assert isinstance(again, ShmHandle) and updates == ["pu-a"]
+    assert sender.make_stats(delta=True) == CacheInfo(1, 2)
+    assert sender.make_stats(delta=True) == CacheInfo(0, 0)
+    stats = sender.stats()
+    assert stats["hits"] == 1 and stats["total"] == 2 and stats["uncached_oversize"] == 0
+    assert any(k.startswith("store_") for k in stats)
+
+
+def test_miss_without_data_raises(sender: ShmSenderCache) -> None:
+    with pytest.raises(CacheMissError) as info:
+        sender.get_and_update_item(None, "nope")
+    assert info.value.mm_hashes == ["nope"]
+
+
+def test_oversize_items_are_served_uncached(caplog: pytest.LogCaptureFixture) -> None:
+    with ShmSenderCache(RING / GiB, max_object_size_mb=32 * KiB / MiB) as sender:
+        big1, big2 = make_item("big1", 40 * KiB), make_item("big2", 40 * KiB)
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            assert put(sender, "big1", big1) is big1
+            assert put(sender, "big2", big2) is big2
+            assert isinstance(put(sender, "small", make_item("small", KiB)), ShmHandle)
+        assert sender.is_cached(["big1", "big2", "small"]) == [False, False, True]
+        assert sender.stats()["uncached_oversize"] == 2
+        records = [r for r in caplog.records if r.name == "mmcache"]
+        assert len(records) == 1 and "max_object_size_mb" in records[0].getMessage()
+
+
+def test_full_ring_of_unread_objects_serves_uncached(
+    sender: ShmSenderCache, reader: ShmReceiverCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    handles = [put(sender, k) for k in "abc"]  # the reader reads none: all protected
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        d, e = make_item("d"), make_item("e")
+        assert put(sender, "d", d) is d
+        assert put(sender, "e", e) is e
+    assert sender.stats()["uncached_full"] == 2
+    assert len([r for r in caplog.records if r.name == "mmcache"]) == 1
+    # The request carrying a and b was aborted: giving their references back frees room.
+    sender.release_handles([handles[0], None, d, handles[1]])
+    assert isinstance(put(sender, "d"), ShmHandle)
+    assert cached(sender, "abcd") in ({"b", "c", "d"}, {"a", "c", "d"})
+
+
+# -- eviction --------------------------------------------------------------------------------
+
+
+def test_eviction_spares_unread_and_pinned_objects(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    ha, hb, hc = (put(sender, k) for k in "abc")
+    reader.get_and_update_item(ha, "a")
+    reader.get_and_update_item(hc, "c")  # "b" stays unread
+    hd = put(sender, "d")
+    assert isinstance(hd, ShmHandle)
+    assert cached(sender, "abcd") == {"b", "c", "d"}  # "a": read, oldest
+    with pytest.raises(CacheMissError):  # a replay of a's handle finds it gone
+        reader.get_and_update_item(ha, "a")
+    reader.get_and_update_item(hd, "d")
+    # A request [e, c]: P0 touches both first, so writing "e" cannot evict "c".
+    for key in "ec":
+        sender.touch_sender_cache_item(key)
+    he = put(sender, "e")
+    hc2, _ = sender.get_and_update_item(None, "c")
+    assert isinstance(he, ShmHandle) and isinstance(hc2, ShmHandle)
+    assert cached(sender, "abcde") == {"b", "c", "e"}  # only "d" was reclaimable
+    assert same_item(reader.get_and_update_item(hb, "b"), make_item("b"))
+    assert same_item(reader.get_and_update_item(hc2, "c"), make_item("c"))
+
+
+def test_released_touches_no_longer_protect(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    for key in "abc":
+        reader.get_and_update_item(put(sender, key), key)
+    sender.touch_sender_cache_item("a")
+    sender.touch_sender_cache_item("absent")  # nothing to pin
+    sender.release_sender_touches()  # the request was abandoned
+    put(sender, "d")
+    assert cached(sender, "abcd") == {"b", "c", "d"}
+
+
+def test_a_pinned_object_survives_a_full_sweep(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    for key in "abc":
+        reader.get_and_update_item(put(sender, key), key)
+    sender.touch_sender_cache_item("a")
+    for key in "defg":
+        reader.get_and_update_item(put(sender, key), key)
+        assert sender.is_cached_item("a")
+    handle, updates = sender.get_and_update_item(None, "a")
+    assert updates == ["pu-a"]
+    assert same_item(reader.get_and_update_item(handle, "a"), make_item("a"))
+
+
+def test_zero_copy_view_keeps_its_object(sender: ShmSenderCache) -> None:
+    with ShmReceiverCache(sender.handle(), copy=False) as reader:
+        view = reader.get_and_update_item(put(sender, "a"), "a")
+        for key in "bcdef":
+            reader.get_and_update_item(put(sender, key), key)  # views dropped at once
+            assert sender.is_cached_item("a")
+        assert same_item(view, make_item("a"))
+        del view
+        for key in "ghi":
+            reader.get_and_update_item(put(sender, key), key)
+        assert not sender.is_cached_item("a")
+
+
+# -- the receiver ----------------------------------------------------------------------------
+
+TORCH_CASES = {
+    "f32": torch.randn(3, 5),
+    "bf16": torch.randn(4, 6).to(torch.bfloat16),
+    "f16_t": torch.randn(5, 3).half().t(),
+    "i64_strided": torch.arange(40)[::3],
+    "bool": torch.tensor([True, False, True]),
+    "scalar": torch.tensor(3.25, dtype=torch.float64),
+    "empty": torch.empty(0, 7),
+    "nested": [torch.ones(2, dtype=torch.int8), {"deep": torch.zeros(1, 1)}],
+}
+NUMPY_CASES = {
+    "np_f4": np.arange(12, dtype=np.float32).reshape(3, 4),
+    "np_t": np.arange(12, dtype=np.int16).reshape(3, 4).T,
+    "np_scalar": np.array(5, dtype=np.uint32),
+    "np_empty": np.zeros((2, 0)),
+    "meta": {"size": (448, 448), "name": "cat.png", "ratio": 0.5, "blob": b"x" * 1000},
+}
+
+
+def _bits(value: Any) -> Any:
+    """A comparable, bit-exact picture of a value (dtype, shape and raw bytes)."""
+    if isinstance(value, torch.Tensor):
+        raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ("tensor", value.dtype, tuple(value.shape), raw)
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype, value.shape, np.ascontiguousarray(value).tobytes())
+    if isinstance(value, dict):
+        return {k: _bits(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return (type(value), [_bits(v) for v in value])
+    return value
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_round_trip_through_shared_memory_is_bit_exact(sender: ShmSenderCache, copy: bool) -> None:
+    item = {**TORCH_CASES, **NUMPY_CASES}
+    handle = put(sender, "item", item)
+    with ShmReceiverCache(sender.handle(), copy=copy) as reader, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = reader.get_and_update_item(handle, "item")
+        assert _bits(out) == _bits(item)
+        pixels = out["f32"]
+        assert pixels.is_contiguous()
+        if copy:
+            pixels.add_(1)  # owned memory: writable, the ring is untouched
+        else:
+            assert not out["np_f4"].flags.writeable
+        del out, pixels
+        handle2, _ = sender.get_and_update_item(None, "item")
+        assert _bits(reader.get_and_update_item(handle2, "item")) == _bits(item)
+
+
+def test_round_trip_through_the_lru_pair_is_bit_exact() -> None:
+    item = {**TORCH_CASES, **NUMPY_CASES}
+    sender, receiver = make_caches("lru", capacity_gb=0.01)
+    assert sender is not None and isinstance(receiver, ReceiverCache)
+    for _ in range(2):  # a miss (data sent), then a hit (None sent)
+        (data, _), = sender.get_and_update([(item, [])], ["item"])
+        features = receiver.get_and_update_features([Feature(data, mm_hash="item")])
+        assert _bits(features[0].data) == _bits(item)
+    assert data is None
+
+
+def test_features_mix_handles_plain_items_and_stripped_payloads(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    plain = make_item("plain", 10)
+    features = [
+        Feature(put(sender, "a"), mm_hash="a", identifier="a", modality="image"),
+        Feature(None, mm_hash="b", identifier="b"),  # payload stripped by the engine
+        Feature(plain, mm_hash="p", identifier="p"),  # served uncached by P0
+    ]
+    assert reader.get_and_update_features(features) is features
+    assert same_item(features[0].data, make_item("a"))
+    assert features[1].data is None
+    assert features[2].data is plain
+
+
+def test_gone_objects_are_misses_listed_in_order(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    ha, hb, hc = (put(sender, k) for k in "abc")
+    sender.release_handles([ha, hc])  # as if their first delivery was aborted ...
+    sender.clear_cache()  # ... so the clear reclaims them; "b" is still held by its handle
+    features = [Feature(h, mm_hash=k, identifier=k) for h, k in zip((ha, hb, hc), "abc")]
+    with pytest.raises(CacheMissError) as info:
+        reader.get_and_update_features(features)
+    assert info.value.mm_hashes == ["a", "c"]
+    assert same_item(features[1].data, make_item("b"))
+    # The retry with data attached succeeds.
+    retry = [Feature(put(sender, k), mm_hash=k, identifier=k) for k in "ac"]
+    reader.get_and_update_features(retry)
+    assert same_item(retry[0].data, make_item("a")) and same_item(retry[1].data, make_item("c"))
+
+
+def test_a_handle_from_before_a_clear_never_reads_other_data(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    old = put(sender, "h", make_item("old"))
+    sender.clear_cache()
+    assert sender.make_stats() == CacheInfo(0, 0) and not sender.is_cached_item("h")
+    new = put(sender, "h", make_item("new"))
+    try:
+        got = reader.get_and_update_item(old, "h")
+    except CacheMissError:
+        pass
+    else:
+        assert same_item(got, make_item("old"))
+    assert same_item(reader.get_and_update_item(new, "h"), make_item("new"))
+
+
+def test_forged_or_misdirected_handles_are_rejected(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    handle = put(sender, "a")
+    put(sender, "b")
+    sig = bytearray(handle.signature)
+    sig[0] ^= 1
+    forged = ShmHandle(
+        address=handle.address, monotonic_id=handle.monotonic_id, signature=bytes(sig)
+    )
+    with pytest.raises(InvalidHandleError):
+        reader.get_and_update_item(forged, "a")
+    with pytest.raises(InvalidHandleError):
+        reader.get_and_update_item(handle, "b")
+    with pytest.raises(TypeError):
+        reader.get_and_update_item(42, "a")  # type: ignore[arg-type]
+    assert same_item(reader.get_and_update_item(handle, "a"), make_item("a"))
+
+
+def test_each_receiver_takes_a_reader_slot() -> None:
+    with ShmSenderCache(RING / GiB, n_readers=2) as sender:
+        first, second = ShmReceiverCache(sender.handle()), ShmReceiverCache(sender.handle())
+        with pytest.raises(MmcacheError):
+            ShmReceiverCache(sender.handle())
+        second.close()
+        second.close()  # idempotent
+        third = ShmReceiverCache(sender.handle())
+        handle = put(sender, "a")
+        for r in (first, third):
+            assert same_item(r.get_and_update_item(handle, "a"), make_item("a"))
+        first.close()
+        third.close()
+
+
+def test_invalidate_forgets_a_key(sender: ShmSenderCache, reader: ShmReceiverCache) -> None:
+    handle = put(sender, "a")
+    sender.touch_sender_cache_item("a")
+    sender.invalidate("a")
+    sender.invalidate("never-seen")
+    assert not sender.is_cached_item("a")
+    # The handle already in flight still reads the right data (or misses), never other data.
+    try:
+        assert same_item(reader.get_and_update_item(handle, "a"), make_item("a"))
+    except CacheMissError:
+        pass
+    assert isinstance(put(sender, "a", make_item("a2")), ShmHandle)
+    handle2, updates = sender.get_and_update_item(None, "a")
+    assert updates == ["pu-a"]
+    assert same_item(reader.get_and_update_item(handle2, "a"), make_item("a2"))
+
+
+def test_clear_and_close_are_safe_to_repeat(sender: ShmSenderCache) -> None:
+    put(sender, "a")
+    sender.clear_cache()
+    sender.clear_cache()
+    assert sender.is_cached(["a"]) == [False]
+    sender.close()
+    sender.close()
+
+
+# -- several processes -----------------------------------------------------------------------
+
+
+def _worker(
+    handle: Any, requests: list[list[tuple[str, Any]]], copy: bool, out: Any
+) -> None:
+    """A worker process: resolve every request's features, report their content hashes."""
+    with ShmReceiverCache(handle, copy=copy) as receiver:
+        hashes = []
+        for request in requests:
+            features = [Feature(h, mm_hash=k, identifier=k) for k, h in request]
+            receiver.get_and_update_features(features)
+            hashes.append([content_hash(f.data) for f in features])
+        out.put(hashes)
+
+
+def test_two_spawned_workers_resolve_identical_tensors() -> None:
+    truth = {
+        "img": {"pixel_values": torch.randn(3, 64, 64), "grid": torch.tensor([1, 8, 8])},
+        "bf16": {"x": torch.randn(16, 16).to(torch.bfloat16).t()},
+        "np": {"a": np.arange(100, dtype=np.float64).reshape(10, 10)},
+    }
+    ctx = mp.get_context("spawn")
+    with ShmSenderCache(4 * MiB / GiB, n_readers=2) as sender:
+        requests = []
+        for keys in (["img", "bf16"], ["np", "img"], ["bf16", "np", "img"]):
+            outputs = sender.get_and_update([(truth[k], []) for k in keys], keys)
+            assert all(isinstance(d, ShmHandle) for d, _ in outputs)
+            requests.append([(k, d) for k, (d, _) in zip(keys, outputs)])
+        queues = [ctx.Queue(), ctx.Queue()]
+        workers = [
+            ctx.Process(target=_worker, args=(sender.handle(), requests, copy, q))
+            for copy, q in zip((True, False), queues)
+        ]
+        for w in workers:
+            w.start()
+        results = [q.get(timeout=120) for q in queues]
+        for w in workers:
+            w.join(timeout=60)
+            assert w.exitcode == 0
+        expected = [[content_hash(truth[k]) for k, _ in request] for request in requests]
+        assert results == [expected, expected]
+        assert sender.make_stats() == CacheInfo(4, 7)
