@@ -1,0 +1,406 @@
+"""The ``mmcache`` command: ``simulate`` (the main job), ``bench``, ``inspect`` and ``prune``.
+
+Exit status: 0 on success; 1 when a run failed (wrong tensors, an unrecovered drift, a
+process that died, a segment that cannot be read); 2 for invalid flags or a configuration
+that cannot run, with one line on stderr saying why; 130 after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from textwrap import fill
+from typing import Any, NoReturn
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _UsageError(Exception):
+    """A flag combination that cannot work, found after parsing (exit status 2)."""
+
+
+_SIMULATE_EXAMPLES = """\
+examples:
+  mmcache simulate                          the default workload in shm mode (under a minute)
+  mmcache simulate --compare --json out.json --plot out.png
+                                            none, processor_only, lru and shm side by side
+  mmcache simulate --mode lru --inject-drift 0.05
+                                            lose 5% of P0's updates and watch the retries
+  mmcache simulate --requests 200 --catalogue 100 --workers 4 --capacity-gb 0.25
+"""
+_BENCH_EXAMPLES = """\
+examples:
+  mmcache bench                 put/get/lookup for 4 KiB .. 16 MiB, 1 to 4 reader processes
+  mmcache bench --quick --json bench.json
+"""
+_INSPECT_EXAMPLES = """\
+examples:
+  mmcache inspect               list the segments mmcache created on this host
+  mmcache inspect NAME          one of them, e.g. while `mmcache simulate` runs in another shell
+  mmcache inspect NAME --json
+"""
+_PRUNE_EXAMPLES = """\
+examples:
+  mmcache prune --dry-run       list the segments whose creator is dead
+  mmcache prune                 remove them
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _parser() -> _Parser:
+    from mmcache.simulate import MODES, SimulationConfig
+
+    defaults = SimulationConfig()
+    parser = _Parser(
+        prog="mmcache",
+        description="Multimodal processor caches and a shared-memory object store for LLM serving.",
+        epilog="Run `mmcache COMMAND --help` for a command's options and examples.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    formatter = argparse.RawDescriptionHelpFormatter
+
+    sim = commands.add_parser(
+        "simulate",
+        help="run a real multi-process serving pipeline and report what the cache saves",
+        description=fill(
+            "Run P0 (frontend), P1 (engine core) and worker processes on this machine over a "
+            "seeded stream of image requests, with real processing, and report throughput, "
+            "latency, hit ratio, bytes moved and saved, retries and wrong tensors (which must "
+            "be 0)."
+        ),
+        epilog=_SIMULATE_EXAMPLES,
+        formatter_class=formatter,
+    )
+    which = sim.add_mutually_exclusive_group()
+    which.add_argument(
+        "--mode", choices=MODES, default=defaults.mode, help="cache mode (default: %(default)s)"
+    )
+    which.add_argument(
+        "--compare", action="store_true", help="run every mode on the same workload, side by side"
+    )
+    sim.add_argument(
+        "--requests",
+        type=_positive_int,
+        default=defaults.requests,
+        help="requests to serve (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--catalogue",
+        type=_positive_int,
+        default=defaults.catalogue,
+        help="distinct images (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--zipf",
+        type=float,
+        default=defaults.zipf,
+        help="popularity skew; 0 is uniform (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--max-items",
+        type=_positive_int,
+        default=defaults.max_items,
+        help="images per request, at most (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--capacity-gb",
+        type=float,
+        default=defaults.capacity_gb,
+        help="cache capacity in GiB (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--workers",
+        type=int,
+        default=defaults.workers,
+        help="worker processes, i.e. readers (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--inflight",
+        type=_positive_int,
+        default=defaults.inflight,
+        help="requests in flight at once (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--inject-drift",
+        type=float,
+        default=defaults.inject_drift,
+        metavar="RATE",
+        help="fraction of requests lost after P0 updated its cache (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--seed", type=int, default=defaults.seed, help="workload seed (default: %(default)s)"
+    )
+    sim.add_argument("--json", type=Path, metavar="PATH", help="write the figures as JSON")
+    sim.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PATH",
+        help="write a PNG chart of throughput and latency (needs matplotlib)",
+    )
+    sim.set_defaults(run=_simulate)
+
+    bench = commands.add_parser(
+        "bench",
+        help="micro-benchmarks of the shared-memory store",
+        description=fill(
+            "Time put, get (copy and zero-copy) and lookup of the shared-memory store "
+            "by payload size and number of reader processes, each also as a multiple of a numpy "
+            "memcpy of the same size measured in the same run."
+        ),
+        epilog=_BENCH_EXAMPLES,
+        formatter_class=formatter,
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="a short run (fewer sizes' repetitions, 1-2 readers)"
+    )
+    bench.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    bench.set_defaults(run=_bench)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="show a live segment's occupancy, objects, references and counters",
+        description=fill(
+            "Read a live segment's header (without attaching as a reader or writing "
+            "to it) and print its capacity, bytes in use, objects, outstanding references per "
+            "reader and counters."
+        ),
+        epilog=_INSPECT_EXAMPLES,
+        formatter_class=formatter,
+    )
+    inspect.add_argument(
+        "name", nargs="?", help="the segment's name; without it, list the segments"
+    )
+    inspect.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    inspect.set_defaults(run=_inspect)
+
+    prune = commands.add_parser(
+        "prune",
+        help="remove segments left behind by dead processes",
+        description=fill(
+            "Find the segments mmcache created on this host whose creator process is "
+            "dead, and remove them."
+        ),
+        epilog=_PRUNE_EXAMPLES,
+        formatter_class=formatter,
+    )
+    prune.add_argument("--dry-run", action="store_true", help="only list them")
+    prune.set_defaults(run=_prune)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mmcache`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit
+    status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    prog = f"mmcache {args.command}"
+    try:
+        return int(args.run(args))
+    except _UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _check_output(path: Path | None, flag: str) -> None:
+    if path is not None and not path.parent.is_dir():
+        raise _UsageError(f"{flag} {path}: directory {path.parent} does not exist")
+
+
+# --------------------------------------------------------------------------------------------
+# simulate
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from mmcache.simulate import MODES, ConfigError, SimulationConfig, SimulationError, run_modes
+    from mmcache.simulate.report import render, write_json, write_plot
+
+    _check_output(args.json, "--json")
+    _check_output(args.plot, "--plot")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise _UsageError("--plot needs matplotlib: pip install 'mmcache[plot]'")
+    config = SimulationConfig(
+        mode=args.mode,
+        requests=args.requests,
+        catalogue=args.catalogue,
+        zipf=args.zipf,
+        max_items=args.max_items,
+        capacity_gb=args.capacity_gb,
+        workers=args.workers,
+        inflight=args.inflight,
+        inject_drift=args.inject_drift,
+        seed=args.seed,
+    )
+    modes = list(MODES) if args.compare else [args.mode]
+    out = Console()
+    err = Console(stderr=True)
+    columns = (
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        tasks: dict[str, Any] = {}
+
+        def on_progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                label = "generating images" if stage == "images" else f"{stage} requests"
+                tasks[stage] = progress.add_task(label, total=total)
+            progress.update(tasks[stage], completed=done)
+
+        try:
+            runs = run_modes(config, modes, on_progress)
+        except ConfigError as exc:
+            raise _UsageError(str(exc)) from None
+        except SimulationError as exc:
+            print(f"mmcache simulate: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    render(config, runs, out)
+    if args.json is not None:
+        write_json(args.json, config, runs)
+    if args.plot is not None:
+        write_plot(args.plot, runs)
+    failed = [run for run in runs if not run.ok]
+    for run in failed:
+        print(
+            f"mmcache simulate: error: {run.mode}: {run.wrong_tensors} wrong tensors, "
+            f"{run.unrecovered} requests not recovered by one retry",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED if failed else 0
+
+
+# --------------------------------------------------------------------------------------------
+# bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mmcache.bench import render, run_benchmarks
+
+    _check_output(args.json, "--json")
+    err = Console(stderr=True)
+    status = (
+        err.status("benchmarking the shared-memory store") if err.is_terminal else nullcontext()
+    )
+    with status:
+        results = run_benchmarks(quick=args.quick)
+    render(results, Console())
+    if args.json is not None:
+        args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# inspect and prune
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from mmcache import MmcacheError
+    from mmcache.maintenance import inspect
+
+    if args.name is None:
+        return _list_segments()
+    try:
+        info = inspect(args.name)
+    except FileNotFoundError:
+        print(f"mmcache inspect: error: no segment named {args.name!r}", file=sys.stderr)
+        return EXIT_FAILED
+    except (MmcacheError, PermissionError) as exc:
+        print(f"mmcache inspect: error: {args.name}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    console = Console()
+    if args.json:
+        console.print_json(json.dumps(info, default=str))
+        return 0
+    readers = info.pop("readers", [])
+    summary = Table(title=f"segment {args.name}", title_justify="left", show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    for key in ("capacity", "bytes_in_use", "occupancy", "objects", "creator_pid", "creator_alive"):
+        if key in info:
+            summary.add_row(key, _format_value(key, info.pop(key)))
+    info.pop("name", None)
+    for key, value in sorted(info.items()):
+        summary.add_row(key, _format_value(key, value))
+    console.print(summary)
+    if readers:
+        table = Table(title="readers", title_justify="left")
+        columns = sorted(
+            {key for reader in readers for key in reader}, key=lambda k: (k != "slot", k)
+        )
+        for column in columns:
+            table.add_column(column, justify="right")
+        for reader in readers:
+            table.add_row(*(_format_value(c, reader.get(c, "")) for c in columns))
+        console.print(table)
+    return 0
+
+
+def _list_segments() -> int:
+    from mmcache import MmcacheError, _core
+
+    names = sorted(_core.list_segments())
+    if not names:
+        print("no mmcache segment on this host")
+    for name in names:
+        try:
+            alive = _core.inspect_segment(name)["creator_alive"]
+            state = "live" if alive else "orphaned (creator dead: `mmcache prune` removes it)"
+        except (OSError, MmcacheError) as exc:
+            state = f"unreadable ({exc})"
+        print(f"{name}  {state}")
+    return 0
+
+
+_SIZES = ("capacity", "max_object_size", "total_len")
+
+
+def _format_value(key: str, value: object) -> str:
+    """A figure of ``inspect``: sizes in bytes and MiB, counts with separators."""
+    if key == "occupancy" and isinstance(value, float):
+        return f"{value:.1%}"
+    if not isinstance(value, int) or isinstance(value, bool):
+        return str(value)
+    if "bytes" in key or key in _SIZES:
+        return f"{value:,} B ({value / 2**20:,.1f} MiB)"
+    return f"{value:,}"
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from mmcache.maintenance import prune
+
+    names = prune(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for name in names:
+        print(f"{verb} {name}")
+    if not names:
+        print("no segment left behind by a dead process")
+    return 0

@@ -1,0 +1,61 @@
+"""Looking after shared-memory segments: inspect a live one, prune those left behind.
+
+A segment outlives its creator only when the creator was killed before it could unlink it
+(SIGKILL, an out-of-memory kill, a power cut of the container). :func:`prune` finds such
+segments among those this package created on this host and removes them; :func:`inspect`
+reads a live segment's header, never writing to it and without taking a reader slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mmcache import _core
+
+__all__ = ["inspect", "prune"]
+
+logger = logging.getLogger("mmcache")
+
+
+def inspect(name: str) -> dict[str, Any]:
+    """Counters, occupancy and per-reader outstanding references of the live segment ``name``.
+
+    Everything the segment header publishes (``capacity``, ``bytes_in_use``, ``objects``,
+    ``creator_pid``, ``creator_alive``, ``readers`` with each slot's ``outstanding``
+    references, and the writer's counters), plus ``name`` and ``occupancy`` (``bytes_in_use``
+    as a fraction of ``capacity``). ``FileNotFoundError`` if there is no such segment;
+    ``SegmentCorruptError`` if it is not a valid mmcache segment.
+    """
+    info = dict(_core.inspect_segment(name))
+    capacity = info.get("capacity", 0)
+    info["name"] = name
+    info["occupancy"] = info.get("bytes_in_use", 0) / capacity if capacity else 0.0
+    return info
+
+
+def prune(*, dry_run: bool = False) -> list[str]:
+    """Remove the segments this package created whose creator process is dead.
+
+    Returns their names, sorted; with ``dry_run=True`` only lists them. A segment whose
+    creator still runs is never touched; one that cannot be read (removed meanwhile, still
+    being created, or corrupt) is skipped and logged, since its creator cannot be known.
+    """
+    orphans = []
+    for name in sorted(_core.list_segments()):
+        try:
+            alive = _core.inspect_segment(name)["creator_alive"]
+        except FileNotFoundError:
+            continue  # unlinked between listing and reading: nothing left to prune
+        except _core.MmcacheError as exc:
+            logger.warning("skipping segment %s: %s", name, exc)
+            continue
+        if alive:
+            continue
+        if not dry_run:
+            try:
+                _core.unlink_segment(name)
+            except FileNotFoundError:
+                continue  # another prune got there first
+        orphans.append(name)
+    return orphans

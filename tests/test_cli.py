@@ -1,0 +1,81 @@
+"""The ``mmcache`` command line: help, bad input, and ``bench`` (simulate has its own file).
+
+Every command runs as ``python -m mmcache ...`` in a subprocess, as a user would run it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mmcache.cli import main
+
+
+def mmcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mmcache", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("command", ["simulate", "bench", "inspect", "prune"])
+def test_every_command_has_help_with_examples(command: str) -> None:
+    result = mmcache(command, "--help")
+    assert result.returncode == 0
+    assert "examples:" in result.stdout and f"mmcache {command}" in result.stdout
+
+
+def test_top_level_help_lists_the_commands() -> None:
+    result = mmcache("--help")
+    assert result.returncode == 0
+    assert all(c in result.stdout for c in ("simulate", "bench", "inspect", "prune"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "required: COMMAND"),
+        (["frobnicate"], "invalid choice"),
+        (["simulate", "--no-such-flag"], "unrecognized arguments"),
+        (["simulate", "--mode", "bogus"], "invalid choice"),
+        (["simulate", "--requests", "0"], "must be at least 1"),
+        (["simulate", "--requests", "many"], "not a whole number"),
+        (["simulate", "--mode", "lru", "--compare"], "not allowed with argument"),
+        (["simulate", "--capacity-gb", "0"], "cannot hold one request"),
+        (["simulate", "--capacity-gb", "1000000"], "/dev/shm"),
+        (["simulate", "--workers", "100000"], "--workers must be between 1 and"),
+        (["simulate", "--workers", "0"], "--workers must be between 1 and"),
+        (["simulate", "--inject-drift", "2"], "--inject-drift must be between 0 and"),
+        (["simulate", "--json", "/no/such/directory/out.json"], "does not exist"),
+        (["bench", "--json", "/no/such/directory/out.json"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(args: list[str], message: str) -> None:
+    result = mmcache(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_main_returns_the_exit_status_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--capacity-gb", "0"]) == 2
+    assert "cannot hold one request" in capsys.readouterr().err
+    assert main(["prune", "--dry-run"]) == 0
+
+
+def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = mmcache("bench", "--quick", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    ops = {row["op"] for row in rows}
+    assert ops == {"memcpy (numpy)", "put", "lookup", "get (copy)", "get (zero-copy)"}
+    assert {row["size"] for row in rows} == {4 << 10, 64 << 10, 1 << 20, 16 << 20}
+    assert {row["readers"] for row in rows if row["op"].startswith("get")} == {1, 2}
+    assert all(row["seconds"] > 0 and row["vs_memcpy"] > 0 for row in rows)
+    assert all(row["vs_memcpy"] == 1.0 for row in rows if row["op"] == "memcpy (numpy)")
+    assert all((row["bytes_per_s"] is None) == (row["op"] == "lookup") for row in rows)
+    assert "x memcpy" in result.stdout and "16 MiB" in result.stdout

@@ -1,0 +1,373 @@
+"""``mmcache simulate``: the workload, the wire format, and the real command in every mode.
+
+The command runs as a subprocess (``python -m mmcache simulate``) over a tiny workload; each
+run takes a few seconds on two cores. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from multiprocessing import Pipe
+from pathlib import Path
+from typing import Any
+
+import mmcache.simulate as simulate_package
+import numpy as np
+import pytest
+from mmcache import Feature, _core
+from mmcache.cli import main
+from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, wire
+from mmcache.simulate.engine import _serve
+from mmcache.simulate.workload import (
+    Catalogue,
+    decode_image,
+    encode_image,
+    process,
+    request_stream,
+    tensor_digests,
+)
+
+# A workload small enough for seconds per mode, big enough to hit, miss and evict: its 23
+# distinct images of 2.3 MiB do not fit in 0.03 GiB (13 items). Two requests in flight keep
+# at most 8 items unread, so the ring always has room and never serves an item uncached.
+TINY = [
+    "--requests",
+    "24",
+    "--catalogue",
+    "40",
+    "--capacity-gb",
+    "0.03",
+    "--inflight",
+    "2",
+    "--seed",
+    "0",
+]
+
+
+def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mmcache", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def figures(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def segments_by_creator() -> dict[str, int]:
+    """Every mmcache segment on this host, with its creator's pid (other test suites may be
+    creating and removing their own meanwhile)."""
+    found = {}
+    for name in _core.list_segments():
+        try:
+            found[name] = _core.inspect_segment(name)["creator_pid"]
+        except (FileNotFoundError, _core.MmcacheError):
+            continue  # removed, or still being created, since it was listed
+    return found
+
+
+def orphans() -> set[str]:
+    """Segments whose creator is dead: what a simulation must never leave behind."""
+    return {
+        name for name, pid in segments_by_creator().items() if not Path(f"/proc/{pid}").exists()
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The workload
+
+
+def test_images_decode_to_what_was_encoded() -> None:
+    picture = Catalogue(5, seed=1)._picture(3)
+    assert np.array_equal(decode_image(encode_image(picture)), picture)
+
+
+def test_decode_refuses_foreign_bytes() -> None:
+    with pytest.raises(ValueError, match="not an image"):
+        decode_image(b"\x89PNG\r\n\x1a\n" + bytes(64))
+
+
+def test_catalogue_images_are_distinct_and_reproducible() -> None:
+    first, again = Catalogue(10, seed=7), Catalogue(10, seed=7)
+    assert first[4] == again[4]
+    assert len({first[i] for i in range(10)}) == 10
+    assert Catalogue(10, seed=8)[4] != first[4]
+
+
+def test_processor_output_looks_like_a_vision_processor() -> None:
+    out = process(Catalogue(3, seed=0)[1])
+    pixels, sizes = out.tensors["pixel_values"], out.tensors["image_sizes"]
+    assert pixels.shape == (3, 448, 448) and pixels.dtype == np.float32
+    assert sizes.dtype == np.int64 and 384 <= sizes[0] <= 960 and 512 <= sizes[1] <= 1280
+    assert -3 < pixels.mean() < 3 and pixels.std() > 0.1  # normalised, not constant
+    assert out.prompt_update["num_tokens"] == 256
+
+
+def test_processing_is_deterministic_and_digests_see_one_changed_value() -> None:
+    image = Catalogue(2, seed=0)[0]
+    a, b = process(image).tensors, process(image).tensors
+    assert tensor_digests(a) == tensor_digests(b)
+    changed = dict(a, pixel_values=a["pixel_values"].copy())
+    changed["pixel_values"][2, 447, 447] += 1e-3
+    assert tensor_digests(changed)["pixel_values"] != tensor_digests(a)["pixel_values"]
+    assert tensor_digests(changed)["image_sizes"] == tensor_digests(a)["image_sizes"]
+
+
+def test_request_stream_is_seeded_and_requests_hold_distinct_images() -> None:
+    def make(seed: int) -> list[list[int]]:
+        return list(request_stream(requests=300, catalogue=50, zipf=1.2, max_items=4, seed=seed))
+
+    requests = make(0)
+    assert requests == make(0) and requests != make(1)
+    assert all(1 <= len(r) <= 4 and len(set(r)) == len(r) for r in requests)
+    assert {len(r) for r in requests} == {1, 2, 3, 4}
+    assert all(0 <= i < 50 for r in requests for i in r)
+
+
+def test_zipf_skews_popularity() -> None:
+    def top_share(zipf: float) -> float:
+        counts = Counter(
+            i
+            for r in request_stream(requests=2000, catalogue=100, zipf=zipf, max_items=1, seed=0)
+            for i in r
+        )
+        return sum(n for _, n in counts.most_common(10)) / 2000
+
+    assert top_share(0.0) < 0.2  # uniform: the top tenth of the catalogue gets about a tenth
+    assert top_share(1.5) > 0.6
+
+
+def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
+    sender, receiver = Pipe()
+    item = {
+        "pixel_values": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "image_sizes": np.array([5, 7]),
+    }
+    buffers: list[memoryview] = []
+    fields = wire.encode_item(item, buffers)
+    handle = _core.ShmHandle(address=4096, monotonic_id=9, signature=bytes(range(16)))
+    traffic = wire.Traffic()
+    wire.send(
+        sender, {"item": fields, "handle": wire.encode_handle(handle)}, buffers, traffic=traffic
+    )
+    header, received = wire.recv(receiver)
+    decoded = wire.decode_item(header["item"], received)
+    assert decoded.keys() == item.keys()
+    assert all(
+        np.array_equal(decoded[k], item[k]) and decoded[k].dtype == item[k].dtype for k in item
+    )
+    assert wire.decode_handle(header["handle"]) == handle
+    assert traffic.payload_bytes == 48 + 16 and traffic.header_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mode": "shm", "capacity_gb": 0.0}, "cannot hold one request"),
+        ({"mode": "lru", "capacity_gb": 0.005}, "cannot hold one request"),
+        ({"workers": 0}, "--workers"),
+        ({"workers": 10_000}, "--workers"),
+        ({"inject_drift": 0.9}, "--inject-drift"),
+        ({"zipf": -1.0}, "--zipf"),
+        ({"requests": 0}, "--requests"),
+        ({"mode": "shm", "capacity_gb": 1e6}, "/dev/shm"),
+        ({"mode": "bogus"}, "unknown mode"),
+    ],
+)
+def test_impossible_configurations_are_refused(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SimulationConfig(**changes).validate()
+
+
+def test_capacity_zero_is_fine_without_a_cache() -> None:
+    SimulationConfig(mode="none", capacity_gb=0.0).validate()
+
+
+# --------------------------------------------------------------------------------------------
+# The real command
+
+
+@pytest.mark.parametrize("mode", ["none", "processor_only", "lru", "shm"])
+def test_every_mode_serves_every_request_with_the_right_tensors(mode: str, tmp_path: Path) -> None:
+    before = orphans()
+    out = tmp_path / "figures.json"
+    result = simulate("--mode", mode, *TINY, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"][mode]
+    assert run["requests"] == 24 and run["items"] > 24
+    assert run["wrong_tensors"] == 0 and run["unrecovered"] == 0
+    # Every worker checks both tensors of every item it receives.
+    assert run["tensors_checked"] == 2 * 2 * run["items"]
+    assert run["requests_per_s"] > 0 and run["latency_p99_ms"] >= run["latency_p50_ms"] > 0
+    if mode == "none":
+        assert run["hit_ratio"] == 0 and run["items_processed"] == run["items"]
+        assert run["evictions"] is None and run["bytes_saved"] == 0
+    else:
+        assert 0 < run["hit_ratio"] < 1 and run["items_processed"] < run["items"]
+        assert run["processing_s_saved"] > 0 and run["evictions"] > 0
+    if mode == "lru":
+        assert 0 < run["bytes_saved"] < run["bytes_moved"]
+    if mode == "shm":
+        # Only handles travel: no tensor bytes through pipes, all of them saved.
+        assert run["payload_bytes_moved"] == 0 and run["shm_bytes_written"] > 0
+        assert run["bytes_saved"] == run["items"] * 3 * (3 * 448 * 448 * 4 + 16)
+    assert "wrong tensors" in result.stdout and mode in result.stdout
+    assert orphans() <= before  # P0 unlinked its ring
+
+
+def test_compare_runs_every_mode_on_one_workload(tmp_path: Path) -> None:
+    out, plot = tmp_path / "figures.json", tmp_path / "chart.png"
+    result = simulate("--compare", *TINY, "--json", str(out), "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    data = figures(out)
+    assert list(data["runs"]) == ["none", "processor_only", "lru", "shm"]
+    assert data["ok"] is True and data["config"]["requests"] == 24
+    assert data["speedup_vs_none"]["none"] == 1.0
+    # The same seeded requests in every mode: the same items, and the caches that mirror
+    # each other find the same hits.
+    assert len({run["items"] for run in data["runs"].values()}) == 1
+    assert data["runs"]["processor_only"]["hit_ratio"] == data["runs"]["lru"]["hit_ratio"]
+    assert [t["target"] for t in data["targets"]] == [
+        "shm requests/s >= 3x none",
+        "shm requests/s ahead of lru",
+        "shm hit ratio within 2 points of lru",
+    ]
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert "speed-up vs none" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_injected_drift_is_recovered_by_one_retry(mode: str, tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    result = simulate("--mode", mode, *TINY, "--inject-drift", "0.3", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"][mode]
+    assert run["dropped_updates"] > 0
+    assert run["wrong_tensors"] == 0 and run["unrecovered"] == 0 and run["requests"] == 24
+    if mode == "lru":
+        # A lost request leaves P0 believing P1 holds items it never got: P1 misses them.
+        assert run["retries"] > 0
+    else:
+        # P0 owns the ring, so nothing drifts; the lost requests' handles were released.
+        assert run["retries"] == 0 and run["served_uncached"] == 0
+
+
+def test_several_workers_each_verify_everything(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    result = simulate("--mode", "shm", *TINY, "--workers", "3", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["shm"]
+    assert run["workers"] == 3 and run["tensors_checked"] == 3 * 2 * run["items"]
+
+
+def _pipeline_processes(pid: int) -> set[int]:
+    """The children of ``pid`` started by multiprocessing's spawn (not its resource tracker,
+    which exits by itself once its parent is gone)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            spawned = b"spawn_main" in (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == pid and spawned:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mmcache",
+            "simulate",
+            "--requests",
+            "5000",
+            "--catalogue",
+            "20",
+            "--capacity-gb",
+            "0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        ours: set[str] = set()
+        while not ours and time.monotonic() < deadline:
+            time.sleep(0.1)
+            children = _pipeline_processes(proc.pid)
+            ours = {n for n, pid in segments_by_creator().items() if pid in children}
+        assert ours, "the simulation never created its ring"
+        time.sleep(1.0)  # let requests flow
+        assert len(children) == 4  # P0, P1 and two workers
+        os.kill(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert not any(_running(child) for child in children)
+    assert not (ours & set(_core.list_segments()))
+
+
+def _request(
+    item: dict[str, np.ndarray], digests: dict[str, bytes]
+) -> tuple[dict[str, Any], list[bytes]]:
+    """A request message with one feature, as a worker receives it."""
+    buffers: list[memoryview] = []
+    feature = Feature(data=item, mm_hash="h1", identifier="h1", digests=digests)
+    header = {"rid": 0, "attempt": 1, "features": [wire.encode_feature(feature, buffers)]}
+    return header, [bytes(b) for b in buffers]
+
+
+def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:
+    item = process(Catalogue(1, seed=0)[0]).tensors
+    truth = tensor_digests(item)
+    assert _serve(*_request(item, truth), None) | {"rid": 0} == {
+        "type": "done",
+        "rid": 0,
+        "attempt": 1,
+        "missing": [],
+        "checked": 2,
+        "wrong": 0,
+    }
+    tampered = dict(item, image_sizes=item["image_sizes"] + 1)
+    assert _serve(*_request(tampered, truth), None)["wrong"] == 1
+    missing_field = {"pixel_values": item["pixel_values"]}
+    assert _serve(*_request(missing_field, truth), None)["wrong"] == 1
+
+
+def test_wrong_tensors_make_the_command_fail(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def one_bad_run(
+        config: SimulationConfig, modes: list[str], on_progress: Any
+    ) -> list[RunMetrics]:
+        fields = dict.fromkeys(RunMetrics.__dataclass_fields__, 1)
+        return [RunMetrics(**{**fields, "mode": modes[0], "unrecovered": 0, "evictions": None})]
+
+    monkeypatch.setattr(simulate_package, "run_modes", one_bad_run)
+    out = tmp_path / "figures.json"
+    assert main(["simulate", "--mode", "lru", "--json", str(out)]) == 1
+    assert "lru: 1 wrong tensors" in capsys.readouterr().err
+    assert figures(out)["ok"] is False
