@@ -39,6 +39,10 @@ pub enum Access {
 pub struct Segment {
     name: String,
     base: NonNull<u8>,
+    /// A second, read-only mapping of the same pages (readers only): zero-copy views point
+    /// here, so even a consumer that ignores the buffer's read-only flag (torch does) cannot
+    /// change an object other readers see — an in-place write faults instead.
+    view_base: Option<NonNull<u8>>,
     len: usize,
     access: Access,
     /// The pid that created (and alone may unlink) the segment; `None` for openers.
@@ -243,6 +247,7 @@ impl Segment {
         Ok(Segment {
             name: name.trim_start_matches('/').to_owned(),
             base,
+            view_base: None,
             len,
             access: Access::ReadWrite,
             creator_pid: Some(current_pid()),
@@ -278,9 +283,18 @@ impl Segment {
             .ok_or_else(|| Error::Corrupt(format!("segment {name:?} has size {size}")))?;
         let base =
             map(&fd, len, access, false).map_err(|e| Error::os("mapping shared memory", e))?;
+        let view_base = match access {
+            Access::ReadWrite => Some(map(&fd, len, Access::ReadOnly, true).map_err(|e| {
+                // SAFETY: `base` is the mapping made just above; nothing refers to it yet.
+                unsafe { libc::munmap(base.as_ptr().cast(), len) };
+                Error::os("mapping shared memory read-only", e)
+            })?),
+            Access::ReadOnly => None,
+        };
         Ok(Segment {
             name: name.trim_start_matches('/').to_owned(),
             base,
+            view_base,
             len,
             access,
             creator_pid: None,
@@ -372,11 +386,19 @@ impl Segment {
         Ok(())
     }
 
-    /// The address of `len` bytes at `offset`, for exporting a read-only view. Dereferencing
-    /// it is the caller's responsibility (and needs the chunk to be protected).
-    pub fn address(&self, offset: u64, len: usize) -> Result<*const u8> {
+    /// The address of `len` bytes at `offset` in the read-only mapping, for exporting a
+    /// view. Dereferencing it is the caller's responsibility (and needs the chunk to be
+    /// protected). Only openers have a read-only mapping; the writer exports no views.
+    pub fn view_address(&self, offset: u64, len: usize) -> Result<*const u8> {
         let start = self.check(offset, len)?;
-        Ok(self.base.as_ptr().wrapping_add(start).cast_const())
+        let base = match (self.view_base, self.access) {
+            (Some(view), _) => view,
+            (None, Access::ReadOnly) => self.base,
+            (None, Access::ReadWrite) => {
+                return Err(Error::InvalidArgument("the writer exports no views".into()));
+            }
+        };
+        Ok(base.as_ptr().wrapping_add(start).cast_const())
     }
 
     /// Whether this handle is the creator's, in the creating process.
@@ -411,6 +433,11 @@ impl Drop for Segment {
         // SAFETY: `base..base+len` is the mapping created in `create`/`open`; it is unmapped
         // exactly once, here, when the last owner (every view holds an `Arc<Segment>`) is gone.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+        if let Some(view) = self.view_base {
+            // SAFETY: as above, for the read-only mapping; views hold the `Arc<Segment>`, so
+            // none is alive any more.
+            unsafe { libc::munmap(view.as_ptr().cast(), self.len) };
+        }
     }
 }
 

@@ -594,8 +594,11 @@ impl Writer {
         self.publish(&state)
     }
 
-    /// Forget every key, and reclaim at once every chunk nobody holds. Ids keep counting,
-    /// so no handle issued before can match anything stored after.
+    /// Forget every key, drop every undelivered or unread reference (so the references of
+    /// requests abandoned without `release` stop pinning the ring), and reclaim at once every
+    /// chunk that no live view holds. A handle issued before either still reads its own
+    /// bytes (the reader verifies them) or is stale; ids keep counting, so it can never match
+    /// anything stored after.
     pub fn clear(&self) -> Result<()> {
         let mut state = self.lock()?;
         state.keys.clear();
@@ -607,6 +610,16 @@ impl Writer {
             meta.key = None;
             meta.pins = 0;
             meta.referenced = false;
+            let sig_tag = tag(&meta.signature);
+            for &(s, epoch) in &slots {
+                let stamp = SlotWord::stamp_for(sig_tag, epoch);
+                update_word(self.shared.word(address, s)?, |w| {
+                    (w.stamp == stamp && w.outstanding > 0).then_some(SlotWord {
+                        outstanding: 0,
+                        ..w
+                    })
+                });
+            }
             if self.reclaimable(address, meta, &slots, &mut checked, &mut counters) {
                 free.push(address);
             }
@@ -1045,7 +1058,7 @@ impl Lease {
         self.reader
             .shared
             .seg
-            .address(self.payload_offset(), self.len())
+            .view_address(self.payload_offset(), self.len())
             .ok()
     }
 }

@@ -173,16 +173,35 @@ fn handles_from_before_clear_never_alias_new_data() {
 }
 
 #[test]
-fn unread_object_survives_clear_and_invalidate_until_read() {
+fn unread_object_survives_invalidate_but_clear_drops_its_references() {
     let w = writer(4096, 1);
     let r = Reader::attach(&w.reader_info()).unwrap();
     let h = w.put("k", &[&[5u8; 896]]).unwrap();
     w.invalidate("k").unwrap();
-    w.clear().unwrap();
     for i in 0..3 {
         w.put(&format!("x{i}"), &[&[0u8; 896]]).unwrap();
     }
-    assert_eq!(read(&r, &h, "k").unwrap(), vec![5u8; 896]);
+    assert!(matches!(
+        w.put("y", &[&[0u8; 896]]),
+        Err(Error::Full { .. })
+    ));
+    assert_eq!(
+        read(&r, &h, "k").unwrap(),
+        vec![5u8; 896],
+        "invalidate keeps unread data"
+    );
+    // An abandoned request's handle (never delivered) stops pinning the ring after clear.
+    let abandoned = w.put("y", &[&[6u8; 896]]).unwrap();
+    let view = r.acquire(&w.get_cached("x0").unwrap(), "x0").unwrap();
+    w.clear().unwrap();
+    let stats: HashMap<_, _> = w.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["outstanding_refs"], 0);
+    assert_eq!(
+        stats["chunks"], 1,
+        "only the chunk under a live view survives clear"
+    );
+    assert!(matches!(read(&r, &abandoned, "y"), Err(Error::Stale)));
+    drop(view);
 }
 
 #[test]
@@ -455,6 +474,8 @@ proptest! {
                 Op::Clear => {
                     w.clear().unwrap();
                     pins.clear();
+                    // Every reference is dropped: later reads are replays (own bytes or stale).
+                    owed.iter_mut().for_each(Vec::clear);
                     prop_assert!(w.keys().unwrap().is_empty());
                 }
             }
