@@ -14,6 +14,7 @@ from mmcache import (
     CacheInfo,
     CacheMissError,
     Feature,
+    LRUCache,
     ProcessorOnlyCache,
     ReaderHandle,
     ReceiverCache,
@@ -240,6 +241,132 @@ def test_lru_pair_eviction_order() -> None:
     # New items replace the least recent ones, on both sides alike.
     run_request(sender, receiver, ["e", "f"], truth)
     assert sender.keys() == receiver.keys() == ["c", "e", "f"]
+
+
+# -- requests larger than the cache ----------------------------------------------------------
+
+
+def test_protected_entries_are_never_evicted() -> None:
+    cache = LRUCache(100, getsizeof=len)
+    for key, size in (("a", 30), ("b", 30), ("c", 30)):
+        cache.put(key, b"v" * size)
+    cache.protect("a")
+    cache.protect("ghost")  # absent: a no-op
+    assert cache.protected_bytes == 30 and not cache.is_protected("ghost")
+    assert cache.put_if_fits("d", b"v" * 40)  # evicts "b": the least recent, "a", is skipped
+    assert cache.recency_order() == ["a", "c", "d"] and cache.evictions == 1
+    cache.protect("c")
+    # 41 bytes fit only by evicting a protected entry: refused, and nothing is evicted.
+    assert not cache.put_if_fits("e", b"v" * 41)
+    assert cache.recency_order() == ["a", "c", "d"] and cache.evictions == 1
+    with pytest.raises(ValueError, match="protected"):
+        cache.put("e", b"v" * 41)
+    assert cache.put_if_fits("e", b"v" * 40)  # "d" is the only one it may take
+    assert cache.recency_order() == ["a", "c", "e"] and cache.currsize == 100
+    # A protected entry may be replaced in place (its own size is given back).
+    assert cache.put_if_fits("a", b"v" * 10) and cache.protected_bytes == 40
+    assert cache.pop("c") is not None and cache.protected_bytes == 10  # pop drops it
+    cache.unprotect("a")
+    assert cache.protected_bytes == 0
+    assert cache.put_if_fits("f", b"v" * 100)  # nothing protected: evicts everything
+    assert cache.recency_order() == ["f"]
+    cache.protect("f")
+    with pytest.raises(KeyError):  # nothing left that eviction may take
+        cache.popitem()
+    cache.clear()
+    assert len(cache) == 0 and cache.protected_bytes == 0
+
+
+def test_a_request_cannot_evict_the_items_it_touched() -> None:
+    truth = {"a": make_item("a", 4 * KiB), "b": make_item("b", 7 * KiB)}
+    for p0, p1 in (
+        (SenderCache(gb(10 * KiB)), ReceiverCache(gb(10 * KiB))),
+        (ProcessorOnlyCache(gb(10 * KiB)), None),
+    ):
+        run_request(p0, p1, ["a"], truth)
+        data, _ = run_request(p0, p1, ["b", "a"], truth)  # 11 KiB into 10 KiB
+        assert all(same_item(d, truth[h]) for d, h in zip(data, ["b", "a"]))
+        assert p0.keys() == ["a"] and p0.stats()["uncached_full"] == 1
+        if p1 is not None:
+            assert p1.keys() == ["a"] and p1.stats()["uncached_full"] == 1
+        # The protection ends with the request: the next one may evict "a".
+        run_request(p0, p1, ["b"], truth)
+        assert p0.keys() == ["b"]
+
+
+def test_items_updated_one_by_one_are_protected_until_their_own_update() -> None:
+    sender = SenderCache(gb(10 * KiB))
+    sender.get_and_update_item((make_item("a", 4 * KiB), []), "a")
+    sender.touch_sender_cache_item("a")
+    sender.get_and_update_item((make_item("b", 7 * KiB), []), "b")  # cannot evict "a"
+    assert sender.keys() == ["a"]
+    sender.get_and_update_item(None, "a")  # its update: "a" is no longer protected
+    sender.get_and_update_item((make_item("b", 7 * KiB), []), "b")
+    assert sender.keys() == ["b"]
+    sender.touch_sender_cache_item("b")
+    sender.release_sender_touches()  # an abandoned request: "b" may go
+    sender.get_and_update_item((make_item("c", 4 * KiB), []), "c")
+    assert sender.keys() == ["c"]
+
+
+def test_sender_mirrors_receiver_with_requests_larger_than_the_cache() -> None:
+    rng = random.Random(7)
+    keys = [f"k{i}" for i in range(16)]
+    truth = {k: make_item(k, rng.choice([1, 2, 3, 5, 7]) * KiB) for k in keys}
+    capacity = gb(10 * KiB)
+    sender, receiver = SenderCache(capacity), ReceiverCache(capacity)
+    over = 0
+    for _ in range(300):
+        # Up to 6 items, repeats included: many requests do not fit in the cache.
+        hashes = [rng.choice(keys) for _ in range(rng.randint(1, 6))]
+        over += sum(truth[h]["pixel_values"].numel() + 8 for h in set(hashes)) > 10 * KiB
+        data, _ = run_request(sender, receiver, hashes, truth, rng.randint(0, 1))
+        assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+        assert sender.keys() == receiver.keys()
+        assert sender.stats()["used_bytes"] == receiver.stats()["used_bytes"]
+        assert sender.stats()["evictions"] == receiver.stats()["evictions"]
+    assert over > 50
+    assert sender.stats()["uncached_full"] == receiver.stats()["uncached_full"] > 0
+
+
+def test_receiver_reports_the_items_of_a_missed_request_it_could_not_keep() -> None:
+    receiver = ReceiverCache(gb(10 * KiB))
+    held = make_item("held", 6 * KiB)
+    receiver.get_and_update_item(held, "held")
+    big, small = make_item("big", 5 * KiB), make_item("small", KiB)
+    # No miss: nothing is raised, even though "big" cannot be kept beside "held".
+    features = [Feature(big, mm_hash="big"), Feature(None, mm_hash="held")]
+    receiver.get_and_update_features(features)
+    assert features[0].data is big and receiver.keys() == ["held"]
+    # A miss: the error also lists "big", which the sender may believe is kept here.
+    features = [
+        Feature(big, mm_hash="big"),
+        Feature(None, mm_hash="held"),
+        Feature(None, mm_hash="gone"),
+        Feature(small, mm_hash="small"),
+    ]
+    with pytest.raises(CacheMissError) as info:
+        receiver.get_and_update_features(features)
+    assert info.value.mm_hashes == ["big", "gone"]
+    assert features[0].data is big and features[1].data is held and features[3].data is small
+    assert receiver.keys() == ["held", "small"]
+
+
+def test_receiver_resolves_a_repeated_hash_from_its_request_payload() -> None:
+    receiver = ReceiverCache(gb(10 * KiB))
+    held = make_item("held", 6 * KiB)
+    receiver.get_and_update_item(held, "held")
+    big = make_item("big", 5 * KiB)
+    features = [
+        Feature(big, mm_hash="big"),  # cannot be kept beside the touched "held" ...
+        Feature(None, mm_hash="held"),
+        Feature(None, mm_hash="big"),  # ... but this request carried it
+    ]
+    receiver.get_and_update_features(features)
+    assert features[2].data is big and receiver.keys() == ["held"]
+    # Only within the request that carried it.
+    with pytest.raises(CacheMissError):
+        receiver.get_and_update_features([Feature(None, mm_hash="big")])
 
 
 # -- oversize --------------------------------------------------------------------------------

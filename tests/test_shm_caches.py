@@ -164,6 +164,36 @@ def test_released_touches_no_longer_protect(
     assert cached(sender, "abcd") == {"b", "c", "d"}
 
 
+def test_a_request_that_misses_part_way_gives_its_handles_back(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    for key in "abc":
+        reader.get_and_update_item(put(sender, key), key)
+    # "a" is cached when the request is checked, but it was not touched (not pinned), so
+    # writing "d" reclaims it (the oldest read object) before its update: a part-way miss.
+    with pytest.raises(CacheMissError) as miss:
+        sender.get_and_update([(make_item("d"), []), None], ["d", "a"])
+    assert miss.value.mm_hashes == ["a"] and cached(sender, "abcd") == {"b", "c", "d"}
+    stats = sender.stats()
+    assert stats["store_outstanding_refs"] == 0, "d's handle was issued and lost"
+    assert stats["store_pinned"] == 0
+
+
+def test_a_request_that_cannot_be_assembled_issues_nothing(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    reader.get_and_update_item(put(sender, "a"), "a")
+    for key in "bac":
+        sender.touch_sender_cache_item(key)
+    before = sender.make_stats()
+    with pytest.raises(CacheMissError) as miss:
+        sender.get_and_update([None, (make_item("a"), []), None], ["b", "a", "c"])
+    assert miss.value.mm_hashes == ["b", "c"]  # every missing hash, in request order
+    stats = sender.stats()
+    assert stats["store_outstanding_refs"] == 0 and stats["store_pinned"] == 0
+    assert sender.make_stats() == before  # nothing was looked up, nothing issued
+
+
 def test_a_pinned_object_survives_a_full_sweep(
     sender: ShmSenderCache, reader: ShmReceiverCache
 ) -> None:
@@ -274,9 +304,11 @@ def test_features_mix_handles_plain_items_and_stripped_payloads(
 def test_gone_objects_are_misses_listed_in_order(
     sender: ShmSenderCache, reader: ShmReceiverCache
 ) -> None:
-    ha, hb, hc = (put(sender, k) for k in "abc")
+    ha, hb, hc = (put(sender, k) for k in "abc")  # the ring is full
     sender.release_handles([ha, hc])  # as if their first delivery was aborted ...
-    sender.clear_cache()  # ... so the clear reclaims them; "b" is still held by its handle
+    put(sender, "d")  # ... so new items reclaim them; "b" is still held by its handle
+    put(sender, "e")
+    assert cached(sender, "abcde") == set("bde")
     features = [Feature(h, mm_hash=k, identifier=k) for h, k in zip((ha, hb, hc), "abc")]
     with pytest.raises(CacheMissError) as info:
         reader.get_and_update_features(features)

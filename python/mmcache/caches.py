@@ -7,6 +7,14 @@ resolve :class:`~mmcache.items.Feature` ``data`` in place.
 Mirroring (``lru`` mode): :class:`SenderCache` (P0) and :class:`ReceiverCache` (P1) apply the
 same operations in the same order with the same size function, so their LRUs hold the same
 keys in the same recency order and P0 knows, without asking, which items P1 holds.
+
+A request cannot evict its own items, even when it is larger than the cache: an item the
+request touched (``touch_sender_cache_item`` on P0, ``touch_receiver_cache_item`` on P1) is
+protected until the request is done (the end of ``get_and_update`` /
+``get_and_update_features``; or its own update, when items are updated one by one), and an
+item that would fit only by evicting a protected one is served uncached (counted as
+``full``).  Both sides see the same touches, sizes and updates, so they take the same
+decisions and the mirror holds.
 """
 
 from __future__ import annotations
@@ -55,6 +63,11 @@ class FeatureLike(Protocol):
     identifier: str
 
 
+def _gib(n_bytes: float) -> str:
+    """``n_bytes`` in GiB, with enough digits to tell small sizes apart."""
+    return f"{n_bytes / GiB:.4g}"
+
+
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` if negative)."""
     if not capacity_gb >= 0:
@@ -75,10 +88,35 @@ class BaseCache(ABC, Generic[InT, OutT]):
         """Resolve one item against the cache and update the cache with it."""
 
     def get_and_update(self, items: Sequence[InT], mm_hashes: Sequence[str]) -> list[OutT]:
-        """:meth:`get_and_update_item` for each ``(item, mm_hash)`` pair, in order."""
+        """:meth:`get_and_update_item` for each ``(item, mm_hash)`` pair of one request, in
+        order.  What the request touched stays protected until it is done; if it raises,
+        whatever its earlier outputs hold is given back first."""
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
-        return [self.get_and_update_item(item, h) for item, h in zip(items, mm_hashes)]
+        outputs: list[OutT] = []
+        self._begin_request()
+        try:
+            self._check_request(items, mm_hashes)
+            for item, h in zip(items, mm_hashes):
+                outputs.append(self.get_and_update_item(item, h))
+        except BaseException:
+            self._abandon(outputs)
+            raise
+        finally:
+            self._end_request(mm_hashes)
+        return outputs
+
+    def _check_request(self, items: Sequence[InT], mm_hashes: Sequence[str]) -> None:
+        """Raise before any item of the request is applied, if it cannot succeed."""
+
+    def _begin_request(self) -> None:
+        """The updates of one request start (protection now lasts until its end)."""
+
+    def _end_request(self, keys: Sequence[str]) -> None:
+        """The request of ``keys`` is done (or failed): drop what protects its items."""
+
+    def _abandon(self, outputs: Sequence[OutT]) -> None:
+        """A request failed after producing ``outputs``: give back what they hold."""
 
     @abstractmethod
     def clear_cache(self) -> None:
@@ -115,26 +153,73 @@ class BaseCache(ABC, Generic[InT, OutT]):
             )
 
     def _cache_if_fits(self, lru: LRUCache, key: str, value: Any) -> None:
-        """Store ``value`` under ``key``, or serve it uncached when it exceeds the capacity.
+        """Store ``value`` under ``key``, or serve it uncached: when it exceeds the capacity
+        (``oversize``), or when it fits only by evicting items that the current request
+        protects (``full``).
 
-        An oversize value also drops what was stored under ``key``, so the stale entry can
-        never be returned in place of the fresh data (a no-op when the sides are mirrored:
-        both missed ``key``).
+        A value served uncached also drops what was stored under ``key``, so the stale entry
+        can never be returned in place of the fresh data (a no-op when the sides are
+        mirrored: both missed ``key``).
         """
         if lru.put_if_fits(key, value):
             return
         lru.pop(key)
         size, capacity = lru.getsizeof(value), lru.maxsize
-        self._serve_uncached(
-            "oversize",
-            f"item {key} is {size / GiB:.3f} GiB, more than the cache's capacity_gb="
-            f"{capacity / GiB:.3f} (raise capacity_gb to cache items this large)",
-        )
+        if size > capacity:
+            self._serve_uncached(
+                "oversize",
+                f"item {key} is {_gib(size)} GiB, more than the cache's capacity_gb="
+                f"{_gib(capacity)} (raise capacity_gb to cache items this large)",
+            )
+        else:
+            self._serve_uncached(
+                "full",
+                f"item {key} ({_gib(size)} GiB) does not fit beside the "
+                f"{_gib(lru.protected_bytes)} GiB of items its request still uses "
+                f"(capacity_gb={_gib(capacity)}; raise it to cache requests this large)",
+            )
+
+
+class _RequestProtection:
+    """Keeps the items one request touched in an :class:`LRUCache` from being evicted by the
+    request's own insertions: the same rule on P0 and P1, so the mirror holds.
+
+    A touched item (one present when touched) is protected until the request is done when
+    the request is updated in one call, or until its own update when items are updated one
+    by one; an item updated in the request without a touch is not protected.
+    """
+
+    def __init__(self, lru: LRUCache) -> None:
+        self._lru = lru
+        self.in_request = False
+
+    def touch(self, key: str) -> None:
+        """Make ``key`` most recent and protect it; a no-op when it is absent."""
+        self._lru.touch(key)
+        self._lru.protect(key)
+
+    def updated(self, key: str) -> None:
+        """``key`` was updated: outside a request, its protection ends now."""
+        if not self.in_request:
+            self._lru.unprotect(key)
+
+    def begin(self) -> None:
+        self.in_request = True
+
+    def end(self, keys: Sequence[str]) -> None:
+        self.in_request = False
+        for key in keys:
+            self._lru.unprotect(key)
+
+    def release_all(self) -> None:
+        self._lru.unprotect_all()
 
 
 class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
     """A P0 cache.  P0 calls :meth:`touch_sender_cache_item` for every hash of a request,
-    then :meth:`get_and_update_item` for each item of it."""
+    then :meth:`get_and_update` with all of its items (as P1 resolves them with one
+    ``get_and_update_features`` call: in ``lru`` mode the mirror of a request larger than the
+    cache depends on it), or :meth:`get_and_update_item` for each."""
 
     @abstractmethod
     def is_cached_item(self, mm_hash: str) -> bool:
@@ -150,6 +235,17 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
 
     def release_sender_touches(self) -> None:
         """Drop the protection of touched items whose update will never come."""
+
+    def _check_request(self, items: Sequence[SenderInput], mm_hashes: Sequence[str]) -> None:
+        """``CacheMissError`` listing every hash whose item is ``None`` but is not cached, in
+        request order, before anything is applied or issued: a request P0 cannot assemble
+        leaves the cache as it was (the engine invalidates the reported hashes and resends
+        the request with their data)."""
+        missing = [
+            h for item, h in zip(items, mm_hashes) if item is None and not self.is_cached_item(h)
+        ]
+        if missing:
+            raise CacheMissError(missing)
 
     @abstractmethod
     def invalidate(self, mm_hash: str) -> None:
@@ -172,20 +268,31 @@ class BaseReceiverCache(BaseCache[Any, Any]):
 
         Touches every key first, then resolves each feature; a miss does not stop the others
         (healthy items are still ingested).  Raises one :class:`CacheMissError` listing every
-        missing hash in request order.
+        missing hash in request order (see :meth:`_not_held` for what else it lists).
         """
         keys = [f.mm_hash or f.identifier for f in features]
-        for feature, key in zip(features, keys):
-            self.touch_receiver_cache_item(key, feature.data)
-        missing: list[str] = []
-        for feature, key in zip(features, keys):
-            try:
-                feature.data = self.get_and_update_item(feature.data, key)
-            except CacheMissError as miss:
-                missing.extend(miss.mm_hashes)
-        if missing:
-            raise CacheMissError(missing)
+        missed: list[bool] = []
+        self._begin_request()
+        try:
+            for feature, key in zip(features, keys):
+                self.touch_receiver_cache_item(key, feature.data)
+            for feature, key in zip(features, keys):
+                try:
+                    feature.data = self.get_and_update_item(feature.data, key)
+                    missed.append(False)
+                except CacheMissError:
+                    missed.append(True)
+            if any(missed):
+                missing = [k for k, m in zip(keys, missed) if m or self._not_held(k)]
+                raise CacheMissError(missing)
+        finally:
+            self._end_request(keys)
         return features
+
+    def _not_held(self, key: str) -> bool:
+        """Whether a request that missed should also report ``key``, which it resolved but
+        which this cache does not hold after it (so the sender must not count on it)."""
+        return False
 
 
 def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
@@ -206,6 +313,7 @@ class _LruSenderCache(BaseSenderCache):
     def __init__(self, capacity_gb: float) -> None:
         super().__init__()
         self._lru = LRUCache(capacity_bytes(capacity_gb))
+        self._protection = _RequestProtection(self._lru)
 
     @abstractmethod
     def _entry(self, item: Item, prompt_updates: Any) -> Any:
@@ -216,21 +324,35 @@ class _LruSenderCache(BaseSenderCache):
         """What to return for a stored entry."""
 
     def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
-        """A hit returns the stored entry's output; a miss stores the item if it fits and
-        returns it as given.  ``CacheMissError`` for a miss without data."""
+        """A hit returns the stored entry's output; a miss stores the item if it fits (see
+        the module's docstring) and returns it as given.  ``CacheMissError`` for a miss
+        without data."""
         entry = self._lru.get(mm_hash)
         if entry is not None:
+            self._protection.updated(mm_hash)
             return self._hit(entry)
         data, prompt_updates = split_sender_input(item, mm_hash)
         self._cache_if_fits(self._lru, mm_hash, self._entry(data, prompt_updates))
+        self._protection.updated(mm_hash)
         return data, prompt_updates
 
     def is_cached_item(self, mm_hash: str) -> bool:
         return mm_hash in self._lru
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
-        """Make ``mm_hash`` most recent (a no-op when absent), as the receiver does."""
-        self._lru.touch(mm_hash)
+        """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
+        no-op when absent), exactly as the receiver's touch does."""
+        self._protection.touch(mm_hash)
+
+    def release_sender_touches(self) -> None:
+        """Drop the protection of every touched item (the request was abandoned)."""
+        self._protection.release_all()
+
+    def _begin_request(self) -> None:
+        self._protection.begin()
+
+    def _end_request(self, keys: Sequence[str]) -> None:
+        self._protection.end(keys)
 
     def invalidate(self, mm_hash: str) -> None:
         self._lru.pop(mm_hash)
@@ -289,28 +411,59 @@ class SenderCache(_LruSenderCache):
 class ReceiverCache(BaseReceiverCache):
     """P1 cache of full items, mirrored by P0's :class:`SenderCache`.
 
-    Data present: stored (replacing any item with the same hash: the fresh payload wins)
-    and returned.  ``None``: the stored item, or a :class:`CacheMissError`.
+    Data present: stored if it fits (replacing any item with the same hash: the fresh
+    payload wins) and returned.  ``None``: the stored item, or, within one request, the data
+    an earlier feature of the request carried for the same hash; otherwise a
+    :class:`CacheMissError`.
+
+    Recovery in one retry: when a request misses, its :class:`CacheMissError` lists, in
+    request order, the hashes that missed and also every other hash of the request this
+    cache does not hold afterwards (items it could not keep).  Once the sender has
+    invalidated them, every hash of the request that the sender still holds is held here
+    too, and stays (touched, so protected) while the retry is resolved: the retry cannot
+    miss.
     """
 
     def __init__(self, capacity_gb: float) -> None:
         super().__init__()
         self._lru = LRUCache(capacity_bytes(capacity_gb))
+        self._protection = _RequestProtection(self._lru)
+        self._carried: dict[str, Item] = {}  # data the current request carried, by hash
 
     def get_and_update_item(self, item: Item | None, mm_hash: str) -> Item:
         if item is None:
             cached: Item | None = self._lru.get(mm_hash)
             if cached is None:
-                raise CacheMissError([mm_hash])
+                cached = self._carried.get(mm_hash)
+                if cached is None:
+                    raise CacheMissError([mm_hash])
+            self._protection.updated(mm_hash)
             return cached
         if not isinstance(item, Mapping):
             raise TypeError(f"ReceiverCache got a {type(item).__qualname__} for {mm_hash}")
         self._cache_if_fits(self._lru, mm_hash, item)
+        self._protection.updated(mm_hash)
+        if self._protection.in_request:
+            # The sender may send None for a later feature with this hash (it kept the item
+            # while this cache could not): resolve it from this payload.
+            self._carried[mm_hash] = item
         return item
 
+    def _not_held(self, key: str) -> bool:
+        return key not in self._lru
+
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
-        """Make ``mm_hash`` most recent (a no-op when absent), as the sender does."""
-        self._lru.touch(mm_hash)
+        """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
+        no-op when absent), exactly as the sender's touch does."""
+        self._protection.touch(mm_hash)
+
+    def _begin_request(self) -> None:
+        self._protection.begin()
+        self._carried.clear()
+
+    def _end_request(self, keys: Sequence[str]) -> None:
+        self._protection.end(keys)
+        self._carried.clear()
 
     def clear_cache(self) -> None:
         """Forget every item (P0's sender must be cleared too, or it will drift)."""

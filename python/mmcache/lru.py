@@ -1,8 +1,8 @@
-"""A size-aware LRU with hit statistics, on top of ``cachetools.LRUCache``."""
+"""A size-aware LRU with hit statistics and protected entries, on top of ``cachetools.Cache``."""
 
 from __future__ import annotations
 
-import copy
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -28,25 +28,60 @@ class CacheInfo(NamedTuple):
         return CacheInfo(self.hits - other.hits, self.total - other.total)
 
 
-class LRUCache(cachetools.LRUCache):  # type: ignore[type-arg]
+class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
     """Least-recently-used cache bounded by the total size of its values.
 
     ``capacity_bytes`` bounds the sum of ``getsizeof(value)`` (by default :func:`item_size`).
     Only :meth:`get` counts towards the statistics; ``key in cache`` neither counts nor
-    changes recency; ``cache[key]`` makes ``key`` most recent without counting.  Inserting
-    evicts least-recent entries until the value fits; since the recency order only ever
-    holds keys that are in the cache, eviction always terminates.
+    changes recency; ``cache[key]`` makes ``key`` most recent without counting.
+
+    Inserting evicts the least recent entries that are not *protected* (:meth:`protect`)
+    until the value fits.  A value that cannot fit beside the protected entries is refused
+    before anything is evicted (:meth:`put_if_fits` returns False, :meth:`put` raises
+    ``ValueError``), so eviction always terminates and never takes a protected entry.
     """
 
     def __init__(
         self, capacity_bytes: float, getsizeof: Callable[[Any], int] = item_size
     ) -> None:
         super().__init__(capacity_bytes, getsizeof)
+        self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recent first
+        self._protected: dict[Hashable, float] = {}  # protected key -> its value's size
+        self._protected_bytes: float = 0
         self.evictions = 0
         """Entries evicted to make room (not those popped or cleared)."""
         self._hits = 0
         self._total = 0
         self._last = CacheInfo(0, 0)
+
+    # -- the mapping, kept in recency order -------------------------------------------------
+
+    def __getitem__(self, key: Hashable) -> Any:
+        """The value for ``key``, made most recent (``KeyError`` when absent); counts nothing."""
+        value = super().__getitem__(key)
+        self._order.move_to_end(key)
+        return value
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        size = self.getsizeof(value)
+        if not self.fits(key, size):
+            raise ValueError(
+                f"a value of {size} bytes cannot fit in a cache of {self.maxsize} bytes "
+                f"beside its {self._room_taken_by_others(key)} protected bytes"
+            )
+        super().__setitem__(key, value)  # evicts through popitem() as needed
+        self._order[key] = None
+        self._order.move_to_end(key)
+        if key in self._protected:  # a protected entry replaced in place: its new size
+            self._protected_bytes += size - self._protected[key]
+            self._protected[key] = size
+
+    def __delitem__(self, key: Hashable) -> None:
+        super().__delitem__(key)
+        del self._order[key]
+        self.unprotect(key)
+
+    # -- the cache's own operations ----------------------------------------------------------
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         """The value for ``key`` (made most recent) or ``default``; counts one lookup."""
@@ -57,13 +92,20 @@ class LRUCache(cachetools.LRUCache):  # type: ignore[type-arg]
         return default
 
     def put(self, key: Hashable, value: Any) -> None:
-        """Insert or replace ``key`` as most recent (``ValueError`` if it can never fit)."""
+        """Insert or replace ``key`` as most recent (``ValueError`` if it cannot fit, alone
+        or beside the protected entries)."""
         self[key] = value
 
+    def fits(self, key: Hashable, size: float) -> bool:
+        """Whether a value of ``size`` bytes can be stored under ``key`` now: it fits in the
+        capacity beside every protected entry other than ``key`` itself (whatever it
+        replaces under ``key`` is given back)."""
+        return 0 <= size <= self.maxsize - self._room_taken_by_others(key)
+
     def put_if_fits(self, key: Hashable, value: Any) -> bool:
-        """Insert like :meth:`put` and return True, or return False (inserting nothing)
-        when the value alone exceeds the capacity."""
-        if self.getsizeof(value) > self.maxsize:
+        """Insert like :meth:`put` and return True, or return False (changing nothing) when
+        the value exceeds the capacity, alone or beside the protected entries."""
+        if not self.fits(key, self.getsizeof(value)):
             return False
         self[key] = value
         return True
@@ -71,25 +113,73 @@ class LRUCache(cachetools.LRUCache):  # type: ignore[type-arg]
     def touch(self, key: Hashable) -> None:
         """Make ``key`` most recent; a no-op when it is absent (no entry is created)."""
         if key in self:
-            self[key]  # noqa: B018  (cachetools' __getitem__ moves the key to the end)
+            self._order.move_to_end(key)
+
+    def protect(self, key: Hashable) -> None:
+        """Keep ``key`` from being evicted until :meth:`unprotect` (or until it is popped or
+        cleared); a no-op when it is absent.  Protecting does not change recency."""
+        if key in self and key not in self._protected:
+            size = self.getsizeof(super().__getitem__(key))
+            self._protected[key] = size
+            self._protected_bytes += size
+
+    def unprotect(self, key: Hashable) -> None:
+        """Let ``key`` be evicted again; a no-op when it is not protected."""
+        size = self._protected.pop(key, None)
+        if size is not None:
+            self._protected_bytes -= size
+
+    def unprotect_all(self) -> None:
+        """Let every entry be evicted again."""
+        self._protected.clear()
+        self._protected_bytes = 0
+
+    def is_protected(self, key: Hashable) -> bool:
+        return key in self._protected
+
+    @property
+    def protected_bytes(self) -> float:
+        """Total size of the protected entries."""
+        return self._protected_bytes
 
     def popitem(self) -> tuple[Hashable, Any]:
-        """Evict the least recently used entry (cachetools calls this to make room)."""
-        evicted = super().popitem()
+        """Evict the least recently used entry that is not protected (``KeyError`` when
+        there is none); inserting calls this to make room."""
+        for key in self._order:
+            if key not in self._protected:
+                break
+        else:
+            raise KeyError(f"{type(self).__name__} has no entry that is not protected")
+        value = super().__getitem__(key)
+        del self[key]
         self.evictions += 1
-        return evicted
+        return key, value
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
-        """Remove ``key`` and return its value, or ``default`` when absent; counts nothing."""
-        return super().pop(key, default)
+        """Remove ``key`` (protected or not) and return its value, or ``default`` when
+        absent; counts nothing."""
+        if key not in self:
+            return default
+        value = super().__getitem__(key)
+        del self[key]
+        return value
 
     def clear(self) -> None:
-        """Remove every entry and reset the statistics (evictions included)."""
+        """Remove every entry, protected ones included, and reset the statistics
+        (evictions included)."""
         super().clear()
+        self._order.clear()
+        self.unprotect_all()
         self.evictions = 0
         self._hits = 0
         self._total = 0
         self._last = CacheInfo(0, 0)
+
+    def __copy__(self) -> LRUCache:
+        clone: LRUCache = super().__copy__()  # type: ignore[misc]
+        clone._order = self._order.copy()
+        clone._protected = self._protected.copy()
+        return clone
 
     def stat(self, delta: bool = False) -> CacheInfo:
         """Cumulative statistics, or with ``delta=True`` the change since the previous
@@ -102,6 +192,8 @@ class LRUCache(cachetools.LRUCache):  # type: ignore[type-arg]
 
     def recency_order(self) -> list[Hashable]:
         """Keys from least to most recently used (the order eviction follows); O(n)."""
-        # cachetools exposes the order only through popitem(); pop from a shallow copy.
-        shadow = copy.copy(self)
-        return [shadow.popitem()[0] for _ in range(len(shadow))]
+        return list(self._order)
+
+    def _room_taken_by_others(self, key: Hashable) -> float:
+        """Bytes of the protected entries other than ``key``."""
+        return self._protected_bytes - self._protected.get(key, 0)

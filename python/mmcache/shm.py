@@ -11,7 +11,7 @@ memory and never enter shared memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mmcache import serde
@@ -41,6 +41,11 @@ class ShmSenderCache(BaseSenderCache):
     or one that finds the ring full of protected objects (unread, pinned or viewed), is
     served uncached: the item itself is returned (tell it from a handle by type), counted in
     :meth:`stats` and logged once.
+
+    A request that raises leaves no reference behind: :meth:`get_and_update` checks that
+    every ``None`` item is cached before it issues any handle (:class:`CacheMissError`
+    listing every missing hash), and should an item still miss part-way, the handles issued
+    for the items before it are given back before the error propagates.
 
     ``capacity_gb`` sizes the ring (``MemoryError`` at creation if ``/dev/shm`` cannot hold
     it); ``n_readers`` is the number of workers, each of which must read every handle.
@@ -152,6 +157,16 @@ class ShmSenderCache(BaseSenderCache):
             self._pinned.discard(mm_hash)
             self._store.unpin(mm_hash)
 
+    def _end_request(self, keys: Sequence[str]) -> None:
+        # Every item of a request that succeeded was unpinned by its update; those of a
+        # request that raised will never get one.
+        for mm_hash in keys:
+            self._unpin(mm_hash)
+
+    def _abandon(self, outputs: Sequence[SenderOutput]) -> None:
+        # The request raised: the engine never sees these handles, so it cannot release them.
+        self.release_handles(data for data, _ in outputs)
+
     def release_handles(self, handles: Iterable[object]) -> None:
         """Give back the references of handles that will never reach the readers (their
         request was aborted or rejected).  Anything that is not a handle is skipped, so the
@@ -161,14 +176,17 @@ class ShmSenderCache(BaseSenderCache):
                 self._store.release(handle)
 
     def invalidate(self, mm_hash: str) -> None:
-        """Drop ``mm_hash`` from the ring: handles to it become misses, never wrong data."""
+        """Drop ``mm_hash`` from the ring.  Handles to it that are already in flight either
+        still read their own data (their unread references protect it) or are a miss, never
+        another item's data; the next update of ``mm_hash`` writes it anew."""
         self._unpin(mm_hash)
         self._store.invalidate(mm_hash)
         self._prompt_updates.pop(mm_hash, None)
 
     def clear_cache(self) -> None:
-        """Drop every object and reset the hit statistics.  Handles issued before read as
-        misses; monotonic ids keep counting, so they can never alias new data."""
+        """Drop every object and reset the hit statistics.  Handles issued before either
+        still read their own data or are a miss, never another item's data: monotonic ids
+        keep counting, so they can never alias new data."""
         self._pinned.clear()
         self._store.clear()
         self._prompt_updates.clear()
