@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
-.PHONY: build simulate test test-rust test-python lint stubtest bench fuzz clean
+.PHONY: build simulate test test-rust test-python lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,13 +29,15 @@ lint:
 test-rust:
 	cargo test
 
-stubtest: build
+# The hand-written stub of the Rust module must match it; the package must type-check.
+typecheck: build
 	$(PY) -m mypy.stubtest mmcache._core
+	$(PY) -m mypy --strict python/mmcache
 
 test-python: build
 	$(PY) -m pytest -q
 
-test: lint test-rust stubtest test-python
+test: lint test-rust typecheck test-python
 
 bench: build
 	$(VENV)/bin/mmcache bench

@@ -117,6 +117,13 @@ class OracleFailure(AssertionError):
     """An oracle of the drift fuzzer failed: the caches did something they must never do."""
 
 
+def _assembled(outputs: list[Any] | None, ids: Sequence[int]) -> list[Any]:
+    """The outputs of a staged attempt, which P0 must have assembled (oracle b)."""
+    if outputs is None:
+        raise OracleFailure(f"(b) P0 could not assemble request {list(ids)}")
+    return outputs
+
+
 # --------------------------------------------------------------------------------------------
 # Counters
 
@@ -497,7 +504,7 @@ class Model:
         if p0_miss is not None:
             miss, side = p0_miss, "p0"
         else:
-            assert outputs is not None
+            outputs = _assembled(outputs, ids)
             if before_deliver is not None:
                 before_deliver()
             try:
@@ -511,7 +518,7 @@ class Model:
         self.stats.retries += 1
         self.stats.attempts += 1
         outputs, p0_miss = self._stage(fe, ids, attach_all=True)
-        assert outputs is not None
+        outputs = _assembled(outputs, ids)
         try:
             self._deliver(ids, outputs, exposed=False, retry=True)
         except CacheMissError as exc:
@@ -916,7 +923,7 @@ class _ShmModel(Model):
         if p0_miss is not None:
             self._finish(self.p0, ids, (outputs, p0_miss), exposed=False)
             return
-        assert outputs is not None
+        outputs = _assembled(outputs, ids)
         hashes = self.universe.hashes(ids)
         self.stats.attempts += 1
         # Worker 0 reads the request twice before any other worker reads it.
@@ -944,7 +951,7 @@ class _ShmModel(Model):
             self.stats.retries += 1
             self.stats.attempts += 1
             retry, _ = self._stage(self.p0, ids, attach_all=True)
-            assert retry is not None
+            retry = _assembled(retry, ids)
             try:
                 self._deliver(ids, retry, exposed=False, retry=True)
             except CacheMissError as exc:
