@@ -193,13 +193,8 @@ impl Layout {
                     "max_object_size must be positive".into(),
                 ));
             }
-            Some(m) if m > largest => {
-                return Err(Error::InvalidArgument(format!(
-                    "max_object_size {m} exceeds what a ring of {capacity} bytes can hold \
-                     ({largest} bytes)"
-                )));
-            }
-            Some(m) => m,
+            // A limit above what the ring can hold is no error: the ring is the limit then.
+            Some(m) => m.min(largest),
         };
         Ok(Layout {
             header_size,
@@ -294,6 +289,7 @@ impl Layout {
         let expected = Layout::new(load(header::CAPACITY)?, n_readers, Some(max_object_size))
             .map_err(|e| Error::Corrupt(format!("inconsistent header ({e})")))?;
         if load(header::HEADER_SIZE)? != expected.header_size
+            || max_object_size != expected.max_object_size
             || load(header::CHUNK_HEADER_SIZE)? != expected.chunk_header_size
             || load(header::CAPACITY)? != expected.capacity
             || load(header::TOTAL_LEN)? != expected.total_len()
@@ -330,7 +326,8 @@ mod tests {
         assert!(Layout::new(1 << 20, 0, None).is_err());
         assert!(Layout::new(1 << 20, MAX_READERS + 1, None).is_err());
         assert!(Layout::new(64, 1, None).is_err());
-        assert!(Layout::new(1 << 20, 1, Some(1 << 21)).is_err());
+        let clamped = Layout::new(1 << 20, 1, Some(1 << 21)).unwrap();
+        assert_eq!(clamped.max_object_size, (1 << 20) - 128);
         assert!(Layout::new(u64::MAX, 1, None).is_err());
     }
 

@@ -64,12 +64,15 @@ class ShmSenderCache(BaseSenderCache):
         super().__init__()
         if not max_object_size_mb > 0:
             raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
-        # The core's own limit is what the ring can hold; max_object_size_mb is this cache's
-        # policy on top (so a small ring with the default limit is not an error).
+        # The core clamps the limit to what the ring can hold (a small ring with the default
+        # limit is no error).
         self._store = ShmObjectStore.create(
-            capacity_bytes(capacity_gb), n_readers=n_readers, name=name
+            capacity_bytes(capacity_gb),
+            n_readers=n_readers,
+            max_object_size=max(1, int(max_object_size_mb * MiB)),
+            name=name,
         )
-        self._max_object_size = min(int(max_object_size_mb * MiB), self._store.max_object_size)
+        self._max_object_size = self._store.max_object_size
         self._prompt_updates: dict[str, Any] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
         self._pinned: set[str] = set()
