@@ -729,6 +729,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("LAYOUT_VERSION", LAYOUT_VERSION)?;
+    m.add("PART_ALIGNMENT", crate::layout::ALIGN)?;
     m.add("MmcacheError", py.get_type::<MmcacheError>())?;
     m.add("SegmentCorruptError", py.get_type::<SegmentCorruptError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;

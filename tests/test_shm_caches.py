@@ -355,6 +355,20 @@ def test_forged_or_misdirected_handles_are_rejected(
     assert same_item(reader.get_and_update_item(handle, "a"), make_item("a"))
 
 
+def test_a_forged_handle_does_not_leave_the_rest_of_its_request_unread(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    ha, hb, hc = (put(sender, k) for k in "abc")
+    forged = ShmHandle(address=ha.address, monotonic_id=ha.monotonic_id, signature=bytes(16))
+    features = [Feature(h, mm_hash=k, identifier=k) for h, k in zip((forged, hb, hc), "abc")]
+    with pytest.raises(InvalidHandleError):
+        reader.get_and_update_features(features)
+    # b and c were still read (their references given back) and resolved.
+    assert same_item(features[1].data, make_item("b"))
+    assert same_item(features[2].data, make_item("c"))
+    assert sender.stats()["store_outstanding_refs"] == 1  # only the genuine handle of a
+
+
 def test_each_receiver_takes_a_reader_slot() -> None:
     with ShmSenderCache(RING / GiB, n_readers=2) as sender:
         first, second = ShmReceiverCache(sender.handle()), ShmReceiverCache(sender.handle())

@@ -8,6 +8,8 @@ from typing_extensions import Buffer, Self
 
 __version__: str
 LAYOUT_VERSION: int
+PART_ALIGNMENT: int
+"""Every part of a multi-part ``put`` starts at a multiple of this many bytes of the payload."""
 
 class MmcacheError(Exception):
     """Base class of every error the shared-memory core raises on its own account."""

@@ -268,10 +268,14 @@ class BaseReceiverCache(BaseCache[Any, Any]):
 
         Touches every key first, then resolves each feature; a miss does not stop the others
         (healthy items are still ingested).  Raises one :class:`CacheMissError` listing every
-        missing hash in request order (see :meth:`_not_held` for what else it lists).
+        missing hash in request order (see :meth:`_not_held` for what else it lists).  Any
+        other error (a forged handle, say) does not stop the others either — resolving a
+        handle is what gives its reference back, so skipping the rest would pin them in the
+        ring — and the first such error is raised once all are resolved.
         """
         keys = [f.mm_hash or f.identifier for f in features]
         missed: list[bool] = []
+        failure: Exception | None = None
         self._begin_request()
         try:
             for feature, key in zip(features, keys):
@@ -282,6 +286,11 @@ class BaseReceiverCache(BaseCache[Any, Any]):
                     missed.append(False)
                 except CacheMissError:
                     missed.append(True)
+                except Exception as exc:
+                    missed.append(False)
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
             if any(missed):
                 missing = [k for k, m in zip(keys, missed) if m or self._not_held(k)]
                 raise CacheMissError(missing)

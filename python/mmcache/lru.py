@@ -175,12 +175,6 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
         self._total = 0
         self._last = CacheInfo(0, 0)
 
-    def __copy__(self) -> LRUCache:
-        clone: LRUCache = super().__copy__()  # type: ignore[misc]
-        clone._order = self._order.copy()
-        clone._protected = self._protected.copy()
-        return clone
-
     def stat(self, delta: bool = False) -> CacheInfo:
         """Cumulative statistics, or with ``delta=True`` the change since the previous
         delta call."""

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
+from mmcache import _core
 from mmcache._core import SegmentCorruptError
 from mmcache.items import is_tensor
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ALIGNMENT", "OUT_OF_BAND_BYTES", "decode", "encode", "part_offsets", "payload_size"]
 
-ALIGNMENT = 64
+ALIGNMENT: int = _core.PART_ALIGNMENT
 """Every part starts at a multiple of this many bytes from the payload start (the core's rule)."""
 
 OUT_OF_BAND_BYTES = 256

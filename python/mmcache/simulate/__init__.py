@@ -10,8 +10,8 @@ supervises P0 (:mod:`.frontend`), P1 and the workers (:mod:`.engine`), which tal
 :mod:`.wire`; :mod:`.report` presents the figures.
 """
 
+from mmcache.factory import MODES
 from mmcache.simulate.config import (
-    MODES,
     ConfigError,
     RunMetrics,
     SimulationConfig,

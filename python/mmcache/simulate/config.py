@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mmcache.factory import MODES
 from mmcache.simulate.workload import TARGET_SIDE
 
-MODES = ("none", "processor_only", "lru", "shm")
 #: Bytes of one processed item: float32 pixel values plus the two int64 original sides.
 ITEM_BYTES = 3 * TARGET_SIDE * TARGET_SIDE * 4 + 2 * 8
 #: Workers beyond this many per CPU core only measure the machine's scheduler.

@@ -1,7 +1,8 @@
 """P1, the engine core, and the workers.
 
 P1 resolves each request's features with its :class:`~mmcache.ReceiverCache` (``lru`` mode)
-and forwards their tensors to every worker, or forwards handles untouched (``shm``); a miss
+and forwards their tensors to every worker; without a cache of its own (``none``,
+``processor_only``, ``shm``: handles) it passes each message on as it came. A miss
 goes back to P0. Each worker resolves handles with its own
 :class:`~mmcache.ShmReceiverCache` (``shm``: zero-copy views of the ring), checks every
 tensor against the digest P0 recorded for its hash, and reports to P0.
@@ -54,19 +55,24 @@ def _engine_core(frontend: Connection, workers: list[Connection]) -> None:
             totals = {"bytes": traffic.total, "payload_bytes": traffic.payload_bytes}
             wire.send(frontend, {"type": "stats", **totals})
             return
+        if receiver is None:
+            # Nothing to resolve here (no cache, or handles for the workers): pass the
+            # message on as it came.
+            for worker in workers:
+                wire.send(worker, header, [memoryview(b) for b in buffers], traffic=traffic)
+            continue
         features = [wire.decode_feature(entry, buffers) for entry in header["features"]]
-        if receiver is not None:
-            try:
-                receiver.get_and_update_features(features)
-            except CacheMissError as miss:
-                reply = {
-                    "type": "miss",
-                    "rid": header["rid"],
-                    "attempt": header["attempt"],
-                    "missing": miss.mm_hashes,
-                }
-                wire.send(frontend, reply, traffic=traffic)
-                continue
+        try:
+            receiver.get_and_update_features(features)
+        except CacheMissError as miss:
+            reply = {
+                "type": "miss",
+                "rid": header["rid"],
+                "attempt": header["attempt"],
+                "missing": miss.mm_hashes,
+            }
+            wire.send(frontend, reply, traffic=traffic)
+            continue
         out: list[memoryview] = []
         header["features"] = [wire.encode_feature(f, out) for f in features]
         for worker in workers:
