@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from item_checks import same_item
 from mmcache import (
     CacheInfo,
     CacheMissError,
@@ -45,15 +46,6 @@ def make_item(key: str, n_bytes: int = KiB) -> dict[str, Any]:
 
 def updates_of(key: str) -> list[str]:
     return [f"updates of {key}"]
-
-
-def same_item(a: Any, b: Any) -> bool:
-    return (
-        isinstance(a, dict)
-        and isinstance(b, dict)
-        and a.keys() == b.keys()
-        and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-    )
 
 
 def run_request(

@@ -90,6 +90,20 @@ def unwire(fields: tuple[int, int, bytes]) -> ShmHandle:
     return ShmHandle(address=fields[0], monotonic_id=fields[1], signature=fields[2])
 
 
+def sigkill(proc: Any) -> None:
+    """Kill ``proc`` outright, as the OOM killer would, and wait for it."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(TIMEOUT)
+    assert proc.exitcode == -signal.SIGKILL
+
+
+def reap(proc: Any) -> None:
+    """Make sure a test's child process is gone, whatever the test did."""
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
 def recv(conn: Any) -> Any:
     assert conn.poll(TIMEOUT), "the child process did not answer"
     return conn.recv()
@@ -151,13 +165,9 @@ def test_a_sigkilled_worker_holding_views_and_unread_handles_is_reclaimed() -> N
             assert p0.stats()["uncached_full"] >= 1
             assert p0.is_cached(["v0", "u0"]) == [True, True]  # held for the doomed worker
 
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(TIMEOUT)
-            assert proc.exitcode == -signal.SIGKILL
+            sigkill(proc)
         finally:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            reap(proc)
 
         # The writer reclaims the dead worker's slot when it needs room, and keeps caching.
         for n in range(20):
@@ -206,9 +216,7 @@ def test_a_worker_writing_into_its_zero_copy_tensor_cannot_change_what_anyone_re
             proc.join(TIMEOUT)
             assert proc.exitcode == -signal.SIGSEGV, "the write into read-only memory faults"
         finally:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            reap(proc)
         again, _ = p0.get_and_update_item(None, "shared")  # a later hit
         assert same(resolve(other, [("shared", wire(h))])[0].data, "shared")
         assert same(resolve(other, [("shared", wire(again))])[0].data, "shared")
@@ -235,13 +243,9 @@ def test_a_sigkilled_writer_gives_a_clear_error_and_its_segment_is_pruned() -> N
             reader_handle, name, batch = recv(parent)
             worker = ShmReceiverCache(reader_handle)
             assert same(resolve(worker, batch[:1])[0].data, "w0")
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(TIMEOUT)
-            assert proc.exitcode == -signal.SIGKILL
+            sigkill(proc)
         finally:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            reap(proc)
         # A clear error for every read, not a crash and not data.
         for _ in range(3):
             with pytest.raises(WriterGoneError):
@@ -450,9 +454,7 @@ def test_a_forged_handle_stream_is_rejected_before_shared_memory_is_read() -> No
                 result = recv(parent)
                 proc.join(TIMEOUT)
             finally:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+                reap(proc)
         assert result[0] == "done", result
         _, counts, before, after, slot, ok, ok_cache = result
         assert proc.exitcode == 0, "the worker died"

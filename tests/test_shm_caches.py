@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from item_checks import same_item
 from mmcache import (
     CacheInfo,
     CacheMissError,
@@ -40,15 +41,6 @@ def make_item(key: str, n_bytes: int = OBJ - 256) -> dict[str, Any]:
     seed = int.from_bytes(key.encode(), "little") % (2**31)
     g = torch.Generator().manual_seed(seed)
     return {"pixel_values": torch.randint(0, 255, (n_bytes,), dtype=torch.uint8, generator=g)}
-
-
-def same_item(a: Any, b: Any) -> bool:
-    return (
-        isinstance(a, dict)
-        and isinstance(b, dict)
-        and a.keys() == b.keys()
-        and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-    )
 
 
 @pytest.fixture
