@@ -574,6 +574,14 @@ impl ShmObjectStore {
         Ok(writer.release(&handle.to_handle()?)?)
     }
 
+    fn verify(&self, handle: &ShmHandle, key: &str) -> PyResult<bool> {
+        let writer = self.writer("verify")?;
+        match handle.to_handle() {
+            Ok(h) => Ok(writer.verify(&h, key)?),
+            Err(_) => Ok(false), // a signature of the wrong length names no entry
+        }
+    }
+
     fn invalidate(&self, key: &str) -> PyResult<()> {
         Ok(self.writer("invalidate")?.invalidate(key)?)
     }

@@ -634,6 +634,21 @@ impl Writer {
         self.publish(&state)
     }
 
+    /// Whether `handle` is the current entry of `key`: signed for `key` by this store and
+    /// naming the chunk `key` is stored in now. No side effect: no reference is issued, no
+    /// hit counted, no recency changed (for validating handles a client sent back).
+    pub fn verify(&self, handle: &Handle, key: &str) -> Result<bool> {
+        let state = self.lock()?;
+        if !self.signer.verify(key, handle) {
+            return Ok(false);
+        }
+        Ok(state.keys.get(key) == Some(&handle.address)
+            && state
+                .ring
+                .get(handle.address)
+                .is_some_and(|meta| meta.id == handle.monotonic_id))
+    }
+
     /// Copy an object out: the writer's own read. Its lock keeps the bytes from changing.
     pub fn read(&self, handle: &Handle, key: &str) -> Result<Vec<u8>> {
         let state = self.lock()?;

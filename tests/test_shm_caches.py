@@ -69,6 +69,26 @@ def cached(sender: ShmSenderCache, keys: str) -> set[str]:
 # -- the sender ------------------------------------------------------------------------------
 
 
+def test_verify_is_side_effect_free_and_tracks_the_current_entry(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    handle = put(sender, "a")
+    before = sender.stats()
+    assert sender.verify(handle, "a")
+    assert not sender.verify(handle, "b"), "signed for another key"
+    forged = ShmHandle(address=handle.address, monotonic_id=handle.monotonic_id + 1,
+                       signature=handle.signature)
+    assert not sender.verify(forged, "a")
+    assert not sender.verify({"pixel_values": 1}, "a")
+    after = sender.stats()
+    for counter in ("hits", "total", "store_refs_issued", "store_outstanding_refs"):
+        assert after[counter] == before[counter], counter
+    sender.invalidate("a")
+    assert not sender.verify(handle, "a"), "no longer the current entry"
+    fresh = put(sender, "a")
+    assert sender.verify(fresh, "a") and not sender.verify(handle, "a")
+
+
 def test_hit_returns_a_handle_and_the_prompt_updates(sender: ShmSenderCache) -> None:
     handle = put(sender, "a")
     assert isinstance(handle, ShmHandle)

@@ -138,6 +138,13 @@ class ShmSenderCache(BaseSenderCache):
     def is_cached_item(self, mm_hash: str) -> bool:
         return self._store.is_cached(mm_hash)
 
+    def verify(self, handle: object, mm_hash: str) -> bool:
+        """Whether ``handle`` is ``mm_hash``'s current entry in the ring: an
+        :class:`ShmHandle` signed for ``mm_hash`` by this cache and naming the object stored
+        under it now.  Side-effect free (no hit counted, no reference issued, no recency
+        change), for validating a handle a client sent back."""
+        return isinstance(handle, ShmHandle) and self._store.verify(handle, mm_hash)
+
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Pin ``mm_hash`` (if cached) until its :meth:`get_and_update_item`, so writing the
         request's other items cannot evict it."""
