@@ -879,6 +879,12 @@ impl Reader {
         self.shared.seg.name()
     }
 
+    /// Address and length of this reader's read-only mapping of the whole segment, where
+    /// zero-copy views point (for registering it with a device, e.g. `cudaHostRegister`).
+    pub fn view_mapping(&self) -> Option<(usize, usize)> {
+        self.shared.seg.view_mapping()
+    }
+
     fn check_writer(&self) -> Result<()> {
         // Acquire pairs with the writer's Release store in `Writer::close`.
         if self
@@ -1064,6 +1070,30 @@ impl Lease {
             }
         }
         Ok(())
+    }
+
+    /// Copy `dst.len()` payload bytes starting `offset` bytes in (a protected lease only:
+    /// the writer cannot reuse those bytes while it lives, so no check is needed after).
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        if self.stamp.is_none() {
+            return Err(Error::InvalidArgument(
+                "read_at needs a protected lease; copy an unprotected payload with copy_to".into(),
+            ));
+        }
+        if offset
+            .checked_add(dst.len() as u64)
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {offset}+{} lie outside the {}-byte payload",
+                dst.len(),
+                self.len
+            )));
+        }
+        self.reader
+            .shared
+            .seg
+            .read_into(self.payload_offset() + offset, dst)
     }
 
     /// The payload's address in this process, only for a protected lease; valid while the
