@@ -8,7 +8,8 @@ round, and the median over rounds is reported, with the machine's load average.
 
 The item is three float32 tensors (1/4, 1/2 and 1/4 of its bytes; vLLM gets them as a
 ``MultiModalKwargsItem`` of three batched fields): 4 KiB for the table of the issue, and
-1 MiB, compared with a memcpy of the same bytes.
+1 MiB, compared with a memcpy of the same bytes. Timed sections run with the cyclic garbage
+collector off, as ``timeit`` does, in P0 and in the worker alike.
 
 Needs vLLM 0.33 importable next to mmcache. Without vLLM's own dependencies, install it
 alone plus what its store and serde import, e.g. into a scratch virtualenv that also sees
@@ -24,6 +25,7 @@ Run: ``python benches/bench_vllm.py [--rounds N] [--json PATH]`` (about two minu
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import multiprocessing as mp
@@ -133,11 +135,20 @@ READERS: dict[str, Callable[[Any], Callable[[Any], Any]]] = {
 # ------------------------------------------------------------------------------------------
 
 
-def per_op(run: Callable[[int], None], n: int) -> float:
-    """Seconds per operation of ``run(n)`` (which performs ``n`` of them)."""
-    start = time.perf_counter()
-    run(n)
-    return (time.perf_counter() - start) / n
+def per_op(op: Callable[[], object], n: int) -> float:
+    """Seconds per call of ``op`` over ``n`` calls, each result dropped at once (as a caller
+    that uses it and moves on), with the cyclic garbage collector off as ``timeit`` has it:
+    one full collection of a heap holding torch costs tens of milliseconds, a lottery that
+    would swamp microsecond operations."""
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(n):
+            op()
+        return (time.perf_counter() - start) / n
+    finally:
+        gc.enable()
 
 
 def micro(stmt: str, env: dict[str, Any], n: int) -> float:
@@ -158,17 +169,14 @@ def bench_puts(nbytes: int, n: int, lock: Any) -> dict[str, float]:
     out = {}
     v = Vllm(0, lock)  # no reader to wait for, as for mmcache's unattached rings
     keys = fresh_keys("v")
-    out["vllm"] = per_op(lambda k: [v.writer.put(next(keys), item) for _ in range(k)], n)
+    out["vllm"] = per_op(lambda: v.writer.put(next(keys), item), n)
     v.close()
     with ShmObjectStore.create(RING, max_object_size=8 * MiB) as store:
         keys = fresh_keys("c")
-        out["core"] = per_op(lambda k: [store.put(next(keys), parts) for _ in range(k)], n)
+        out["core"] = per_op(lambda: store.put(next(keys), parts), n)
     with ShmSenderCache(RING / (1 << 30), max_object_size_mb=8) as sender:
         keys = fresh_keys("a")
-        out["cache"] = per_op(
-            lambda k: [sender.get_and_update_item((fields, updates), next(keys)) for _ in range(k)],
-            n,
-        )
+        out["cache"] = per_op(lambda: sender.get_and_update_item((fields, updates), next(keys)), n)
     return out
 
 
@@ -179,22 +187,20 @@ def bench_resolves(nbytes: int, n: int, lock: Any) -> dict[str, float]:
     v = Vllm(1, lock)
     handle = v.put("x", vllm_item(fields))
     read = vllm_reader(v.reader_handle())
-    out["vllm"] = per_op(lambda k: [read(handle) for _ in range(k)], n)
+    out["vllm"] = per_op(lambda: read(handle), n)
     v.close()
     header, buffers = serde.encode(fields)
     with ShmObjectStore.create(RING, max_object_size=8 * MiB) as store:
         read = core_reader(store.handle())
         store.put("x", [header, *buffers])
-        handles = [(store.get_cached("x"), "x") for _ in range(n)]
-        out["core"] = per_op(lambda k: [read(h) for h in handles[:k]], n)
+        handles = iter([(store.get_cached("x"), "x") for _ in range(n)])
+        out["core"] = per_op(lambda: read(next(handles)), n)
     for copy in (True, False):
         with ShmSenderCache(RING / (1 << 30), max_object_size_mb=8) as sender:
             read = cache_reader(sender.handle(), copy)
             sender.get_and_update_item((fields, None), "x")
-            handles = [(sender.get_and_update_item(None, "x")[0], "x") for _ in range(n)]
-            out["cache" if copy else "cache zero-copy"] = per_op(
-                lambda k: [read(h) for h in handles[:k]], n
-            )
+            issued = iter([(sender.get_and_update_item(None, "x")[0], "x") for _ in range(n)])
+            out["cache" if copy else "cache zero-copy"] = per_op(lambda: read(next(issued)), n)
     return out
 
 
@@ -228,7 +234,7 @@ def bench_hits_and_lookups(lock: Any) -> dict[str, float]:
 def bench_memcpy(nbytes: int, n: int) -> float:
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
-    return per_op(lambda k: [np.copyto(dst, src) for _ in range(k)], n)
+    return per_op(lambda: np.copyto(dst, src), n)
 
 
 # ------------------------------------------------------------------------------------------
@@ -239,6 +245,8 @@ def bench_memcpy(nbytes: int, n: int) -> float:
 def _worker(system: str, handle: Any, conn: Connection) -> None:
     """Resolve every batch of handles received; report each batch done."""
     read = READERS[system](handle)
+    gc.collect()
+    gc.disable()  # as on P0's side: see per_op (nothing here makes reference cycles)
     conn.send("ready")
     while (batch := conn.recv()) is not None:
         for h in batch:
@@ -290,6 +298,8 @@ class EndToEnd:
     def items_per_s(self, system: str, batches: int) -> float:
         conn, put = self.conns[system], self.put[system]
         in_flight = 0
+        gc.collect()
+        gc.disable()
         start = time.perf_counter()
         for _ in range(batches):
             conn.send([put() for _ in range(BATCH)])
@@ -300,7 +310,9 @@ class EndToEnd:
         while in_flight:
             conn.recv()
             in_flight -= 1
-        return batches * BATCH / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        gc.enable()
+        return batches * BATCH / elapsed
 
     def close(self) -> None:
         for conn in self.conns.values():

@@ -289,9 +289,11 @@ class ShmReceiverCache(BaseReceiverCache):
         return self._pin_copies or (self._unregister is not None and self._unregister.alive)
 
     def get_and_update_item(self, item: Item | ShmHandle | None, mm_hash: str) -> Item | None:
-        if item is None or isinstance(item, Mapping):
-            return item
-        if not isinstance(item, ShmHandle):
+        # Handles first: an isinstance check against the Mapping ABC costs more than the
+        # rest of the call's Python together.
+        if type(item) is not ShmHandle:
+            if item is None or isinstance(item, Mapping):
+                return item
             raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
         try:
             return self._store.get_item(
@@ -310,11 +312,11 @@ class ShmReceiverCache(BaseReceiverCache):
         failure: Exception | None = None
         for feature in features:
             data = feature.data
-            if data is None or isinstance(data, Mapping):
+            if type(data) is not ShmHandle and (data is None or isinstance(data, Mapping)):
                 continue
             key = feature.mm_hash or feature.identifier
             try:
-                if not isinstance(data, ShmHandle):
+                if type(data) is not ShmHandle:
                     raise TypeError(
                         f"ShmReceiverCache got a {type(data).__qualname__} for {key}"
                     )
