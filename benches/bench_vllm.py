@@ -64,8 +64,8 @@ from mmcache import ShmReceiverCache, ShmSenderCache, serde
 from mmcache._core import ShmObjectStore
 from mmcache.bench import three_tensor_item
 
-KiB, MiB = 1 << 10, 1 << 20
-RING = 64 * MiB
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+E2E_RING = 16 * MiB  # the end-to-end runs keep two batches of 4 KiB items in flight
 SYSTEMS = ("vllm", "core", "cache")
 BATCH = 64  # items per message in the end-to-end runs
 
@@ -74,6 +74,13 @@ def vllm_item(fields: dict[str, torch.Tensor]) -> MultiModalKwargsItem:
     return MultiModalKwargsItem(
         {k: MultiModalFieldElem(data=v, field=MultiModalBatchedField()) for k, v in fields.items()}
     )
+
+
+def ring_for(nbytes: int, objects: int) -> int:
+    """A ring for ``objects`` items of ``nbytes`` (as ``mmcache bench`` sizes its own): every
+    system gets the same, small enough that a put's destination is as warm as ``mmcache
+    bench``'s."""
+    return objects * (nbytes + 64 * KiB) + MiB
 
 
 def quiet_vllm() -> None:
@@ -88,10 +95,10 @@ def quiet_vllm() -> None:
 
 
 class Vllm:
-    def __init__(self, n_readers: int, lock: Any) -> None:
+    def __init__(self, n_readers: int, lock: Any, ring: int) -> None:
         quiet_vllm()
-        self.ring = SingleWriterShmRingBuffer(RING, create=True)
-        self.writer = SingleWriterShmObjectStorage(8 * MiB, n_readers, self.ring, MsgpackSerde)
+        self.ring = SingleWriterShmRingBuffer(ring, create=True)
+        self.writer = SingleWriterShmObjectStorage(2 * MiB, n_readers, self.ring, MsgpackSerde)
         self.lock = lock
 
     def reader_handle(self) -> Any:
@@ -167,14 +174,15 @@ def bench_puts(nbytes: int, n: int, lock: Any) -> dict[str, float]:
     header, buffers = serde.encode(fields)
     parts = [header, *buffers]
     out = {}
-    v = Vllm(0, lock)  # no reader to wait for, as for mmcache's unattached rings
+    ring = ring_for(nbytes, 8)
+    v = Vllm(0, lock, ring)  # no reader to wait for, as for mmcache's unattached rings
     keys = fresh_keys("v")
     out["vllm"] = per_op(lambda: v.writer.put(next(keys), item), n)
     v.close()
-    with ShmObjectStore.create(RING, max_object_size=8 * MiB) as store:
+    with ShmObjectStore.create(ring, max_object_size=2 * MiB) as store:
         keys = fresh_keys("c")
         out["core"] = per_op(lambda: store.put(next(keys), parts), n)
-    with ShmSenderCache(RING / (1 << 30), max_object_size_mb=8) as sender:
+    with ShmSenderCache(ring / GiB, max_object_size_mb=2) as sender:
         keys = fresh_keys("a")
         out["cache"] = per_op(lambda: sender.get_and_update_item((fields, updates), next(keys)), n)
     return out
@@ -184,19 +192,20 @@ def bench_resolves(nbytes: int, n: int, lock: Any) -> dict[str, float]:
     """A worker resolves ``n`` handles of one stored item (in this process, copying)."""
     fields = three_tensor_item(nbytes, 1)
     out = {}
-    v = Vllm(1, lock)
+    ring = ring_for(nbytes, 2)
+    v = Vllm(1, lock, ring)
     handle = v.put("x", vllm_item(fields))
     read = vllm_reader(v.reader_handle())
     out["vllm"] = per_op(lambda: read(handle), n)
     v.close()
     header, buffers = serde.encode(fields)
-    with ShmObjectStore.create(RING, max_object_size=8 * MiB) as store:
+    with ShmObjectStore.create(ring, max_object_size=2 * MiB) as store:
         read = core_reader(store.handle())
         store.put("x", [header, *buffers])
         handles = iter([(store.get_cached("x"), "x") for _ in range(n)])
         out["core"] = per_op(lambda: read(next(handles)), n)
     for copy in (True, False):
-        with ShmSenderCache(RING / (1 << 30), max_object_size_mb=8) as sender:
+        with ShmSenderCache(ring / GiB, max_object_size_mb=2) as sender:
             read = cache_reader(sender.handle(), copy)
             sender.get_and_update_item((fields, None), "x")
             issued = iter([(sender.get_and_update_item(None, "x")[0], "x") for _ in range(n)])
@@ -209,7 +218,8 @@ def bench_hits_and_lookups(lock: Any) -> dict[str, float]:
     fields = three_tensor_item(4 * KiB, 2)
     header, buffers = serde.encode(fields)
     out = {}
-    v = Vllm(1, lock)
+    ring = ring_for(4 * KiB, 2)
+    v = Vllm(1, lock, ring)
     v.put("x", vllm_item(fields))
     w = v.writer
     # A hit as vLLM's sender cache does it: touch, take a reference, sign the handle.
@@ -217,12 +227,12 @@ def bench_hits_and_lookups(lock: Any) -> dict[str, float]:
                                                  "s": w.get_signature, "k": "x"}, 5000)
     out["lookup vllm"] = micro("f(k)", {"f": w.is_cached, "k": "x"}, 50000)
     v.close()
-    with ShmObjectStore.create(RING) as store:
+    with ShmObjectStore.create(ring) as store:
         store.put("x", [header, *buffers])
         out["hit core"] = micro("p(k); g(k); u(k)", {"p": store.pin, "g": store.get_cached,
                                                      "u": store.unpin, "k": "x"}, 20000)
         out["lookup core"] = micro("f(k)", {"f": store.is_cached, "k": "x"}, 50000)
-    with ShmSenderCache(RING / (1 << 30)) as sender:
+    with ShmSenderCache(ring / GiB) as sender:
         sender.get_and_update_item((fields, None), "x")
         out["hit cache"] = micro("t(k); g(None, k)", {"t": sender.touch_sender_cache_item,
                                                       "g": sender.get_and_update_item, "k": "x"},
@@ -263,9 +273,9 @@ class EndToEnd:
         self.vllm_item = vllm_item(self.fields)
         header, buffers = serde.encode(self.fields)
         self.parts = [header, *buffers]
-        self.vllm = Vllm(1, lock)
-        self.store = ShmObjectStore.create(RING, max_object_size=8 * MiB)
-        self.sender = ShmSenderCache(RING / (1 << 30), max_object_size_mb=8)
+        self.vllm = Vllm(1, lock, E2E_RING)
+        self.store = ShmObjectStore.create(E2E_RING, max_object_size=2 * MiB)
+        self.sender = ShmSenderCache(E2E_RING / GiB, max_object_size_mb=2)
         keys = {s: fresh_keys(s) for s in SYSTEMS}
         self.put: dict[str, Callable[[], Any]] = {
             "vllm": lambda: self.vllm.put(next(keys["vllm"]), self.vllm_item),
