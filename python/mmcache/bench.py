@@ -174,6 +174,8 @@ def _reader_process(conn: Connection) -> None:
         read: Callable[[ShmHandle], object]
         reader: ShmReceiverCache | ShmObjectStore
         if through_cache:
+            import torch  # decoding imports it on first use: not on the clock
+
             reader = cache = ShmReceiverCache(reader_handle, copy=copy)
             read = partial(cache.get_and_update_item, mm_hash=_KEY)
         else:
