@@ -63,7 +63,7 @@ def main() -> int:
     failures: list[str] = []
     rows: list[tuple[str, bool, float]] = []
 
-    with ShmSenderCache(0.25) as sender:
+    with ShmSenderCache(0.25, n_readers=3) as sender:
         receivers: dict[str, tuple[ShmReceiverCache, Any]] = {}
         for name, copy, pin in [
             ("copy=True (pageable, baseline)", True, False),
