@@ -20,6 +20,7 @@ decisions and the mirror holds.
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from types import TracebackType
@@ -69,9 +70,10 @@ def _gib(n_bytes: float) -> str:
 
 
 def capacity_bytes(capacity_gb: float) -> int:
-    """``capacity_gb`` GiB as whole bytes (``ValueError`` if negative)."""
-    if not capacity_gb >= 0:
-        raise ValueError(f"capacity_gb must be a non-negative number, not {capacity_gb!r}")
+    """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
+    number)."""
+    if not (capacity_gb >= 0 and math.isfinite(capacity_gb)):
+        raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
     return int(capacity_gb * GiB)
 
 
@@ -80,7 +82,7 @@ class BaseCache(ABC, Generic[InT, OutT]):
     accounting of items served uncached (counted, logged once per reason)."""
 
     def __init__(self) -> None:
-        self._uncached = {"oversize": 0, "full": 0}
+        self._uncached = {"oversize": 0, "full": 0, "saturated": 0}
         self._warned: set[str] = set()
 
     @abstractmethod
@@ -126,7 +128,9 @@ class BaseCache(ABC, Generic[InT, OutT]):
         """Release the resources the cache holds (nothing, unless it uses shared memory)."""
 
     def stats(self) -> dict[str, int]:
-        """Counters; ``uncached_oversize`` / ``uncached_full`` count items served uncached."""
+        """Counters; ``uncached_oversize`` / ``uncached_full`` / ``uncached_saturated`` count
+        items served uncached (too large; no room beside protected items; a reader holding
+        the most unread references to it that the ring can count)."""
         return {f"uncached_{reason}": n for reason, n in self._uncached.items()}
 
     def __enter__(self) -> Self:

@@ -333,7 +333,8 @@ def _inspect(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         print(f"mmcache inspect: error: no segment named {args.name!r}", file=sys.stderr)
         return EXIT_FAILED
-    except (MmcacheError, PermissionError) as exc:
+    except (MmcacheError, OSError, ValueError) as exc:
+        # Not a segment (a FIFO, a directory, a link, a path outside /dev/shm), or corrupt.
         print(f"mmcache inspect: error: {args.name}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     console = Console()
@@ -353,9 +354,7 @@ def _inspect(args: argparse.Namespace) -> int:
     console.print(summary)
     if readers:
         table = Table(title="readers", title_justify="left")
-        columns = sorted(
-            {key for reader in readers for key in reader}, key=lambda k: (k != "slot", k)
-        )
+        columns = [c for c in _READER_COLUMNS if any(c in reader for reader in readers)]
         for column in columns:
             table.add_column(column, justify="right")
         for reader in readers:
@@ -372,8 +371,12 @@ def _list_segments() -> int:
         print("no mmcache segment on this host")
     for name in names:
         try:
-            alive = _core.inspect_segment(name)["creator_alive"]
-            state = "live" if alive else "orphaned (creator dead: `mmcache prune` removes it)"
+            status, why = _core.segment_status(name)
+            state = {
+                "live": "live",
+                "orphaned": f"orphaned ({why}: `mmcache prune` removes it)",
+                "undecided": f"left alone ({why})",
+            }[status]
         except (OSError, MmcacheError) as exc:
             state = f"unreadable ({exc})"
         print(f"{name}  {state}")
@@ -381,6 +384,8 @@ def _list_segments() -> int:
 
 
 _SIZES = ("capacity", "max_object_size", "total_len")
+# ``claimed`` is left out: ``state`` says it (and more).
+_READER_COLUMNS = ("slot", "state", "pid", "alive", "refs", "acks", "outstanding", "stale")
 
 
 def _format_value(key: str, value: object) -> str:

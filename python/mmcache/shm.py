@@ -66,10 +66,16 @@ class ShmSenderCache(BaseSenderCache):
             raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
         # The core clamps the limit to what the ring can hold (a small ring with the default
         # limit is no error).
+        capacity = capacity_bytes(capacity_gb)
+        if capacity >= 2**64:
+            raise ValueError(
+                f"capacity_gb={capacity_gb!r} is more shared memory than any host has"
+            )
         self._store = ShmObjectStore.create(
-            capacity_bytes(capacity_gb),
+            capacity,
             n_readers=n_readers,
-            max_object_size=max(1, int(max_object_size_mb * MiB)),
+            # A limit beyond what the ring holds is clamped (by the core, to the ring).
+            max_object_size=max(1, int(min(max_object_size_mb * MiB, 2**63))),
             name=name,
         )
         self._max_object_size = self._store.max_object_size
@@ -97,11 +103,28 @@ class ShmSenderCache(BaseSenderCache):
             except KeyError:
                 data, prompt_updates = split_sender_input(item, mm_hash)
                 return self._put(mm_hash, data, prompt_updates), prompt_updates
+            except MemoryError:
+                self._hits += 1
+                return self._serve_saturated(item, mm_hash)
             self._hits += 1
             return handle, self._prompt_updates[mm_hash]
         finally:
             # The handle's reference now protects the object; the touch's pin is not needed.
             self._unpin(mm_hash)
+
+    def _serve_saturated(self, item: SenderInput, mm_hash: str) -> SenderOutput:
+        """``mm_hash`` is cached, but a reader already holds as many unread references to it
+        as its slot can count: serve the item uncached, from the request's data if it came
+        with any, else from a copy of what the ring holds (no reference is issued)."""
+        self._serve_uncached(
+            "saturated",
+            f"item {mm_hash} is cached, but a worker already holds the most unread references "
+            "to it that the ring can count: a worker is not reading (stuck, or aborted "
+            "requests whose handles never went to release_handles)",
+        )
+        if item is not None:
+            return split_sender_input(item, mm_hash)
+        return serde.decode(self._store.get_stored(mm_hash)), self._prompt_updates[mm_hash]
 
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
         header, buffers = serde.encode(data)
