@@ -17,7 +17,10 @@
 //! Liveness is told by **open-file-description locks** (`F_OFD_SETLK`) on byte ranges of
 //! the segment's file: the creator holds one for the segment's life and each reader one on
 //! its slot. The kernel drops them when the holder's last descriptor goes, however it dies,
-//! and any process that can open the file can test them, whatever its PID namespace.
+//! and any process that can open the file can test them, whatever its PID namespace. Locks
+//! are taken through a second open file description that is never mapped: a mapping holds
+//! its file description open, so a forked child that keeps its parent's mappings would
+//! otherwise keep its parent's locks too.
 //!
 //! Submodules: [`fork`] (what a `fork()` changes in the child) and [`fault`] (making a
 //! SIGSEGV/SIGBUS in a mapping explain itself). Together with this file they hold all the
@@ -28,7 +31,6 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
@@ -63,9 +65,15 @@ pub struct Segment {
     /// The pid that created (and alone may unlink) the segment; `None` for openers.
     creator_pid: Option<u32>,
     unlinked: AtomicBool,
+    /// The descriptor the mappings were made from (a mapping keeps its open file
+    /// description alive, in a forked child too, so it never holds a lock).
     fd: OwnedFd,
-    /// Set once this descriptor holds a liveness lock: a forked child must drop its share.
-    lock_registration: OnceLock<Registration>,
+    /// A second open file description, never mapped, that holds this process's liveness
+    /// locks (read-write segments only). Registered so a forked child lets go of its share;
+    /// the registration drops first, so the descriptor number is never reused while listed.
+    lock_fd: Option<(Registration, OwnedFd)>,
+    /// Whether the creator got its lock (false only where the kernel has no OFD locks).
+    creator_locked: bool,
     /// Keeps faults in our mappings explained while they exist.
     fault_registrations: Vec<fault::Registered>,
 }
@@ -358,6 +366,13 @@ fn fstat(fd: &OwnedFd) -> Result<libc::stat> {
     Ok(unsafe { st.assume_init() })
 }
 
+/// A second open file description of `/dev/shm/<name>`, for liveness locks only, registered
+/// with the fork handlers.
+fn open_lock_fd(name: &str) -> Result<(Registration, OwnedFd)> {
+    let (fd, _) = open_regular(name, Access::ReadWrite)?;
+    Ok((fork::register_lock_fd(fd.as_raw_fd()), fd))
+}
+
 fn lock_held(fd: &OwnedFd, range: LockRange) -> Result<bool> {
     let mut probe = flock(libc::F_WRLCK as _, range);
     ofd_fcntl(fd, libc::F_OFD_GETLK, &mut probe)
@@ -449,8 +464,9 @@ impl Segment {
             let _ = unlink(name);
             e
         };
-        let locked = match ofd_fcntl(
-            &fd,
+        let (registration, lock_fd) = open_lock_fd(name).map_err(fail)?;
+        let creator_locked = match ofd_fcntl(
+            &lock_fd,
             libc::F_OFD_SETLK,
             &mut flock(libc::F_WRLCK as _, creator_lock),
         ) {
@@ -482,7 +498,7 @@ impl Segment {
         }
         let base = map(&fd, len, Access::ReadWrite, true)
             .map_err(|e| fail(Error::os("mapping shared memory", e)))?;
-        let segment = Segment {
+        Ok(Segment {
             name: validate_name(name)?.to_owned(),
             base,
             view_base: None,
@@ -490,14 +506,11 @@ impl Segment {
             access: Access::ReadWrite,
             creator_pid: Some(current_pid()),
             unlinked: AtomicBool::new(false),
-            lock_registration: OnceLock::new(),
             fault_registrations: vec![fault::register(base.as_ptr(), len, fault::Mapping::Shared)],
             fd,
-        };
-        if locked {
-            segment.note_lock_held();
-        }
-        Ok(segment)
+            lock_fd: Some((registration, lock_fd)),
+            creator_locked,
+        })
     }
 
     /// Open an existing segment by name. Only a regular file in `/dev/shm` is opened (never
@@ -521,6 +534,10 @@ impl Segment {
         if let Some(view) = view_base {
             faults.push(fault::register(view.as_ptr(), len, fault::Mapping::Views));
         }
+        let lock_fd = match access {
+            Access::ReadWrite => Some(open_lock_fd(name)?),
+            Access::ReadOnly => None,
+        };
         Ok(Segment {
             name: validate_name(name)?.to_owned(),
             base,
@@ -530,33 +547,36 @@ impl Segment {
             creator_pid: None,
             unlinked: AtomicBool::new(false),
             fd,
-            lock_registration: OnceLock::new(),
+            lock_fd,
+            creator_locked: false,
             fault_registrations: faults,
         })
     }
 
-    /// Whether this descriptor holds a liveness lock (the creator's, or a reader's).
+    /// Whether the creator took its liveness lock (false only where the kernel has no OFD
+    /// locks, and for segments opened rather than created).
     pub fn holds_locks(&self) -> bool {
-        self.lock_registration.get().is_some()
+        self.creator_locked
     }
 
-    fn note_lock_held(&self) {
-        self.lock_registration
-            .get_or_init(|| fork::register_lock_fd(self.fd.as_raw_fd()));
+    fn lock_fd(&self) -> Result<&OwnedFd> {
+        match &self.lock_fd {
+            Some((_, fd)) => Ok(fd),
+            None => Err(Error::InvalidArgument(
+                "a segment opened read-only takes no locks".into(),
+            )),
+        }
     }
 
     /// Take the OFD lock on `range` if no other open file description holds it: `Ok(true)`
     /// when taken, `Ok(false)` when someone else holds it.
     pub fn try_lock(&self, range: LockRange) -> Result<bool> {
         match ofd_fcntl(
-            &self.fd,
+            self.lock_fd()?,
             libc::F_OFD_SETLK,
             &mut flock(libc::F_WRLCK as _, range),
         ) {
-            Ok(()) => {
-                self.note_lock_held();
-                Ok(true)
-            }
+            Ok(()) => Ok(true),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
                 Ok(false)
             }
@@ -567,16 +587,17 @@ impl Segment {
     /// Give back a lock taken with [`Segment::try_lock`] (closing the segment does too).
     pub fn unlock(&self, range: LockRange) -> Result<()> {
         ofd_fcntl(
-            &self.fd,
+            self.lock_fd()?,
             libc::F_OFD_SETLK,
             &mut flock(libc::F_UNLCK as _, range),
         )
         .map_err(|e| Error::os("releasing a liveness lock", e))
     }
 
-    /// Whether another open file description (any process, any PID namespace) holds a lock
-    /// on `range`. Locks held through this descriptor do not count.
-    pub fn lock_held_elsewhere(&self, range: LockRange) -> Result<bool> {
+    /// Whether anyone (any process, any PID namespace, this segment's own lock descriptor
+    /// included) holds a lock on `range`. The probe goes through the mapping's descriptor,
+    /// which never holds one.
+    pub fn lock_held(&self, range: LockRange) -> Result<bool> {
         lock_held(&self.fd, range)
     }
 
@@ -893,26 +914,27 @@ mod tests {
         let a = Segment::open(&name, Access::ReadWrite).unwrap();
         let b = Segment::open(&name, Access::ReadWrite).unwrap();
         let watcher = Segment::open(&name, Access::ReadOnly).unwrap();
-        assert!(watcher.lock_held_elsewhere(CREATOR).unwrap());
+        assert!(watcher.lock_held(CREATOR).unwrap());
         assert!(
-            !seg.lock_held_elsewhere(CREATOR).unwrap(),
-            "own locks do not count"
+            seg.lock_held(CREATOR).unwrap(),
+            "the creator's own lock counts too"
         );
         assert!(probe_file(&name, CREATOR).unwrap().creator_lock_held);
-        assert!(!watcher.lock_held_elsewhere(slot).unwrap());
+        assert!(!watcher.lock_held(slot).unwrap());
         assert!(a.try_lock(slot).unwrap());
         assert!(
             !b.try_lock(slot).unwrap(),
             "two descriptors cannot hold one slot"
         );
-        assert!(watcher.lock_held_elsewhere(slot).unwrap());
+        assert!(watcher.lock_held(slot).unwrap());
         drop(a); // closing the descriptor releases its locks
-        assert!(!watcher.lock_held_elsewhere(slot).unwrap());
+        assert!(!watcher.lock_held(slot).unwrap());
         assert!(b.try_lock(slot).unwrap());
+        assert!(b.lock_held(slot).unwrap());
         b.unlock(slot).unwrap();
-        assert!(!watcher.lock_held_elsewhere(slot).unwrap());
+        assert!(!watcher.lock_held(slot).unwrap());
         drop(seg);
-        assert!(!watcher.lock_held_elsewhere(CREATOR).unwrap());
+        assert!(!watcher.lock_held(CREATOR).unwrap());
     }
 
     #[test]

@@ -190,7 +190,7 @@ impl Shared {
     /// Whether the process occupying slot `s` (as `claim` says) is alive.
     fn occupant_alive(&self, s: u32, claim: Claim) -> Result<bool> {
         match self.liveness {
-            Liveness::Locks => self.seg.lock_held_elsewhere(self.layout.slot_lock(s)),
+            Liveness::Locks => self.seg.lock_held(self.layout.slot_lock(s)),
             Liveness::Pids => {
                 let start = self.slot(s, slot::START)?.load(Ordering::Acquire);
                 // The start time counts only if it was written for this occupant.
@@ -212,7 +212,7 @@ impl Shared {
             return Ok(false);
         }
         match self.liveness {
-            Liveness::Locks => self.seg.lock_held_elsewhere(WRITER_LOCK),
+            Liveness::Locks => self.seg.lock_held(WRITER_LOCK),
             Liveness::Pids => {
                 let pid = self.header(header::CREATOR_PID)?.load(Ordering::Relaxed);
                 let start = self.header(header::CREATOR_START)?.load(Ordering::Relaxed);
