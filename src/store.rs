@@ -1140,18 +1140,7 @@ impl Reader {
                     return Err(e);
                 }
             };
-            let epoch = claim.epoch.wrapping_add(1);
-            let mine = Claim {
-                epoch,
-                pid,
-                state: SlotState::Claimed,
-            };
-            // AcqRel: pairs with the previous occupant's (or the writer's) freeing CAS.
-            if shared
-                .slot(s, slot::CLAIM)?
-                .compare_exchange(word, mine.pack(), Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
+            if let Some(epoch) = Self::try_claim(shared, s, word, claim, pid)? {
                 return Ok(Some(epoch));
             }
         }
@@ -1165,20 +1154,33 @@ impl Reader {
             if claim.is_occupied() && shared.occupant_alive(s, claim)? {
                 return Ok(None);
             }
-            let epoch = claim.epoch.wrapping_add(1);
-            let mine = Claim {
-                epoch,
-                pid,
-                state: SlotState::Claimed,
-            };
-            if shared
-                .slot(s, slot::CLAIM)?
-                .compare_exchange(word, mine.pack(), Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
+            if let Some(epoch) = Self::try_claim(shared, s, word, claim, pid)? {
                 return Ok(Some(epoch));
             }
         }
+    }
+
+    /// One CAS of slot `s`'s claim word from `word` (= `claim`) to `(epoch + 1, pid,
+    /// CLAIMED)`: the new epoch, or `None` if the word changed meanwhile.
+    fn try_claim(
+        shared: &Shared,
+        s: u32,
+        word: u64,
+        claim: Claim,
+        pid: u32,
+    ) -> Result<Option<u32>> {
+        let epoch = claim.epoch.wrapping_add(1);
+        let mine = Claim {
+            epoch,
+            pid,
+            state: SlotState::Claimed,
+        };
+        // AcqRel: pairs with the previous occupant's (or the writer's) freeing CAS.
+        Ok(shared
+            .slot(s, slot::CLAIM)?
+            .compare_exchange(word, mine.pack(), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+            .then_some(epoch))
     }
 
     pub fn slot(&self) -> u32 {

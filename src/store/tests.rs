@@ -236,6 +236,21 @@ fn stats_of(w: &Writer) -> HashMap<&'static str, u64> {
     w.stats().unwrap().into_iter().collect()
 }
 
+/// The pid of a process that has exited.
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+/// Overwrite the pid in the claim word of `r`'s slot.
+fn set_claim_pid(w: &Writer, r: &Reader, pid: u32) {
+    let claim = w.shared.slot(r.slot(), slot::CLAIM).unwrap();
+    let current = Claim::unpack(claim.load(Ordering::Acquire)).unwrap();
+    claim.store(Claim { pid, ..current }.pack(), Ordering::Release);
+}
+
 #[test]
 fn slots_are_claimed_freed_and_reclaimed_from_dead_readers() {
     let w = writer(2048, 1);
@@ -264,12 +279,7 @@ fn liveness_is_never_judged_from_a_pid() {
     let w = writer(2048, 1);
     let info = w.reader_info();
     let r = Reader::attach(&info).unwrap();
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let dead = child.id();
-    child.wait().unwrap();
-    let claim = w.shared.slot(r.slot(), slot::CLAIM).unwrap();
-    let mine = Claim::unpack(claim.load(Ordering::Acquire)).unwrap();
-    claim.store(Claim { pid: dead, ..mine }.pack(), Ordering::Release);
+    set_claim_pid(&w, &r, dead_pid());
     let h = w.put("a", &[&[1u8; 896]]).unwrap();
     w.put("b", &[&[1u8; 896]]).unwrap();
     assert!(
@@ -322,12 +332,7 @@ fn pid_fallback_tells_live_from_dead_readers() {
     ));
     assert_eq!(read(&r, &h, "a").unwrap(), vec![1u8; 896]);
     // Now make the occupant a process that has exited: the writer frees the slot.
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let dead = child.id();
-    child.wait().unwrap();
-    let claim = w.shared.slot(r.slot(), slot::CLAIM).unwrap();
-    let mine = Claim::unpack(claim.load(Ordering::Acquire)).unwrap();
-    claim.store(Claim { pid: dead, ..mine }.pack(), Ordering::Release);
+    set_claim_pid(&w, &r, dead_pid());
     w.put("c", &[&[1u8; 896]]).unwrap();
     w.put("d", &[&[1u8; 896]]).unwrap();
     assert_eq!(stats_of(&w)["readers_reclaimed"], 1);
