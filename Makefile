@@ -25,6 +25,9 @@ lint:
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python --lib -- -D warnings
+	# The libFuzzer targets must keep compiling against the core (running them needs
+	# nightly: `cd fuzz && cargo +nightly fuzz run store_ops`).
+	cargo check --manifest-path fuzz/Cargo.toml --bins
 
 test-rust:
 	cargo test
