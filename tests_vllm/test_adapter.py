@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from mmcache import ShmHandle
 from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
 
 LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
+Pair = tuple[Any, Any]  # P0's cache and a worker's
 
 
 def mm_hash(i: int) -> str:
@@ -205,51 +207,50 @@ def test_validate_input_item_accepts_only_the_current_handle_of_the_key() -> Non
 # -- clear_cache and workers -----------------------------------------------------------------
 
 
-def test_a_clear_while_requests_are_in_flight_never_hands_out_other_data() -> None:
+@pytest.fixture
+def shm_pair() -> Iterator[Pair]:
+    """P0's cache and one worker's, on a 2 MiB ring of 1 MiB objects at most."""
     config = vllm_config("shm", 2 * MiB, max_object_mb=1)
     p0 = processor_cache_from_config(config)
     worker = worker_receiver_cache_from_config(config, LOCK)
-    try:
-        in_flight = [feature(p0.get_and_update_item((kwargs_item(0), []), "k")[0], "k")]
-        p0.clear_cache()  # vLLM: sleep, KV-cache release, reset
-        assert not p0.is_cached_item("k") and p0.make_stats().total == 0
-        for i in range(1, 6):  # other data under the same key fills the ring
-            p0.get_and_update_item((kwargs_item(i, n_bytes=400_000), []), "k")
-            p0.invalidate("k")
-        worker.get_and_update_features(in_flight)
-        assert same_item(kwargs_item(0), in_flight[0].data)
-    finally:
-        worker._shm_cache.close()
-        p0.close()
+    yield p0, worker
+    worker._shm_cache.close()
+    p0.close()
 
 
-def test_a_stale_handle_is_a_miss_that_is_also_a_value_error() -> None:
-    config = vllm_config("shm", 2 * MiB, max_object_mb=1)
-    p0 = processor_cache_from_config(config)
-    worker = worker_receiver_cache_from_config(config, LOCK)
-    try:
-        handle, _ = p0.get_and_update_item((kwargs_item(0), []), "old")
-        # mmcache's plain clear drops the references of handles in flight, so the ring
-        # reuses their space: the worker has never read this one.
-        p0.ring.clear_cache()
-        for i in range(1, 8):
-            p0.get_and_update_item((kwargs_item(i, n_bytes=400_000), []), f"new-{i}")
-        with pytest.raises(MultiModalCacheMissError) as info:
-            worker.get_and_update_features([feature(handle, "old")])
-        assert isinstance(info.value, ValueError)
-        assert info.value.mm_hashes == ["old"]
-        assert "modified or is invalid" in str(info.value)
-    finally:
-        worker._shm_cache.close()
-        p0.close()
+def test_a_clear_while_requests_are_in_flight_never_hands_out_other_data(
+    shm_pair: Pair,
+) -> None:
+    p0, worker = shm_pair
+    in_flight = [feature(p0.get_and_update_item((kwargs_item(0), []), "k")[0], "k")]
+    p0.clear_cache()  # vLLM: sleep, KV-cache release, reset
+    assert not p0.is_cached_item("k") and p0.make_stats().total == 0
+    for i in range(1, 6):  # other data under the same key fills the ring
+        p0.get_and_update_item((kwargs_item(i, n_bytes=400_000), []), "k")
+        p0.invalidate("k")
+    worker.get_and_update_features(in_flight)
+    assert same_item(kwargs_item(0), in_flight[0].data)
 
 
-def test_a_replayed_handle_reads_its_own_data_after_the_ring_moved_on() -> None:
+def test_a_stale_handle_is_a_miss_that_is_also_a_value_error(shm_pair: Pair) -> None:
+    p0, worker = shm_pair
+    handle, _ = p0.get_and_update_item((kwargs_item(0), []), "old")
+    # mmcache's plain clear drops the references of handles in flight, so the ring
+    # reuses their space: the worker has never read this one.
+    p0.ring.clear_cache()
+    for i in range(1, 8):
+        p0.get_and_update_item((kwargs_item(i, n_bytes=400_000), []), f"new-{i}")
+    with pytest.raises(MultiModalCacheMissError) as info:
+        worker.get_and_update_features([feature(handle, "old")])
+    assert isinstance(info.value, ValueError)
+    assert info.value.mm_hashes == ["old"]
+    assert "modified or is invalid" in str(info.value)
+
+
+def test_a_replayed_handle_reads_its_own_data_after_the_ring_moved_on(shm_pair: Pair) -> None:
     # vLLM resends a preempted request with the same handles, after the first read gave
     # their references back.
-    config = vllm_config("shm", 2 * MiB, max_object_mb=1)
-    p0 = processor_cache_from_config(config)
-    worker = worker_receiver_cache_from_config(config, LOCK)
+    p0, worker = shm_pair
 
     def churn() -> None:
         # Enough other objects, read, to wrap the ring several times; each is larger than
@@ -260,19 +261,15 @@ def test_a_replayed_handle_reads_its_own_data_after_the_ring_moved_on() -> None:
             worker.get_and_update_item(other, f"o{i}")
             p0.invalidate(f"o{i}")
 
-    try:
-        handle, _ = p0.get_and_update_item((kwargs_item(0), []), "a")
-        assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
-        p0.invalidate("a")
-        churn()
-        assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
-        worker.clear_cache()  # the worker lets its recent objects go: now the ring may too
-        churn()
-        with pytest.raises(MultiModalCacheMissError):
-            worker.get_and_update_item(handle, "a")
-    finally:
-        worker._shm_cache.close()
-        p0.close()
+    handle, _ = p0.get_and_update_item((kwargs_item(0), []), "a")
+    assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
+    p0.invalidate("a")
+    churn()
+    assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
+    worker.clear_cache()  # the worker lets its recent objects go: now the ring may too
+    churn()
+    with pytest.raises(MultiModalCacheMissError):
+        worker.get_and_update_item(handle, "a")
 
 
 # -- small /dev/shm --------------------------------------------------------------------------
@@ -311,16 +308,10 @@ def test_workers_refuse_to_start_when_no_ring_was_published() -> None:
         worker_receiver_cache_from_config(vllm_config("shm", MiB), LOCK)
 
 
-def test_decoded_tensors_are_ordinary_writable_tensors_on_cpu() -> None:
-    config = vllm_config("shm", 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    worker = worker_receiver_cache_from_config(config, LOCK)
-    try:
-        handle, _ = p0.get_and_update_item((kwargs_item(1), []), "a")
-        out = worker.get_and_update_item(handle, "a")
-        pixels = out["pixel_values"].data
-        pixels += 1  # vLLM may modify what it receives: it owns it
-        assert torch.equal(pixels, kwargs_item(1)["pixel_values"].data + 1)
-    finally:
-        worker._shm_cache.close()
-        p0.close()
+def test_decoded_tensors_are_ordinary_writable_tensors_on_cpu(shm_pair: Pair) -> None:
+    p0, worker = shm_pair
+    handle, _ = p0.get_and_update_item((kwargs_item(1), []), "a")
+    out = worker.get_and_update_item(handle, "a")
+    pixels = out["pixel_values"].data
+    pixels += 1  # vLLM may modify what it receives: it owns it
+    assert torch.equal(pixels, kwargs_item(1)["pixel_values"].data + 1)

@@ -180,7 +180,8 @@ def _vllm_errors(miss_error: type[Exception] = MultiModalCacheMissError) -> Iter
 # -- items and handles ------------------------------------------------------------------------
 
 _FIELD_CLASSES: dict[str, type[Any]] = {
-    cls.__name__: cls for cls in (MultiModalBatchedField, MultiModalFlatField, MultiModalSharedField)
+    cls.__name__: cls
+    for cls in (MultiModalBatchedField, MultiModalFlatField, MultiModalSharedField)
 }
 
 

@@ -50,8 +50,8 @@ DESELECTED = {
         "eager freeing: after a clear and a new put under the same key, asserts the old "
         "handle fails; mmcache keeps the old object readable by its own handle (verified, "
         "its own data) until the ring reuses its space, and a worker keeps the objects it "
-        "read last alive so that a replayed handle still reads. The guarantee the test is for (never "
-        "another item's data) holds and is tested in tests_vllm/test_end_to_end.py"
+        "read last alive so that a replayed handle still reads. The guarantee the test is "
+        "for (never another item's data) holds and is tested in tests_vllm/"
     ),
     "test_sleep_wake_preserves_mm_cache_consistency": (
         "needs a CUDA GPU and Qwen/Qwen2-VL-2B-Instruct's weights from the hub"
