@@ -7,7 +7,9 @@ shims for vLLM's own test file, which runs from its own directory (see ``fetch.p
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="mmcache-vllm-hf-")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], ignore_errors=True)
 
 from standin import write_hf_cache  # noqa: E402
 
@@ -25,9 +28,6 @@ write_hf_cache(Path(os.environ["HF_HOME"]))
 import mmcache.vllm  # noqa: E402
 
 collect_ignore = ["upstream"]
-
-MODEL = "llava-hf/llava-onevision-qwen2-0.5b-ov-hf"
-"""The stand-in multimodal model the tests configure vLLM with."""
 
 
 @pytest.fixture(autouse=True)

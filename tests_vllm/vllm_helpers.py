@@ -16,7 +16,8 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 
-from conftest import MODEL
+MODEL = "llava-hf/llava-onevision-qwen2-0.5b-ov-hf"
+"""The stand-in multimodal model the tests configure vLLM with (see standin.py)."""
 
 GiB = 1 << 30
 MiB = 1 << 20

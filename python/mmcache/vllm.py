@@ -105,6 +105,7 @@ __all__ = [
     "item_from_mmcache",
     "item_to_mmcache",
     "register",
+    "vllm_item_size",
 ]
 
 logger = logging.getLogger("mmcache.vllm")
