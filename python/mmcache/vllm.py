@@ -7,15 +7,13 @@ mmcache-backed caches from vLLM's own factories, with no patch to vLLM.  :func:`
 the ``vllm.general_plugins`` entry point ``mmcache``: vLLM calls it in every process before
 it builds caches, and it installs only when ``MMCACHE_VLLM=1``.
 
-=================================  =====================================  ===================
-vLLM class (looked up by factories)  replaced by                          backed by
-=================================  =====================================  ===================
-``MultiModalProcessorOnlyCache``   :class:`MmcacheProcessorOnlyCache`      ``ProcessorOnlyCache``
-``LruKeyReplicatedSenderCache``    :class:`MmcacheLruSenderCache`          ``SenderCache``
-``LruKeyReplicatedReceiverCache``  :class:`MmcacheLruReceiverCache`        ``ReceiverCache``
-``ShmObjectStoreSenderCache``      :class:`MmcacheShmSenderCache`          ``ShmSenderCache``
-``ShmObjectStoreReceiverCache``    :class:`MmcacheShmReceiverCache`        ``ShmReceiverCache``
-=================================  =====================================  ===================
+The classes vLLM's factories look up, and what replaces each (and backs the replacement):
+
+* ``MultiModalProcessorOnlyCache``: :class:`MmcacheProcessorOnlyCache` (``ProcessorOnlyCache``)
+* ``LruKeyReplicatedSenderCache``: :class:`MmcacheLruSenderCache` (``SenderCache``)
+* ``LruKeyReplicatedReceiverCache``: :class:`MmcacheLruReceiverCache` (``ReceiverCache``)
+* ``ShmObjectStoreSenderCache``: :class:`MmcacheShmSenderCache` (``ShmSenderCache``)
+* ``ShmObjectStoreReceiverCache``: :class:`MmcacheShmReceiverCache` (``ShmReceiverCache``)
 
 How vLLM's conventions map onto mmcache's:
 
