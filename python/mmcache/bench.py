@@ -10,7 +10,7 @@ machines compare):
   read-only view, in 1 to 4 reader *processes* reading the same handles at once; their
   throughput is the bytes all readers got over the wall time of the concurrent section.
 
-Performance is measured here, never asserted (SPEC §5.8).
+Performance is measured here, never asserted by a test.
 """
 
 from __future__ import annotations

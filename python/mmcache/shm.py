@@ -190,9 +190,12 @@ class ShmSenderCache(BaseSenderCache):
             self._pinned.discard(mm_hash)
             self._store.unpin(mm_hash)
 
-    def _end_request(self, keys: Sequence[str]) -> None:
+    def _end_request(self, keys: Sequence[str] | None) -> None:
         # Every item of a request that succeeded was unpinned by its update; those of a
         # request that raised will never get one.
+        if keys is None:
+            self.release_sender_touches()
+            return
         for mm_hash in keys:
             self._unpin(mm_hash)
 
@@ -216,12 +219,23 @@ class ShmSenderCache(BaseSenderCache):
         self._store.invalidate(mm_hash)
         self._prompt_updates.pop(mm_hash, None)
 
-    def clear_cache(self) -> None:
+    def clear_cache(self, *, keep_in_flight: bool = False) -> None:
         """Drop every object and reset the hit statistics.  Handles issued before either
         still read their own data or are a miss, never another item's data: monotonic ids
-        keep counting, so they can never alias new data."""
+        keep counting, so they can never alias new data.
+
+        By default every reference is dropped too, so objects of requests abandoned without
+        :meth:`release_handles` stop pinning the ring, and a handle still in flight may
+        miss.  With ``keep_in_flight=True`` every key is forgotten but the references stay:
+        a handle in flight still reads its own data, and each object is reclaimed once it
+        has been read (an abandoned reference keeps pinning its object).
+        """
         self._pinned.clear()
-        self._store.clear()
+        if keep_in_flight:
+            for key in self._store.keys():
+                self._store.invalidate(key)
+        else:
+            self._store.clear()
         self._prompt_updates.clear()
         self._hits = self._total = 0
         self._last = CacheInfo(0, 0)
