@@ -1,0 +1,157 @@
+"""Redis / Valkey backend: the official client (redis-py), automatic retries off.
+
+A value of at most :data:`CHUNK_BYTES` is one key.  A larger one is split into chunk keys
+written first, then a small *manifest* under the item's key naming them (``SET NX``: the first
+writer wins, and a reader never sees a manifest before its chunks).  Chunk keys carry the
+writer's random nonce, so two hosts putting one item at once never mix their chunks; the
+loser deletes its own.  A reader fetches the manifests (and small values) of a whole batch in
+one ``MGET`` and every chunk of the batch in a second one; a value missing any chunk (evicted
+by ``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss.
+
+With retries on, redis-py retries a failed command three times with backoff, so a dead server
+costs seconds per call; here every socket operation is bounded by the store's ``timeout_s``
+and fails once.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from mmcache.remote.backend import (
+    INCOMPLETE,
+    Incomplete,
+    RemoteTimeout,
+    RemoteUnreachable,
+    check_deadline,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["CHUNK_BYTES", "RedisBackend"]
+
+CHUNK_BYTES = 1 << 20
+"""Values larger than this are split into chunks of this size."""
+
+_MANIFEST = struct.Struct("<4s16sIQ")  # magic, writer nonce, chunk count, total length
+_MANIFEST_MAGIC = b"MMCK"
+_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
+
+
+def chunk_key(key: str, nonce: bytes, index: int) -> str:
+    """The key of chunk ``index`` of ``key``'s value written by the writer ``nonce``."""
+    return f"{key}/chunk/{nonce.hex()}/{index}"
+
+
+def _chunks(header: bytes, payload: memoryview) -> Iterator[bytes | memoryview]:
+    """``header + payload`` in pieces of :data:`CHUNK_BYTES`, copying only the first."""
+    first = CHUNK_BYTES - len(header)
+    yield header + payload[:first]
+    for start in range(first, payload.nbytes, CHUNK_BYTES):
+        yield payload[start : start + CHUNK_BYTES]
+
+
+class RedisBackend:
+    """A Redis or Valkey server at ``url`` (``redis://``, ``rediss://``, ``valkey://``,
+    ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them)."""
+
+    def __init__(self, url: str, *, timeout_s: float, ttl_s: float | None = None) -> None:
+        parts = urlsplit(url)
+        scheme = _SCHEMES.get(parts.scheme)
+        if scheme is None or not parts.hostname:
+            raise ValueError(
+                f"not a Redis/Valkey URL: {url!r} (expected redis://HOST:PORT or valkey://HOST:PORT)"
+            )
+        self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._client = redis.Redis.from_url(
+            urlunsplit(parts._replace(scheme=scheme)),
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+
+    def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [bool(n) for n in self._call(pipe.execute)]
+
+    def read(self, keys: Sequence[str], deadline: float) -> list[Buffer | Incomplete | None]:
+        heads: list[bytes | None] = self._call(self._client.mget, list(keys))
+        out: list[Buffer | Incomplete | None] = list(heads)
+        wanted: list[tuple[int, str, int]] = []  # (position, chunk key, offset in the value)
+        sizes: dict[int, int] = {}
+        for position, (key, head) in enumerate(zip(keys, heads, strict=True)):
+            if head is None or not head.startswith(_MANIFEST_MAGIC):
+                continue
+            if len(head) != _MANIFEST.size:
+                out[position] = INCOMPLETE  # a torn manifest reads as a broken value
+                continue
+            _, nonce, count, total = _MANIFEST.unpack(head)
+            if count != -(-total // CHUNK_BYTES):
+                out[position] = INCOMPLETE
+                continue
+            sizes[position] = total
+            wanted += [(position, chunk_key(key, nonce, i), i * CHUNK_BYTES) for i in range(count)]
+        if not wanted:
+            return out
+        check_deadline(deadline, "reading chunks")
+        chunks: list[bytes | None] = self._call(self._client.mget, [k for _, k, _ in wanted])
+        values = {position: bytearray(size) for position, size in sizes.items()}
+        for (position, _, offset), chunk in zip(wanted, chunks, strict=True):
+            value = values.get(position)
+            if value is None:
+                continue
+            expected = min(CHUNK_BYTES, len(value) - offset)
+            if chunk is None or len(chunk) != expected:
+                del values[position]
+                out[position] = INCOMPLETE
+                continue
+            value[offset : offset + expected] = chunk
+        for position, value in values.items():
+            out[position] = value
+        return out
+
+    def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
+        body = memoryview(payload).cast("B")
+        total = len(header) + body.nbytes
+        if total <= CHUNK_BYTES:
+            return bool(self._call(self._client.set, key, header + body, nx=True, px=self._ttl_ms))
+        if self._call(self._client.exists, key):
+            return False  # put-if-absent: do not upload chunks nobody will read
+        nonce = os.urandom(16)
+        names = []
+        pipe = self._client.pipeline(transaction=False)
+        for index, chunk in enumerate(_chunks(header, body)):
+            names.append(chunk_key(key, nonce, index))
+            pipe.set(names[-1], chunk, px=self._ttl_ms)
+        check_deadline(deadline, "writing chunks")
+        self._call(pipe.execute)
+        check_deadline(deadline, "writing the manifest")
+        manifest = _MANIFEST.pack(_MANIFEST_MAGIC, nonce, len(names), total)
+        if self._call(self._client.set, key, manifest, nx=True, px=self._ttl_ms):
+            return True
+        self._call(self._client.delete, *names)  # another writer won: drop our chunks
+        return False
+
+    def close(self) -> None:
+        self._client.close()
+
+    @staticmethod
+    def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)`` with the client's transport errors as ours."""
+        try:
+            return function(*args, **kwargs)
+        except redis.exceptions.TimeoutError as exc:
+            raise RemoteTimeout(str(exc)) from exc
+        except redis.exceptions.ConnectionError as exc:
+            raise RemoteUnreachable(str(exc)) from exc
