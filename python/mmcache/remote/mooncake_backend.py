@@ -14,15 +14,22 @@ Two clients, as Mooncake's own integrations do: one reads, one writes (the write
 puts never queue behind a request's gets).  The client's calls block in C++ with no deadline
 of their own, so each runs on the client's own daemon thread and the caller waits at most
 until the deadline; a call still stuck past it keeps that thread busy, later calls time out
-behind it, and the store's circuit breaker stops calling until it answers again.  Reads are
+behind it, and the store's circuit breaker stops calling until it answers again.  One
+exception: ``setup()`` holds the GIL while it waits for the master, so a client is set up only
+after the master's ports accept connections (a dead master then costs nothing); a master that
+accepts connections but stalls during a client's set-up freezes that process until Mooncake
+gives up (about 90 s in 0.3.13).  Set-up happens once per client.  Reads are
 zero-copy where the API allows: ``batch_get_into`` writes each value straight into a buffer
 mmcache allocated, which the decoded item's arrays then view.
+
+Mooncake logs through glog to stderr (errors included, for expected events such as a metadata
+key not yet registered at setup); start the process with ``GLOG_minloglevel=2`` (or ``3``) in
+its environment to quiet it.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import socket
 import threading
 import time
@@ -49,9 +56,6 @@ _T = TypeVar("_T")
 
 def import_mooncake() -> Any:
     """``mooncake.store``, or an ``ImportError`` that says what to install."""
-    # Mooncake logs through glog to stderr, errors included for expected events (a metadata
-    # key not yet registered at setup); keep it quiet unless the user asked for its logs.
-    os.environ.setdefault("GLOG_minloglevel", "3")
     try:
         return importlib.import_module("mooncake.store")
     except ImportError as exc:
@@ -121,13 +125,21 @@ class _Client:
     def run(self, what: str, deadline: float, function: Callable[[Any], _T]) -> _T:
         def call() -> _T:
             if self._store is None:
-                self._store = self._setup()
+                self._store = self._setup(deadline)
             return function(self._store)
 
         return self._thread.call(call, deadline, what)
 
-    def _setup(self) -> Any:
+    def _setup(self, deadline: float) -> Any:
         c = self._config
+        # setup() holds the GIL while it waits for an unreachable master (about 90 s in
+        # 0.3.13), which would freeze the whole engine: call it only once the master's RPC
+        # and metadata ports accept connections.
+        for host, port in c["endpoints"]:
+            try:
+                socket.create_connection((host, port), max(0.01, deadline - time.monotonic())).close()
+            except OSError as exc:
+                raise RemoteUnreachable(f"Mooncake master {host}:{port} unreachable: {exc}") from exc
         store = self._module.MooncakeDistributedStore()
         rc = store.setup(
             c["local_hostname"],
@@ -170,9 +182,15 @@ class MooncakeBackend:
             raise ValueError(f"segment_mb must be positive in {url!r}")
         module = import_mooncake()
         host, port = parts.hostname, parts.port
+        metadata = query.get("metadata", f"http://{host}:8080/metadata")
+        endpoints = [(host, port)]
+        meta = urlsplit(metadata)
+        if meta.scheme == "http" and meta.hostname:
+            endpoints.append((meta.hostname, meta.port or 80))
         config = {
             "master": f"{host}:{port}",
-            "metadata": query.get("metadata", f"http://{host}:8080/metadata"),
+            "endpoints": endpoints,
+            "metadata": metadata,
             "protocol": query.get("protocol", "tcp"),
             "device": query.get("device", ""),
             "local_hostname": query.get("local_hostname") or _local_address(host, port),
