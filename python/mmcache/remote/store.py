@@ -298,6 +298,12 @@ class RemoteStore:
                 out[f"{op}_p{q}_ms"] = float(np.percentile(values, q)) * 1e3 if values.size else 0.0
         return out
 
+    def latencies(self) -> dict[str, list[float]]:
+        """The durations, in seconds, of the latest calls that reached the store (at most
+        100,000 per operation): ``{"contains": [...], "get": [...], "put": [...]}``."""
+        with self._lock:
+            return {op: list(values) for op, values in self._latency.items()}
+
     def __enter__(self) -> Self:
         return self
 

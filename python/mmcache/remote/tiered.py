@@ -150,6 +150,11 @@ class TieredSenderCache(BaseSenderCache):
         call: :meth:`is_cached` is the one that asks the remote tier)."""
         return self.local.is_cached_item(mm_hash) or mm_hash in self._prefetched
 
+    def fetched(self, mm_hash: str) -> tuple[Item, Any] | None:
+        """The ``(item, prompt_updates)`` :meth:`is_cached` fetched for ``mm_hash`` and the
+        coming update will use, or ``None`` (to inspect or check it; do not modify it)."""
+        return self._prefetched.get(mm_hash)
+
     # -- updates ---------------------------------------------------------------------------
 
     def get_and_update(
