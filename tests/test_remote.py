@@ -158,6 +158,17 @@ def test_a_chunked_value_is_chunks_plus_a_manifest_written_last(
     assert raw.strlen(manifest) < 64
 
 
+def test_the_chunk_size_is_the_writers_choice_and_any_reader_follows_it(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    item = make_item(5, 50_000)
+    with RemoteStore(server.url + "?chunk_kb=4", namespace=namespace, secret="s") as small:
+        small.put(key(5), item)
+    assert len(list(raw.scan_iter(match=f"mmc/{namespace}/*/chunk/*"))) == 13
+    with RemoteStore(server.url, namespace=namespace, secret="s") as default:
+        assert same(default.get(key(5)), item)
+
+
 def test_put_if_absent_keeps_the_first_item(server: LocalServer, namespace: str) -> None:
     with open_store(server.url, namespace) as store:
         first, second = make_item(1, 2 * MiB), make_item(2, 2 * MiB)
@@ -241,6 +252,8 @@ def test_bad_keys_and_items_are_clear_errors(
         ("redis://127.0.0.1:1", {"timeout_s": 0}, "timeout_s"),
         ("redis://127.0.0.1:1", {"secret": b""}, "must not be empty"),
         ("mooncake://127.0.0.1", {}, "not a Mooncake URL"),
+        ("redis://127.0.0.1:1?chunk_kb=0", {}, "chunk_kb"),
+        ("redis://127.0.0.1:1?chunk_kb=many", {}, "chunk_kb"),
     ],
 )
 def test_bad_configuration_is_a_value_error(

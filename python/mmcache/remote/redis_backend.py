@@ -19,7 +19,7 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 __all__ = ["CHUNK_BYTES", "RedisBackend"]
 
 CHUNK_BYTES = 1 << 20
-"""Values larger than this are split into chunks of this size."""
+"""Values larger than this are split into chunks of this size (the URL's ``chunk_kb`` query
+parameter sets another, e.g. for a proxy that limits value sizes)."""
 
-_MANIFEST = struct.Struct("<4s16sIQ")  # magic, writer nonce, chunk count, total length
+_MANIFEST = struct.Struct("<4s16sIIQ")  # magic, writer nonce, chunk count, chunk size, total
 _MANIFEST_MAGIC = b"MMCK"
 _SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
 
@@ -51,12 +52,12 @@ def chunk_key(key: str, nonce: bytes, index: int) -> str:
     return f"{key}/chunk/{nonce.hex()}/{index}"
 
 
-def _chunks(header: bytes, payload: memoryview) -> Iterator[bytes | memoryview]:
-    """``header + payload`` in pieces of :data:`CHUNK_BYTES`, copying only the first."""
-    first = CHUNK_BYTES - len(header)
+def _chunks(header: bytes, payload: memoryview, size: int) -> Iterator[bytes | memoryview]:
+    """``header + payload`` in pieces of ``size`` bytes, copying only the first."""
+    first = size - len(header)
     yield header + payload[:first]
-    for start in range(first, payload.nbytes, CHUNK_BYTES):
-        yield payload[start : start + CHUNK_BYTES]
+    for start in range(first, payload.nbytes, size):
+        yield payload[start : start + size]
 
 
 class RedisBackend:
@@ -70,9 +71,17 @@ class RedisBackend:
             raise ValueError(
                 f"not a Redis/Valkey URL: {url!r} (expected redis://HOST:PORT or valkey://HOST:PORT)"
             )
+        query = parse_qs(parts.query, keep_blank_values=True)
+        chunk_kb = query.pop("chunk_kb", [str(CHUNK_BYTES >> 10)])[-1]
+        try:
+            self._chunk = int(chunk_kb) << 10
+        except ValueError:
+            self._chunk = 0
+        if not 1 << 10 <= self._chunk <= 512 << 20:
+            raise ValueError(f"chunk_kb must be a whole number from 1 to 524288 in {url!r}")
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._client = redis.Redis.from_url(
-            urlunsplit(parts._replace(scheme=scheme)),
+            urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
@@ -88,7 +97,8 @@ class RedisBackend:
     def read(self, keys: Sequence[str], deadline: float) -> list[Buffer | Incomplete | None]:
         heads: list[bytes | None] = self._call(self._client.mget, list(keys))
         out: list[Buffer | Incomplete | None] = list(heads)
-        wanted: list[tuple[int, str, int]] = []  # (position, chunk key, offset in the value)
+        # (position, chunk key, offset in the value, chunk size)
+        wanted: list[tuple[int, str, int, int]] = []
         sizes: dict[int, int] = {}
         for position, (key, head) in enumerate(zip(keys, heads, strict=True)):
             if head is None or not head.startswith(_MANIFEST_MAGIC):
@@ -96,22 +106,22 @@ class RedisBackend:
             if len(head) != _MANIFEST.size:
                 out[position] = INCOMPLETE  # a torn manifest reads as a broken value
                 continue
-            _, nonce, count, total = _MANIFEST.unpack(head)
-            if count != -(-total // CHUNK_BYTES):
+            _, nonce, count, size, total = _MANIFEST.unpack(head)
+            if size == 0 or count != -(-total // size):
                 out[position] = INCOMPLETE
                 continue
             sizes[position] = total
-            wanted += [(position, chunk_key(key, nonce, i), i * CHUNK_BYTES) for i in range(count)]
+            wanted += [(position, chunk_key(key, nonce, i), i * size, size) for i in range(count)]
         if not wanted:
             return out
         check_deadline(deadline, "reading chunks")
-        chunks: list[bytes | None] = self._call(self._client.mget, [k for _, k, _ in wanted])
+        chunks: list[bytes | None] = self._call(self._client.mget, [w[1] for w in wanted])
         values = {position: bytearray(size) for position, size in sizes.items()}
-        for (position, _, offset), chunk in zip(wanted, chunks, strict=True):
+        for (position, _, offset, size), chunk in zip(wanted, chunks, strict=True):
             value = values.get(position)
             if value is None:
                 continue
-            expected = min(CHUNK_BYTES, len(value) - offset)
+            expected = min(size, len(value) - offset)
             if chunk is None or len(chunk) != expected:
                 del values[position]
                 out[position] = INCOMPLETE
@@ -124,20 +134,20 @@ class RedisBackend:
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         body = memoryview(payload).cast("B")
         total = len(header) + body.nbytes
-        if total <= CHUNK_BYTES:
+        if total <= self._chunk:
             return bool(self._call(self._client.set, key, header + body, nx=True, px=self._ttl_ms))
         if self._call(self._client.exists, key):
             return False  # put-if-absent: do not upload chunks nobody will read
         nonce = os.urandom(16)
         names = []
         pipe = self._client.pipeline(transaction=False)
-        for index, chunk in enumerate(_chunks(header, body)):
+        for index, chunk in enumerate(_chunks(header, body, self._chunk)):
             names.append(chunk_key(key, nonce, index))
             pipe.set(names[-1], chunk, px=self._ttl_ms)
         check_deadline(deadline, "writing chunks")
         self._call(pipe.execute)
         check_deadline(deadline, "writing the manifest")
-        manifest = _MANIFEST.pack(_MANIFEST_MAGIC, nonce, len(names), total)
+        manifest = _MANIFEST.pack(_MANIFEST_MAGIC, nonce, len(names), self._chunk, total)
         if self._call(self._client.set, key, manifest, nx=True, px=self._ttl_ms):
             return True
         self._call(self._client.delete, *names)  # another writer won: drop our chunks
