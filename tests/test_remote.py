@@ -560,3 +560,17 @@ def test_a_host_with_a_wrong_secret_processes_everything_itself(
     finally:
         a.close()
         b.close()
+
+
+def test_make_caches_puts_the_p0_cache_of_a_mode_behind_the_tier(
+    server: LocalServer, namespace: str
+) -> None:
+    from mmcache import make_caches
+
+    with pytest.raises(ValueError, match="needs a P0 cache"):
+        make_caches("none", capacity_gb=0.01, remote=open_store(server.url, namespace))
+    p0, p1 = make_caches("lru", capacity_gb=0.01, remote=open_store(server.url, namespace))
+    assert isinstance(p0, TieredSenderCache) and isinstance(p0.local, SenderCache)
+    assert isinstance(p1, ReceiverCache)
+    p0.close()
+    assert p0.remote.get(key(1)) is None and p0.remote.stats()["skipped"] == 1  # closed with it

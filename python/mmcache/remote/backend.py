@@ -21,6 +21,7 @@ __all__ = [
     "Incomplete",
     "RemoteTimeout",
     "RemoteUnreachable",
+    "ValueTooLarge",
     "check_deadline",
 ]
 
@@ -31,6 +32,11 @@ class RemoteTimeout(Exception):
 
 class RemoteUnreachable(Exception):
     """The store could not be reached (refused, reset, not set up)."""
+
+
+class ValueTooLarge(Exception):
+    """A value larger than this backend can store (a limit of the client, not a failure of
+    the store)."""
 
 
 class Incomplete:

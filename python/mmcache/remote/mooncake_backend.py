@@ -7,6 +7,7 @@ URL: ``mooncake://MASTER_HOST:PORT`` with optional query parameters
   one, ``http://MASTER_HOST:8080/metadata``);
 * ``segment_mb`` - memory this process contributes to the store's pool (default 256; the
   writer client mounts it, so items this host publishes live in this process);
+* ``buffer_mb`` - each client's transfer buffer (default 64): the largest value it can put;
 * ``protocol`` (``tcp``), ``device`` (RDMA device names), ``local_hostname`` (default: the
   address this host reaches the master from).
 
@@ -22,9 +23,8 @@ gives up (about 90 s in 0.3.13).  Set-up happens once per client.  Reads are
 zero-copy where the API allows: ``batch_get_into`` writes each value straight into a buffer
 mmcache allocated, which the decoded item's arrays then view.
 
-Mooncake logs through glog to stderr (errors included, for expected events such as a metadata
-key not yet registered at setup); start the process with ``GLOG_minloglevel=2`` (or ``3``) in
-its environment to quiet it.
+Mooncake's client logs to stderr on its own (info lines at set-up, errors for expected events
+such as a metadata key not yet registered); mmcache does not silence it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
-from mmcache.remote.backend import Incomplete, RemoteTimeout, RemoteUnreachable
+from mmcache.remote.backend import Incomplete, RemoteTimeout, RemoteUnreachable, ValueTooLarge
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -103,6 +103,16 @@ class _CallThread:
         self._inbox.put(None)
 
 
+def _mib(query: dict[str, str], name: str, default: float, url: str) -> float:
+    try:
+        value = float(query.get(name, default))
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1 << 30:
+        raise ValueError(f"{name} must be a positive number of MiB in {url!r}")
+    return value
+
+
 def _local_address(host: str, port: int) -> str:
     """The address of this host's interface that routes to ``host`` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -145,7 +155,7 @@ class _Client:
             c["local_hostname"],
             c["metadata"],
             self._segment,
-            16 * MiB,
+            c["buffer"],
             c["protocol"],
             c["device"],
             c["master"],
@@ -171,15 +181,14 @@ class MooncakeBackend:
         if parts.scheme != "mooncake" or not parts.hostname or parts.port is None:
             raise ValueError(f"not a Mooncake URL: {url!r} (expected mooncake://MASTER_HOST:PORT)")
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        unknown = set(query) - {"metadata", "segment_mb", "protocol", "device", "local_hostname"}
+        options = {"metadata", "segment_mb", "buffer_mb", "protocol", "device", "local_hostname"}
+        unknown = set(query) - options
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} in Mooncake URL {url!r}")
-        try:
-            segment_mb = float(query.get("segment_mb", 256))
-        except ValueError:
-            raise ValueError(f"segment_mb must be a number of MiB in {url!r}") from None
-        if not 0 < segment_mb < 1 << 30:
-            raise ValueError(f"segment_mb must be positive in {url!r}")
+        segment_mb, buffer_mb = (
+            _mib(query, name, default, url) for name, default in (("segment_mb", 256), ("buffer_mb", 64))
+        )
+        self._buffer = int(buffer_mb * MiB)
         module = import_mooncake()
         host, port = parts.hostname, parts.port
         metadata = query.get("metadata", f"http://{host}:8080/metadata")
@@ -194,6 +203,7 @@ class MooncakeBackend:
             "protocol": query.get("protocol", "tcp"),
             "device": query.get("device", ""),
             "local_hostname": query.get("local_hostname") or _local_address(host, port),
+            "buffer": self._buffer,
         }
         self._reader = _Client(module, config, 0, "read")
         self._writer = _Client(module, config, int(segment_mb * MiB), "write")
@@ -234,6 +244,10 @@ class MooncakeBackend:
         return self._reader.run("batch_get_into", deadline, fetch)
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
+        size = len(header) + memoryview(payload).nbytes
+        if size > self._buffer:
+            raise ValueTooLarge(f"{size} bytes, more than the client's buffer_mb={self._buffer / MiB:g}")
+
         def put(store: Any) -> bool:
             if store.is_exist(key) == 1:
                 return False

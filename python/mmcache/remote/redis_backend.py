@@ -116,19 +116,19 @@ class RedisBackend:
             return out
         check_deadline(deadline, "reading chunks")
         chunks: list[bytes | None] = self._call(self._client.mget, [w[1] for w in wanted])
-        values = {position: bytearray(size) for position, size in sizes.items()}
+        parts: dict[int, list[bytes]] = {position: [] for position in sizes}
         for (position, _, offset, size), chunk in zip(wanted, chunks, strict=True):
-            value = values.get(position)
-            if value is None:
-                continue
-            expected = min(size, len(value) - offset)
-            if chunk is None or len(chunk) != expected:
-                del values[position]
+            pieces = parts.get(position)
+            if pieces is None:
+                continue  # already found incomplete
+            if chunk is None or len(chunk) != min(size, sizes[position] - offset):
+                del parts[position]
                 out[position] = INCOMPLETE
-                continue
-            value[offset : offset + expected] = chunk
-        for position, value in values.items():
-            out[position] = value
+            else:
+                pieces.append(chunk)
+        for position, pieces in parts.items():
+            # One copy into a buffer of our own (writable: the item may view it in place).
+            out[position] = bytearray().join(pieces)
         return out
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:

@@ -27,7 +27,13 @@ import numpy as np
 from mmcache import serde
 from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
-from mmcache.remote.backend import Backend, Incomplete, RemoteTimeout, RemoteUnreachable
+from mmcache.remote.backend import (
+    Backend,
+    Incomplete,
+    RemoteTimeout,
+    RemoteUnreachable,
+    ValueTooLarge,
+)
 from mmcache.remote.envelope import (
     CorruptValue,
     DigestMismatch,
@@ -348,6 +354,9 @@ class RemoteStore:
             return None
         except RemoteUnreachable as exc:
             self._transport_failure("unreachable", op, f"unreachable ({exc})")
+            return None
+        except ValueTooLarge as exc:  # the client's limit, not the store failing
+            self._fault("oversize", f"remote tier {self.url}: {op} refused: {exc}")
             return None
         except Exception as exc:  # the client's own errors (e.g. a server that refuses writes)
             self._transport_failure("server_errors", op, f"failed: {type(exc).__name__}: {exc}")

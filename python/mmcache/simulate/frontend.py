@@ -392,18 +392,22 @@ def frontend_main(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     tiered: TieredSenderCache | None = None
     try:
-        local, downstream = make_caches(
-            cast(Mode, config.mode),
-            capacity_gb=config.capacity_gb,
-            n_readers=config.workers,
-        )
-        if remote is not None and local is not None:
-            from mmcache.remote import RemoteStore, TieredSenderCache
+        store = None
+        if remote is not None:
+            from mmcache.remote import RemoteStore
 
             store = RemoteStore(
                 remote["url"], namespace=remote["namespace"], secret=remote["secret"]
             )
-            tiered = TieredSenderCache(local, store)
+        cache, downstream = make_caches(
+            cast(Mode, config.mode),
+            capacity_gb=config.capacity_gb,
+            n_readers=config.workers,
+            remote=store,
+        )
+        if store is not None:
+            tiered = cast("TieredSenderCache", cache)
+        local = tiered.local if tiered is not None else cache
     except (MemoryError, ValueError, ImportError) as exc:
         wire.send(
             events,

@@ -252,10 +252,8 @@ def _sigint_ignored() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _child_environment() -> Iterator[None]:
-    """Start children with one BLAS thread each, like an engine's processes sharing cores,
-    and with Mooncake's glog quiet below errors (unless the user chose a level)."""
+    """Start children with one BLAS thread each, like an engine's processes sharing cores."""
     settings = dict.fromkeys(("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"), "1")
-    settings["GLOG_minloglevel"] = os.environ.get("GLOG_minloglevel", "2")
     saved = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
     try:
