@@ -574,3 +574,22 @@ def test_make_caches_puts_the_p0_cache_of_a_mode_behind_the_tier(
     assert isinstance(p1, ReceiverCache)
     p0.close()
     assert p0.remote.get(key(1)) is None and p0.remote.stats()["skipped"] == 1  # closed with it
+
+
+def test_the_readme_example_runs_against_a_real_server(
+    server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "remote" in b)
+    monkeypatch.setenv("MMCACHE_REMOTE_SECRET", "from the environment")
+    namespace: dict[str, Any] = {}
+    exec(compile(block.replace("redis://cache.internal:6379", server.url), "README", "exec"), namespace)
+    p0 = namespace["p0"]
+    try:
+        assert isinstance(p0, TieredSenderCache) and isinstance(p0.local, ShmSenderCache)
+        assert p0.is_cached([key("readme")]) == [False] and p0.remote.stats()["errors"] == 0
+    finally:
+        p0.close()
