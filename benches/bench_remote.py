@@ -53,14 +53,16 @@ def bench_store(name: str, store: RemoteStore, iterations: int) -> list[dict[str
     for size in SIZES:
         item = _item(size)
         key = content_hash(name, size)
-        put_s = _median_s(lambda: store.put(content_hash(time.perf_counter_ns()), item), 5)
+        put_s = _median_s(
+            lambda item=item: store.put(content_hash(time.perf_counter_ns()), item), 5
+        )
         store.put(key, item)
         got = store.get(key)
         if got is None or not np.array_equal(got["pixel_values"], item["pixel_values"]):
             raise RuntimeError(f"{name}: the {size}-byte item did not come back intact")
-        get_s = _median_s(lambda: store.get(key), iterations)
+        get_s = _median_s(lambda key=key: store.get(key), iterations)
         src = np.ones(size, np.uint8)
-        memcpy_s = _median_s(lambda: np.copyto(np.empty_like(src), src), iterations)
+        memcpy_s = _median_s(lambda src=src: np.copyto(np.empty_like(src), src), iterations)
         rows.append(
             {
                 "backend": name,
@@ -116,12 +118,12 @@ def main() -> None:
         print(f"mooncake: skipped ({exc})")
     finally:
         if master is not None:
-            master.stop()
+            master.close()
     print(f"{'backend':9} {'size':>9} {'get':>10} {'GB/s':>6} {'put':>10} {'memcpy':>9}")
     for r in rows:
         print(
-            f"{r['backend']:9} {r['size'] / MiB:8.3g}M {r['get_ms']:8.2f}ms {r['get_gb_per_s']:6.2f}"
-            f" {r['put_ms']:8.2f}ms {r['memcpy_ms']:7.3f}ms"
+            f"{r['backend']:9} {r['size'] / MiB:8.3g}M {r['get_ms']:8.2f}ms"
+            f" {r['get_gb_per_s']:6.2f} {r['put_ms']:8.2f}ms {r['memcpy_ms']:7.3f}ms"
         )
     print(f"contains of 16 keys: {trips} round trip(s) to the server")
     if args.json is not None:

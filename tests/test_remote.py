@@ -222,7 +222,7 @@ def test_get_many_fetches_a_batch(server: LocalServer, namespace: str) -> None:
             store.put(key(i), item)
         got = store.get_many([key(0), key(9), key(3), key(1), key(0)])
         assert got[1] is None
-        assert all(same(g, items[i]) for g, i in zip(got, [0, 9, 3, 1, 0]) if i != 9)
+        assert all(same(g, items[i]) for g, i in zip(got, [0, 9, 3, 1, 0], strict=True) if i != 9)
 
 
 @pytest.mark.parametrize(
@@ -256,9 +256,7 @@ def test_bad_keys_and_items_are_clear_errors(
         ("redis://127.0.0.1:1?chunk_kb=many", {}, "chunk_kb"),
     ],
 )
-def test_bad_configuration_is_a_value_error(
-    url: str, kwargs: dict[str, Any], message: str
-) -> None:
+def test_bad_configuration_is_a_value_error(url: str, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RemoteStore(url, **{"namespace": "m@1", **kwargs})
 
@@ -309,28 +307,34 @@ def _with_version(raw: redis.Redis, name: str, version: int) -> None:
 DAMAGE: dict[str, tuple[int, Callable[[redis.Redis, str], None], str]] = {
     # name: (item size, damage(raw, namespace), the stats counter that must count it)
     "flipped byte in the tensor bytes": (
-        10_000, lambda r, ns: _flip(r, _value_key(ns, 1), HEADER_SIZE + 5000), "digest_mismatch"
+        10_000,
+        lambda r, ns: _flip(r, _value_key(ns, 1), HEADER_SIZE + 5000),
+        "digest_mismatch",
     ),
     "flipped byte in the digest": (
-        10_000, lambda r, ns: _flip(r, _value_key(ns, 1), 20), "digest_mismatch"
+        10_000,
+        lambda r, ns: _flip(r, _value_key(ns, 1), 20),
+        "digest_mismatch",
     ),
     "flipped byte in a chunk": (
-        3 * MiB, lambda r, ns: _flip(r, _chunks_of(r, ns, 1)[2], 77), "digest_mismatch"
+        3 * MiB,
+        lambda r, ns: _flip(r, _chunks_of(r, ns, 1)[2], 77),
+        "digest_mismatch",
     ),
-    "deleted chunk": (
-        3 * MiB, lambda r, ns: r.delete(_chunks_of(r, ns, 1)[1]), "incomplete"
-    ),
+    "deleted chunk": (3 * MiB, lambda r, ns: r.delete(_chunks_of(r, ns, 1)[1]), "incomplete"),
     "truncated value": (
         10_000,
         lambda r, ns: r.set(_value_key(ns, 1), (r.get(_value_key(ns, 1)) or b"")[:-100]),
         "corrupt",
     ),
     "header of another schema version": (
-        10_000, lambda r, ns: _with_version(r, _value_key(ns, 1), SCHEMA_VERSION + 1),
+        10_000,
+        lambda r, ns: _with_version(r, _value_key(ns, 1), SCHEMA_VERSION + 1),
         "version_mismatch",
     ),
     "another item's value copied over": (
-        10_000, lambda r, ns: r.copy(_value_key(ns, 2), _value_key(ns, 1), replace=True),
+        10_000,
+        lambda r, ns: r.copy(_value_key(ns, 2), _value_key(ns, 1), replace=True),
         "digest_mismatch",
     ),
     "garbage": (10_000, lambda r, ns: r.set(_value_key(ns, 1), b"MMCK" + bytes(40)), "incomplete"),
@@ -371,7 +375,7 @@ def test_two_hosts_putting_one_key_at_once_leave_one_whole_item(
         stores = [open_store(server.url, namespace) for _ in items]
         start = threading.Barrier(len(items))
 
-        def put(store: RemoteStore, item: dict[str, Any]) -> None:
+        def put(store: RemoteStore, item: dict[str, Any], start: threading.Barrier = start) -> None:
             start.wait()
             store.put(key("race"), item)
 
@@ -586,7 +590,10 @@ def test_the_readme_example_runs_against_a_real_server(
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "remote" in b)
     monkeypatch.setenv("MMCACHE_REMOTE_SECRET", "from the environment")
     namespace: dict[str, Any] = {}
-    exec(compile(block.replace("redis://cache.internal:6379", server.url), "README", "exec"), namespace)
+    exec(
+        compile(block.replace("redis://cache.internal:6379", server.url), "README", "exec"),
+        namespace,
+    )
     p0 = namespace["p0"]
     try:
         assert isinstance(p0, TieredSenderCache) and isinstance(p0.local, ShmSenderCache)

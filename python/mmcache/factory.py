@@ -56,7 +56,9 @@ def make_caches(
     elif mode == "lru":
         sender, downstream = SenderCache(capacity_gb), ReceiverCache(capacity_gb)
     else:
-        shm = ShmSenderCache(capacity_gb, max_object_size_mb=max_object_size_mb, n_readers=n_readers)
+        shm = ShmSenderCache(
+            capacity_gb, max_object_size_mb=max_object_size_mb, n_readers=n_readers
+        )
         sender, downstream = shm, shm.handle()
     if remote is not None and sender is not None:
         from mmcache.remote import TieredSenderCache

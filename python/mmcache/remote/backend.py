@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol, Self
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INCOMPLETE",
     "Backend",
+    "ClosesOnExit",
     "Incomplete",
     "RemoteTimeout",
     "RemoteUnreachable",
@@ -73,3 +75,21 @@ def check_deadline(deadline: float, what: str) -> None:
     """Raise :class:`RemoteTimeout` if ``deadline`` has passed (between two round trips)."""
     if time.monotonic() >= deadline:
         raise RemoteTimeout(f"deadline passed before {what}")
+
+
+class ClosesOnExit:
+    """``with obj:`` calls ``obj.close()`` on the way out."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -67,7 +67,9 @@ def import_mooncake() -> Any:
             )
         else:
             hint = "install it with: pip install 'mmcache[mooncake]'"
-        raise ImportError(f"the mooncake:// backend cannot load Mooncake ({missing}); {hint}") from exc
+        raise ImportError(
+            f"the mooncake:// backend cannot load Mooncake ({missing}); {hint}"
+        ) from exc
 
 
 class _CallThread:
@@ -147,9 +149,13 @@ class _Client:
         # and metadata ports accept connections.
         for host, port in c["endpoints"]:
             try:
-                socket.create_connection((host, port), max(0.01, deadline - time.monotonic())).close()
+                socket.create_connection(
+                    (host, port), max(0.01, deadline - time.monotonic())
+                ).close()
             except OSError as exc:
-                raise RemoteUnreachable(f"Mooncake master {host}:{port} unreachable: {exc}") from exc
+                raise RemoteUnreachable(
+                    f"Mooncake master {host}:{port} unreachable: {exc}"
+                ) from exc
         store = self._module.MooncakeDistributedStore()
         rc = store.setup(
             c["local_hostname"],
@@ -186,7 +192,8 @@ class MooncakeBackend:
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} in Mooncake URL {url!r}")
         segment_mb, buffer_mb = (
-            _mib(query, name, default, url) for name, default in (("segment_mb", 256), ("buffer_mb", 64))
+            _mib(query, name, default, url)
+            for name, default in (("segment_mb", 256), ("buffer_mb", 64))
         )
         self._buffer = int(buffer_mb * MiB)
         module = import_mooncake()
@@ -246,7 +253,9 @@ class MooncakeBackend:
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         size = len(header) + memoryview(payload).nbytes
         if size > self._buffer:
-            raise ValueTooLarge(f"{size} bytes, more than the client's buffer_mb={self._buffer / MiB:g}")
+            raise ValueTooLarge(
+                f"{size} bytes, more than the client's buffer_mb={self._buffer / MiB:g}"
+            )
 
         def put(store: Any) -> bool:
             if store.is_exist(key) == 1:

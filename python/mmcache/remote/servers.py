@@ -22,8 +22,8 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Self
+
+from mmcache.remote.backend import ClosesOnExit
 
 __all__ = [
     "LocalServer",
@@ -83,7 +83,7 @@ def find_mooncake_master() -> str | None:
     return _package_binary("mooncake", "mooncake_master") or shutil.which("mooncake_master")
 
 
-class LocalServer:
+class LocalServer(ClosesOnExit):
     """A server process this process started, listening on ``127.0.0.1:port``."""
 
     def __init__(
@@ -149,7 +149,7 @@ class LocalServer:
         self.kill()
         self.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         """Terminate the server and remove its directory; idempotent."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGCONT)
@@ -159,17 +159,6 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._dir.cleanup()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"LocalServer({self.name}, {self.url}, pid {self.pid})"

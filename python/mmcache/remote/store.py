@@ -18,8 +18,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -29,6 +28,7 @@ from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
 from mmcache.remote.backend import (
     Backend,
+    ClosesOnExit,
     Incomplete,
     RemoteTimeout,
     RemoteUnreachable,
@@ -151,7 +151,7 @@ def _open_backend(url: str, timeout_s: float, ttl_s: float | None) -> Backend:
     )
 
 
-class RemoteStore:
+class RemoteStore(ClosesOnExit):
     """Processed items shared by every host that opens the same store with the same
     ``namespace`` (and ``secret``).
 
@@ -263,7 +263,9 @@ class RemoteStore:
 
         stored = self._call("put", write)
         if stored is not None:
-            self._count(**({"puts": 1, "bytes_written": len(payload)} if stored else {"put_present": 1}))
+            self._count(
+                **({"puts": 1, "bytes_written": len(payload)} if stored else {"put_present": 1})
+            )
 
     def close(self) -> None:
         """Close the connections; later calls are misses.  Idempotent."""
@@ -289,13 +291,29 @@ class RemoteStore:
             counts = dict(self._counts)
             samples = {op: np.array(values) for op, values in self._latency.items()}
         failures = (
-            *_TRANSPORT, "corrupt", "incomplete", "version_mismatch", "digest_mismatch",
-            "unencodable", "oversize",
+            *_TRANSPORT,
+            "corrupt",
+            "incomplete",
+            "version_mismatch",
+            "digest_mismatch",
+            "unencodable",
+            "oversize",
         )
-        out: dict[str, float] = {name: counts.get(name, 0) for name in (
-            "hits", "misses", "puts", "put_present", "bytes_read", "bytes_written",
-            "contains_keys", "contains_found", *failures, "skipped",
-        )}
+        out: dict[str, float] = {
+            name: counts.get(name, 0)
+            for name in (
+                "hits",
+                "misses",
+                "puts",
+                "put_present",
+                "bytes_read",
+                "bytes_written",
+                "contains_keys",
+                "contains_found",
+                *failures,
+                "skipped",
+            )
+        }
         out["errors"] = sum(counts.get(name, 0) for name in failures)
         out["breaker_opened"] = self._breaker.opened
         out["breaker_open"] = int(self._breaker.state == "open")
@@ -309,17 +327,6 @@ class RemoteStore:
         100,000 per operation): ``{"contains": [...], "get": [...], "put": [...]}``."""
         with self._lock:
             return {op: list(values) for op, values in self._latency.items()}
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         keyed = "keyed" if self._digest_key is not None else "unkeyed"

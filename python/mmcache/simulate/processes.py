@@ -216,7 +216,7 @@ def _remote_tier(config: SimulationConfig) -> Iterator[dict[str, str] | None]:
     try:
         yield {**tier, "url": server.url}
     finally:
-        server.stop()
+        server.close()
 
 
 def _stop(processes: Sequence[Any], *, grace_s: float) -> None:
@@ -340,7 +340,10 @@ def _wrong_remote_tensors(reports: list[dict[str, Any]]) -> int:
             if truth.setdefault(image, digests) != digests:
                 raise SimulationError(f"two hosts processed image {image} into different tensors")
     return sum(
-        len(digests) for r in reports for image, digests in r["remote_truth"] if truth.get(image) != digests
+        len(digests)
+        for r in reports
+        for image, digests in r["remote_truth"]
+        if truth.get(image) != digests
     )
 
 

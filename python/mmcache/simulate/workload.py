@@ -124,7 +124,8 @@ def _distinct_ranks(rng: np.random.Generator, cumulative: np.ndarray, count: int
     not yet drawn complete the request."""
     chosen: dict[int, None] = {}
     for _ in range(64 * count):
-        rank = min(int(np.searchsorted(cumulative, rng.random(), side="right")), len(cumulative) - 1)
+        drawn = int(np.searchsorted(cumulative, rng.random(), side="right"))
+        rank = min(drawn, len(cumulative) - 1)
         chosen[rank] = None
         if len(chosen) == count:
             return list(chosen)
