@@ -71,8 +71,19 @@ def derive_digest_key(secret: bytes | str) -> bytes:
     return blake3.blake3(raw, derive_key_context=_KEY_CONTEXT).digest()
 
 
+#: Payloads at least this large are hashed on all cores (BLAKE3 splits them; smaller ones
+#: would spend more on the threads than they save).
+_PARALLEL_BYTES = 1 << 20
+
+
 def _digest(fixed: bytes, store_key: str, payload: Buffer, digest_key: bytes | None) -> bytes:
-    hasher = blake3.blake3() if digest_key is None else blake3.blake3(key=digest_key)
+    size = memoryview(payload).nbytes
+    threads = blake3.blake3.AUTO if size >= _PARALLEL_BYTES else 1
+    hasher = (
+        blake3.blake3(max_threads=threads)
+        if digest_key is None
+        else blake3.blake3(key=digest_key, max_threads=threads)
+    )
     name = store_key.encode()
     hasher.update(fixed)
     hasher.update(struct.pack("<I", len(name)))
