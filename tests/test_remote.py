@@ -145,6 +145,14 @@ def test_get_returns_what_was_put_bit_for_bit(
         assert stats["errors"] == 0
 
 
+def test_valkey_urls_name_the_same_server(server: LocalServer, namespace: str) -> None:
+    item = make_item(4, 100)
+    with open_store(server.url, namespace) as redis_url:
+        redis_url.put(key(4), item)
+    with open_store(server.url.replace("redis://", "valkey://"), namespace) as valkey_url:
+        assert same(valkey_url.get(key(4)), item)
+
+
 def test_a_chunked_value_is_chunks_plus_a_manifest_written_last(
     server: LocalServer, raw: redis.Redis, namespace: str
 ) -> None:

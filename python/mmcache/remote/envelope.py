@@ -23,7 +23,10 @@ import hmac
 import struct
 from typing import TYPE_CHECKING
 
-import blake3
+try:
+    import blake3
+except ImportError as exc:  # pragma: no cover - the remote and test extras install it
+    raise ImportError(f"mmcache.remote needs: pip install 'mmcache[remote]' ({exc})") from exc
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -21,9 +21,13 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - the remote and test extras install it
+    hint = "redis:// and valkey:// need: pip install 'mmcache[remote]'"
+    raise ImportError(f"{hint} ({exc})") from exc
 
 from mmcache.remote.backend import (
     INCOMPLETE,
