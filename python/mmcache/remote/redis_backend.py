@@ -5,8 +5,11 @@ written first, then a small *manifest* under the item's key naming them (``SET N
 writer wins, and a reader never sees a manifest before its chunks).  Chunk keys carry the
 writer's random nonce, so two hosts putting one item at once never mix their chunks; the
 loser deletes its own.  A reader fetches the manifests (and small values) of a whole batch in
-one ``MGET`` and every chunk of the batch in a second one; a value missing any chunk (evicted
-by ``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss.
+one ``MGET`` and the chunks of the batch in a second round trip, split over
+:data:`FETCH_CONNECTIONS` connections at once (a Redis/Valkey server writes a large reply 64 KiB
+per event-loop turn and client, so one connection gets about half of what loopback TCP
+carries); a value missing any chunk (evicted by ``maxmemory``, deleted, expired) is
+:data:`~.backend.INCOMPLETE`, a miss.
 
 With retries on, redis-py retries a failed command three times with backoff, so a dead server
 costs seconds per call; here every socket operation is bounded by the store's ``timeout_s``
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
@@ -45,6 +49,9 @@ __all__ = ["CHUNK_BYTES", "RedisBackend"]
 CHUNK_BYTES = 1 << 20
 """Values larger than this are split into chunks of this size (the URL's ``chunk_kb`` query
 parameter sets another, e.g. for a proxy that limits value sizes)."""
+
+FETCH_CONNECTIONS = 2
+"""Connections that fetch a batch's chunks at once."""
 
 _MANIFEST = struct.Struct("<4s16sIIQ")  # magic, writer nonce, chunk count, chunk size, total
 _MANIFEST_MAGIC = b"MMCK"
@@ -84,6 +91,7 @@ class RedisBackend:
         if not 1 << 10 <= self._chunk <= 512 << 20:
             raise ValueError(f"chunk_kb must be a whole number from 1 to 524288 in {url!r}")
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS, "mmcache-redis-fetch")
         self._client = redis.Redis.from_url(
             urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
             socket_timeout=timeout_s,
@@ -119,7 +127,7 @@ class RedisBackend:
         if not wanted:
             return out
         check_deadline(deadline, "reading chunks")
-        chunks: list[bytes | None] = self._call(self._client.mget, [w[1] for w in wanted])
+        chunks = self._fetch([w[1] for w in wanted])
         parts: dict[int, list[bytes]] = {position: [] for position in sizes}
         for (position, _, offset, size), chunk in zip(wanted, chunks, strict=True):
             pieces = parts.get(position)
@@ -134,6 +142,15 @@ class RedisBackend:
             # One copy into a buffer of our own (writable: the item may view it in place).
             out[position] = bytearray().join(pieces)
         return out
+
+    def _fetch(self, names: list[str]) -> list[bytes | None]:
+        """``MGET`` of ``names``, split over the fetch connections when there are several."""
+        if len(names) < 2:
+            return list(self._call(self._client.mget, names))
+        step = -(-len(names) // FETCH_CONNECTIONS)
+        parts = [names[i : i + step] for i in range(0, len(names), step)]
+        futures = [self._fetchers.submit(self._call, self._client.mget, part) for part in parts]
+        return [value for future in futures for value in future.result()]
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         body = memoryview(payload).cast("B")
@@ -158,6 +175,7 @@ class RedisBackend:
         return False
 
     def close(self) -> None:
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
     @staticmethod
