@@ -225,3 +225,17 @@ class _Decoder:
             # The view is read-only by contract; torch has no read-only tensors and warns.
             warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
             return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def pack(item: Mapping[str, Any]) -> bytes:
+    """The whole payload of ``item`` as one ``bytes`` object: exactly what the shared-memory
+    ring stores for it (part 0, then each buffer at its aligned offset, zero padding between),
+    so ``decode(pack(item))`` rebuilds it.  For stores that keep one value per key."""
+    header, buffers = encode(item)
+    offsets = part_offsets([len(header), *(b.nbytes for b in buffers)])
+    pieces: list[bytes | memoryview] = [header]
+    end = len(header)
+    for offset, buffer in zip(offsets[1:], buffers, strict=True):
+        pieces += [bytes(offset - end), buffer]
+        end = offset + buffer.nbytes
+    return b"".join(pieces)
