@@ -6,7 +6,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
-.PHONY: build simulate test test-rust test-python lint typecheck bench clean
+.PHONY: build simulate test test-rust test-python test-vllm lint typecheck bench bench-vllm clean
+
+# vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
+# their own, with vLLM installed without its dependencies plus exactly what its cache
+# modules and these tests import on CPU (tests_vllm/requirements.txt).
+VENV_VLLM  := .venv-vllm
+VLLM_STAMP := $(VENV_VLLM)/.deps-installed
+VLLM_ENV   := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +32,9 @@ lint:
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python --lib -- -D warnings
+	# The libFuzzer targets must keep compiling against the core (running them needs
+	# nightly: `cd fuzz && cargo +nightly fuzz run store_ops`).
+	cargo check --manifest-path fuzz/Cargo.toml --bins
 
 test-rust:
 	cargo test
@@ -37,11 +47,32 @@ typecheck: build
 test-python: build
 	$(PY) -m pytest -q
 
-test: lint test-rust typecheck test-python
+$(VLLM_STAMP): tests_vllm/requirements.txt
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_VLLM)/bin/python -m pip install --quiet --no-deps "vllm==0.33.0"
+	$(VENV_VLLM)/bin/python -m pip install --quiet -r tests_vllm/requirements.txt
+	touch $@
+
+# vLLM's own tests/multimodal/test_cache.py (fetched from its sdist, never stored here) and
+# our end-to-end tests, both against mmcache installed into vLLM.
+test-vllm: build $(VLLM_STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet
+	$(VENV_VLLM)/bin/python tests_vllm/upstream/fetch.py $(VENV_VLLM)/upstream $(VENV_VLLM)
+	cd $(VENV_VLLM)/upstream && $(VLLM_ENV) ../bin/python -m pytest -q -p no:cacheprovider \
+		tests/multimodal/test_cache.py
+	$(VLLM_ENV) $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider tests_vllm
+
+test: lint test-rust typecheck test-python test-vllm
 
 bench: build
 	$(VENV)/bin/mmcache bench
 	$(PY) benches/bench_caches.py
 
+# The cache API and the core against vLLM 0.33's own store, in vLLM's venv (a few minutes).
+bench-vllm: build $(VLLM_STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet
+	$(VLLM_ENV) $(VENV_VLLM)/bin/python benches/bench_vllm.py
+
 clean:
-	rm -rf $(VENV) target
+	rm -rf $(VENV) $(VENV_VLLM) target

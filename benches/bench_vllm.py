@@ -11,9 +11,9 @@ The item is three float32 tensors (1/4, 1/2 and 1/4 of its bytes; vLLM gets them
 1 MiB, compared with a memcpy of the same bytes. Timed sections run with the cyclic garbage
 collector off, as ``timeit`` does, in P0 and in the worker alike.
 
-Needs vLLM 0.33 importable next to mmcache. Without vLLM's own dependencies, install it
-alone plus what its store and serde import, e.g. into a scratch virtualenv that also sees
-mmcache's:
+Needs vLLM 0.33 importable next to mmcache: ``make bench-vllm`` runs it in the ``.venv-vllm``
+that ``make test-vllm`` builds. By hand, install vLLM alone plus what its store and serde
+import, e.g. into a scratch virtualenv that also sees mmcache's:
 
     pip install vllm==0.33.0 --no-deps
     pip install psutil pyzmq urllib3 regex pydantic cbor2 "transformers>=5.16.1,<5.21" \\

@@ -36,6 +36,14 @@ pub enum Error {
     WriterGone(String),
     /// Every reader slot is claimed.
     NoReaderSlot(u32),
+    /// A name in `/dev/shm` that is not a regular file (a directory, FIFO, symbolic link...).
+    NotASegment(String),
+    /// A writer or reader used in a process other than the one that created or attached it
+    /// (a forked child).
+    WrongProcess(String),
+    /// One more reference to `key` would overflow a reader slot's counter: that reader has
+    /// `limit` unread references to it.
+    Saturated { key: String, slot: u32, limit: u32 },
     /// Any other operating-system failure, with what was being done.
     Os { context: String, source: io::Error },
 }
@@ -118,6 +126,23 @@ impl fmt::Display for Error {
                 f,
                 "all {n} reader slots of this segment are taken; create the writer with a larger \
                  n_readers or close an attached reader first"
+            ),
+            Error::NotASegment(what) => write!(
+                f,
+                "{what}, not a shared-memory segment of mmcache; nothing was opened"
+            ),
+            Error::WrongProcess(what) => write!(
+                f,
+                "{what} was made in another process: after fork() a child cannot use its \
+                 parent's shared-memory writer or reader (create a new writer, or attach a new \
+                 reader in the child)"
+            ),
+            Error::Saturated { key, slot, limit } => write!(
+                f,
+                "reader slot {slot} already has {limit} unread references to {key:?}, the most \
+                 it can count: that reader is not reading (a stuck worker, or aborted requests \
+                 whose handles were never given back with release_handles); serve this item \
+                 uncached"
             ),
             Error::Os { context, source } => write!(f, "{context}: {source}"),
         }

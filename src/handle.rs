@@ -1,13 +1,25 @@
 //! Keyed signatures that make handles unforgeable.
 //!
+//! Two MACs (keyed BLAKE3, 128 bits each) come from one hash of `(key, address, id)`:
+//!
+//! * the **chunk MAC** (`… ‖ 0x00`): the chunk's identity, stored in its header, so a reader
+//!   can tell its chunk from bytes that later landed at the same address;
+//! * the **handle MAC** (`… ‖ 0x01 ‖ reader set`): what a handle carries. A handle's
+//!   signature is its handle MAC followed by the 4-byte number of the *reader set* its
+//!   references were issued to (little-endian), which the writer's `release` uses to credit
+//!   exactly those readers. The MAC covers that number, so it cannot be changed either.
+//!
 //! The writer draws a 32-byte secret at creation. It travels only inside the picklable
 //! reader handle (the engine's own IPC), never in the segment, so a process that can read
 //! `/dev/shm` but did not get a reader handle cannot mint handles. A signature covers the
-//! cache key, the address and the monotonic id: a handle replayed for another key, moved to
-//! another address or re-numbered fails verification before any shared byte is read.
+//! cache key, the address, the monotonic id and the reader set: a handle replayed for
+//! another key, moved to another address, re-numbered or re-targeted fails verification
+//! before any shared byte is read.
 
-/// Bytes of a handle signature (a truncated keyed BLAKE3 hash: 128 bits).
-pub const SIGNATURE_LEN: usize = 16;
+/// Bytes of a MAC (a truncated keyed BLAKE3 hash: 128 bits).
+pub const MAC_LEN: usize = 16;
+/// Bytes of a handle signature: the handle MAC and the issuing reader set's number.
+pub const SIGNATURE_LEN: usize = MAC_LEN + 4;
 
 /// Where one object lives and the proof that this store's writer said so.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -17,6 +29,13 @@ pub struct Handle {
     /// The chunk's 64-bit id; never reused, never 0.
     pub monotonic_id: u64,
     pub signature: [u8; SIGNATURE_LEN],
+}
+
+impl Handle {
+    /// The number of the reader set this handle's references were issued to.
+    pub fn reader_set(&self) -> u32 {
+        u32::from_le_bytes(self.signature[MAC_LEN..].try_into().expect("4 bytes"))
+    }
 }
 
 /// Signs and verifies handles with one secret.
@@ -40,33 +59,90 @@ impl Signer {
         &self.secret
     }
 
-    pub fn sign(&self, key: &str, address: u64, monotonic_id: u64) -> [u8; SIGNATURE_LEN] {
+    /// The keyed hash of `(key, address, id)` both MACs continue from.
+    fn prefix(&self, key: &str, address: u64, monotonic_id: u64) -> blake3::Hasher {
         let mut hasher = blake3::Hasher::new_keyed(&self.secret);
         // Length-prefix the key so (key, address) pairs cannot be re-split.
         hasher.update(&(key.len() as u64).to_le_bytes());
         hasher.update(key.as_bytes());
         hasher.update(&address.to_le_bytes());
         hasher.update(&monotonic_id.to_le_bytes());
-        let mut out = [0u8; SIGNATURE_LEN];
-        out.copy_from_slice(&hasher.finalize().as_bytes()[..SIGNATURE_LEN]);
+        hasher
+    }
+
+    fn finish(hasher: &blake3::Hasher) -> [u8; MAC_LEN] {
+        let mut out = [0u8; MAC_LEN];
+        out.copy_from_slice(&hasher.finalize().as_bytes()[..MAC_LEN]);
         out
     }
 
-    /// Constant-time check that `handle` was signed by this secret for `key`.
-    pub fn verify(&self, key: &str, handle: &Handle) -> bool {
-        let expected = self.sign(key, handle.address, handle.monotonic_id);
-        expected
+    /// The chunk MAC of the object `(key, address, id)` and a handle to it for `reader_set`.
+    pub fn sign(
+        &self,
+        key: &str,
+        address: u64,
+        monotonic_id: u64,
+        reader_set: u32,
+    ) -> ([u8; MAC_LEN], Handle) {
+        let prefix = self.prefix(key, address, monotonic_id);
+        (
+            Self::finish(prefix.clone().update(&[0])),
+            self.handle_from(&prefix, address, monotonic_id, reader_set),
+        )
+    }
+
+    /// Another handle to the object `(key, address, id)`, for another reader set.
+    pub fn handle(&self, key: &str, address: u64, monotonic_id: u64, reader_set: u32) -> Handle {
+        self.handle_from(
+            &self.prefix(key, address, monotonic_id),
+            address,
+            monotonic_id,
+            reader_set,
+        )
+    }
+
+    fn handle_from(
+        &self,
+        prefix: &blake3::Hasher,
+        address: u64,
+        monotonic_id: u64,
+        reader_set: u32,
+    ) -> Handle {
+        let mut hasher = prefix.clone();
+        hasher.update(&[1]);
+        hasher.update(&reader_set.to_le_bytes());
+        let mut signature = [0u8; SIGNATURE_LEN];
+        signature[..MAC_LEN].copy_from_slice(&Self::finish(&hasher));
+        signature[MAC_LEN..].copy_from_slice(&reader_set.to_le_bytes());
+        Handle {
+            address,
+            monotonic_id,
+            signature,
+        }
+    }
+
+    /// Check (in constant time) that `handle` was signed by this secret for `key`; if so,
+    /// the chunk MAC of the object it names.
+    pub fn verify(&self, key: &str, handle: &Handle) -> Option<[u8; MAC_LEN]> {
+        let (chunk_mac, expected) = self.sign(
+            key,
+            handle.address,
+            handle.monotonic_id,
+            handle.reader_set(),
+        );
+        let diff = expected
+            .signature
             .iter()
             .zip(handle.signature.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        (diff == 0).then_some(chunk_mac)
     }
 }
 
-/// The 32-bit tag of a signature that chunk headers carry in each reader word (see
+/// The 32-bit tag of a chunk's MAC that chunk headers carry in each reader word (see
 /// `layout::SlotWord`): readers only ever modify a word whose tag matches their handle.
-pub fn tag(signature: &[u8; SIGNATURE_LEN]) -> u32 {
-    u32::from_le_bytes([signature[0], signature[1], signature[2], signature[3]])
+pub fn tag(mac: &[u8; MAC_LEN]) -> u32 {
+    u32::from_le_bytes([mac[0], mac[1], mac[2], mac[3]])
 }
 
 #[cfg(test)]
@@ -74,32 +150,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn signatures_bind_key_address_and_id() {
+    fn signatures_bind_key_address_id_and_reader_set() {
         let signer = Signer::new([7; 32]);
-        let sig = signer.sign("img", 128, 5);
-        let good = Handle {
-            address: 128,
-            monotonic_id: 5,
-            signature: sig,
-        };
-        assert!(signer.verify("img", &good));
-        assert!(!signer.verify("img2", &good));
-        assert!(!signer.verify(
-            "img",
-            &Handle {
+        let (chunk_mac, good) = signer.sign("img", 128, 5, 3);
+        assert_eq!(good.reader_set(), 3);
+        assert_eq!(signer.verify("img", &good), Some(chunk_mac));
+        assert_eq!(signer.verify("img2", &good), None);
+        for forged in [
+            Handle {
                 address: 192,
                 ..good
-            }
-        ));
-        assert!(!signer.verify(
-            "img",
-            &Handle {
+            },
+            Handle {
                 monotonic_id: 6,
                 ..good
-            }
-        ));
-        assert!(!Signer::new([8; 32]).verify("img", &good));
+            },
+        ] {
+            assert_eq!(signer.verify("img", &forged), None);
+        }
+        let mut retargeted = good;
+        retargeted.signature[MAC_LEN] ^= 1; // another reader set, same MAC
+        assert_eq!(signer.verify("img", &retargeted), None);
+        assert_eq!(Signer::new([8; 32]).verify("img", &good), None);
+        // Another reader set: another handle to the same chunk.
+        let other = signer.handle("img", 128, 5, 4);
+        assert_ne!(other, good);
+        assert_eq!(signer.verify("img", &other), Some(chunk_mac));
         // Length prefix: ("ab", x) and ("a", "b"+x) cannot collide by construction.
-        assert_ne!(signer.sign("ab", 0, 0), signer.sign("a", 0, 0));
+        assert_ne!(signer.sign("ab", 0, 0, 0).0, signer.sign("a", 0, 0, 0).0);
     }
 }

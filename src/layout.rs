@@ -27,12 +27,12 @@
 use std::sync::atomic::Ordering;
 
 use crate::error::{Error, Result};
-use crate::segment::Segment;
+use crate::segment::{LockRange, Segment};
 
 /// "MMCACHE\x01" — first word of every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
 /// Bumped on any change to the byte layout below; attach refuses other versions.
-pub const LAYOUT_VERSION: u64 = 1;
+pub const LAYOUT_VERSION: u64 = 2;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).
@@ -52,6 +52,8 @@ pub mod header {
     pub const CREATOR_START: u64 = 72; // const: creator's start time (pid reuse guard)
     /// `WRITER_LIVE` until the writer closes (`WRITER_CLOSED`), Release/Acquire.
     pub const WRITER_STATE: u64 = 80;
+    /// const: how liveness is told, `LIVENESS_LOCKS` or `LIVENESS_PIDS` (see `Liveness`).
+    pub const LIVENESS: u64 = 88;
     // Counters published by the writer for `inspect` (Relaxed: statistics only).
     pub const PUTS: u64 = 128;
     pub const HITS: u64 = 136;
@@ -70,15 +72,53 @@ pub mod header {
 pub const WRITER_LIVE: u64 = 1;
 pub const WRITER_CLOSED: u64 = 2;
 
+/// How the processes of a segment tell whether the others are alive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// OFD locks (`segment::LockRange`): the writer holds [`WRITER_LOCK`] for the segment's
+    /// life, each reader its slot's [`Layout::slot_lock`] while it occupies the slot. The
+    /// kernel drops a lock when its holder dies, in whatever PID namespace.
+    Locks,
+    /// Fallback where the kernel has no OFD locks: pid + start time, which only work when
+    /// every process shares one PID namespace.
+    Pids,
+}
+
+pub const LIVENESS_LOCKS: u64 = 1;
+pub const LIVENESS_PIDS: u64 = 2;
+
+impl Liveness {
+    pub fn code(self) -> u64 {
+        match self {
+            Liveness::Locks => LIVENESS_LOCKS,
+            Liveness::Pids => LIVENESS_PIDS,
+        }
+    }
+
+    pub fn from_code(code: u64) -> Option<Liveness> {
+        match code {
+            LIVENESS_LOCKS => Some(Liveness::Locks),
+            LIVENESS_PIDS => Some(Liveness::Pids),
+            _ => None,
+        }
+    }
+}
+
+/// The byte range the writer keeps locked while it lives (the magic word).
+pub const WRITER_LOCK: LockRange = LockRange { start: 0, len: 8 };
+
 /// Reader slot field offsets (relative to the slot). One cache line per reader.
 pub mod slot {
-    /// `epoch << 1 | claimed`. A reader claims a free slot with one CAS from
-    /// `(e, 0)` to `(e + 1, 1)` and frees it with a Release store of `(e + 1, 0)`; the writer
-    /// frees the slot of a dead reader with a CAS. Epochs only grow, so a chunk word stamped
-    /// for an earlier occupant can never be mistaken for the current one's.
+    /// A `Claim` word: epoch, occupant pid and state, changed only by CAS. A reader claims a
+    /// slot with one CAS to `(e + 1, pid, CLAIMED)`, so the pid is never an earlier
+    /// occupant's; closing with live views makes it `DRAINING`; the last view (or the writer,
+    /// for a dead occupant) makes it `FREE`. Epochs only grow, so a chunk word stamped for an
+    /// earlier occupant can never be mistaken for the current one's.
     pub const CLAIM: u64 = 0;
-    pub const PID: u64 = 8; // written by the claimant after the CAS; 0 = not yet known
-    pub const START: u64 = 16; // claimant's start time
+    /// `epoch << 32 | start_time & 0xffff_ffff` of the occupant (pid reuse guard for the
+    /// `Liveness::Pids` fallback); written after the claim, so it counts only when its epoch
+    /// is the claim's.
+    pub const START: u64 = 16;
     pub const REFS: u64 = 24; // references issued to this slot (writer, Relaxed)
     pub const ACKS: u64 = 32; // references acknowledged by this slot (reader, Relaxed)
     pub const STALE: u64 = 40; // handles this slot found stale (reader, Relaxed)
@@ -101,17 +141,56 @@ pub const fn align_up(n: u64) -> Option<u64> {
     }
 }
 
-/// A claim word: `epoch << 1 | claimed`.
-pub fn claim_word(epoch: u64, claimed: bool) -> u64 {
-    (epoch << 1) | claimed as u64
+/// What a reader slot is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Nobody occupies it.
+    Free,
+    /// A reader occupies it: the writer issues it a reference for every handle.
+    Claimed,
+    /// Its reader closed while zero-copy views were alive: the views stay protected, no new
+    /// references are issued, unread ones no longer count; freed with the last view.
+    Draining,
 }
 
-pub fn claim_epoch(word: u64) -> u64 {
-    word >> 1
+/// A reader slot's claim word: `epoch (32) | pid (30) | state (2)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claim {
+    pub epoch: u32,
+    pub pid: u32,
+    pub state: SlotState,
 }
 
-pub fn claim_is_claimed(word: u64) -> bool {
-    word & 1 == 1
+impl Claim {
+    const PID_MASK: u32 = (1 << 30) - 1;
+
+    pub fn pack(self) -> u64 {
+        let state = match self.state {
+            SlotState::Free => 0,
+            SlotState::Claimed => 1,
+            SlotState::Draining => 2,
+        };
+        ((self.epoch as u64) << 32) | (((self.pid & Self::PID_MASK) as u64) << 2) | state
+    }
+
+    /// `None` for a state this build does not know (a corrupt word).
+    pub fn unpack(word: u64) -> Option<Claim> {
+        let state = match word & 3 {
+            0 => SlotState::Free,
+            1 => SlotState::Claimed,
+            2 => SlotState::Draining,
+            _ => return None,
+        };
+        Some(Claim {
+            epoch: (word >> 32) as u32,
+            pid: ((word >> 2) as u32) & Self::PID_MASK,
+            state,
+        })
+    }
+
+    pub fn is_occupied(self) -> bool {
+        self.state != SlotState::Free
+    }
 }
 
 /// One reader slot's state for one chunk, packed in a `u64` so it changes with one CAS:
@@ -121,19 +200,25 @@ pub fn claim_is_claimed(word: u64) -> bool {
 ///   issued to an earlier occupant, who is gone and so credited). Readers modify a word only
 ///   when its stamp matches: payload bytes that later land where a header was cannot be
 ///   mistaken for one (32 keyed bits).
-/// * `outstanding` (16 bits): references issued to this slot not yet acknowledged.
-/// * `views` (16 bits): zero-copy views this slot holds.
+/// * `outstanding` (20 bits, at most [`SlotWord::MAX_OUTSTANDING`]): references issued to this
+///   slot not yet acknowledged. The writer refuses to issue one more (`Error::Saturated`)
+///   rather than overflow; the cache then serves the item uncached.
+/// * `views` (12 bits, at most [`SlotWord::MAX_VIEWS`]): zero-copy views this slot holds. A
+///   reader past the limit reads a verified private copy instead of a view.
 ///
 /// The chunk is reclaimable for this slot when the stamp is not the occupant's, or both
 /// counts are zero.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotWord {
     pub stamp: u32,
-    pub outstanding: u16,
-    pub views: u16,
+    pub outstanding: u32,
+    pub views: u32,
 }
 
 impl SlotWord {
+    pub const MAX_OUTSTANDING: u32 = (1 << 20) - 1;
+    pub const MAX_VIEWS: u32 = (1 << 12) - 1;
+
     pub fn stamp_for(tag: u32, epoch: u64) -> u32 {
         tag ^ (epoch as u32)
     }
@@ -141,13 +226,17 @@ impl SlotWord {
     pub fn unpack(word: u64) -> SlotWord {
         SlotWord {
             stamp: (word >> 32) as u32,
-            outstanding: (word >> 16) as u16,
-            views: word as u16,
+            outstanding: ((word >> 12) as u32) & Self::MAX_OUTSTANDING,
+            views: (word as u32) & Self::MAX_VIEWS,
         }
     }
 
+    /// Counts above their maxima are a caller bug; they are masked, never spilled into the
+    /// stamp.
     pub fn pack(self) -> u64 {
-        ((self.stamp as u64) << 32) | ((self.outstanding as u64) << 16) | self.views as u64
+        ((self.stamp as u64) << 32)
+            | (((self.outstanding & Self::MAX_OUTSTANDING) as u64) << 12)
+            | (self.views & Self::MAX_VIEWS) as u64
     }
 }
 
@@ -213,6 +302,14 @@ impl Layout {
         header::READER_TABLE + header::READER_SLOT_SIZE * slot as u64
     }
 
+    /// The byte range a reader keeps locked while it occupies `slot` (`Liveness::Locks`).
+    pub fn slot_lock(&self, slot: u32) -> LockRange {
+        LockRange {
+            start: self.slot_offset(slot),
+            len: header::READER_SLOT_SIZE,
+        }
+    }
+
     /// Segment offset of the chunk at ring address `address`.
     pub fn chunk_offset(&self, address: u64) -> u64 {
         self.header_size + address
@@ -236,7 +333,13 @@ impl Layout {
     }
 
     /// Write the const fields of a fresh segment (creator only, before it is shared).
-    pub fn write(&self, seg: &Segment, creator_pid: u32, creator_start: u64) -> Result<()> {
+    pub fn write(
+        &self,
+        seg: &Segment,
+        creator_pid: u32,
+        creator_start: u64,
+        liveness: Liveness,
+    ) -> Result<()> {
         let fields = [
             (header::MAGIC, MAGIC),
             (header::VERSION, LAYOUT_VERSION),
@@ -248,6 +351,7 @@ impl Layout {
             (header::CHUNK_HEADER_SIZE, self.chunk_header_size),
             (header::CREATOR_PID, creator_pid as u64),
             (header::CREATOR_START, creator_start),
+            (header::LIVENESS, liveness.code()),
         ];
         for (offset, value) in fields {
             seg.atomic(offset)?.store(value, Ordering::Relaxed);
@@ -282,6 +386,10 @@ impl Layout {
         }
         if state != WRITER_LIVE && state != WRITER_CLOSED {
             return Err(Error::Corrupt(format!("bad writer state {state}")));
+        }
+        let liveness = load(header::LIVENESS)?;
+        if Liveness::from_code(liveness).is_none() {
+            return Err(Error::Corrupt(format!("bad liveness mode {liveness}")));
         }
         let n_readers = u32::try_from(load(header::N_READERS)?)
             .map_err(|_| Error::Corrupt("n_readers out of range".into()))?;
@@ -334,7 +442,7 @@ mod tests {
     fn scratch_segment(len: usize) -> Segment {
         let r = u32::from_le_bytes(crate::segment::random_bytes::<4>().unwrap());
         let name = format!("mmct_hdr_{}_{r:x}", crate::segment::current_pid());
-        let seg = Segment::create(&name, len).unwrap();
+        let seg = Segment::create(&name, len, WRITER_LOCK).unwrap();
         seg.unlink().unwrap(); // the mapping stays; nothing is left in /dev/shm
         seg
     }
@@ -358,7 +466,7 @@ mod tests {
         ) {
             let good = Layout::new(8192, 2, None).unwrap();
             let seg = scratch_segment(good.total_len() as usize);
-            good.write(&seg, 1, 1).unwrap();
+            good.write(&seg, 1, 1, Liveness::Locks).unwrap();
             let words: Vec<(u64, u64)> = words.into_iter().map(|(i, v)| (i * 8, v)).collect();
             write_words(&seg, &words);
             if keep_magic {
@@ -383,7 +491,7 @@ mod tests {
         ) {
             let good = Layout::new(8192, 2, Some(4000)).unwrap();
             let seg = scratch_segment(good.total_len() as usize);
-            good.write(&seg, 1, 1).unwrap();
+            good.write(&seg, 1, 1, Liveness::Locks).unwrap();
             let atomic = seg.atomic(field).unwrap();
             atomic.store(atomic.load(Ordering::Relaxed).wrapping_add(delta), Ordering::Relaxed);
             // MAX_OBJECT_SIZE may legitimately change to another valid value.
@@ -394,9 +502,20 @@ mod tests {
         }
 
         #[test]
-        fn slot_words_round_trip(stamp: u32, outstanding: u16, views: u16) {
+        fn slot_words_round_trip(
+            stamp: u32,
+            outstanding in 0..=SlotWord::MAX_OUTSTANDING,
+            views in 0..=SlotWord::MAX_VIEWS,
+        ) {
             let w = SlotWord { stamp, outstanding, views };
             prop_assert_eq!(SlotWord::unpack(w.pack()), w);
+        }
+
+        #[test]
+        fn claim_words_round_trip(epoch: u32, pid in 0u32..(1 << 30), state in 0u8..3) {
+            let state = [SlotState::Free, SlotState::Claimed, SlotState::Draining][state as usize];
+            let claim = Claim { epoch, pid, state };
+            prop_assert_eq!(Claim::unpack(claim.pack()), Some(claim));
         }
     }
 }

@@ -19,7 +19,9 @@ use pyo3::{create_exception, ffi};
 use crate::error::Error;
 use crate::handle::{Handle, SIGNATURE_LEN};
 use crate::layout::LAYOUT_VERSION;
-use crate::store::{self, Lease, Reader, ReaderInfo, Writer};
+use crate::layout::{Liveness, SlotState};
+use crate::segment::RawBytes;
+use crate::store::{self, Reader, ReaderInfo, View, Writer};
 
 mod codec;
 
@@ -65,6 +67,12 @@ create_exception!(
     MmcacheError,
     "Every reader slot is taken."
 );
+create_exception!(
+    mmcache._core,
+    WrongProcessError,
+    MmcacheError,
+    "A writer or reader used in a process other than the one that created or attached it."
+);
 
 /// Copies at least this large run with the GIL released.
 const DETACH_THRESHOLD: usize = 64 * 1024;
@@ -76,17 +84,20 @@ impl From<Error> for PyErr {
             Error::InvalidArgument(_) | Error::DuplicateKey(_) | Error::TooLarge { .. } => {
                 PyValueError::new_err(msg)
             }
-            Error::Full { .. } | Error::ShmTooSmall { .. } => PyMemoryError::new_err(msg),
+            Error::Full { .. } | Error::ShmTooSmall { .. } | Error::Saturated { .. } => {
+                PyMemoryError::new_err(msg)
+            }
             Error::KeyNotFound(key) => PyKeyError::new_err(key),
             Error::Exists(_) => PyFileExistsError::new_err(msg),
             Error::NotFound(_) => PyFileNotFoundError::new_err(msg),
             Error::Permission(_) => PyPermissionError::new_err(msg),
-            Error::Corrupt(_) => SegmentCorruptError::new_err(msg),
+            Error::Corrupt(_) | Error::NotASegment(_) => SegmentCorruptError::new_err(msg),
             Error::Closed => ClosedError::new_err(msg),
             Error::InvalidHandle(_) => InvalidHandleError::new_err(msg),
             Error::Stale => StaleHandleError::new_err(msg),
             Error::WriterGone(_) => WriterGoneError::new_err(msg),
             Error::NoReaderSlot(_) => NoReaderSlotError::new_err(msg),
+            Error::WrongProcess(_) => WrongProcessError::new_err(msg),
             Error::Os { .. } => PyOSError::new_err(msg),
         }
     }
@@ -290,17 +301,11 @@ fn _reader_handle(
 }
 
 enum ViewBytes {
-    /// Bytes in shared memory, protected by the lease for the view's lifetime.
-    Shared { lease: Lease, ptr: *const u8 },
+    /// Bytes in shared memory, protected (and registered for fork) while the view lives.
+    Shared(View),
     /// A private copy (the writer's own reads, and replayed handles, which carry no lease).
     Owned(Vec<u8>),
 }
-
-// SAFETY: `ptr` points into a mapping kept alive by `lease` (which holds an `Arc` of the
-// segment) and is only read; the lease's protection is process-wide, not thread-bound.
-unsafe impl Send for ViewBytes {}
-// SAFETY: as for `Send`: shared access only ever reads through `ptr`.
-unsafe impl Sync for ViewBytes {}
 
 /// A read-only, zero-copy view of one object's bytes (buffer protocol).
 #[pyclass(frozen, module = "mmcache._core")]
@@ -312,7 +317,7 @@ pub struct ShmView {
 impl ShmView {
     fn ptr_len(&self) -> (*const u8, usize) {
         match &*self.bytes {
-            ViewBytes::Shared { lease, ptr } => (*ptr, lease.len()),
+            ViewBytes::Shared(view) => (view.ptr(), view.len()),
             ViewBytes::Owned(v) => (v.as_ptr(), v.len()),
         }
     }
@@ -326,7 +331,7 @@ impl ShmView {
 
     fn __repr__(&self) -> String {
         let kind = match *self.bytes {
-            ViewBytes::Shared { .. } => "shared",
+            ViewBytes::Shared(_) => "shared",
             ViewBytes::Owned(_) => "copy",
         };
         format!("ShmView({} bytes, {kind})", self.ptr_len().1)
@@ -449,13 +454,18 @@ fn collect_buffers(data: &Bound<'_, PyAny>) -> PyResult<Vec<PyUntypedBuffer>> {
         .collect()
 }
 
-/// `Writer::put`, with the GIL released when there is much to copy.
-fn put_parts(py: Python<'_>, writer: &Writer, key: &str, parts: &[&[u8]]) -> PyResult<ShmHandle> {
+/// `Writer::put_raw`, with the GIL released when there is much to copy.
+fn put_parts(
+    py: Python<'_>,
+    writer: &Writer,
+    key: &str,
+    parts: &[RawBytes<'_>],
+) -> PyResult<ShmHandle> {
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let handle = if total >= DETACH_THRESHOLD {
-        py.detach(|| writer.put(key, parts))
+        py.detach(|| writer.put_raw(key, parts))
     } else {
-        writer.put(key, parts)
+        writer.put_raw(key, parts)
     }?;
     Ok(ShmHandle::from_handle(handle))
 }
@@ -571,12 +581,14 @@ impl ShmObjectStore {
     fn put(&self, py: Python<'_>, key: &str, data: &Bound<'_, PyAny>) -> PyResult<ShmHandle> {
         let writer = self.writer("put")?;
         let buffers = collect_buffers(data)?;
-        let parts: Vec<&[u8]> = buffers
+        let parts: Vec<RawBytes<'_>> = buffers
             .iter()
             // SAFETY: each buffer is C-contiguous (checked) and pinned by its PyUntypedBuffer,
-            // which lives until the end of this function; we only read it. The exporter may
-            // not resize it while exported (the buffer protocol forbids that).
-            .map(|b| unsafe { std::slice::from_raw_parts(b.buf_ptr().cast::<u8>(), b.len_bytes()) })
+            // which lives until the end of this function, so `len_bytes` bytes at `buf_ptr`
+            // stay readable meanwhile (the buffer protocol forbids resizing an exported
+            // buffer). Another thread may write them while the GIL is released: `RawBytes`
+            // only ever copies from them, never forms a slice.
+            .map(|b| unsafe { RawBytes::new(b.buf_ptr().cast::<u8>(), b.len_bytes()) })
             .collect();
         put_parts(py, &writer, key, &parts)
     }
@@ -589,6 +601,11 @@ impl ShmObjectStore {
         Ok(ShmHandle::from_handle(
             self.writer("get_cached")?.get_cached(key)?,
         ))
+    }
+
+    fn get_stored<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.writer("get_stored")?.read_key(key)?;
+        Ok(PyBytes::new(py, &bytes))
     }
 
     fn pin(&self, key: &str) -> PyResult<()> {
@@ -663,9 +680,9 @@ impl ShmObjectStore {
             })?;
             return Ok(bytes.into_any().unbind());
         }
-        let bytes = match lease.protected_ptr() {
-            Some(ptr) => ViewBytes::Shared { lease, ptr },
-            None => {
+        let bytes = match lease.into_view() {
+            Ok(view) => ViewBytes::Shared(view),
+            Err(lease) => {
                 let mut owned = vec![0u8; len];
                 lease.copy_to(&mut owned)?;
                 ViewBytes::Owned(owned)
@@ -745,10 +762,12 @@ impl ShmObjectStore {
 
     fn close(&self) -> PyResult<()> {
         let role = self.role.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(Role::Writer(w)) = role {
-            w.close()?;
+        match role {
+            Some(Role::Writer(w)) => w.close()?,
+            // The slot drains: freed now, or when its last zero-copy view is gone.
+            Some(Role::Reader(r)) => r.close(),
+            None => {}
         }
-        // A reader's slot is freed when its last lease (view) is gone.
         Ok(())
     }
 
@@ -787,6 +806,13 @@ fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDi
     d.set_item("creator_pid", info.creator_pid)?;
     d.set_item("creator_alive", info.creator_alive)?;
     d.set_item("writer_closed", info.writer_closed)?;
+    d.set_item(
+        "liveness",
+        match info.liveness {
+            Liveness::Locks => "locks",
+            Liveness::Pids => "pids",
+        },
+    )?;
     for (k, v) in &info.counters {
         d.set_item(*k, *v)?;
     }
@@ -794,7 +820,15 @@ fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDi
     for s in &info.readers {
         let r = PyDict::new(py);
         r.set_item("slot", s.index)?;
-        r.set_item("claimed", s.claimed)?;
+        r.set_item(
+            "state",
+            match s.state {
+                SlotState::Free => "free",
+                SlotState::Claimed => "claimed",
+                SlotState::Draining => "draining",
+            },
+        )?;
+        r.set_item("claimed", s.state == SlotState::Claimed)?;
         r.set_item("pid", s.pid)?;
         r.set_item("alive", s.alive)?;
         r.set_item("refs", s.refs)?;
@@ -805,6 +839,17 @@ fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDi
     }
     d.set_item("readers", readers)?;
     Ok(d)
+}
+
+/// Whether segment `name` is `"live"` (its writer runs, in any PID namespace), `"orphaned"`
+/// (safe to remove) or `"undecided"` (leave it for now), and why.
+#[pyfunction]
+fn segment_status(name: &str) -> PyResult<(&'static str, String)> {
+    Ok(match store::status(name)? {
+        store::Status::Live => ("live", "its writer is alive".to_owned()),
+        store::Status::Orphaned(why) => ("orphaned", why),
+        store::Status::Undecided(why) => ("undecided", why),
+    })
 }
 
 /// Names of the segments this package created on this host (live or orphaned).
@@ -832,6 +877,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleHandleError", py.get_type::<StaleHandleError>())?;
     m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
     m.add("NoReaderSlotError", py.get_type::<NoReaderSlotError>())?;
+    m.add("WrongProcessError", py.get_type::<WrongProcessError>())?;
     m.add_class::<ShmHandle>()?;
     m.add_class::<ReaderHandle>()?;
     m.add_class::<ShmView>()?;
@@ -840,6 +886,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_reader_handle, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(list_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(segment_status, m)?)?;
     m.add_function(wrap_pyfunction!(unlink_segment, m)?)?;
     codec::register(m)?;
     Ok(())

@@ -11,17 +11,34 @@
 //!
 //! We use `libc` directly rather than the `shared_memory` crate named in DESIGN.md: that crate
 //! hides the file descriptor (so no `posix_fallocate`, which is what turns "`/dev/shm` too
-//! small" into an error at creation instead of a SIGBUS later), maps only read-write, is
-//! `!Send`, and has not been released since 2022 (see ARCHITECTURE.md).
+//! small" into an error at creation instead of a SIGBUS later, and no OFD locks), maps only
+//! read-write, is `!Send`, and has not been released since 2022 (see ARCHITECTURE.md).
+//!
+//! Liveness is told by **open-file-description locks** (`F_OFD_SETLK`) on byte ranges of
+//! the segment's file: the creator holds one for the segment's life and each reader one on
+//! its slot. The kernel drops them when the holder's last descriptor goes, however it dies,
+//! and any process that can open the file can test them, whatever its PID namespace. Locks
+//! are taken through a second open file description that is never mapped: a mapping holds
+//! its file description open, so a forked child that keeps its parent's mappings would
+//! otherwise keep its parent's locks too.
+//!
+//! Submodules: [`fork`] (what a `fork()` changes in the child) and [`fault`] (making a
+//! SIGSEGV/SIGBUS in a mapping explain itself). Together with this file they hold all the
+//! core's `unsafe` operating-system and shared-memory code.
 
 use std::ffi::CString;
 use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
+
+pub mod fault;
+pub mod fork;
+
+pub use fork::{Process, Registration, register_view};
 
 /// Where the kernel exposes POSIX shared-memory names on Linux.
 pub const SHM_DIR: &str = "/dev/shm";
@@ -48,7 +65,68 @@ pub struct Segment {
     /// The pid that created (and alone may unlink) the segment; `None` for openers.
     creator_pid: Option<u32>,
     unlinked: AtomicBool,
-    _fd: OwnedFd,
+    /// The descriptor the mappings were made from (a mapping keeps its open file
+    /// description alive, in a forked child too, so it never holds a lock).
+    fd: OwnedFd,
+    /// A second open file description, never mapped, that holds this process's liveness
+    /// locks (read-write segments only). Registered so a forked child lets go of its share;
+    /// the registration drops first, so the descriptor number is never reused while listed.
+    lock_fd: Option<(Registration, OwnedFd)>,
+    /// Whether the creator got its lock (false only where the kernel has no OFD locks).
+    creator_locked: bool,
+    /// Keeps faults in our mappings explained while they exist.
+    fault_registrations: Vec<fault::Registered>,
+}
+
+/// A byte range of a segment's file used as a liveness lock (not as bytes: locks are
+/// advisory and independent of the mapping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockRange {
+    pub start: u64,
+    pub len: u64,
+}
+
+/// Bytes owned by the caller but possibly written by another thread meanwhile (a Python
+/// buffer with the GIL released): never formed into a Rust slice, only copied from.
+#[derive(Clone, Copy, Debug)]
+pub struct RawBytes<'a> {
+    ptr: *const u8,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a [u8]>,
+}
+
+// SAFETY: `RawBytes` is a read-only borrow of memory valid for `'a` (its constructor's
+// contract); it is only ever copied from, which is as sound from another thread as from the
+// one that made it (a Python buffer stays pinned while the GIL is released).
+unsafe impl Send for RawBytes<'_> {}
+// SAFETY: as for `Send`: shared access only copies from the bytes.
+unsafe impl Sync for RawBytes<'_> {}
+
+impl<'a> RawBytes<'a> {
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` bytes for the lifetime `'a`.
+    pub unsafe fn new(ptr: *const u8, len: usize) -> RawBytes<'a> {
+        RawBytes {
+            ptr,
+            len,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<'a> From<&'a [u8]> for RawBytes<'a> {
+    fn from(bytes: &'a [u8]) -> Self {
+        // SAFETY: a shared slice is valid for reads of its length for its lifetime.
+        unsafe { RawBytes::new(bytes.as_ptr(), bytes.len()) }
+    }
 }
 
 // SAFETY: `Segment` owns its mapping; the raw `base` pointer is only dereferenced through
@@ -58,9 +136,63 @@ unsafe impl Send for Segment {}
 // SAFETY: see `Send`: all access through `&Segment` is atomic or a raw copy.
 unsafe impl Sync for Segment {}
 
+/// A segment name without its optional leading '/': one path component of `/dev/shm`.
+pub fn validate_name(name: &str) -> Result<&str> {
+    let bare = name.strip_prefix('/').unwrap_or(name);
+    if bare.is_empty()
+        || bare == "."
+        || bare == ".."
+        || bare.contains('/')
+        || bare.contains('\0')
+        || bare.len() > 255
+    {
+        return Err(Error::InvalidArgument(format!(
+            "invalid shared-memory segment name {name:?}: a segment name is one file name in \
+             {SHM_DIR} (no '/', not '.' or '..', at most 255 bytes)"
+        )));
+    }
+    Ok(bare)
+}
+
 fn c_name(name: &str) -> Result<CString> {
-    CString::new(format!("/{}", name.trim_start_matches('/')))
+    let bare = validate_name(name)?;
+    CString::new(format!("/{bare}"))
         .map_err(|_| Error::InvalidArgument(format!("segment name {name:?} contains a NUL byte")))
+}
+
+fn c_path(name: &str) -> Result<CString> {
+    let bare = validate_name(name)?;
+    CString::new(format!("{SHM_DIR}/{bare}"))
+        .map_err(|_| Error::InvalidArgument(format!("segment name {name:?} contains a NUL byte")))
+}
+
+fn flock(kind: libc::c_int, range: LockRange) -> libc::flock {
+    // SAFETY: `flock` is a plain C struct; all-zeroes is valid (and l_pid must be 0 for OFD
+    // locks).
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = range.start as libc::off_t;
+    lock.l_len = range.len as libc::off_t;
+    lock
+}
+
+/// One OFD-lock `fcntl` on `fd`.
+fn ofd_fcntl(fd: &OwnedFd, cmd: libc::c_int, lock: &mut libc::flock) -> io::Result<()> {
+    // SAFETY: fcntl with an OFD lock command takes a pointer to a valid `flock`, which `lock`
+    // is for the duration of the call.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), cmd, lock as *mut libc::flock) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether an OFD-lock error means "this kernel or filesystem has no OFD locks".
+fn locks_unsupported(err: &io::Error) -> bool {
+    matches!(
+        err.raw_os_error(),
+        Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::ENOLCK)
+    )
 }
 
 /// Map `open(2)`-family errors to the variants users expect.
@@ -117,7 +249,8 @@ pub fn pid_exists(pid: u32) -> bool {
     rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
-/// Whether the process `pid` that started at `start_time` (0: unknown) is still running.
+/// Whether the process `pid` that started at `start_time` (0: unknown; only its low 32 bits
+/// count) is still running.
 pub fn process_alive(pid: u32, start_time: u64) -> bool {
     if !pid_exists(pid) {
         return false;
@@ -133,7 +266,9 @@ pub fn process_alive(pid: u32, start_time: u64) -> bool {
             }
         }
     }
-    start_time == 0 || process_start_time(pid).is_none_or(|t| t == start_time)
+    // Compare the low 32 bits only: reader slots keep no more (clock ticks since boot: over
+    // a year of uptime at 100 Hz before two start times could share them).
+    start_time == 0 || process_start_time(pid).is_none_or(|t| t as u32 == start_time as u32)
 }
 
 /// `n` bytes from the kernel's random source.
@@ -183,11 +318,120 @@ fn map(fd: &OwnedFd, len: usize, access: Access, populate: bool) -> io::Result<N
     NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
 }
 
+/// Open `/dev/shm/<name>` without following a symbolic link or blocking on a FIFO, and
+/// check that it is a regular file; returns the descriptor and the file's size.
+fn open_regular(name: &str, access: Access) -> Result<(OwnedFd, usize)> {
+    let path = c_path(name)?;
+    let oflag = match access {
+        Access::ReadWrite => libc::O_RDWR,
+        Access::ReadOnly => libc::O_RDONLY,
+    } | libc::O_CLOEXEC
+        | libc::O_NOFOLLOW
+        | libc::O_NONBLOCK;
+    // SAFETY: `path` is a valid NUL-terminated string; the returned fd is checked.
+    let raw = unsafe { libc::open(path.as_ptr(), oflag) };
+    if raw < 0 {
+        let err = io::Error::last_os_error();
+        return Err(match err.raw_os_error() {
+            Some(libc::ELOOP) => Error::NotASegment(format!("{SHM_DIR}/{name} is a symbolic link")),
+            Some(libc::EISDIR) => Error::NotASegment(format!("{SHM_DIR}/{name} is a directory")),
+            _ => open_error(name, err),
+        });
+    }
+    // SAFETY: `raw` is a freshly opened fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let st = fstat(&fd)?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => "a directory",
+            libc::S_IFIFO => "a FIFO",
+            libc::S_IFSOCK => "a socket",
+            libc::S_IFCHR | libc::S_IFBLK => "a device",
+            _ => "not a regular file",
+        };
+        return Err(Error::NotASegment(format!("{SHM_DIR}/{name} is {kind}")));
+    }
+    let len = usize::try_from(st.st_size)
+        .map_err(|_| Error::Corrupt(format!("segment {name:?} has size {}", st.st_size)))?;
+    Ok((fd, len))
+}
+
+fn fstat(fd: &OwnedFd) -> Result<libc::stat> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat on an fd we own into storage of the right type.
+    if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(Error::os("fstat", io::Error::last_os_error()));
+    }
+    // SAFETY: fstat returned 0, so `st` is initialised.
+    Ok(unsafe { st.assume_init() })
+}
+
+/// A second open file description of `/dev/shm/<name>`, for liveness locks only, registered
+/// with the fork handlers.
+fn open_lock_fd(name: &str) -> Result<(Registration, OwnedFd)> {
+    let (fd, _) = open_regular(name, Access::ReadWrite)?;
+    Ok((fork::register_lock_fd(fd.as_raw_fd()), fd))
+}
+
+fn lock_held(fd: &OwnedFd, range: LockRange) -> Result<bool> {
+    let mut probe = flock(libc::F_WRLCK as _, range);
+    ofd_fcntl(fd, libc::F_OFD_GETLK, &mut probe)
+        .map_err(|e| Error::os("testing a liveness lock", e))?;
+    Ok(probe.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// The first `N` bytes of `/dev/shm/<name>` (regular files only; see [`Segment::open`]).
+pub fn read_prefix<const N: usize>(name: &str) -> Result<[u8; N]> {
+    use std::io::Read;
+    let (fd, _) = open_regular(name, Access::ReadOnly)?;
+    let mut out = [0u8; N];
+    fs::File::from(fd)
+        .read_exact(&mut out)
+        .map_err(|e| Error::os(format!("reading {SHM_DIR}/{name}"), e))?;
+    Ok(out)
+}
+
+/// What `prune` needs to know of a name in `/dev/shm`, read without mapping it.
+#[derive(Clone, Copy, Debug)]
+pub struct FileProbe {
+    pub size: u64,
+    /// Seconds since the file last changed.
+    pub age_secs: u64,
+    /// Whether a creator lock is held on `creator_lock` (OFD locks: any PID namespace).
+    pub creator_lock_held: bool,
+}
+
+/// Probe `/dev/shm/<name>` (regular files only; see [`Segment::open`]).
+pub fn probe_file(name: &str, creator_lock: LockRange) -> Result<FileProbe> {
+    let (fd, size) = open_regular(name, Access::ReadOnly)?;
+    let st = fstat(&fd)?;
+    let changed = std::time::UNIX_EPOCH + std::time::Duration::from_secs(st.st_ctime.max(0) as u64);
+    let age_secs = std::time::SystemTime::now()
+        .duration_since(changed)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let creator_lock_held = match lock_held(&fd, creator_lock) {
+        Ok(held) => held,
+        Err(Error::Os { source, .. }) if locks_unsupported(&source) => false,
+        Err(e) => return Err(e),
+    };
+    Ok(FileProbe {
+        size: size as u64,
+        age_secs,
+        creator_lock_held,
+    })
+}
+
 impl Segment {
     /// Create a new segment of `len` bytes, private to this user (mode 0600), with every page
     /// reserved and mapped now, so that a host without enough shared memory fails here with
     /// `ShmTooSmall` and never with a SIGBUS at first touch.
-    pub fn create(name: &str, len: usize) -> Result<Segment> {
+    ///
+    /// The creator takes the OFD lock `creator_lock` right after creating the name, before
+    /// the file has a size, and holds it for the segment's life: whoever finds the name can
+    /// tell a segment being made or used from one left behind. [`Segment::holds_locks`] says
+    /// whether it got it (false only where the kernel has no OFD locks).
+    pub fn create(name: &str, len: usize, creator_lock: LockRange) -> Result<Segment> {
         if len == 0 {
             return Err(Error::InvalidArgument(
                 "segment length must be positive".into(),
@@ -220,6 +464,16 @@ impl Segment {
             let _ = unlink(name);
             e
         };
+        let (registration, lock_fd) = open_lock_fd(name).map_err(fail)?;
+        let creator_locked = match ofd_fcntl(
+            &lock_fd,
+            libc::F_OFD_SETLK,
+            &mut flock(libc::F_WRLCK as _, creator_lock),
+        ) {
+            Ok(()) => true,
+            Err(e) if locks_unsupported(&e) => false,
+            Err(e) => return Err(fail(Error::os("locking the new segment", e))),
+        };
         // The umask may have narrowed the mode; make sure it is exactly owner read-write.
         // SAFETY: fchmod on an fd we own.
         if unsafe { libc::fchmod(fd.as_raw_fd(), 0o600) } != 0 {
@@ -245,42 +499,27 @@ impl Segment {
         let base = map(&fd, len, Access::ReadWrite, true)
             .map_err(|e| fail(Error::os("mapping shared memory", e)))?;
         Ok(Segment {
-            name: name.trim_start_matches('/').to_owned(),
+            name: validate_name(name)?.to_owned(),
             base,
             view_base: None,
             len,
             access: Access::ReadWrite,
             creator_pid: Some(current_pid()),
             unlinked: AtomicBool::new(false),
-            _fd: fd,
+            fault_registrations: vec![fault::register(base.as_ptr(), len, fault::Mapping::Shared)],
+            fd,
+            lock_fd: Some((registration, lock_fd)),
+            creator_locked,
         })
     }
 
-    /// Open an existing segment by name.
+    /// Open an existing segment by name. Only a regular file in `/dev/shm` is opened (never
+    /// through a symbolic link, never blocking on a FIFO), and it is mapped only if it is one.
     pub fn open(name: &str, access: Access) -> Result<Segment> {
-        let cname = c_name(name)?;
-        let oflag = match access {
-            Access::ReadWrite => libc::O_RDWR,
-            Access::ReadOnly => libc::O_RDONLY,
-        } | libc::O_CLOEXEC;
-        // SAFETY: `cname` is a valid NUL-terminated string; the returned fd is checked.
-        let raw = unsafe { libc::shm_open(cname.as_ptr(), oflag, 0) };
-        if raw < 0 {
-            return Err(open_error(name, io::Error::last_os_error()));
+        let (fd, len) = open_regular(name, access)?;
+        if len == 0 {
+            return Err(Error::Corrupt(format!("segment {name:?} is empty")));
         }
-        // SAFETY: `raw` is a freshly opened fd that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: fstat on an fd we own into storage of the right type.
-        if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-            return Err(Error::os("fstat", io::Error::last_os_error()));
-        }
-        // SAFETY: fstat returned 0, so `st` is initialised.
-        let size = unsafe { st.assume_init() }.st_size;
-        let len = usize::try_from(size)
-            .ok()
-            .filter(|&l| l > 0)
-            .ok_or_else(|| Error::Corrupt(format!("segment {name:?} has size {size}")))?;
         let base =
             map(&fd, len, access, false).map_err(|e| Error::os("mapping shared memory", e))?;
         let view_base = match access {
@@ -291,16 +530,75 @@ impl Segment {
             })?),
             Access::ReadOnly => None,
         };
+        let mut faults = vec![fault::register(base.as_ptr(), len, fault::Mapping::Shared)];
+        if let Some(view) = view_base {
+            faults.push(fault::register(view.as_ptr(), len, fault::Mapping::Views));
+        }
+        let lock_fd = match access {
+            Access::ReadWrite => Some(open_lock_fd(name)?),
+            Access::ReadOnly => None,
+        };
         Ok(Segment {
-            name: name.trim_start_matches('/').to_owned(),
+            name: validate_name(name)?.to_owned(),
             base,
             view_base,
             len,
             access,
             creator_pid: None,
             unlinked: AtomicBool::new(false),
-            _fd: fd,
+            fd,
+            lock_fd,
+            creator_locked: false,
+            fault_registrations: faults,
         })
+    }
+
+    /// Whether the creator took its liveness lock (false only where the kernel has no OFD
+    /// locks, and for segments opened rather than created).
+    pub fn holds_locks(&self) -> bool {
+        self.creator_locked
+    }
+
+    fn lock_fd(&self) -> Result<&OwnedFd> {
+        match &self.lock_fd {
+            Some((_, fd)) => Ok(fd),
+            None => Err(Error::InvalidArgument(
+                "a segment opened read-only takes no locks".into(),
+            )),
+        }
+    }
+
+    /// Take the OFD lock on `range` if no other open file description holds it: `Ok(true)`
+    /// when taken, `Ok(false)` when someone else holds it.
+    pub fn try_lock(&self, range: LockRange) -> Result<bool> {
+        match ofd_fcntl(
+            self.lock_fd()?,
+            libc::F_OFD_SETLK,
+            &mut flock(libc::F_WRLCK as _, range),
+        ) {
+            Ok(()) => Ok(true),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
+                Ok(false)
+            }
+            Err(e) => Err(Error::os("taking a liveness lock", e)),
+        }
+    }
+
+    /// Give back a lock taken with [`Segment::try_lock`] (closing the segment does too).
+    pub fn unlock(&self, range: LockRange) -> Result<()> {
+        ofd_fcntl(
+            self.lock_fd()?,
+            libc::F_OFD_SETLK,
+            &mut flock(libc::F_UNLCK as _, range),
+        )
+        .map_err(|e| Error::os("releasing a liveness lock", e))
+    }
+
+    /// Whether anyone (any process, any PID namespace, this segment's own lock descriptor
+    /// included) holds a lock on `range`. The probe goes through the mapping's descriptor,
+    /// which never holds one.
+    pub fn lock_held(&self, range: LockRange) -> Result<bool> {
+        lock_held(&self.fd, range)
     }
 
     pub fn name(&self) -> &str {
@@ -343,16 +641,15 @@ impl Segment {
         Ok(unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(start).cast::<u64>()) })
     }
 
-    /// Copy `dst.len()` bytes out of the segment, starting at `offset`.
-    ///
-    /// The source bytes may be written concurrently by another process; callers detect that
-    /// with the chunk's id re-check (seqlock) and discard the copy. The copy itself never
-    /// forms a reference to the shared bytes.
+    /// Copy `dst.len()` bytes out of the segment, starting at `offset`, from bytes that no
+    /// other process writes meanwhile: a chunk the caller protects (a lease, or the writer's
+    /// own lock), published with Release and observed with Acquire.
     pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         let start = self.check(offset, dst.len())?;
         // SAFETY: the source range is inside the mapping (checked), `dst` is a distinct
         // exclusive Rust buffer, so the ranges cannot overlap; a byte copy has no alignment
-        // requirement.
+        // requirement. Per this function's contract nobody writes the source meanwhile, so
+        // the plain copy races with nothing.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.base.as_ptr().add(start),
@@ -363,17 +660,52 @@ impl Segment {
         Ok(())
     }
 
+    /// Copy `dst.len()` bytes out of the segment from bytes the writer may be reusing at this
+    /// very moment (an unprotected read, verified afterwards by the caller's seqlock check).
+    ///
+    /// Every byte is read with an atomic (Relaxed) load — whole aligned words in the middle,
+    /// single bytes at the ends — so a concurrent write is a benign race in Rust's memory
+    /// model rather than undefined behaviour; the caller discards the copy if the chunk's id
+    /// changed.
+    pub fn read_into_racy(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let start = self.check(offset, dst.len())?;
+        let src = self.base.as_ptr().wrapping_add(start);
+        let head = src.align_offset(8).min(dst.len());
+        let words = (dst.len() - head) / 8;
+        let load_byte = |i: usize| {
+            // SAFETY: `src + i` lies inside the mapping (the whole range was checked) and a
+            // byte is always aligned; shared bytes are only ever accessed atomically here or
+            // written by the writer, which is the race the seqlock check resolves.
+            unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed)
+        };
+        for (i, byte) in dst[..head].iter_mut().enumerate() {
+            *byte = load_byte(i);
+        }
+        for (w, out) in dst[head..head + words * 8].chunks_exact_mut(8).enumerate() {
+            // SAFETY: as above, and `src + head` is 8-byte aligned, so every word is.
+            let word = unsafe { AtomicU64::from_ptr(src.add(head + w * 8).cast::<u64>()) }
+                .load(Ordering::Relaxed);
+            out.copy_from_slice(&word.to_ne_bytes());
+        }
+        let tail = head + words * 8;
+        for (i, byte) in dst[tail..].iter_mut().enumerate() {
+            *byte = load_byte(tail + i);
+        }
+        Ok(())
+    }
+
     /// Copy `src` into the segment at `offset` (writer only).
-    pub fn write_from(&self, offset: u64, src: &[u8]) -> Result<()> {
+    pub fn write_from(&self, offset: u64, src: RawBytes<'_>) -> Result<()> {
         self.check_writable()?;
-        let start = self.check(offset, src.len())?;
+        let start = self.check(offset, src.len)?;
         // SAFETY: the destination range is inside a read-write mapping (checked); the writer
         // owns this range (the ring allocator handed it out and no reader acts on it until
-        // the chunk's id is published with Release), and `src` is ordinary memory that is not
-        // part of the destination range.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.as_ptr().add(start), src.len())
-        };
+        // the chunk's id is published with Release). `src` is valid for reads of `len` bytes
+        // (`RawBytes`'s contract) and is caller memory, not part of the destination range.
+        // It is read through a raw pointer, never as a slice, because another thread may
+        // write it meanwhile (a Python buffer with the GIL released): such a write can only
+        // change what is stored, which is that caller's own race.
+        unsafe { std::ptr::copy_nonoverlapping(src.ptr, self.base.as_ptr().add(start), src.len) };
         Ok(())
     }
 
@@ -435,6 +767,7 @@ fn out_of_range(offset: u64, len: usize) -> Error {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        self.fault_registrations.clear(); // before the ranges are unmapped
         let _ = self.unlink();
         // SAFETY: `base..base+len` is the mapping created in `create`/`open`; it is unmapped
         // exactly once, here, when the last owner (every view holds an `Arc<Segment>`) is gone.
@@ -451,32 +784,30 @@ impl Drop for Segment {
 mod tests {
     use super::*;
 
+    const CREATOR: LockRange = LockRange { start: 0, len: 8 };
+
     fn unique(tag: &str) -> String {
         let r = random_bytes::<4>().unwrap();
         format!("mmct_{tag}_{}_{:x}", current_pid(), u32::from_le_bytes(r))
     }
 
+    fn create(name: &str, len: usize) -> Result<Segment> {
+        Segment::create(name, len, CREATOR)
+    }
+
     #[test]
     fn create_open_round_trip_and_unlink_once() {
         let name = unique("rt");
-        let seg = Segment::create(&name, 8192).unwrap();
-        seg.write_from(100, b"hello").unwrap();
-        seg.atomic(64)
-            .unwrap()
-            .store(42, std::sync::atomic::Ordering::Release);
+        let seg = create(&name, 8192).unwrap();
+        seg.write_from(100, b"hello".as_slice().into()).unwrap();
+        seg.atomic(64).unwrap().store(42, Ordering::Release);
         let other = Segment::open(&name, Access::ReadOnly).unwrap();
         let mut out = [0u8; 5];
         other.read_into(100, &mut out).unwrap();
         assert_eq!(&out, b"hello");
-        assert_eq!(
-            other
-                .atomic(64)
-                .unwrap()
-                .load(std::sync::atomic::Ordering::Acquire),
-            42
-        );
+        assert_eq!(other.atomic(64).unwrap().load(Ordering::Acquire), 42);
         assert!(
-            other.write_from(0, b"x").is_err(),
+            other.write_from(0, b"x".as_slice().into()).is_err(),
             "read-only mapping refuses writes"
         );
         assert!(!other.is_owner());
@@ -489,34 +820,127 @@ mod tests {
     }
 
     #[test]
+    fn racy_copies_equal_plain_copies_at_every_alignment() {
+        let name = unique("racy");
+        let seg = create(&name, 4096).unwrap();
+        let bytes: Vec<u8> = (0..300u32).map(|i| (i * 7 + 3) as u8).collect();
+        seg.write_from(0, bytes.as_slice().into()).unwrap();
+        for offset in 0..17u64 {
+            for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 200] {
+                let mut plain = vec![0u8; len];
+                let mut racy = vec![0u8; len];
+                seg.read_into(offset, &mut plain).unwrap();
+                seg.read_into_racy(offset, &mut racy).unwrap();
+                assert_eq!(plain, racy, "offset {offset} len {len}");
+            }
+        }
+        assert!(seg.read_into_racy(4090, &mut [0u8; 8]).is_err());
+    }
+
+    #[test]
     fn bounds_and_alignment_are_checked() {
         let name = unique("b");
-        let seg = Segment::create(&name, 4096).unwrap();
+        let seg = create(&name, 4096).unwrap();
         assert!(seg.atomic(4096 - 8).is_ok());
         assert!(seg.atomic(4096).is_err());
         assert!(seg.atomic(12).is_err());
         assert!(seg.read_into(4090, &mut [0u8; 8]).is_err());
-        assert!(seg.write_from(u64::MAX, b"a").is_err());
+        assert!(seg.write_from(u64::MAX, b"a".as_slice().into()).is_err());
     }
 
     #[test]
     fn existing_name_and_oversize_requests_fail_cleanly() {
         let name = unique("e");
-        let _seg = Segment::create(&name, 4096).unwrap();
-        assert!(matches!(
-            Segment::create(&name, 4096),
-            Err(Error::Exists(_))
-        ));
+        let _seg = create(&name, 4096).unwrap();
+        assert!(matches!(create(&name, 4096), Err(Error::Exists(_))));
         let huge = shm_free_bytes().unwrap() as usize + (1 << 30);
         let name2 = unique("big");
         assert!(matches!(
-            Segment::create(&name2, huge),
+            create(&name2, huge),
             Err(Error::ShmTooSmall { .. })
         ));
         assert!(matches!(
             Segment::open(&name2, Access::ReadOnly),
             Err(Error::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn names_outside_dev_shm_are_refused() {
+        for bad in ["", "/", ".", "..", "../etc/passwd", "a/b", "a\0b"] {
+            assert!(
+                matches!(validate_name(bad), Err(Error::InvalidArgument(_))),
+                "{bad:?} accepted"
+            );
+            assert!(Segment::open(bad, Access::ReadOnly).is_err());
+        }
+        assert_eq!(validate_name("/mmc_x").unwrap(), "mmc_x");
+    }
+
+    #[test]
+    fn only_regular_files_are_opened_and_never_blocking() {
+        let dir = unique("dir");
+        std::fs::create_dir(format!("{SHM_DIR}/{dir}")).unwrap();
+        let fifo = unique("fifo");
+        let path = CString::new(format!("{SHM_DIR}/{fifo}")).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+        let target = unique("target");
+        let _seg = create(&target, 4096).unwrap();
+        let link = unique("link");
+        std::os::unix::fs::symlink(format!("{SHM_DIR}/{target}"), format!("{SHM_DIR}/{link}"))
+            .unwrap();
+        for (name, what) in [
+            (&dir, "a directory"),
+            (&fifo, "a FIFO"),
+            (&link, "a symbolic link"),
+        ] {
+            for access in [Access::ReadOnly, Access::ReadWrite] {
+                match Segment::open(name, access) {
+                    Err(Error::NotASegment(msg)) => assert!(msg.contains(what), "{msg}"),
+                    other => panic!("{name}: {other:?}"),
+                }
+            }
+            assert!(probe_file(name, CREATOR).is_err());
+        }
+        std::fs::remove_dir(format!("{SHM_DIR}/{dir}")).unwrap();
+        std::fs::remove_file(format!("{SHM_DIR}/{fifo}")).unwrap();
+        std::fs::remove_file(format!("{SHM_DIR}/{link}")).unwrap();
+    }
+
+    #[test]
+    fn liveness_locks_are_seen_by_other_descriptors_and_released_on_close() {
+        let name = unique("lock");
+        let seg = create(&name, 4096).unwrap();
+        assert!(seg.holds_locks());
+        let slot = LockRange {
+            start: 512,
+            len: 64,
+        };
+        let a = Segment::open(&name, Access::ReadWrite).unwrap();
+        let b = Segment::open(&name, Access::ReadWrite).unwrap();
+        let watcher = Segment::open(&name, Access::ReadOnly).unwrap();
+        assert!(watcher.lock_held(CREATOR).unwrap());
+        assert!(
+            seg.lock_held(CREATOR).unwrap(),
+            "the creator's own lock counts too"
+        );
+        assert!(probe_file(&name, CREATOR).unwrap().creator_lock_held);
+        assert!(!watcher.lock_held(slot).unwrap());
+        assert!(a.try_lock(slot).unwrap());
+        assert!(
+            !b.try_lock(slot).unwrap(),
+            "two descriptors cannot hold one slot"
+        );
+        assert!(watcher.lock_held(slot).unwrap());
+        drop(a); // closing the descriptor releases its locks
+        assert!(!watcher.lock_held(slot).unwrap());
+        assert!(b.try_lock(slot).unwrap());
+        assert!(b.lock_held(slot).unwrap());
+        b.unlock(slot).unwrap();
+        assert!(!watcher.lock_held(slot).unwrap());
+        drop(seg);
+        assert!(!watcher.lock_held(CREATOR).unwrap());
     }
 
     #[test]

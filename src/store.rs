@@ -7,42 +7,56 @@
 //! A reader loads `id` with **Acquire** (pairs with P1), so it sees the whole chunk.
 //!
 //! **References.** Every handle the writer issues adds one `outstanding` reference to the
-//! word of every claimed reader slot (`layout::SlotWord`). A reader resolving a handle
-//! consumes one of *its own slot's* references with a single CAS that also takes a view
-//! lease (`outstanding - 1, views + 1`, **AcqRel**, pairs with the writer's Acquire loads in
-//! `holds`), reads, and drops the lease (`views - 1`, Release) unless it hands out a
-//! zero-copy view. A reader can never consume another slot's references, nor more than were
-//! issued to it, so a duplicated or replayed handle cannot free an object that someone else
-//! still needs. A handle replayed to a reader that owes nothing is read without any write to
-//! the segment and verified afterwards (seqlock, below).
+//! word of every *claimed* reader slot (`layout::SlotWord`); the handle records which
+//! reader set that was (`handle::Handle::reader_set`), so `release` gives back exactly those
+//! references. A reader resolving a handle consumes one of *its own slot's* references with
+//! a single CAS that also takes a view lease (`outstanding - 1, views + 1`, **AcqRel**, pairs
+//! with the writer's Acquire loads in `holds`), reads, and drops the lease (`views - 1`,
+//! Release) unless it hands out a zero-copy view. A reader can never consume another slot's
+//! references, nor more than were issued to it, so a duplicated or replayed handle cannot
+//! free an object that someone else still needs. A handle replayed to a reader that owes
+//! nothing is read without any write to the segment and verified afterwards (seqlock,
+//! below). Counts never overflow: the writer refuses a reference that would
+//! (`Error::Saturated`), and a reader whose view count is full reads a verified copy.
 //!
-//! **Reclaim.** The writer evicts a chunk only when it is unpinned and, for every claimed
-//! slot, the word is stamped for an earlier occupant or holds no reference and no view
-//! (Acquire loads, pairing with the readers' AcqRel/Release CASes). Only the writer issues
-//! references, so once that holds, no reader can start a new lease on the chunk. Before
-//! reusing the bytes the writer stores `id = 0` and issues a **Release fence** (P2).
+//! **Reclaim.** The writer evicts a chunk only when it is unpinned and, for every occupied
+//! slot, the word is stamped for an earlier occupant or holds no view and (for a claimed,
+//! not draining, slot) no reference (Acquire loads, pairing with the readers' AcqRel/Release
+//! CASes). Only the writer issues references, so once that holds, no reader can start a new
+//! lease on the chunk. Before reusing the bytes the writer stores `id = 0` and issues a
+//! **Release fence** (P2).
 //!
-//! **Seqlock check for unprotected reads.** A reader without a lease copies the payload,
-//! issues an **Acquire fence** (pairs with P2) and re-loads the id and signature words: if
-//! the writer reused any byte it copied, it sees the change and reports the handle stale.
+//! **Seqlock check for unprotected reads.** A reader without a lease copies the payload with
+//! atomic loads (`Segment::read_into_racy`), issues an **Acquire fence** (pairs with P2) and
+//! re-loads the id and signature words: if the writer reused any byte it copied, it sees the
+//! change and reports the handle stale.
 //!
-//! **Slots.** A reader claims a slot by CAS on its claim word (`epoch << 1 | 1`, AcqRel) and
-//! frees it with a Release store. The writer frees the slot of a reader whose process is
-//! gone (pid + start time), which credits every reference and view it held: words stamped
-//! with its epoch no longer count.
+//! **Slots.** A slot's claim word holds `(epoch, pid, state)` (`layout::Claim`). A reader
+//! first takes the slot's OFD lock, then claims it with one CAS to `(epoch + 1, pid,
+//! CLAIMED)` (AcqRel, pairs with the previous occupant's freeing CAS): a live occupant always
+//! holds the lock, so liveness is never judged from an earlier occupant's pid, and a claim
+//! whose holder died is reclaimable at once (the kernel dropped its lock). `close()` with
+//! live views makes the slot `DRAINING` (no new references, unread ones stop counting); the
+//! last view frees it. The writer frees the slot of an occupant whose lock is gone (or, in
+//! the pid fallback, whose process is gone) with a CAS, which credits everything stamped
+//! with its epoch.
+//!
+//! **Processes.** Every writer, reader and lease remembers the process it was made in
+//! (`segment::Process`): in a forked child the writer refuses every operation, the reader
+//! refuses to resolve, and inherited leases give nothing back (see `segment::fork`).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
-use crate::handle::{Handle, SIGNATURE_LEN, Signer, tag};
+use crate::handle::{Handle, MAC_LEN, SIGNATURE_LEN, Signer, tag};
 use crate::layout::{
-    self, LAYOUT_VERSION, Layout, SlotWord, WRITER_CLOSED, WRITER_LIVE, align_up, chunk,
-    claim_epoch, claim_is_claimed, claim_word, header, slot,
+    self, Claim, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED, WRITER_LIVE,
+    WRITER_LOCK, align_up, chunk, header, slot,
 };
 use crate::ring::{Ring, Verdict};
-use crate::segment::{self, Access, Segment};
+use crate::segment::{self, Access, Process, RawBytes, Registration, Segment};
 
 /// Prefix of every segment name this package generates.
 pub const NAME_PREFIX: &str = "mmc_";
@@ -94,11 +108,27 @@ pub fn generate_name() -> Result<String> {
     ))
 }
 
+/// The creator pid a generated name carries (in the creator's PID namespace).
+fn pid_in_name(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix(NAME_PREFIX)?.split('_').next()?;
+    u32::try_from(u64::from_str_radix(digits, 36).ok()?).ok()
+}
+
 /// Shared view of the segment used by both roles.
 #[derive(Debug)]
 struct Shared {
     seg: Arc<Segment>,
     layout: Layout,
+    liveness: Liveness,
+}
+
+/// A reader slot that someone occupies, as loaded from its claim word.
+#[derive(Clone, Copy, Debug)]
+struct Occupant {
+    slot: u32,
+    claim: Claim,
+    /// The claim word exactly as loaded, for CASes that must not act on a changed slot.
+    word: u64,
 }
 
 impl Shared {
@@ -122,20 +152,79 @@ impl Shared {
         self.layout.chunk_offset(address) + self.layout.chunk_header_size
     }
 
-    /// The id and signature words of the chunk at `address` equal the handle's.
-    fn chunk_matches(&self, address: u64, id: u64, sig: &[u8; SIGNATURE_LEN]) -> Result<bool> {
-        let (lo, hi) = sig_words(sig);
+    /// The id and MAC words of the chunk at `address` equal the handle's.
+    fn chunk_matches(&self, address: u64, id: u64, mac: &[u8; MAC_LEN]) -> Result<bool> {
+        let (lo, hi) = mac_words(mac);
         Ok(
             self.chunk(address, chunk::ID)?.load(Ordering::Relaxed) == id
                 && self.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) == lo
                 && self.chunk(address, chunk::SIG_HI)?.load(Ordering::Relaxed) == hi,
         )
     }
+
+    /// Slot `s`'s claim word, loaded with Acquire (pairs with the AcqRel/Release CASes that
+    /// claim, drain and free slots).
+    fn claim(&self, s: u32) -> Result<(u64, Claim)> {
+        let word = self.slot(s, slot::CLAIM)?.load(Ordering::Acquire);
+        let claim = Claim::unpack(word)
+            .ok_or_else(|| Error::Corrupt(format!("reader slot {s} has claim word {word:#x}")))?;
+        Ok((word, claim))
+    }
+
+    /// Every occupied (claimed or draining) slot.
+    fn occupants(&self) -> Result<Vec<Occupant>> {
+        let mut out = Vec::new();
+        for s in 0..self.layout.n_readers {
+            let (word, claim) = self.claim(s)?;
+            if claim.is_occupied() {
+                out.push(Occupant {
+                    slot: s,
+                    claim,
+                    word,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the process occupying slot `s` (as `claim` says) is alive.
+    fn occupant_alive(&self, s: u32, claim: Claim) -> Result<bool> {
+        match self.liveness {
+            Liveness::Locks => self.seg.lock_held(self.layout.slot_lock(s)),
+            Liveness::Pids => {
+                let start = self.slot(s, slot::START)?.load(Ordering::Acquire);
+                // The start time counts only if it was written for this occupant.
+                let start = if (start >> 32) as u32 == claim.epoch {
+                    start & 0xffff_ffff
+                } else {
+                    0
+                };
+                Ok(claim.pid != 0 && segment::process_alive(claim.pid, start))
+            }
+        }
+    }
+
+    /// Whether the writer still runs (its lock is held, or its pid exists) and has not
+    /// closed the segment.
+    fn writer_alive(&self) -> Result<bool> {
+        // Acquire pairs with the writer's Release store in `Writer::close`.
+        if self.header(header::WRITER_STATE)?.load(Ordering::Acquire) != WRITER_LIVE {
+            return Ok(false);
+        }
+        match self.liveness {
+            Liveness::Locks => self.seg.lock_held(WRITER_LOCK),
+            Liveness::Pids => {
+                let pid = self.header(header::CREATOR_PID)?.load(Ordering::Relaxed);
+                let start = self.header(header::CREATOR_START)?.load(Ordering::Relaxed);
+                Ok(segment::process_alive(pid as u32, start))
+            }
+        }
+    }
 }
 
-fn sig_words(sig: &[u8; SIGNATURE_LEN]) -> (u64, u64) {
-    let lo = u64::from_le_bytes(sig[..8].try_into().expect("8 bytes"));
-    let hi = u64::from_le_bytes(sig[8..].try_into().expect("8 bytes"));
+fn mac_words(mac: &[u8; MAC_LEN]) -> (u64, u64) {
+    let lo = u64::from_le_bytes(mac[..8].try_into().expect("8 bytes"));
+    let hi = u64::from_le_bytes(mac[8..].try_into().expect("8 bytes"));
     (lo, hi)
 }
 
@@ -151,16 +240,71 @@ fn update_word(word: &AtomicU64, mut f: impl FnMut(SlotWord) -> Option<SlotWord>
 // Writer
 // ----------------------------------------------------------------------------------------
 
+/// The claimed reader slots a handle's references went to, numbered so a handle can name it.
+#[derive(Clone, Debug)]
+struct ReaderSet {
+    number: u32,
+    /// `(slot, epoch)` of every claimed (not draining) slot.
+    members: Arc<[(u32, u32)]>,
+}
+
+/// How many handles of one chunk were issued to one reader set and not given back with
+/// `release` (reads are not tracked here: they are the readers' business).
+#[derive(Debug)]
+struct Issuance {
+    reader_set: ReaderSet,
+    /// The signature of this reader set's handle to the chunk (computed once).
+    signature: [u8; SIGNATURE_LEN],
+    unreleased: u32,
+}
+
 /// Writer-private bookkeeping for one chunk.
 #[derive(Debug)]
 struct ChunkMeta {
     /// `None` once invalidated or cleared: the chunk only waits to be reclaimed.
     key: Option<String>,
     id: u64,
-    signature: [u8; SIGNATURE_LEN],
+    mac: [u8; MAC_LEN],
     pins: u32,
     /// CLOCK's referenced bit: set on a hit, cleared when the hand passes.
     referenced: bool,
+    issued: Vec<Issuance>,
+}
+
+impl ChunkMeta {
+    /// One more handle to this chunk for `reader_set` (its signature made once per set).
+    fn issue(
+        &mut self,
+        signer: &Signer,
+        key: &str,
+        address: u64,
+        reader_set: &ReaderSet,
+    ) -> Handle {
+        let signature = match self
+            .issued
+            .iter_mut()
+            .find(|i| i.reader_set.number == reader_set.number)
+        {
+            Some(issuance) => {
+                issuance.unreleased = issuance.unreleased.saturating_add(1);
+                issuance.signature
+            }
+            None => {
+                let handle = signer.handle(key, address, self.id, reader_set.number);
+                self.issued.push(Issuance {
+                    reader_set: reader_set.clone(),
+                    signature: handle.signature,
+                    unreleased: 1,
+                });
+                handle.signature
+            }
+        };
+        Handle {
+            address,
+            monotonic_id: self.id,
+            signature,
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -180,6 +324,25 @@ struct WriterState {
     last_id: u64,
     counters: Counters,
     closed: bool,
+    reader_set: ReaderSet,
+}
+
+impl WriterState {
+    /// The current reader set given the occupied slots, numbering a new one if it changed.
+    fn reader_set(&mut self, occupants: &[Occupant]) -> ReaderSet {
+        let members: Vec<(u32, u32)> = occupants
+            .iter()
+            .filter(|o| o.claim.state == SlotState::Claimed)
+            .map(|o| (o.slot, o.claim.epoch))
+            .collect();
+        if *self.reader_set.members != *members {
+            self.reader_set = ReaderSet {
+                number: self.reader_set.number.wrapping_add(1),
+                members: members.into(),
+            };
+        }
+        self.reader_set.clone()
+    }
 }
 
 /// The single writer of a segment.
@@ -187,6 +350,7 @@ struct WriterState {
 pub struct Writer {
     shared: Shared,
     signer: Signer,
+    process: Process,
     state: Mutex<WriterState>,
 }
 
@@ -194,6 +358,20 @@ pub struct Writer {
 pub type Stats = Vec<(&'static str, u64)>;
 
 impl Writer {
+    /// A writer that tells liveness by pids even though locks work (tests of the fallback).
+    #[cfg(test)]
+    fn create_with_liveness(capacity: u64, n_readers: u32, liveness: Liveness) -> Result<Writer> {
+        let mut w = Writer::create(capacity, n_readers, None, None)?;
+        if liveness == Liveness::Pids {
+            w.shared.seg.unlock(WRITER_LOCK)?;
+            w.shared
+                .header(header::LIVENESS)?
+                .store(liveness.code(), Ordering::Relaxed);
+        }
+        w.shared.liveness = liveness;
+        Ok(w)
+    }
+
     /// Create a segment with a ring of `capacity` bytes.
     pub fn create(
         capacity: u64,
@@ -203,29 +381,42 @@ impl Writer {
     ) -> Result<Writer> {
         let layout = Layout::new(capacity, n_readers, max_object_size)?;
         let name = match name {
-            Some(n) if !n.trim_start_matches('/').is_empty() => {
-                n.trim_start_matches('/').to_owned()
-            }
-            Some(_) => return Err(Error::InvalidArgument("segment name is empty".into())),
+            Some(n) => segment::validate_name(n)?.to_owned(),
             None => generate_name()?,
         };
         let total = usize::try_from(layout.total_len())
             .map_err(|_| Error::InvalidArgument("capacity too large for this host".into()))?;
-        let seg = Segment::create(&name, total)?;
+        let seg = Segment::create(&name, total, WRITER_LOCK)?;
+        let liveness = if seg.holds_locks() {
+            Liveness::Locks
+        } else {
+            Liveness::Pids
+        };
         let pid = segment::current_pid();
-        layout.write(&seg, pid, segment::process_start_time(pid).unwrap_or(0))?;
+        layout.write(
+            &seg,
+            pid,
+            segment::process_start_time(pid).unwrap_or(0),
+            liveness,
+        )?;
         Ok(Writer {
             shared: Shared {
                 seg: Arc::new(seg),
                 layout,
+                liveness,
             },
             signer: Signer::new(segment::random_bytes::<32>()?),
+            process: Process::current(),
             state: Mutex::new(WriterState {
                 ring: Ring::new(layout.capacity),
                 keys: HashMap::new(),
                 last_id: 0,
                 counters: Counters::default(),
                 closed: false,
+                reader_set: ReaderSet {
+                    number: 0,
+                    members: Arc::new([]),
+                },
             }),
         })
     }
@@ -236,6 +427,10 @@ impl Writer {
 
     pub fn layout(&self) -> Layout {
         self.shared.layout
+    }
+
+    pub fn liveness(&self) -> Liveness {
+        self.shared.liveness
     }
 
     pub fn reader_info(&self) -> ReaderInfo {
@@ -249,7 +444,12 @@ impl Writer {
         }
     }
 
+    /// The writer's state, after checking that this is the process that created it and that
+    /// it is open.
     fn lock(&self) -> Result<MutexGuard<'_, WriterState>> {
+        if !self.process.is_current() {
+            return Err(Error::WrongProcess("this shared-memory writer".into()));
+        }
         // A panic while holding the lock cannot leave shared memory inconsistent for readers
         // (they verify ids), so a poisoned lock is still usable.
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -259,57 +459,44 @@ impl Writer {
         Ok(state)
     }
 
-    /// Claimed slots as `(index, epoch)`.
-    fn claimed_slots(&self) -> Result<Vec<(u32, u64)>> {
-        let mut out = Vec::new();
-        for s in 0..self.shared.layout.n_readers {
-            // Acquire pairs with the reader's claim CAS / release store.
-            let w = self.shared.slot(s, slot::CLAIM)?.load(Ordering::Acquire);
-            if claim_is_claimed(w) {
-                out.push((s, claim_epoch(w)));
-            }
-        }
-        Ok(out)
+    /// Whether slot `o.slot` holds a view or (claimed, not draining) a reference on the chunk.
+    fn holds(&self, address: u64, sig_tag: u32, o: &Occupant) -> Result<bool> {
+        let w = SlotWord::unpack(self.shared.word(address, o.slot)?.load(Ordering::Acquire));
+        Ok(
+            w.stamp == SlotWord::stamp_for(sig_tag, o.claim.epoch as u64)
+                && (w.views > 0 || (o.claim.state == SlotState::Claimed && w.outstanding > 0)),
+        )
     }
 
-    /// Whether slot `s` (claimed in `epoch`) holds a reference or a view on the chunk.
-    fn holds(&self, address: u64, sig_tag: u32, s: u32, epoch: u64) -> Result<bool> {
-        let w = SlotWord::unpack(self.shared.word(address, s)?.load(Ordering::Acquire));
-        Ok(w.stamp == SlotWord::stamp_for(sig_tag, epoch) && (w.outstanding > 0 || w.views > 0))
-    }
-
-    /// Whether the occupant of slot `s` is gone; if so, free the slot (crediting everything
+    /// Whether the occupant of `o.slot` is gone; if so, free the slot (crediting everything
     /// it held). `checked` caches the answer for one sweep.
     fn reap_if_dead(
         &self,
-        s: u32,
-        epoch: u64,
+        o: &Occupant,
         checked: &mut HashMap<u32, bool>,
         counters: &mut Counters,
     ) -> Result<bool> {
-        if let Some(&dead) = checked.get(&s) {
+        if let Some(&dead) = checked.get(&o.slot) {
             return Ok(dead);
         }
-        let pid = self.shared.slot(s, slot::PID)?.load(Ordering::Acquire);
-        let start = self.shared.slot(s, slot::START)?.load(Ordering::Acquire);
-        let dead = pid != 0 && !segment::process_alive(pid as u32, start);
+        let dead = !self.shared.occupant_alive(o.slot, o.claim)?;
         if dead {
-            // CAS: only free the slot if it still has the same occupant.
+            let free = Claim {
+                pid: 0,
+                state: SlotState::Free,
+                ..o.claim
+            };
+            // CAS: only free the slot if it still has the same occupant in the same state.
             let freed = self
                 .shared
-                .slot(s, slot::CLAIM)?
-                .compare_exchange(
-                    claim_word(epoch, true),
-                    claim_word(epoch, false),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
+                .slot(o.slot, slot::CLAIM)?
+                .compare_exchange(o.word, free.pack(), Ordering::AcqRel, Ordering::Acquire)
                 .is_ok();
             if freed {
                 counters.readers_reclaimed += 1;
             }
         }
-        checked.insert(s, dead);
+        checked.insert(o.slot, dead);
         Ok(dead)
     }
 
@@ -318,19 +505,19 @@ impl Writer {
         &self,
         address: u64,
         meta: &ChunkMeta,
-        slots: &[(u32, u64)],
+        occupants: &[Occupant],
         checked: &mut HashMap<u32, bool>,
         counters: &mut Counters,
     ) -> bool {
         if meta.pins > 0 {
             return false;
         }
-        let sig_tag = tag(&meta.signature);
-        for &(s, epoch) in slots {
-            match self.holds(address, sig_tag, s, epoch) {
+        let sig_tag = tag(&meta.mac);
+        for o in occupants {
+            match self.holds(address, sig_tag, o) {
                 Ok(false) => {}
                 Ok(true) => {
-                    if !matches!(self.reap_if_dead(s, epoch, checked, counters), Ok(true)) {
+                    if !matches!(self.reap_if_dead(o, checked, counters), Ok(true)) {
                         return false;
                     }
                 }
@@ -350,6 +537,13 @@ impl Writer {
 
     /// Store one object made of `parts`, each starting 64-byte aligned in the payload.
     pub fn put(&self, key: &str, parts: &[&[u8]]) -> Result<Handle> {
+        let parts: Vec<RawBytes<'_>> = parts.iter().map(|&p| p.into()).collect();
+        self.put_raw(key, &parts)
+    }
+
+    /// [`Writer::put`] from bytes that are only ever copied, never borrowed as a slice (a
+    /// Python buffer that another thread may write while the copy runs without the GIL).
+    pub fn put_raw(&self, key: &str, parts: &[RawBytes<'_>]) -> Result<Handle> {
         let mut state = self.lock()?;
         if state.keys.contains_key(key) {
             return Err(Error::DuplicateKey(key.to_owned()));
@@ -373,21 +567,23 @@ impl Writer {
                 max: layout.max_object_size,
             })?;
 
-        let slots = self.claimed_slots()?;
+        let occupants = self.shared.occupants()?;
+        let reader_set = state.reader_set(&occupants);
         let mut checked = HashMap::new();
         let mut counters = state.counters;
         let meta = ChunkMeta {
             key: Some(key.to_owned()),
             id: 0,
-            signature: [0; SIGNATURE_LEN],
+            mac: [0; MAC_LEN],
             pins: 0,
             referenced: false,
+            issued: Vec::new(),
         };
         let placement = state.ring.allocate(size, meta, |address, meta| {
             if meta.key.is_some() && std::mem::take(&mut meta.referenced) {
                 return Verdict::Keep; // second chance
             }
-            if self.reclaimable(address, meta, &slots, &mut checked, &mut counters) {
+            if self.reclaimable(address, meta, &occupants, &mut checked, &mut counters) {
                 Verdict::Evict
             } else {
                 Verdict::Keep
@@ -414,8 +610,8 @@ impl Writer {
         let address = placement.address;
         state.last_id += 1;
         let id = state.last_id;
-        let signature = self.signer.sign(key, address, id);
-        let (lo, hi) = sig_words(&signature);
+        let (mac, handle) = self.signer.sign(key, address, id, reader_set.number);
+        let (lo, hi) = mac_words(&mac);
         let sh = &self.shared;
         sh.chunk(address, chunk::SIG_LO)?
             .store(lo, Ordering::Relaxed);
@@ -424,21 +620,17 @@ impl Writer {
         sh.chunk(address, chunk::LEN)?
             .store(payload_len, Ordering::Relaxed);
         sh.chunk(address, chunk::REFS)?.store(1, Ordering::Relaxed);
-        let claimed: HashMap<u32, u64> = slots.iter().copied().collect();
         for s in 0..layout.n_readers {
-            let word = match claimed.get(&s) {
-                Some(&epoch) => {
-                    sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
-                    SlotWord {
-                        stamp: SlotWord::stamp_for(tag(&signature), epoch),
-                        outstanding: 1,
-                        views: 0,
-                    }
-                    .pack()
-                }
-                None => 0,
+            sh.word(address, s)?.store(0, Ordering::Relaxed);
+        }
+        for &(s, epoch) in reader_set.members.iter() {
+            sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
+            let word = SlotWord {
+                stamp: SlotWord::stamp_for(tag(&mac), epoch as u64),
+                outstanding: 1,
+                views: 0,
             };
-            sh.word(address, s)?.store(word, Ordering::Relaxed);
+            sh.word(address, s)?.store(word.pack(), Ordering::Relaxed);
         }
         let payload = sh.payload_offset(address);
         let mut cursor = 0u64;
@@ -446,7 +638,7 @@ impl Writer {
             if offset > cursor {
                 sh.seg.zero(payload + cursor, (offset - cursor) as usize)?;
             }
-            sh.seg.write_from(payload + offset, part)?;
+            sh.seg.write_from(payload + offset, *part)?;
             cursor = offset + part.len() as u64;
         }
         // P1: publish the chunk.
@@ -454,16 +646,17 @@ impl Writer {
 
         let meta = state.ring.get_mut(address).expect("just placed");
         meta.id = id;
-        meta.signature = signature;
+        meta.mac = mac;
+        meta.issued.push(Issuance {
+            reader_set,
+            signature: handle.signature,
+            unreleased: 1,
+        });
         state.keys.insert(key.to_owned(), address);
         state.counters.puts += 1;
         state.counters.refs_issued += 1;
         self.publish(&state)?;
-        Ok(Handle {
-            address,
-            monotonic_id: id,
-            signature,
-        })
+        Ok(handle)
     }
 
     pub fn is_cached(&self, key: &str) -> Result<bool> {
@@ -474,43 +667,49 @@ impl Writer {
         Ok(self.lock()?.keys.keys().cloned().collect())
     }
 
-    /// Issue one more reference to a stored object.
+    /// Issue one more reference to a stored object. `Error::Saturated` (nothing changed)
+    /// when a reader slot already holds as many unread references to it as it can count.
     pub fn get_cached(&self, key: &str) -> Result<Handle> {
         let mut state = self.lock()?;
         let address = *state
             .keys
             .get(key)
             .ok_or_else(|| Error::KeyNotFound(key.to_owned()))?;
-        let slots = self.claimed_slots()?;
+        let occupants = self.shared.occupants()?;
+        let reader_set = state.reader_set(&occupants);
         let meta = state.ring.get(address).expect("indexed keys have chunks");
-        let (id, signature) = (meta.id, meta.signature);
-        let sig_tag = tag(&signature);
-        for &(s, epoch) in &slots {
-            let stamp = SlotWord::stamp_for(sig_tag, epoch);
-            let mut overflow = false;
+        let sig_tag = tag(&meta.mac);
+        // Check every slot before changing any: only this writer raises counts, so a count
+        // below the limit now is still below it when we add one.
+        for &(s, epoch) in reader_set.members.iter() {
+            let w = SlotWord::unpack(self.shared.word(address, s)?.load(Ordering::Acquire));
+            if w.stamp == SlotWord::stamp_for(sig_tag, epoch as u64)
+                && w.outstanding >= SlotWord::MAX_OUTSTANDING
+            {
+                return Err(Error::Saturated {
+                    key: key.to_owned(),
+                    slot: s,
+                    limit: SlotWord::MAX_OUTSTANDING,
+                });
+            }
+        }
+        for &(s, epoch) in reader_set.members.iter() {
+            let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
             update_word(self.shared.word(address, s)?, |w| {
-                if w.stamp != stamp {
+                Some(if w.stamp == stamp {
+                    SlotWord {
+                        outstanding: w.outstanding + 1,
+                        ..w
+                    }
+                } else {
                     // Stamped for an earlier occupant, who is gone: start afresh.
-                    return Some(SlotWord {
+                    SlotWord {
                         stamp,
                         outstanding: 1,
                         views: 0,
-                    });
-                }
-                match w.outstanding.checked_add(1) {
-                    Some(outstanding) => Some(SlotWord { outstanding, ..w }),
-                    None => {
-                        overflow = true;
-                        None
                     }
-                }
+                })
             });
-            if overflow {
-                return Err(Error::Full {
-                    needed: 0,
-                    capacity: self.shared.layout.capacity,
-                });
-            }
             self.shared
                 .slot(s, slot::REFS)?
                 .fetch_add(1, Ordering::Relaxed);
@@ -523,14 +722,11 @@ impl Writer {
             .get_mut(address)
             .expect("indexed keys have chunks");
         meta.referenced = true;
+        let handle = meta.issue(&self.signer, key, address, &reader_set);
         state.counters.hits += 1;
         state.counters.refs_issued += 1;
         self.publish(&state)?;
-        Ok(Handle {
-            address,
-            monotonic_id: id,
-            signature,
-        })
+        Ok(handle)
     }
 
     /// Protect a stored object from eviction until a matching `unpin` (pins are counted).
@@ -554,24 +750,37 @@ impl Writer {
         Ok(())
     }
 
-    /// Give back one undelivered reference of every reader slot (the request carrying the
-    /// handle was dropped). A no-op if the object is gone already.
+    /// Give back the references one undelivered handle holds (the request carrying it was
+    /// dropped): one for each reader slot it was issued to, and no other (a reader that
+    /// attached later keeps what later handles owe it). A no-op if the object is gone, or if
+    /// every handle issued to that reader set was given back already.
     pub fn release(&self, handle: &Handle) -> Result<()> {
-        let state = self.lock()?;
-        let Some(meta) = state.ring.get(handle.address) else {
+        let mut state = self.lock()?;
+        let Some(meta) = state.ring.get_mut(handle.address) else {
             return Ok(());
         };
         if meta.id != handle.monotonic_id {
             return Ok(());
         }
-        if meta.signature != handle.signature {
+        let sig_tag = tag(&meta.mac);
+        let Some(issuance) = meta
+            .issued
+            .iter_mut()
+            .find(|i| i.reader_set.number == handle.reader_set())
+        else {
+            return Ok(()); // never issued to that set here (or cleared since)
+        };
+        if issuance.signature != handle.signature {
             return Err(Error::InvalidHandle(
                 "signature does not match the object".into(),
             ));
         }
-        let sig_tag = tag(&meta.signature);
-        for (s, epoch) in self.claimed_slots()? {
-            let stamp = SlotWord::stamp_for(sig_tag, epoch);
+        if issuance.unreleased == 0 {
+            return Ok(()); // every such handle was given back already
+        }
+        issuance.unreleased -= 1;
+        for &(s, epoch) in issuance.reader_set.members.iter() {
+            let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
             update_word(self.shared.word(handle.address, s)?, |w| {
                 (w.stamp == stamp && w.outstanding > 0).then(|| SlotWord {
                     outstanding: w.outstanding - 1,
@@ -602,7 +811,7 @@ impl Writer {
     pub fn clear(&self) -> Result<()> {
         let mut state = self.lock()?;
         state.keys.clear();
-        let slots = self.claimed_slots()?;
+        let occupants = self.shared.occupants()?;
         let mut checked = HashMap::new();
         let mut counters = state.counters;
         let mut free = Vec::new();
@@ -610,17 +819,18 @@ impl Writer {
             meta.key = None;
             meta.pins = 0;
             meta.referenced = false;
-            let sig_tag = tag(&meta.signature);
-            for &(s, epoch) in &slots {
-                let stamp = SlotWord::stamp_for(sig_tag, epoch);
-                update_word(self.shared.word(address, s)?, |w| {
+            meta.issued.clear();
+            let sig_tag = tag(&meta.mac);
+            for o in &occupants {
+                let stamp = SlotWord::stamp_for(sig_tag, o.claim.epoch as u64);
+                update_word(self.shared.word(address, o.slot)?, |w| {
                     (w.stamp == stamp && w.outstanding > 0).then_some(SlotWord {
                         outstanding: 0,
                         ..w
                     })
                 });
             }
-            if self.reclaimable(address, meta, &slots, &mut checked, &mut counters) {
+            if self.reclaimable(address, meta, &occupants, &mut checked, &mut counters) {
                 free.push(address);
             }
         }
@@ -639,7 +849,7 @@ impl Writer {
     /// hit counted, no recency changed (for validating handles a client sent back).
     pub fn verify(&self, handle: &Handle, key: &str) -> Result<bool> {
         let state = self.lock()?;
-        if !self.signer.verify(key, handle) {
+        if self.signer.verify(key, handle).is_none() {
             return Ok(false);
         }
         Ok(state.keys.get(key) == Some(&handle.address)
@@ -649,7 +859,26 @@ impl Writer {
                 .is_some_and(|meta| meta.id == handle.monotonic_id))
     }
 
-    /// Copy an object out: the writer's own read. Its lock keeps the bytes from changing.
+    /// Copy out the payload of the chunk at `address` (the writer's lock keeps it from
+    /// changing). The length comes from shared memory, so it is checked before allocating.
+    fn copy_payload(&self, address: u64) -> Result<Vec<u8>> {
+        let len = self
+            .shared
+            .chunk(address, chunk::LEN)?
+            .load(Ordering::Relaxed);
+        if !self.shared.layout.valid_payload(address, len) {
+            return Err(Error::Corrupt(format!(
+                "chunk at {address} claims {len} bytes, more than fit"
+            )));
+        }
+        let mut out = vec![0u8; len as usize];
+        self.shared
+            .seg
+            .read_into(self.shared.payload_offset(address), &mut out)?;
+        Ok(out)
+    }
+
+    /// Copy an object out through a handle: the writer's own read.
     pub fn read(&self, handle: &Handle, key: &str) -> Result<Vec<u8>> {
         let state = self.lock()?;
         if !self.shared.layout.valid_chunk_address(handle.address) {
@@ -658,22 +887,25 @@ impl Writer {
                 handle.address
             )));
         }
-        if !self.signer.verify(key, handle) {
+        if self.signer.verify(key, handle).is_none() {
             return Err(Error::InvalidHandle("bad signature".into()));
         }
         match state.ring.get(handle.address) {
             Some(meta) if meta.id == handle.monotonic_id => {}
             _ => return Err(Error::Stale),
         }
-        let len = self
-            .shared
-            .chunk(handle.address, chunk::LEN)?
-            .load(Ordering::Relaxed);
-        let mut out = vec![0u8; len as usize];
-        self.shared
-            .seg
-            .read_into(self.shared.payload_offset(handle.address), &mut out)?;
-        Ok(out)
+        self.copy_payload(handle.address)
+    }
+
+    /// Copy out the object stored under `key`, issuing no reference (`KeyNotFound` if
+    /// absent): how P0 serves a cached item it cannot hand out a handle for.
+    pub fn read_key(&self, key: &str) -> Result<Vec<u8>> {
+        let state = self.lock()?;
+        let address = *state
+            .keys
+            .get(key)
+            .ok_or_else(|| Error::KeyNotFound(key.to_owned()))?;
+        self.copy_payload(address)
     }
 
     fn publish(&self, state: &WriterState) -> Result<()> {
@@ -698,20 +930,27 @@ impl Writer {
 
     pub fn stats(&self) -> Result<Stats> {
         let state = self.lock()?;
-        let slots = self.claimed_slots()?;
+        let occupants = self.shared.occupants()?;
         let mut outstanding = 0u64;
         let mut views = 0u64;
         let mut pinned = 0u64;
         for (address, _, meta) in state.ring.iter() {
             pinned += (meta.pins > 0) as u64;
-            for &(s, epoch) in &slots {
-                let w = SlotWord::unpack(self.shared.word(address, s)?.load(Ordering::Acquire));
-                if w.stamp == SlotWord::stamp_for(tag(&meta.signature), epoch) {
-                    outstanding += w.outstanding as u64;
+            for o in &occupants {
+                let w =
+                    SlotWord::unpack(self.shared.word(address, o.slot)?.load(Ordering::Acquire));
+                if w.stamp == SlotWord::stamp_for(tag(&meta.mac), o.claim.epoch as u64) {
+                    if o.claim.state == SlotState::Claimed {
+                        outstanding += w.outstanding as u64;
+                    }
                     views += w.views as u64;
                 }
             }
         }
+        let draining = occupants
+            .iter()
+            .filter(|o| o.claim.state == SlotState::Draining)
+            .count() as u64;
         let c = state.counters;
         let l = self.shared.layout;
         Ok(vec![
@@ -728,27 +967,35 @@ impl Writer {
             ("outstanding_refs", outstanding),
             ("views", views),
             ("pinned", pinned),
-            ("readers_attached", slots.len() as u64),
+            ("readers_attached", occupants.len() as u64 - draining),
+            ("readers_draining", draining),
             ("readers_reclaimed", c.readers_reclaimed),
             ("clears", c.clears),
             ("last_id", state.last_id),
         ])
     }
 
-    /// Mark the segment closed for readers and remove its name. Only the creating process
-    /// does this: a forked child's copy just stops working.
+    /// Mark the segment closed for readers, remove its name and give up the writer's lock.
+    /// Only the creating process does this: in a forked child it does nothing (the copy just
+    /// stops working).
     pub fn close(&self) -> Result<()> {
+        if !self.process.is_current() {
+            return Ok(());
+        }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if state.closed {
             return Ok(());
         }
         state.closed = true;
         if self.shared.seg.is_owner() {
-            // Release pairs with the reader's Acquire load in `check_writer`.
+            // Release pairs with the reader's Acquire load in `Shared::writer_alive`.
             self.shared
                 .header(header::WRITER_STATE)?
                 .store(WRITER_CLOSED, Ordering::Release);
             self.shared.seg.unlink()?;
+            if self.shared.liveness == Liveness::Locks {
+                self.shared.seg.unlock(WRITER_LOCK)?;
+            }
         }
         Ok(())
     }
@@ -764,16 +1011,17 @@ impl Drop for Writer {
 // Reader
 // ----------------------------------------------------------------------------------------
 
-/// One attached reader: owns one reader slot until dropped.
+/// One attached reader: occupies one reader slot until dropped.
 #[derive(Debug)]
 pub struct Reader {
     shared: Shared,
     signer: Signer,
     slot: u32,
-    epoch: u64,
-    /// The process that claimed the slot: only it may free the slot (not a forked child).
-    claimant_pid: u32,
-    writer_pid: u32,
+    epoch: u32,
+    /// The process that claimed the slot: only it may use or free the slot.
+    process: Process,
+    /// Set by `close`: no new leases.
+    closed: AtomicBool,
 }
 
 /// The outcome of checking a handle: a payload to copy, protected by a lease or not.
@@ -782,11 +1030,40 @@ pub struct Lease {
     reader: Arc<Reader>,
     address: u64,
     id: u64,
-    signature: [u8; SIGNATURE_LEN],
+    mac: [u8; MAC_LEN],
     len: u64,
     /// The stamp of the slot word holding our view, or `None` when reading unprotected
     /// (a replayed handle): then the bytes are verified after the copy.
     stamp: Option<u32>,
+}
+
+/// A protected lease turned into a zero-copy view: the payload's address in this process's
+/// read-only mapping, valid (and its bytes unchanging) while the view lives — in a forked
+/// child too, where the pages become a private copy (`segment::fork`).
+#[derive(Debug)]
+pub struct View {
+    lease: Lease,
+    address: usize,
+    _registration: Registration,
+}
+
+impl View {
+    pub fn ptr(&self) -> *const u8 {
+        self.address as *const u8
+    }
+
+    /// `Lease::read_at` of the view's payload (a copy that forms no reference to it).
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.lease.read_at(offset, dst)
+    }
+
+    pub fn len(&self) -> usize {
+        self.lease.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lease.is_empty()
+    }
 }
 
 impl Reader {
@@ -812,59 +1089,103 @@ impl Reader {
                 info.name
             )));
         }
+        let liveness = Liveness::from_code(seg.atomic(header::LIVENESS)?.load(Ordering::Relaxed))
+            .expect("Layout::read validated the liveness mode");
         let shared = Shared {
             seg: Arc::new(seg),
             layout,
+            liveness,
         };
-        let writer_pid = shared.header(header::CREATOR_PID)?.load(Ordering::Relaxed) as u32;
-        if shared.header(header::WRITER_STATE)?.load(Ordering::Acquire) != WRITER_LIVE {
+        if !shared.writer_alive()? {
             return Err(Error::WriterGone(format!(
-                "the writer of {:?} closed it",
+                "the writer of {:?} closed it or exited",
                 info.name
             )));
         }
         let pid = segment::current_pid();
-        let start = segment::process_start_time(pid).unwrap_or(0);
         for s in 0..layout.n_readers {
-            let claim = shared.slot(s, slot::CLAIM)?;
-            let current = claim.load(Ordering::Acquire);
-            if claim_is_claimed(current) {
-                let other = shared.slot(s, slot::PID)?.load(Ordering::Acquire);
-                let other_start = shared.slot(s, slot::START)?.load(Ordering::Acquire);
-                if other == 0 || segment::process_alive(other as u32, other_start) {
-                    continue;
-                }
-            }
-            let epoch = claim_epoch(current) + 1;
-            // AcqRel: pairs with the previous occupant's Release store when it freed the slot.
-            if claim
-                .compare_exchange(
-                    current,
-                    claim_word(epoch, true),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_err()
-            {
-                continue;
-            }
+            let claimed = match liveness {
+                Liveness::Locks => Self::claim_locked(&shared, s, pid)?,
+                Liveness::Pids => Self::claim_by_pid(&shared, s, pid)?,
+            };
+            let Some(epoch) = claimed else { continue };
             for field in [slot::REFS, slot::ACKS, slot::STALE] {
                 shared.slot(s, field)?.store(0, Ordering::Relaxed);
             }
-            shared.slot(s, slot::START)?.store(start, Ordering::Release);
+            let start = segment::process_start_time(pid).unwrap_or(0) & 0xffff_ffff;
             shared
-                .slot(s, slot::PID)?
-                .store(pid as u64, Ordering::Release);
+                .slot(s, slot::START)?
+                .store(((epoch as u64) << 32) | start, Ordering::Release);
             return Ok(Arc::new(Reader {
                 shared,
                 signer: Signer::new(info.secret),
                 slot: s,
                 epoch,
-                claimant_pid: pid,
-                writer_pid,
+                process: Process::current(),
+                closed: AtomicBool::new(false),
             }));
         }
         Err(Error::NoReaderSlot(layout.n_readers))
+    }
+
+    /// Claim slot `s` as `pid` (`Liveness::Locks`): take its lock first; whoever holds it
+    /// is alive, and a slot whose lock we get has no live occupant, so we may take it over.
+    /// Returns the new epoch, or `None` if a live reader has the slot.
+    fn claim_locked(shared: &Shared, s: u32, pid: u32) -> Result<Option<u32>> {
+        let range = shared.layout.slot_lock(s);
+        if !shared.seg.try_lock(range)? {
+            return Ok(None);
+        }
+        // Only the writer (freeing a dead occupant) can change the word meanwhile: retry.
+        loop {
+            let (word, claim) = match shared.claim(s) {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = shared.seg.unlock(range);
+                    return Err(e);
+                }
+            };
+            if let Some(epoch) = Self::try_claim(shared, s, word, claim, pid)? {
+                return Ok(Some(epoch));
+            }
+        }
+    }
+
+    /// Claim slot `s` as `pid` (`Liveness::Pids`): free, or occupied by a dead process. A
+    /// lost race re-reads the slot rather than giving up on it.
+    fn claim_by_pid(shared: &Shared, s: u32, pid: u32) -> Result<Option<u32>> {
+        loop {
+            let (word, claim) = shared.claim(s)?;
+            if claim.is_occupied() && shared.occupant_alive(s, claim)? {
+                return Ok(None);
+            }
+            if let Some(epoch) = Self::try_claim(shared, s, word, claim, pid)? {
+                return Ok(Some(epoch));
+            }
+        }
+    }
+
+    /// One CAS of slot `s`'s claim word from `word` (= `claim`) to `(epoch + 1, pid,
+    /// CLAIMED)`: the new epoch, or `None` if the word changed meanwhile.
+    fn try_claim(
+        shared: &Shared,
+        s: u32,
+        word: u64,
+        claim: Claim,
+        pid: u32,
+    ) -> Result<Option<u32>> {
+        let epoch = claim.epoch.wrapping_add(1);
+        let mine = Claim {
+            epoch,
+            pid,
+            state: SlotState::Claimed,
+        };
+        // AcqRel: pairs with the previous occupant's (or the writer's) freeing CAS.
+        Ok(shared
+            .slot(s, slot::CLAIM)?
+            .compare_exchange(word, mine.pack(), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+            .then_some(epoch))
     }
 
     pub fn slot(&self) -> u32 {
@@ -885,25 +1206,42 @@ impl Reader {
         self.shared.seg.view_mapping()
     }
 
-    fn check_writer(&self) -> Result<()> {
-        // Acquire pairs with the writer's Release store in `Writer::close`.
-        if self
-            .shared
-            .header(header::WRITER_STATE)?
-            .load(Ordering::Acquire)
-            != WRITER_LIVE
-        {
-            return Err(Error::WriterGone(format!(
-                "the writer of {:?} closed it",
-                self.name()
-            )));
+    /// Stop taking leases; the slot drains (its live views stay protected, it gets no new
+    /// references and what it had not read stops counting) and is freed when the last
+    /// lease goes. Idempotent; a no-op in a forked child.
+    pub fn close(&self) {
+        if !self.process.is_current() || self.closed.swap(true, Ordering::AcqRel) {
+            return;
         }
-        // One syscall on the hot path; a reused pid is caught by the writer-state check
-        // only if the writer closed cleanly, which is the common case.
-        if !segment::pid_exists(self.writer_pid) {
+        self.set_state(SlotState::Claimed, SlotState::Draining);
+    }
+
+    /// Move our own claim from `from` to `to` with a CAS loop; a no-op if the slot is no
+    /// longer ours in state `from` (the writer freed it).
+    fn set_state(&self, from: SlotState, to: SlotState) -> bool {
+        let Ok(word) = self.shared.slot(self.slot, slot::CLAIM) else {
+            return false;
+        };
+        // Release: our acknowledgements and view releases happen before the change is seen
+        // (pairs with the writer's Acquire loads of claim words).
+        word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+            let claim = Claim::unpack(w)?;
+            (claim.epoch == self.epoch && claim.state == from).then(|| {
+                Claim {
+                    state: to,
+                    pid: if to == SlotState::Free { 0 } else { claim.pid },
+                    ..claim
+                }
+                .pack()
+            })
+        })
+        .is_ok()
+    }
+
+    fn check_writer(&self) -> Result<()> {
+        if !self.shared.writer_alive()? {
             return Err(Error::WriterGone(format!(
-                "the writer process (pid {}) of {:?} exited",
-                self.writer_pid,
+                "the writer of {:?} closed it or its process exited",
                 self.name()
             )));
         }
@@ -918,8 +1256,14 @@ impl Reader {
     }
 
     /// Verify `handle` for `key` and take a lease on its payload. Every check that needs no
-    /// shared byte (signature, bounds) comes first.
+    /// shared byte (process, signature, bounds) comes first.
     pub fn acquire(self: &Arc<Self>, handle: &Handle, key: &str) -> Result<Lease> {
+        if !self.process.is_current() {
+            return Err(Error::WrongProcess("this shared-memory reader".into()));
+        }
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
         let layout = self.shared.layout;
         if handle.monotonic_id == 0 || !layout.valid_chunk_address(handle.address) {
             return Err(Error::InvalidHandle(format!(
@@ -927,17 +1271,17 @@ impl Reader {
                 handle.address, handle.monotonic_id
             )));
         }
-        if !self.signer.verify(key, handle) {
+        let Some(mac) = self.signer.verify(key, handle) else {
             return Err(Error::InvalidHandle(
                 "signature does not match (wrong key, store, or forged)".into(),
             ));
-        }
+        };
         self.check_writer()?;
         let sh = &self.shared;
         let address = handle.address;
         // Acquire pairs with P1 (the writer's Release store of the id).
         if sh.chunk(address, chunk::ID)?.load(Ordering::Acquire) != handle.monotonic_id
-            || !sh.chunk_matches(address, handle.monotonic_id, &handle.signature)?
+            || !sh.chunk_matches(address, handle.monotonic_id, &mac)?
         {
             return Err(self.stale());
         }
@@ -945,29 +1289,37 @@ impl Reader {
         if !layout.valid_payload(address, len) {
             return Err(self.stale());
         }
-        let stamp = SlotWord::stamp_for(tag(&handle.signature), self.epoch);
-        let leased = update_word(sh.word(address, self.slot)?, |w| {
-            (w.stamp == stamp && w.outstanding > 0 && w.views < u16::MAX).then(|| SlotWord {
-                outstanding: w.outstanding - 1,
-                views: w.views + 1,
-                ..w
+        let stamp = SlotWord::stamp_for(tag(&mac), self.epoch as u64);
+        let mut viewed = false;
+        let consumed = update_word(sh.word(address, self.slot)?, |w| {
+            (w.stamp == stamp && w.outstanding > 0).then(|| {
+                // A slot holding as many views as it can count reads a verified copy.
+                viewed = w.views < SlotWord::MAX_VIEWS;
+                SlotWord {
+                    outstanding: w.outstanding - 1,
+                    views: w.views + viewed as u32,
+                    ..w
+                }
             })
         });
+        let leased = consumed && viewed;
         let lease = Lease {
             reader: Arc::clone(self),
             address,
             id: handle.monotonic_id,
-            signature: handle.signature,
+            mac,
             len,
             stamp: leased.then_some(stamp),
         };
-        if leased {
+        if consumed {
             sh.slot(self.slot, slot::ACKS)?
                 .fetch_add(1, Ordering::Relaxed);
+        }
+        if leased {
             // Our lease was taken on whatever chunk is at this address now: make sure it is
             // still ours. (Dropping the lease gives the view back.)
             fence(Ordering::Acquire);
-            if !sh.chunk_matches(address, handle.monotonic_id, &handle.signature)? {
+            if !sh.chunk_matches(address, handle.monotonic_id, &mac)? {
                 return Err(self.stale());
             }
         }
@@ -1018,18 +1370,16 @@ impl Reader {
 
 impl Drop for Reader {
     fn drop(&mut self) {
-        if segment::current_pid() != self.claimant_pid {
+        if !self.process.is_current() {
             return; // a forked child's copy: the slot is the parent's
         }
-        if let Ok(claim) = self.shared.slot(self.slot, slot::CLAIM) {
-            // Release pairs with the next claimant's AcqRel CAS and the writer's Acquire load:
-            // every acknowledgement we made happens before the slot is seen free.
-            let _ = claim.compare_exchange(
-                claim_word(self.epoch, true),
-                claim_word(self.epoch, false),
-                Ordering::Release,
-                Ordering::Relaxed,
-            );
+        let freed = self.set_state(SlotState::Claimed, SlotState::Free)
+            || self.set_state(SlotState::Draining, SlotState::Free);
+        if freed && self.shared.liveness == Liveness::Locks {
+            let _ = self
+                .shared
+                .seg
+                .unlock(self.shared.layout.slot_lock(self.slot));
         }
     }
 }
@@ -1061,11 +1411,13 @@ impl Lease {
             ));
         }
         let sh = &self.reader.shared;
-        sh.seg.read_into(self.payload_offset(), dst)?;
-        if self.stamp.is_none() {
+        if self.stamp.is_some() {
+            sh.seg.read_into(self.payload_offset(), dst)?;
+        } else {
+            sh.seg.read_into_racy(self.payload_offset(), dst)?;
             // Pairs with P2: if we copied any reused byte, we see the id change.
             fence(Ordering::Acquire);
-            if !sh.chunk_matches(self.address, self.id, &self.signature)? {
+            if !sh.chunk_matches(self.address, self.id, &self.mac)? {
                 return Err(self.reader.stale());
             }
         }
@@ -1096,22 +1448,35 @@ impl Lease {
             .read_into(self.payload_offset() + offset, dst)
     }
 
-    /// The payload's address in this process, only for a protected lease; valid while the
-    /// lease lives.
-    pub fn protected_ptr(&self) -> Option<*const u8> {
-        self.stamp?;
-        self.reader
+    /// A zero-copy view of the payload, for a protected lease (`Err(self)` otherwise).
+    pub fn into_view(self) -> std::result::Result<View, Lease> {
+        if self.stamp.is_none() {
+            return Err(self);
+        }
+        match self
+            .reader
             .shared
             .seg
             .view_address(self.payload_offset(), self.len())
-            .ok()
+        {
+            Ok(ptr) => Ok(View {
+                _registration: segment::register_view(ptr, self.len()),
+                address: ptr as usize,
+                lease: self,
+            }),
+            Err(_) => Err(self),
+        }
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // In a forked child the lease is a copy of the parent's: the view it counts is the
+        // parent's to give back.
         if let Some(stamp) = self.stamp {
-            self.reader.release_view(self.address, stamp);
+            if self.reader.process.is_current() {
+                self.reader.release_view(self.address, stamp);
+            }
         }
     }
 }
@@ -1124,9 +1489,10 @@ impl Drop for Lease {
 #[derive(Debug, Clone)]
 pub struct SlotInfo {
     pub index: u32,
-    pub claimed: bool,
-    pub epoch: u64,
-    pub pid: u64,
+    pub state: SlotState,
+    pub epoch: u32,
+    /// The occupant's pid in its own PID namespace (0 when free).
+    pub pid: u32,
     pub alive: bool,
     pub refs: u64,
     pub acks: u64,
@@ -1138,6 +1504,7 @@ pub struct SlotInfo {
 pub struct SegmentInfo {
     pub name: String,
     pub layout: Layout,
+    pub liveness: Liveness,
     pub total_len: u64,
     pub creator_pid: u64,
     pub creator_alive: bool,
@@ -1146,29 +1513,31 @@ pub struct SegmentInfo {
     pub readers: Vec<SlotInfo>,
 }
 
-pub fn inspect(name: &str) -> Result<SegmentInfo> {
+fn open_read_only(name: &str) -> Result<Shared> {
     let seg = Segment::open(name, Access::ReadOnly)?;
     let layout = Layout::read(&seg)?;
-    let sh = Shared {
+    let liveness = Liveness::from_code(seg.atomic(header::LIVENESS)?.load(Ordering::Relaxed))
+        .expect("Layout::read validated the liveness mode");
+    Ok(Shared {
         seg: Arc::new(seg),
         layout,
-    };
+        liveness,
+    })
+}
+
+pub fn inspect(name: &str) -> Result<SegmentInfo> {
+    let sh = open_read_only(name)?;
     let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
-    let creator_pid = load(header::CREATOR_PID)?;
-    let creator_start = load(header::CREATOR_START)?;
     let writer_closed = load(header::WRITER_STATE)? == WRITER_CLOSED;
     let mut readers = Vec::new();
-    for s in 0..layout.n_readers {
-        let claim = sh.slot(s, slot::CLAIM)?.load(Ordering::Acquire);
-        let pid = sh.slot(s, slot::PID)?.load(Ordering::Acquire);
-        let start = sh.slot(s, slot::START)?.load(Ordering::Acquire);
-        let claimed = claim_is_claimed(claim);
+    for s in 0..sh.layout.n_readers {
+        let (_, claim) = sh.claim(s)?;
         readers.push(SlotInfo {
             index: s,
-            claimed,
-            epoch: claim_epoch(claim),
-            pid: if claimed { pid } else { 0 },
-            alive: claimed && (pid == 0 || segment::process_alive(pid as u32, start)),
+            state: claim.state,
+            epoch: claim.epoch,
+            pid: claim.pid,
+            alive: claim.is_occupied() && sh.occupant_alive(s, claim)?,
             refs: sh.slot(s, slot::REFS)?.load(Ordering::Relaxed),
             acks: sh.slot(s, slot::ACKS)?.load(Ordering::Relaxed),
             stale: sh.slot(s, slot::STALE)?.load(Ordering::Relaxed),
@@ -1190,29 +1559,85 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
     .collect::<Result<Vec<_>>>()?;
     Ok(SegmentInfo {
         name: sh.seg.name().to_owned(),
-        total_len: layout.total_len(),
-        layout,
-        creator_pid,
-        creator_alive: !writer_closed && segment::process_alive(creator_pid as u32, creator_start),
+        total_len: sh.layout.total_len(),
+        layout: sh.layout,
+        liveness: sh.liveness,
+        creator_pid: load(header::CREATOR_PID)?,
+        creator_alive: sh.writer_alive()?,
         writer_closed,
         counters,
         readers,
     })
 }
 
-/// Names of the segments on this host that carry this package's magic.
+/// Names in `/dev/shm` that this package made: generated names (`mmc_…`, whatever their
+/// content: a truncated or half-made segment has lost or not yet got its magic) and any
+/// regular file that starts with this package's magic (segments created with a chosen name).
 pub fn list_segments() -> Vec<String> {
-    use std::io::Read;
     segment::list_names()
         .into_iter()
         .filter(|name| {
-            let mut magic = [0u8; 8];
-            std::fs::File::open(format!("{}/{name}", segment::SHM_DIR))
-                .and_then(|mut f| f.read_exact(&mut magic))
-                .is_ok()
-                && u64::from_le_bytes(magic) == layout::MAGIC
+            name.starts_with(NAME_PREFIX)
+                || segment::read_prefix::<8>(name)
+                    .is_ok_and(|m| u64::from_le_bytes(m) == layout::MAGIC)
         })
         .collect()
+}
+
+/// Seconds an empty, unlocked file is given to become a segment: the creator takes its lock
+/// right after creating the name, so only a creator that died in that instant leaves one.
+const CREATION_GRACE_SECS: u64 = 10;
+
+/// Whether a segment's writer lives, as `prune` must decide it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Status {
+    /// Its writer is alive (in any PID namespace): never remove it.
+    Live,
+    /// Nobody will use it again: safe to remove. Says why.
+    Orphaned(String),
+    /// Cannot be decided now (being created, or made by another version whose creator may
+    /// run): leave it. Says why.
+    Undecided(String),
+}
+
+/// Decide whether the segment `name` is left behind. A writer's lock, held in any PID
+/// namespace, always means `Live`; a valid segment without it is orphaned; a truncated or
+/// garbage one is orphaned unless it may still be being created.
+pub fn status(name: &str) -> Result<Status> {
+    let probe = segment::probe_file(name, WRITER_LOCK)?;
+    if probe.creator_lock_held {
+        return Ok(Status::Live);
+    }
+    match open_read_only(name) {
+        Ok(sh) => Ok(match sh.liveness {
+            Liveness::Locks => Status::Orphaned("its writer is gone".into()),
+            Liveness::Pids if sh.writer_alive()? => Status::Live,
+            Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
+        }),
+        Err(Error::NotFound(n)) => Err(Error::NotFound(n)),
+        Err(err) => {
+            let prefix = segment::read_prefix::<16>(name).ok();
+            let ours_other_version = prefix.is_some_and(|p| {
+                u64::from_le_bytes(p[..8].try_into().expect("8 bytes")) == layout::MAGIC
+                    && u64::from_le_bytes(p[8..].try_into().expect("8 bytes")) != LAYOUT_VERSION
+            });
+            if ours_other_version {
+                // Made by another version, which may not take locks: trust its name's pid.
+                return Ok(match pid_in_name(name) {
+                    Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
+                        "made by another mmcache version; its creator (pid {pid}) may still run"
+                    )),
+                    _ => Status::Orphaned("made by another mmcache version, creator gone".into()),
+                });
+            }
+            if probe.size == 0 && probe.age_secs < CREATION_GRACE_SECS {
+                return Ok(Status::Undecided(
+                    "empty and new: it may be being created".into(),
+                ));
+            }
+            Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -321,6 +321,81 @@ def test_sender_mirrors_receiver_with_requests_larger_than_the_cache() -> None:
     assert sender.stats()["uncached_full"] == receiver.stats()["uncached_full"] > 0
 
 
+def test_a_request_bracket_keeps_items_updated_one_by_one_mirrored() -> None:
+    # vLLM's P0 touches a request's hashes, updates its items one call at a time, then ends
+    # the request; P1 resolves the request in one call.  Within begin/end_request the
+    # sender protects touched items until the end, as the receiver does.
+    rng = random.Random(11)
+    keys = [f"k{i}" for i in range(16)]
+    truth = {k: make_item(k, rng.choice([1, 2, 3, 5, 7]) * KiB) for k in keys}
+    sender, receiver = SenderCache(gb(10 * KiB)), ReceiverCache(gb(10 * KiB))
+    for _ in range(300):
+        hashes = [rng.choice(keys) for _ in range(rng.randint(1, 6))]
+        cached = sender.is_cached(hashes)
+        sender.begin_request()
+        assert sender.in_request
+        for h in hashes:
+            sender.touch_sender_cache_item(h)
+        data = [
+            sender.get_and_update_item(None if c else (truth[h], updates_of(h)), h)[0]
+            for h, c in zip(hashes, cached)
+        ]
+        sender.end_request()
+        assert not sender.in_request
+        features = [Feature(d, mm_hash=h) for d, h in zip(data, hashes)]
+        receiver.get_and_update_features(features)
+        assert all(same_item(f.data, truth[h]) for f, h in zip(features, hashes))
+        assert sender.keys() == receiver.keys()
+    assert sender.stats()["uncached_full"] == receiver.stats()["uncached_full"] > 0
+
+
+def test_request_bracket_rules() -> None:
+    sender = SenderCache(gb(10 * KiB))
+    sender.end_request()  # none open: nothing to do
+    sender.get_and_update_item((make_item("a", 6 * KiB), []), "a")
+    sender.begin_request()
+    with pytest.raises(RuntimeError, match="already open"):
+        sender.begin_request()
+    sender.touch_sender_cache_item("a")
+    sender.get_and_update_item(None, "a")
+    # Still protected after its own update, until the request ends.
+    sender.get_and_update_item((make_item("b", 6 * KiB), []), "b")
+    assert sender.keys() == ["a"]
+    # A batched call inside the open request belongs to it (and does not end it).
+    sender.get_and_update([(make_item("b", 6 * KiB), [])], ["b"])
+    assert sender.in_request and sender.keys() == ["a"]
+    sender.end_request()
+    sender.get_and_update_item((make_item("b", 6 * KiB), []), "b")
+    assert sender.keys() == ["b"]
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache])
+def test_a_size_function_sets_what_an_item_counts_for(cache_type: type) -> None:
+    # Every item counts for 1 byte: a 3-byte cache holds three items, whatever their tensors.
+    def one(item: Any) -> int:
+        return 1
+
+    sender = cache_type(gb(3), getsizeof=one)
+    truth = {k: make_item(k, 4 * KiB) for k in "abcd"}
+    for k in "abcd":
+        run_request(sender, None, [k], truth)
+    assert sender.keys() == list("bcd")
+    assert sender.stats()["used_bytes"] == 3
+
+
+def test_make_caches_passes_the_size_function_to_both_sides() -> None:
+    def one(item: Any) -> int:
+        return 1
+
+    p0, p1 = make_caches("lru", capacity_gb=gb(3), getsizeof=one)
+    assert isinstance(p0, SenderCache) and isinstance(p1, ReceiverCache)
+    truth = {k: make_item(k, 4 * KiB) for k in "abcd"}
+    for k in "abcd":
+        run_request(p0, p1, [k], truth)
+    assert p0.keys() == p1.keys() == list("bcd")
+    assert p1.stats()["used_bytes"] == 3
+
+
 def test_receiver_reports_the_items_of_a_missed_request_it_could_not_keep() -> None:
     receiver = ReceiverCache(gb(10 * KiB))
     held = make_item("held", 6 * KiB)

@@ -189,18 +189,54 @@ def test_every_fault_is_injected_and_every_oracle_is_exercised() -> None:
     stats = FuzzStats()
     # Ten episodes per mode: P0 misses (an interleaving whose second request evicts items
     # the first was told are cached) are rare.
-    for episode in range(30):
+    for episode in range(40):
         run_episode(7, episode, stats, steps=150, fault_rate=0.4)
     for mode, faults in FAULTS.items():
         for fault in faults:
             assert stats.faults[fault] > 0, f"{mode} fault {fault} never injected"
     for op in ("reorder", "interleave"):
         assert stats.faults[op] > 0
-    assert stats.modes == {"lru": 10, "shm": 10, "processor_only": 10}
+    assert stats.modes == {"lru": 10, "shm": 10, "processor_only": 10, "remote": 10}
     assert stats.p1_misses > 0 and stats.p0_misses > 0 and stats.retries > 0
     assert stats.mirror_checks > 0 and stats.replay_misses > 0
     assert stats.tensors_checked > stats.items_checked > 1000
     assert stats.uncached > 0  # oversize items and full rings were served uncached
+    # The remote tier served items, and damaged values and dead servers cost misses.
+    assert stats.remote_served > 0 and stats.remote_misses > 0
+
+
+def _swap_values_in_the_store(model: Any, a: int, b: int) -> None:
+    """Behind the tier's back, store item ``b``'s value (its chunks too) under item ``a``'s
+    key."""
+    hash_a, hash_b = model.universe.hash(a), model.universe.hash(b)
+    with model._raw() as raw:
+        for name in raw.scan_iter(match=f"mmc/{model._namespace}/{hash_b}*"):
+            raw.copy(name, name.replace(hash_b.encode(), hash_a.encode()), replace=True)
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_the_oracle_catches_a_remote_tier_that_serves_unverified_values(
+    monkeypatch: pytest.MonkeyPatch, verified: bool
+) -> None:
+    import mmcache.remote.store as remote_store
+    from mmcache.remote.envelope import HEADER_SIZE
+
+    with make_model("remote", seed=4, capacity=64 * KiB, n_ids=6) as model:
+        small = [i for i in range(6) if model.universe.size(i) * 4 <= model.capacity][:2]
+        model.request(small)  # host A processes both and publishes them
+        _swap_values_in_the_store(model, small[0], small[1])
+        if verified:  # the digest covers the key: the swapped value is a miss, then processed
+            model.request([small[0]], "other_host")
+            assert model.other.stats()["remote_digest_mismatch"] == 1
+            return
+        # A tier that trusts whatever the store holds hands host B the other item.
+        monkeypatch.setattr(
+            remote_store,
+            "open_envelope",
+            lambda key, value, digest_key: memoryview(value)[HEADER_SIZE:],
+        )
+        with pytest.raises(OracleFailure, match=r"\(a\)"):
+            model.request([small[0]], "other_host")
 
 
 def test_a_fault_free_stream_never_retries_and_keeps_the_mirror() -> None:

@@ -348,6 +348,23 @@ def test_a_handle_from_before_a_clear_never_reads_other_data(
     assert same_item(reader.get_and_update_item(new, "h"), make_item("new"))
 
 
+def test_a_clear_that_keeps_in_flight_handles_lets_them_read_their_own_data(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    in_flight = {k: put(sender, k) for k in "ab"}
+    sender.clear_cache(keep_in_flight=True)
+    assert sender.make_stats() == CacheInfo(0, 0) and cached(sender, "ab") == set()
+    assert not sender.verify(in_flight["a"], "a")
+    # The ring is refilled with new objects (RING holds three): the in-flight handles
+    # keep their objects until read.
+    for k in "cdef":
+        put(sender, k)
+    for k, handle in in_flight.items():
+        assert same_item(reader.get_and_update_item(handle, k), make_item(k))
+    # Read, and no longer cached: their space is reclaimed for new items.
+    assert isinstance(put(sender, "g"), ShmHandle) and isinstance(put(sender, "h"), ShmHandle)
+
+
 def test_forged_or_misdirected_handles_are_rejected(
     sender: ShmSenderCache, reader: ShmReceiverCache
 ) -> None:

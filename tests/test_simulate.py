@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -360,14 +362,161 @@ def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:
 def test_wrong_tensors_make_the_command_fail(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def one_bad_run(
-        config: SimulationConfig, modes: list[str], on_progress: Any
-    ) -> list[RunMetrics]:
-        fields = dict.fromkeys(RunMetrics.__dataclass_fields__, 1)
-        return [RunMetrics(**{**fields, "mode": modes[0], "unrecovered": 0, "evictions": None})]
+    def one_bad_run(configs: list[SimulationConfig], on_progress: Any) -> list[RunMetrics]:
+        fields = {
+            name: 1
+            for name, spec in RunMetrics.__dataclass_fields__.items()
+            if spec.default is spec.default_factory  # the required fields (both MISSING)
+        }
+        return [
+            RunMetrics(**{**fields, "mode": configs[0].mode, "unrecovered": 0, "evictions": None})
+        ]
 
-    monkeypatch.setattr(simulate_package, "run_modes", one_bad_run)
+    monkeypatch.setattr(simulate_package, "run_configs", one_bad_run)
     out = tmp_path / "figures.json"
     assert main(["simulate", "--mode", "lru", "--json", str(out)]) == 1
     assert "lru: 1 wrong tensors" in capsys.readouterr().err
     assert figures(out)["ok"] is False
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input and runaway sizes (issue 8, item 9)
+
+
+def _tree_rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            fields = Path(f"/proc/{current}/statm").read_text().split()
+        except OSError:
+            continue
+        total += int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+    return total
+
+
+def test_a_huge_request_count_is_generated_lazily_with_progress_and_bounded_memory() -> None:
+    """99,999,999,999,999 requests: serving starts at once (the workload is not built up
+    front), the progress bar shows the count, memory stays small; Ctrl-C ends it."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "simulate", "--requests", "99999999999999",
+         "--mode", "none", "--catalogue", "20", "--workers", "1"],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    os.close(follower)
+    screen = b""
+    try:
+        deadline = time.monotonic() + 120
+        peak = 0
+        while time.monotonic() < deadline and b"/99999999999999" not in screen:
+            ready = select.select([leader], [], [], 0.5)[0]
+            if ready:
+                try:
+                    screen += os.read(leader, 65536)
+                except OSError:
+                    break
+            peak = max(peak, _tree_rss_bytes(proc.pid))
+        assert b"/99999999999999" in screen, screen[-2000:]
+        # Served requests tick up while memory stays where it was.
+        time.sleep(3)
+        peak = max(peak, _tree_rss_bytes(proc.pid))
+        assert peak < 1.5 * 2**30
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(leader)
+    assert b"Traceback" not in screen
+
+
+def _p0_pid(driver: int, deadline: float) -> int:
+    """The pid of the simulation's P0: the creator of its shared-memory ring."""
+    while time.monotonic() < deadline:
+        children = _pipeline_processes(driver)
+        for name, pid in segments_by_creator().items():
+            if pid in children:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError("the simulation never created its ring")
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_sigkill_of_p0_ends_with_one_line_naming_it(attempt: int) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "simulate", "--requests", "5000", "--catalogue", "20",
+         "--capacity-gb", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        p0 = _p0_pid(proc.pid, time.monotonic() + 60)
+        time.sleep(0.5 + attempt * 0.7)  # let requests flow (a different moment each time)
+        os.kill(p0, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "P0 (frontend)" in lines[0] and "SIGKILL" in lines[0]
+    assert "Traceback" not in stderr and "EOFError" not in stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Several hosts sharing a remote tier
+
+
+def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Path) -> None:
+    before = orphans()
+    out = tmp_path / "figures.json"
+    result = simulate(
+        *TINY, "--mode", "lru", "--remote", "redis://auto", "--hosts", "2", "--compare",
+        "--json", str(out), timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    runs = figures(out)["runs"]
+    assert list(runs) == ["lru", "lru + redis"]
+    alone, shared = runs["lru"], runs["lru + redis"]
+    for run in (alone, shared):
+        assert run["hosts"] == 2 and len(run["per_host"]) == 2
+        assert run["requests"] == 2 * 24 and run["wrong_tensors"] == 0 and run["unrecovered"] == 0
+        assert run["tensors_checked"] == 2 * 2 * run["items"]
+    # The same requests on the same hosts: the tier only changes who processes what.
+    assert alone["items"] == shared["items"] and alone["distinct_images"] == shared["distinct_images"]
+    assert alone["remote_hits"] == 0 and shared["remote_hits"] > 0
+    assert 0 < shared["cross_host_hits"] <= shared["remote_hits"]
+    # Each host's local cache sees the same requests either way (an LRU: deterministic), so
+    # every local miss is processed alone and either processed or fetched with the tier.
+    assert shared["hit_ratio"] == alone["hit_ratio"]
+    assert shared["items_processed"] + shared["remote_hits"] == alone["items_processed"]
+    assert shared["remote_puts"] > 0 and shared["remote_errors"] == 0
+    assert shared["remote_get_p99_ms"] >= shared["remote_get_p50_ms"] > 0
+    assert sum(h["remote_hits"] for h in shared["per_host"]) == shared["remote_hits"]
+    assert "cross-host hits" in result.stdout and "per host" in result.stdout
+    assert orphans() <= before
+
+
+def test_an_unreachable_remote_tier_costs_misses_not_requests(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}"
+    result = simulate(*TINY, "--mode", "lru", "--remote", url, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["lru + redis"]
+    assert run["requests"] == 24 and run["wrong_tensors"] == 0
+    assert run["remote_hits"] == 0 and run["remote_errors"] > 0
+    assert run["items_processed"] > 0 and run["hit_ratio"] > 0  # processing and the LRU

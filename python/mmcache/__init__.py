@@ -16,6 +16,7 @@ from mmcache.errors import (
     SegmentCorruptError,
     StaleHandleError,
     WriterGoneError,
+    WrongProcessError,
 )
 from mmcache.factory import make_caches
 from mmcache.items import Feature, Item, content_hash, item_size
@@ -43,6 +44,7 @@ __all__ = [
     "ShmSenderCache",
     "StaleHandleError",
     "WriterGoneError",
+    "WrongProcessError",
     "__version__",
     "content_hash",
     "inspect",

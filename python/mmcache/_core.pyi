@@ -36,6 +36,10 @@ class WriterGoneError(MmcacheError):
 class NoReaderSlotError(MmcacheError):
     """Every reader slot of the segment is taken."""
 
+class WrongProcessError(MmcacheError):
+    """A writer or reader used in a process other than the one that created or attached it
+    (after ``fork()``: create a new writer, or attach a new reader, in the child)."""
+
 @final
 class ShmHandle:
     """Where one object lives: ring address, monotonic id and a keyed signature."""
@@ -131,7 +135,11 @@ class ShmObjectStore:
     def handle(self) -> ReaderHandle: ...
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ShmHandle: ...
     def is_cached(self, key: str) -> bool: ...
-    def get_cached(self, key: str) -> ShmHandle: ...
+    def get_cached(self, key: str) -> ShmHandle:
+        """One more reference to ``key``'s object (``KeyError`` if absent; ``MemoryError``,
+        nothing changed, if a reader already holds as many unread references as it counts)."""
+    def get_stored(self, key: str) -> bytes:
+        """The writer's copy of ``key``'s payload, issuing no reference (``KeyError`` if absent)."""
     def pin(self, key: str) -> None: ...
     def unpin(self, key: str) -> None: ...
     def release(self, handle: ShmHandle) -> None: ...
@@ -174,6 +182,9 @@ def decode_item(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
 
 def inspect_segment(name: str) -> dict[str, Any]:
     """Read a live segment's header without attaching as a reader (never writes to it)."""
+
+def segment_status(name: str) -> tuple[str, str]:
+    """``("live" | "orphaned" | "undecided", why)`` for the segment ``name`` (what ``prune`` acts on)."""
 
 def list_segments() -> list[str]:
     """Names of the segments this package created on this host (live or orphaned)."""

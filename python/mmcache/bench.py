@@ -19,7 +19,7 @@ item of three float32 tensors of the same total size (codec included):
 - ``cache get (copy)`` / ``cache get (zero-copy)``: ``ShmReceiverCache.get_and_update_item``
   in one reader process.
 
-Performance is measured here, never asserted (SPEC §5.8).
+Performance is measured here, never asserted by a test.
 """
 
 from __future__ import annotations

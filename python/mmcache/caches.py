@@ -5,8 +5,10 @@ cached); P0 output items are ``(Item | ShmHandle | None, prompt_updates)``.  Rec
 resolve :class:`~mmcache.items.Feature` ``data`` in place.
 
 Mirroring (``lru`` mode): :class:`SenderCache` (P0) and :class:`ReceiverCache` (P1) apply the
-same operations in the same order with the same size function, so their LRUs hold the same
-keys in the same recency order and P0 knows, without asking, which items P1 holds.
+same operations in the same order with the same size function (``getsizeof=``, by default
+:func:`~mmcache.items.item_size`; an engine passes its own to match its accounting), so their
+LRUs hold the same keys in the same recency order and P0 knows, without asking, which items
+P1 holds.
 
 A request cannot evict its own items, even when it is larger than the cache: an item the
 request touched (``touch_sender_cache_item`` on P0, ``touch_receiver_cache_item`` on P1) is
@@ -14,19 +16,23 @@ protected until the request is done (the end of ``get_and_update`` /
 ``get_and_update_features``; or its own update, when items are updated one by one), and an
 item that would fit only by evicting a protected one is served uncached (counted as
 ``full``).  Both sides see the same touches, sizes and updates, so they take the same
-decisions and the mirror holds.
+decisions and the mirror holds.  An engine that updates a request's items one call at a
+time brackets them with :meth:`BaseCache.begin_request` / :meth:`BaseCache.end_request` so
+the protection lasts the whole request, as it does on the receiver.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeAlias, TypeVar
 
 from mmcache.errors import CacheMissError
-from mmcache.items import CachedItem, Item, ItemMetadata, ShmHandle
+from mmcache.items import CachedItem, Item, ItemMetadata, ShmHandle, item_size
 from mmcache.lru import CacheInfo, LRUCache
 
 __all__ = [
@@ -69,9 +75,10 @@ def _gib(n_bytes: float) -> str:
 
 
 def capacity_bytes(capacity_gb: float) -> int:
-    """``capacity_gb`` GiB as whole bytes (``ValueError`` if negative)."""
-    if not capacity_gb >= 0:
-        raise ValueError(f"capacity_gb must be a non-negative number, not {capacity_gb!r}")
+    """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
+    number)."""
+    if not (capacity_gb >= 0 and math.isfinite(capacity_gb)):
+        raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
     return int(capacity_gb * GiB)
 
 
@@ -80,8 +87,9 @@ class BaseCache(ABC, Generic[InT, OutT]):
     accounting of items served uncached (counted, logged once per reason)."""
 
     def __init__(self) -> None:
-        self._uncached = {"oversize": 0, "full": 0}
+        self._uncached = {"oversize": 0, "full": 0, "saturated": 0}
         self._warned: set[str] = set()
+        self._request_open = False
 
     @abstractmethod
     def get_and_update_item(self, item: InT, mm_hash: str) -> OutT:
@@ -89,22 +97,67 @@ class BaseCache(ABC, Generic[InT, OutT]):
 
     def get_and_update(self, items: Sequence[InT], mm_hashes: Sequence[str]) -> list[OutT]:
         """:meth:`get_and_update_item` for each ``(item, mm_hash)`` pair of one request, in
-        order.  What the request touched stays protected until it is done; if it raises,
-        whatever its earlier outputs hold is given back first."""
+        order.  What the request touched stays protected until it is done (until
+        :meth:`end_request` when called inside an open request); if it raises, whatever its
+        earlier outputs hold is given back first."""
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         outputs: list[OutT] = []
-        self._begin_request()
-        try:
-            self._check_request(items, mm_hashes)
-            for item, h in zip(items, mm_hashes):
-                outputs.append(self.get_and_update_item(item, h))
-        except BaseException:
-            self._abandon(outputs)
-            raise
-        finally:
-            self._end_request(mm_hashes)
+        with self._request_scope(mm_hashes):
+            try:
+                self._check_request(items, mm_hashes)
+                for item, h in zip(items, mm_hashes):
+                    outputs.append(self.get_and_update_item(item, h))
+            except BaseException:
+                self._abandon(outputs)
+                raise
         return outputs
+
+    @contextmanager
+    def _request_scope(self, keys: Sequence[str]) -> Iterator[None]:
+        """One batched call is one request, unless it runs inside a request the caller
+        opened with :meth:`begin_request` (which then ends the protection)."""
+        opened_here = not self._request_open
+        if opened_here:
+            self.begin_request()
+        try:
+            yield
+        finally:
+            if opened_here:
+                self._request_open = False
+                self._end_request(keys)
+
+    @property
+    def in_request(self) -> bool:
+        """Whether a request is open (between :meth:`begin_request` and :meth:`end_request`)."""
+        return self._request_open
+
+    def begin_request(self) -> None:
+        """Open a request whose items are updated one by one: until :meth:`end_request`,
+        every item the request touches stays protected from eviction (not only until its
+        own update), exactly as within one :meth:`get_and_update` call.
+
+        For engines that touch every item of a request, then update the items one call at
+        a time, then end the request (vLLM's P0 does): the protection then lasts as long
+        as on the receiver, which resolves the request in one call, so a request larger
+        than the cache keeps the two sides mirrored.  ``RuntimeError`` if a request is
+        already open.
+        """
+        if self._request_open:
+            raise RuntimeError(
+                f"{type(self).__name__}: a request is already open; call end_request() "
+                "before beginning the next one"
+            )
+        self._request_open = True
+        self._begin_request()
+
+    def end_request(self) -> None:
+        """Close the open request: the items it touched may be evicted again (a pin of a
+        touched item whose update never came is dropped too).  A no-op when no request is
+        open."""
+        if self._request_open:
+            self._request_open = False
+            self._end_request(None)
 
     def _check_request(self, items: Sequence[InT], mm_hashes: Sequence[str]) -> None:
         """Raise before any item of the request is applied, if it cannot succeed."""
@@ -112,8 +165,9 @@ class BaseCache(ABC, Generic[InT, OutT]):
     def _begin_request(self) -> None:
         """The updates of one request start (protection now lasts until its end)."""
 
-    def _end_request(self, keys: Sequence[str]) -> None:
-        """The request of ``keys`` is done (or failed): drop what protects its items."""
+    def _end_request(self, keys: Sequence[str] | None) -> None:
+        """The request of ``keys`` is done (or failed): drop what protects its items
+        (``None``: everything the open request protects)."""
 
     def _abandon(self, outputs: Sequence[OutT]) -> None:
         """A request failed after producing ``outputs``: give back what they hold."""
@@ -126,7 +180,9 @@ class BaseCache(ABC, Generic[InT, OutT]):
         """Release the resources the cache holds (nothing, unless it uses shared memory)."""
 
     def stats(self) -> dict[str, int]:
-        """Counters; ``uncached_oversize`` / ``uncached_full`` count items served uncached."""
+        """Counters; ``uncached_oversize`` / ``uncached_full`` / ``uncached_saturated`` count
+        items served uncached (too large; no room beside protected items; a reader holding
+        the most unread references to it that the ring can count)."""
         return {f"uncached_{reason}": n for reason, n in self._uncached.items()}
 
     def __enter__(self) -> Self:
@@ -206,8 +262,12 @@ class _RequestProtection:
     def begin(self) -> None:
         self.in_request = True
 
-    def end(self, keys: Sequence[str]) -> None:
+    def end(self, keys: Sequence[str] | None) -> None:
+        """The request is over: unprotect ``keys`` (``None``: every protected key)."""
         self.in_request = False
+        if keys is None:
+            self.release_all()
+            return
         for key in keys:
             self._lru.unprotect(key)
 
@@ -276,8 +336,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         keys = [f.mm_hash or f.identifier for f in features]
         missed: list[bool] = []
         failure: Exception | None = None
-        self._begin_request()
-        try:
+        with self._request_scope(keys):
             for feature, key in zip(features, keys):
                 self.touch_receiver_cache_item(key, feature.data)
             for feature, key in zip(features, keys):
@@ -294,8 +353,6 @@ class BaseReceiverCache(BaseCache[Any, Any]):
             if any(missed):
                 missing = [k for k, m in zip(keys, missed) if m or self._not_held(k)]
                 raise CacheMissError(missing)
-        finally:
-            self._end_request(keys)
         return features
 
     def _not_held(self, key: str) -> bool:
@@ -317,16 +374,27 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
 
 
 class _LruSenderCache(BaseSenderCache):
-    """A P0 cache over an :class:`LRUCache`; subclasses choose what an entry keeps."""
+    """A P0 cache over an :class:`LRUCache`; subclasses choose what an entry keeps.
 
-    def __init__(self, capacity_gb: float) -> None:
+    ``getsizeof(item)`` is the size an item counts for (default :func:`item_size`); the
+    receiver it mirrors must use the same function.
+    """
+
+    def __init__(
+        self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size
+    ) -> None:
         super().__init__()
-        self._lru = LRUCache(capacity_bytes(capacity_gb))
+        self._item_size = getsizeof
+        self._lru = LRUCache(capacity_bytes(capacity_gb), getsizeof=self._entry_size)
         self._protection = _RequestProtection(self._lru)
 
     @abstractmethod
     def _entry(self, item: Item, prompt_updates: Any) -> Any:
         """What to store for a missed item."""
+
+    @abstractmethod
+    def _entry_size(self, entry: Any) -> int:
+        """The size a stored entry counts for: that of its item."""
 
     @abstractmethod
     def _hit(self, entry: Any) -> SenderOutput:
@@ -360,7 +428,7 @@ class _LruSenderCache(BaseSenderCache):
     def _begin_request(self) -> None:
         self._protection.begin()
 
-    def _end_request(self, keys: Sequence[str]) -> None:
+    def _end_request(self, keys: Sequence[str] | None) -> None:
         self._protection.end(keys)
 
     def invalidate(self, mm_hash: str) -> None:
@@ -400,6 +468,9 @@ class ProcessorOnlyCache(_LruSenderCache):
     def _entry(self, item: Item, prompt_updates: Any) -> CachedItem:
         return CachedItem(item, prompt_updates)
 
+    def _entry_size(self, entry: CachedItem) -> int:
+        return self._item_size(entry.item)
+
     def _hit(self, entry: CachedItem) -> SenderOutput:
         return entry.item, entry.prompt_updates
 
@@ -411,7 +482,10 @@ class SenderCache(_LruSenderCache):
     """
 
     def _entry(self, item: Item, prompt_updates: Any) -> ItemMetadata:
-        return ItemMetadata.of(item, prompt_updates)
+        return ItemMetadata(self._item_size(item), prompt_updates)
+
+    def _entry_size(self, entry: ItemMetadata) -> int:
+        return entry.size
 
     def _hit(self, entry: ItemMetadata) -> SenderOutput:
         return None, entry.prompt_updates
@@ -425,6 +499,9 @@ class ReceiverCache(BaseReceiverCache):
     an earlier feature of the request carried for the same hash; otherwise a
     :class:`CacheMissError`.
 
+    ``getsizeof(item)`` is the size an item counts for (default :func:`item_size`); P0's
+    :class:`SenderCache` must be built with the same function.
+
     Recovery in one retry: when a request misses, its :class:`CacheMissError` lists, in
     request order, the hashes that missed and also every other hash of the request this
     cache does not hold afterwards (items it could not keep).  Once the sender has
@@ -433,9 +510,11 @@ class ReceiverCache(BaseReceiverCache):
     miss.
     """
 
-    def __init__(self, capacity_gb: float) -> None:
+    def __init__(
+        self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size
+    ) -> None:
         super().__init__()
-        self._lru = LRUCache(capacity_bytes(capacity_gb))
+        self._lru = LRUCache(capacity_bytes(capacity_gb), getsizeof=getsizeof)
         self._protection = _RequestProtection(self._lru)
         self._carried: dict[str, Item] = {}  # data the current request carried, by hash
 
@@ -470,7 +549,7 @@ class ReceiverCache(BaseReceiverCache):
         self._protection.begin()
         self._carried.clear()
 
-    def _end_request(self, keys: Sequence[str]) -> None:
+    def _end_request(self, keys: Sequence[str] | None) -> None:
         self._protection.end(keys)
         self._carried.clear()
 

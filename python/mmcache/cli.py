@@ -43,6 +43,10 @@ examples:
   mmcache simulate --mode lru --inject-drift 0.05
                                             lose 5% of P0's updates and watch the retries
   mmcache simulate --requests 200 --catalogue 100 --workers 4 --capacity-gb 0.25
+  mmcache simulate --remote redis://auto --hosts 2 --compare
+                                            two hosts sharing a real Valkey started for the
+                                            run, with and without the remote tier
+  mmcache simulate --remote redis://cache.internal:6379 --hosts 2
 """
 _BENCH_EXAMPLES = """\
 examples:
@@ -96,12 +100,14 @@ def _parser() -> _Parser:
         epilog=_SIMULATE_EXAMPLES,
         formatter_class=formatter,
     )
-    which = sim.add_mutually_exclusive_group()
-    which.add_argument(
-        "--mode", choices=MODES, default=defaults.mode, help="cache mode (default: %(default)s)"
+    sim.add_argument(
+        "--mode", choices=MODES, help=f"cache mode (default: {defaults.mode})"
     )
-    which.add_argument(
-        "--compare", action="store_true", help="run every mode on the same workload, side by side"
+    sim.add_argument(
+        "--compare",
+        action="store_true",
+        help="run every mode on the same workload, side by side; with --remote: the mode "
+        "with and without the remote tier",
     )
     sim.add_argument(
         "--requests",
@@ -154,6 +160,20 @@ def _parser() -> _Parser:
     )
     sim.add_argument(
         "--seed", type=int, default=defaults.seed, help="workload seed (default: %(default)s)"
+    )
+    sim.add_argument(
+        "--remote",
+        metavar="URL",
+        help="share processed items between the hosts through this store: redis://HOST:PORT, "
+        "valkey://HOST:PORT, mooncake://HOST:PORT, or redis://auto (valkey://auto, "
+        "mooncake://auto) to start a server for the run",
+    )
+    sim.add_argument(
+        "--hosts",
+        type=_positive_int,
+        default=defaults.hosts,
+        help="independent pipelines (each its own P0, P1, workers and ring) standing in for "
+        "hosts; requests are per host (default: %(default)s)",
     )
     sim.add_argument("--json", type=Path, metavar="PATH", help="write the figures as JSON")
     sim.add_argument(
@@ -239,15 +259,20 @@ def _check_output(path: Path | None, flag: str) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from mmcache.simulate import MODES, ConfigError, SimulationConfig, SimulationError, run_modes
+    from mmcache.simulate import MODES, ConfigError, SimulationConfig, SimulationError, run_configs
     from mmcache.simulate.report import render, write_json, write_plot
 
     _check_output(args.json, "--json")
     _check_output(args.plot, "--plot")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib: pip install 'mmcache[plot]'")
+    if args.compare and args.mode is not None and args.remote is None:
+        raise _UsageError(
+            "argument --compare: not allowed with argument --mode (it runs every mode; with "
+            "--remote it compares one mode with and without the remote tier)"
+        )
     config = SimulationConfig(
-        mode=args.mode,
+        mode=args.mode or SimulationConfig.mode,
         requests=args.requests,
         catalogue=args.catalogue,
         zipf=args.zipf,
@@ -257,12 +282,19 @@ def _simulate(args: argparse.Namespace) -> int:
         inflight=args.inflight,
         inject_drift=args.inject_drift,
         seed=args.seed,
+        remote=args.remote,
+        hosts=args.hosts,
     )
-    modes = list(MODES) if args.compare else [args.mode]
+    if not args.compare:
+        configs = [config]
+    elif config.remote is not None:
+        configs = [config.without_remote(), config]
+    else:
+        configs = [config.with_mode(mode) for mode in MODES]
     out = Console()
     err = Console(stderr=True)
     columns = (
-        TextColumn("{task.description:<16}"),
+        TextColumn("{task.description:<24}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -270,14 +302,13 @@ def _simulate(args: argparse.Namespace) -> int:
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
         tasks: dict[str, Any] = {}
 
-        def on_progress(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                label = "generating images" if stage == "images" else f"{stage} requests"
-                tasks[stage] = progress.add_task(label, total=total)
-            progress.update(tasks[stage], completed=done)
+        def on_progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = progress.add_task(f"{label} requests", total=total)
+            progress.update(tasks[label], completed=done)
 
         try:
-            runs = run_modes(config, modes, on_progress)
+            runs = run_configs(configs, on_progress)
         except ConfigError as exc:
             raise _UsageError(str(exc)) from None
         except SimulationError as exc:
@@ -291,7 +322,7 @@ def _simulate(args: argparse.Namespace) -> int:
     failed = [run for run in runs if not run.ok]
     for run in failed:
         print(
-            f"mmcache simulate: error: {run.mode}: {run.wrong_tensors} wrong tensors, "
+            f"mmcache simulate: error: {run.label}: {run.wrong_tensors} wrong tensors, "
             f"{run.unrecovered} requests not recovered by one retry",
             file=sys.stderr,
         )
@@ -333,7 +364,8 @@ def _inspect(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         print(f"mmcache inspect: error: no segment named {args.name!r}", file=sys.stderr)
         return EXIT_FAILED
-    except (MmcacheError, PermissionError) as exc:
+    except (MmcacheError, OSError, ValueError) as exc:
+        # Not a segment (a FIFO, a directory, a link, a path outside /dev/shm), or corrupt.
         print(f"mmcache inspect: error: {args.name}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     console = Console()
@@ -353,9 +385,7 @@ def _inspect(args: argparse.Namespace) -> int:
     console.print(summary)
     if readers:
         table = Table(title="readers", title_justify="left")
-        columns = sorted(
-            {key for reader in readers for key in reader}, key=lambda k: (k != "slot", k)
-        )
+        columns = [c for c in _READER_COLUMNS if any(c in reader for reader in readers)]
         for column in columns:
             table.add_column(column, justify="right")
         for reader in readers:
@@ -372,8 +402,12 @@ def _list_segments() -> int:
         print("no mmcache segment on this host")
     for name in names:
         try:
-            alive = _core.inspect_segment(name)["creator_alive"]
-            state = "live" if alive else "orphaned (creator dead: `mmcache prune` removes it)"
+            status, why = _core.segment_status(name)
+            state = {
+                "live": "live",
+                "orphaned": f"orphaned ({why}: `mmcache prune` removes it)",
+                "undecided": f"left alone ({why})",
+            }[status]
         except (OSError, MmcacheError) as exc:
             state = f"unreadable ({exc})"
         print(f"{name}  {state}")
@@ -381,6 +415,8 @@ def _list_segments() -> int:
 
 
 _SIZES = ("capacity", "max_object_size", "total_len")
+# ``claimed`` is left out: ``state`` says it (and more).
+_READER_COLUMNS = ("slot", "state", "pid", "alive", "refs", "acks", "outstanding", "stale")
 
 
 def _format_value(key: str, value: object) -> str:

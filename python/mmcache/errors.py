@@ -17,6 +17,7 @@ from mmcache._core import (
     SegmentCorruptError,
     StaleHandleError,
     WriterGoneError,
+    WrongProcessError,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "SegmentCorruptError",
     "StaleHandleError",
     "WriterGoneError",
+    "WrongProcessError",
 ]
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from mmcache._core import ReaderHandle
 from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, ReceiverCache, SenderCache
+from mmcache.items import Item, item_size
 from mmcache.shm import ShmSenderCache
+
+if TYPE_CHECKING:
+    from mmcache.remote import RemoteStore
 
 __all__ = ["MODES", "Mode", "make_caches"]
 
@@ -20,6 +25,8 @@ def make_caches(
     capacity_gb: float,
     n_readers: int = 1,
     max_object_size_mb: float = 128,
+    getsizeof: Callable[[Item], int] = item_size,
+    remote: RemoteStore | None = None,
 ) -> tuple[BaseSenderCache | None, ReceiverCache | ReaderHandle | None]:
     """The P0 cache of ``mode`` and what P1/workers need, as ``(p0_cache, downstream)``:
 
@@ -33,18 +40,33 @@ def make_caches(
                                                   calls ``ShmReceiverCache(downstream)``
     ================== ========================== ===============================================
 
-    ``n_readers`` (the number of workers) and ``max_object_size_mb`` apply to ``shm`` only.
-    ``ValueError`` for an unknown mode.
+    ``n_readers`` (the number of workers) and ``max_object_size_mb`` apply to ``shm`` only;
+    ``getsizeof`` (the size an item counts for) to ``processor_only`` and ``lru`` (the ring
+    counts bytes).  With ``remote`` (a :class:`~mmcache.remote.RemoteStore`), ``p0_cache`` is that mode's P0
+    cache behind the shared remote tier (a :class:`~mmcache.remote.TieredSenderCache`; it
+    closes the store with itself); mode ``none`` has no P0 cache to put it in
+    (``ValueError``).  ``ValueError`` for an unknown mode.
     """
+    if mode not in MODES:
+        raise ValueError(f"unknown cache mode {mode!r}; expected one of {', '.join(MODES)}")
+    if remote is not None and mode == "none":
+        raise ValueError("a remote tier needs a P0 cache: use mode processor_only, lru or shm")
+    sender: BaseSenderCache | None
+    downstream: ReceiverCache | ReaderHandle | None = None
     if mode == "none":
-        return None, None
-    if mode == "processor_only":
-        return ProcessorOnlyCache(capacity_gb), None
-    if mode == "lru":
-        return SenderCache(capacity_gb), ReceiverCache(capacity_gb)
-    if mode == "shm":
-        sender = ShmSenderCache(
+        sender = None
+    elif mode == "processor_only":
+        sender = ProcessorOnlyCache(capacity_gb, getsizeof=getsizeof)
+    elif mode == "lru":
+        sender = SenderCache(capacity_gb, getsizeof=getsizeof)
+        downstream = ReceiverCache(capacity_gb, getsizeof=getsizeof)
+    else:
+        shm = ShmSenderCache(
             capacity_gb, max_object_size_mb=max_object_size_mb, n_readers=n_readers
         )
-        return sender, sender.handle()
-    raise ValueError(f"unknown cache mode {mode!r}; expected one of {', '.join(MODES)}")
+        sender, downstream = shm, shm.handle()
+    if remote is not None and sender is not None:
+        from mmcache.remote import TieredSenderCache
+
+        sender = TieredSenderCache(sender, remote)
+    return sender, downstream

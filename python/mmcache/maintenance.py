@@ -2,7 +2,8 @@
 
 A segment outlives its creator only when the creator was killed before it could unlink it
 (SIGKILL, an out-of-memory kill, a power cut of the container). :func:`prune` finds such
-segments among those this package created on this host and removes them; :func:`inspect`
+segments among those this package created on this host and removes them — judging liveness
+by the writer's lock on the segment, so it is right across PID namespaces; :func:`inspect`
 reads a live segment's header, never writing to it and without taking a reader slot.
 """
 
@@ -35,22 +36,26 @@ def inspect(name: str) -> dict[str, Any]:
 
 
 def prune(*, dry_run: bool = False) -> list[str]:
-    """Remove the segments this package created whose creator process is dead.
+    """Remove the segments this package created whose writer is gone.
 
     Returns their names, sorted; with ``dry_run=True`` only lists them. A segment whose
-    creator still runs is never touched; one that cannot be read (removed meanwhile, still
-    being created, or corrupt) is skipped and logged, since its creator cannot be known.
+    writer still runs — in any PID namespace: writers hold a lock on their segment that the
+    kernel drops only when they die — is never touched. Truncated or garbage ``mmc_``
+    segments whose writer is gone are removed too; a name that may still be being created,
+    or that another mmcache version made and whose creator may run, is left and logged.
     """
     orphans = []
     for name in sorted(_core.list_segments()):
         try:
-            alive = _core.inspect_segment(name)["creator_alive"]
+            status, why = _core.segment_status(name)
         except FileNotFoundError:
             continue  # unlinked between listing and reading: nothing left to prune
-        except _core.MmcacheError as exc:
+        except (_core.MmcacheError, OSError) as exc:
             logger.warning("skipping segment %s: %s", name, exc)
             continue
-        if alive:
+        if status == "undecided":
+            logger.info("leaving segment %s: %s", name, why)
+        if status != "orphaned":
             continue
         if not dry_run:
             try:

@@ -27,7 +27,15 @@ from mmcache import _core
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["ALIGNMENT", "OUT_OF_BAND_BYTES", "decode", "encode", "part_offsets", "payload_size"]
+__all__ = [
+    "ALIGNMENT",
+    "OUT_OF_BAND_BYTES",
+    "decode",
+    "encode",
+    "pack",
+    "part_offsets",
+    "payload_size",
+]
 
 ALIGNMENT: int = _core.PART_ALIGNMENT
 """Every part starts at a multiple of this many bytes from the payload start (the core's rule)."""
@@ -77,3 +85,17 @@ def decode(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
     is not a valid encoding raises :class:`~mmcache.errors.SegmentCorruptError`.
     """
     return _core.decode_item(payload, copy=copy)
+
+
+def pack(item: Mapping[str, Any]) -> bytes:
+    """The whole payload of ``item`` as one ``bytes`` object: exactly what the shared-memory
+    ring stores for it (part 0, then each buffer at its aligned offset, zero padding between),
+    so ``decode(pack(item))`` rebuilds it.  For stores that keep one value per key."""
+    header, buffers = encode(item)
+    offsets = part_offsets([len(header), *(b.nbytes for b in buffers)])
+    pieces: list[bytes | memoryview] = [header]
+    end = len(header)
+    for offset, buffer in zip(offsets[1:], buffers, strict=True):
+        pieces += [bytes(offset - end), buffer]
+        end = offset + buffer.nbytes
+    return b"".join(pieces)

@@ -73,10 +73,16 @@ class ShmSenderCache(BaseSenderCache):
             raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
         # The core clamps the limit to what the ring can hold (a small ring with the default
         # limit is no error).
+        capacity = capacity_bytes(capacity_gb)
+        if capacity >= 2**64:
+            raise ValueError(
+                f"capacity_gb={capacity_gb!r} is more shared memory than any host has"
+            )
         self._store = ShmObjectStore.create(
-            capacity_bytes(capacity_gb),
+            capacity,
             n_readers=n_readers,
-            max_object_size=max(1, int(max_object_size_mb * MiB)),
+            # A limit beyond what the ring holds is clamped (by the core, to the ring).
+            max_object_size=max(1, int(min(max_object_size_mb * MiB, 2**63))),
             name=name,
         )
         self._max_object_size = self._store.max_object_size
@@ -99,7 +105,11 @@ class ShmSenderCache(BaseSenderCache):
     def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         self._total += 1
         try:
-            handle = self._store.try_get_cached(mm_hash)
+            try:
+                handle = self._store.try_get_cached(mm_hash)
+            except MemoryError:
+                self._hits += 1
+                return self._serve_saturated(item, mm_hash)
             if handle is None:
                 data, prompt_updates = split_sender_input(item, mm_hash)
                 return self._put(mm_hash, data, prompt_updates), prompt_updates
@@ -109,6 +119,20 @@ class ShmSenderCache(BaseSenderCache):
             # The handle's reference now protects the object; the touch's pin is not needed.
             if mm_hash in self._pinned:
                 self._unpin(mm_hash)
+
+    def _serve_saturated(self, item: SenderInput, mm_hash: str) -> SenderOutput:
+        """``mm_hash`` is cached, but a reader already holds as many unread references to it
+        as its slot can count: serve the item uncached, from the request's data if it came
+        with any, else from a copy of what the ring holds (no reference is issued)."""
+        self._serve_uncached(
+            "saturated",
+            f"item {mm_hash} is cached, but a worker already holds the most unread references "
+            "to it that the ring can count: a worker is not reading (stuck, or aborted "
+            "requests whose handles never went to release_handles)",
+        )
+        if item is not None:
+            return split_sender_input(item, mm_hash)
+        return serde.decode(self._store.get_stored(mm_hash)), self._prompt_updates[mm_hash]
 
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
         try:
@@ -173,9 +197,12 @@ class ShmSenderCache(BaseSenderCache):
             self._pinned.discard(mm_hash)
             self._store.unpin(mm_hash)
 
-    def _end_request(self, keys: Sequence[str]) -> None:
+    def _end_request(self, keys: Sequence[str] | None) -> None:
         # Every item of a request that succeeded was unpinned by its update; those of a
         # request that raised will never get one.
+        if keys is None:
+            self.release_sender_touches()
+            return
         for mm_hash in keys:
             self._unpin(mm_hash)
 
@@ -199,12 +226,23 @@ class ShmSenderCache(BaseSenderCache):
         self._store.invalidate(mm_hash)
         self._prompt_updates.pop(mm_hash, None)
 
-    def clear_cache(self) -> None:
+    def clear_cache(self, *, keep_in_flight: bool = False) -> None:
         """Drop every object and reset the hit statistics.  Handles issued before either
         still read their own data or are a miss, never another item's data: monotonic ids
-        keep counting, so they can never alias new data."""
+        keep counting, so they can never alias new data.
+
+        By default every reference is dropped too, so objects of requests abandoned without
+        :meth:`release_handles` stop pinning the ring, and a handle still in flight may
+        miss.  With ``keep_in_flight=True`` every key is forgotten but the references stay:
+        a handle in flight still reads its own data, and each object is reclaimed once it
+        has been read (an abandoned reference keeps pinning its object).
+        """
         self._pinned.clear()
-        self._store.clear()
+        if keep_in_flight:
+            for key in self._store.keys():
+                self._store.invalidate(key)
+        else:
+            self._store.clear()
         self._prompt_updates.clear()
         self._hits = self._total = 0
         self._last = CacheInfo(0, 0)

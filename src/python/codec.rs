@@ -39,6 +39,7 @@ use crate::codec::{
     Shape, TreeReader, header_len,
 };
 use crate::layout::align_up;
+use crate::segment::RawBytes;
 
 impl From<FormatError> for PyErr {
     fn from(err: FormatError) -> PyErr {
@@ -528,18 +529,16 @@ impl Part<'_> {
         }
     }
 
-    /// The part as a slice.
-    ///
-    /// # Safety
-    /// The memory belongs to a live Python object held by `self`. It is the caller's to
-    /// read (a tensor, array or bytes of the item), so nothing in this process frees it
-    /// while `self` lives; like every buffer-protocol consumer we rely on the item not being
-    /// mutated concurrently by another thread.
-    unsafe fn as_slice(&self) -> &[u8] {
+    /// The part's bytes for `Writer::put_raw`, which only ever copies from them (another
+    /// thread may write an item's tensors while the GIL is released).
+    fn bytes(&self) -> RawBytes<'_> {
         match self.raw() {
-            (_, 0) => &[],
-            // SAFETY: see the function's contract; `ptr` is non-null for a non-empty part.
-            (ptr, len) => unsafe { std::slice::from_raw_parts(ptr, len) },
+            // An empty tensor's data pointer may be null.
+            (_, 0) => RawBytes::from(&[][..]),
+            // SAFETY: the memory belongs to a live Python object held by `self` (a tensor
+            // whose storage it is, an open buffer export, or a bytes object), so it stays
+            // valid for reads of `len` bytes for as long as `self` is borrowed.
+            (ptr, len) => unsafe { RawBytes::new(ptr, len) },
         }
     }
 }
@@ -636,13 +635,9 @@ impl<'py> Encoded<'py> {
     }
 
     /// Part 0 then every part, as the store writes them.
-    ///
-    /// # Safety
-    /// See [`Part::as_slice`].
-    unsafe fn slices(&self) -> Vec<&[u8]> {
-        std::iter::once(self.header.as_slice())
-            // SAFETY: forwarded to the caller.
-            .chain(self.parts.iter().map(|p| unsafe { p.as_slice() }))
+    fn parts(&self) -> Vec<RawBytes<'_>> {
+        std::iter::once(RawBytes::from(self.header.as_slice()))
+            .chain(self.parts.iter().map(Part::bytes))
             .collect()
     }
 }
@@ -954,10 +949,7 @@ pub(super) fn put_item(
 ) -> PyResult<ShmHandle> {
     let writer = store.writer("put_item")?;
     let encoded = Encoded::new(item)?;
-    // SAFETY: `encoded` holds every object whose memory the slices cover until it drops,
-    // after the put.
-    let parts = unsafe { encoded.slices() };
-    put_parts(py, &writer, key, &parts)
+    put_parts(py, &writer, key, &encoded.parts())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -982,7 +974,7 @@ impl Source {
     fn len(&self) -> usize {
         match self {
             Source::Store(bytes) => match &**bytes {
-                ViewBytes::Shared { lease, .. } => lease.len(),
+                ViewBytes::Shared(view) => view.len(),
                 ViewBytes::Owned(v) => v.len(),
             },
             Source::Buffer { len, .. } => *len,
@@ -993,7 +985,7 @@ impl Source {
     fn address(&self, offset: u64) -> *mut u8 {
         let base = match self {
             Source::Store(bytes) => match &**bytes {
-                ViewBytes::Shared { ptr, .. } => *ptr,
+                ViewBytes::Shared(view) => view.ptr(),
                 ViewBytes::Owned(v) => v.as_ptr(),
             },
             Source::Buffer { ptr, .. } => *ptr,
@@ -1012,7 +1004,7 @@ impl Source {
         }
         match self {
             Source::Store(bytes) => match &**bytes {
-                ViewBytes::Shared { lease, .. } => lease.read_at(offset, dst)?,
+                ViewBytes::Shared(view) => view.read_at(offset, dst)?,
                 ViewBytes::Owned(v) => dst.copy_from_slice(&v[start..start + dst.len()]),
             },
             // SAFETY: the range is inside the caller's exported buffer (checked above), which
@@ -1384,18 +1376,15 @@ pub(super) fn get_item<'py>(
     let h = handle.to_handle()?;
     let bytes = match store.role()? {
         Role::Writer(w) => ViewBytes::Owned(w.read(&h, key)?),
-        Role::Reader(r) => {
-            let lease = r.acquire(&h, key)?;
-            match lease.protected_ptr() {
-                Some(ptr) => ViewBytes::Shared { lease, ptr },
-                // A replayed handle holds no lease: read a verified private copy.
-                None => {
-                    let mut owned = vec![0u8; lease.len()];
-                    lease.copy_to(&mut owned)?;
-                    ViewBytes::Owned(owned)
-                }
+        Role::Reader(r) => match r.acquire(&h, key)?.into_view() {
+            Ok(view) => ViewBytes::Shared(view),
+            // A replayed handle holds no lease: read a verified private copy.
+            Err(lease) => {
+                let mut owned = vec![0u8; lease.len()];
+                lease.copy_to(&mut owned)?;
+                ViewBytes::Owned(owned)
             }
-        }
+        },
     };
     let bytes = Arc::new(bytes);
     let source = Source::Store(Arc::clone(&bytes));

@@ -222,9 +222,39 @@ fn release_gives_back_an_undelivered_reference() {
     assert!(!w.is_cached("a").unwrap());
 }
 
+/// Make `r` look dead to the others without dropping it: give up its slot's lock (what the
+/// kernel does when its process dies). `r` must then be forgotten, not dropped.
+fn pretend_dead(r: Arc<Reader>) {
+    r.shared
+        .seg
+        .unlock(r.shared.layout.slot_lock(r.slot()))
+        .unwrap();
+    std::mem::forget(r);
+}
+
+fn stats_of(w: &Writer) -> HashMap<&'static str, u64> {
+    w.stats().unwrap().into_iter().collect()
+}
+
+/// The pid of a process that has exited.
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+/// Overwrite the pid in the claim word of `r`'s slot.
+fn set_claim_pid(w: &Writer, r: &Reader, pid: u32) {
+    let claim = w.shared.slot(r.slot(), slot::CLAIM).unwrap();
+    let current = Claim::unpack(claim.load(Ordering::Acquire)).unwrap();
+    claim.store(Claim { pid, ..current }.pack(), Ordering::Release);
+}
+
 #[test]
 fn slots_are_claimed_freed_and_reclaimed_from_dead_readers() {
     let w = writer(2048, 1);
+    assert_eq!(w.liveness(), Liveness::Locks);
     let info = w.reader_info();
     let r = Reader::attach(&info).unwrap();
     assert!(matches!(Reader::attach(&info), Err(Error::NoReaderSlot(1))));
@@ -236,18 +266,207 @@ fn slots_are_claimed_freed_and_reclaimed_from_dead_readers() {
         w.put("c", &[&[1u8; 896]]),
         Err(Error::Full { .. })
     ));
-    // Pretend the reader's process died: point its slot at an exited process.
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let dead = child.id() as u64;
-    child.wait().unwrap();
-    w.shared
-        .slot(r.slot(), slot::PID)
-        .unwrap()
-        .store(dead, Ordering::Release);
+    pretend_dead(r);
     w.put("c", &[&[1u8; 896]]).unwrap();
-    let stats: HashMap<_, _> = w.stats().unwrap().into_iter().collect();
-    assert_eq!(stats["readers_reclaimed"], 1);
-    std::mem::forget(r); // its slot is no longer its own
+    assert_eq!(stats_of(&w)["readers_reclaimed"], 1);
+    Reader::attach(&info).expect("the reclaimed slot is free again");
+}
+
+#[test]
+fn liveness_is_never_judged_from_a_pid() {
+    // A live reader whose claim word shows some other, long-dead pid (an earlier occupant's,
+    // say) keeps its slot: its lock says it lives.
+    let w = writer(2048, 1);
+    let info = w.reader_info();
+    let r = Reader::attach(&info).unwrap();
+    set_claim_pid(&w, &r, dead_pid());
+    let h = w.put("a", &[&[1u8; 896]]).unwrap();
+    w.put("b", &[&[1u8; 896]]).unwrap();
+    assert!(
+        matches!(w.put("c", &[&[1u8; 896]]), Err(Error::Full { .. })),
+        "r's slot was freed"
+    );
+    assert!(
+        matches!(Reader::attach(&info), Err(Error::NoReaderSlot(1))),
+        "r's slot was taken"
+    );
+    assert_eq!(read(&r, &h, "a").unwrap(), vec![1u8; 896]);
+    assert_eq!(stats_of(&w)["readers_reclaimed"], 0);
+}
+
+#[test]
+fn a_claim_whose_holder_died_before_finishing_is_taken_over() {
+    // A reader killed right after its claim CAS (before anything else): the slot shows
+    // CLAIMED by a pid nobody can check, but its lock is gone with the process.
+    let w = writer(2048, 1);
+    let info = w.reader_info();
+    let claim = w.shared.slot(0, slot::CLAIM).unwrap();
+    claim.store(
+        Claim {
+            epoch: 7,
+            pid: 0,
+            state: SlotState::Claimed,
+        }
+        .pack(),
+        Ordering::Release,
+    );
+    let r = Reader::attach(&info).expect("the half-made claim is reclaimable at once");
+    assert_eq!(r.slot(), 0);
+    assert_eq!(
+        Claim::unpack(claim.load(Ordering::Acquire)).unwrap().epoch,
+        8
+    );
+}
+
+#[test]
+fn pid_fallback_tells_live_from_dead_readers() {
+    let w = Writer::create_with_liveness(2048, 1, Liveness::Pids).unwrap();
+    let info = w.reader_info();
+    let r = Reader::attach(&info).unwrap();
+    assert!(matches!(Reader::attach(&info), Err(Error::NoReaderSlot(1))));
+    let h = w.put("a", &[&[1u8; 896]]).unwrap();
+    w.put("b", &[&[1u8; 896]]).unwrap();
+    assert!(matches!(
+        w.put("c", &[&[1u8; 896]]),
+        Err(Error::Full { .. })
+    ));
+    assert_eq!(read(&r, &h, "a").unwrap(), vec![1u8; 896]);
+    // Now make the occupant a process that has exited: the writer frees the slot.
+    set_claim_pid(&w, &r, dead_pid());
+    w.put("c", &[&[1u8; 896]]).unwrap();
+    w.put("d", &[&[1u8; 896]]).unwrap();
+    assert_eq!(stats_of(&w)["readers_reclaimed"], 1);
+    std::mem::forget(r);
+    Reader::attach(&info).expect("the freed slot is claimable");
+}
+
+#[test]
+fn a_closed_reader_with_a_live_view_drains() {
+    let w = writer(4096, 2);
+    let info = w.reader_info();
+    let closing = Reader::attach(&info).unwrap();
+    let other = Reader::attach(&info).unwrap();
+    let h = w.put("a", &[&[5u8; 896]]).unwrap();
+    let view = closing.acquire(&h, "a").unwrap().into_view().unwrap();
+    read(&other, &h, "a").unwrap();
+    closing.close();
+    assert!(matches!(closing.acquire(&h, "a"), Err(Error::Closed)));
+    let stats = stats_of(&w);
+    assert_eq!(
+        (stats["readers_attached"], stats["readers_draining"]),
+        (1, 1)
+    );
+    // New handles owe the draining slot nothing: the ring never fills on its account.
+    for i in 0..20 {
+        let key = format!("n{i}");
+        let hk = w.put(&key, &[&[i as u8; 896]]).unwrap();
+        read(&other, &hk, &key).unwrap();
+    }
+    assert!(
+        w.is_cached("a").unwrap(),
+        "the draining slot's view still protects its chunk"
+    );
+    assert_eq!(stats_of(&w)["outstanding_refs"], 0);
+    drop(view);
+    drop(closing);
+    let stats = stats_of(&w);
+    assert_eq!(
+        (stats["readers_attached"], stats["readers_draining"]),
+        (1, 0)
+    );
+    Reader::attach(&info).expect("freed with its last view");
+}
+
+#[test]
+fn reference_saturation_is_refused_whole_and_views_past_their_limit_read_copies() {
+    let w = writer(4096, 2);
+    let info = w.reader_info();
+    let reading = Reader::attach(&info).unwrap();
+    let stuck = Reader::attach(&info).unwrap();
+    let h = w.put("hot", &[&[9u8; 100]]).unwrap();
+    // Bring the stuck reader's count to the limit directly (a million hits would do it).
+    let word = w.shared.word(h.address, stuck.slot()).unwrap();
+    let mut sw = SlotWord::unpack(word.load(Ordering::Acquire));
+    sw.outstanding = SlotWord::MAX_OUTSTANDING;
+    word.store(sw.pack(), Ordering::Release);
+    let reading_word = w.shared.word(h.address, reading.slot()).unwrap();
+    let before = reading_word.load(Ordering::Acquire);
+    match w.get_cached("hot") {
+        Err(Error::Saturated { key, slot, limit }) => {
+            assert_eq!(
+                (key.as_str(), slot, limit),
+                ("hot", stuck.slot(), SlotWord::MAX_OUTSTANDING)
+            );
+        }
+        other => panic!("expected Saturated, got {other:?}"),
+    }
+    assert_eq!(
+        reading_word.load(Ordering::Acquire),
+        before,
+        "no slot was half-updated"
+    );
+    assert_eq!(w.read_key("hot").unwrap()[..100], [9u8; 100]);
+    // Views: a slot at its view limit consumes the reference and reads a verified copy.
+    let mut rw = SlotWord::unpack(reading_word.load(Ordering::Acquire));
+    rw.views = SlotWord::MAX_VIEWS;
+    reading_word.store(rw.pack(), Ordering::Release);
+    let lease = reading.acquire(&h, "hot").unwrap();
+    assert!(!lease.is_protected());
+    let mut out = vec![0u8; lease.len()];
+    lease.copy_to(&mut out).unwrap();
+    assert_eq!(out[..100], [9u8; 100]);
+    let after = SlotWord::unpack(reading_word.load(Ordering::Acquire));
+    assert_eq!((after.outstanding, after.views), (0, SlotWord::MAX_VIEWS));
+}
+
+#[test]
+fn release_credits_only_the_readers_its_handle_was_issued_to() {
+    let w = writer(4096, 2);
+    let info = w.reader_info();
+    let early = Reader::attach(&info).unwrap();
+    let before_late = w.put("a", &[&[1u8; 100]]).unwrap();
+    let late = Reader::attach(&info).unwrap();
+    let after_late = w.get_cached("a").unwrap();
+    assert_ne!(before_late.reader_set(), after_late.reader_set());
+    w.release(&before_late).unwrap(); // its request was aborted
+    let late_word = SlotWord::unpack(
+        w.shared
+            .word(before_late.address, late.slot())
+            .unwrap()
+            .load(Ordering::Acquire),
+    );
+    assert_eq!(
+        late_word.outstanding, 1,
+        "the late reader still owes after_late a read"
+    );
+    let lease = late.acquire(&after_late, "a").unwrap();
+    assert!(
+        lease.is_protected(),
+        "after_late's reference was kept for the late reader"
+    );
+    w.release(&before_late).unwrap(); // a second release of the same handle gives nothing
+    let early_word = SlotWord::unpack(
+        w.shared
+            .word(before_late.address, early.slot())
+            .unwrap()
+            .load(Ordering::Acquire),
+    );
+    assert_eq!(
+        early_word.outstanding, 1,
+        "after_late's reference for the early reader stays"
+    );
+}
+
+#[test]
+fn writer_reads_check_lengths_before_allocating() {
+    let w = writer(4096, 1);
+    let h = w.put("a", &[&[1u8; 100]]).unwrap();
+    w.shared
+        .chunk(h.address, chunk::LEN)
+        .unwrap()
+        .store(u64::MAX / 2, Ordering::Relaxed);
+    assert!(matches!(w.read(&h, "a"), Err(Error::Corrupt(_))));
+    assert!(matches!(w.read_key("a"), Err(Error::Corrupt(_))));
 }
 
 #[test]
@@ -512,6 +731,10 @@ fn read_at_copies_slices_of_protected_payloads_only() {
     assert!(unprotected.read_at(0, &mut middle).is_err());
     let (address, len) = r.view_mapping().expect("readers map a view");
     assert_eq!(len as u64, w.layout().total_len());
-    let view = lease.protected_ptr().unwrap() as usize;
-    assert!(address <= view && view + lease.len() <= address + len);
+    let view = lease.into_view().expect("a protected lease views");
+    let mut again = [0u8; 100];
+    view.read_at(50, &mut again).unwrap();
+    assert_eq!(again, middle);
+    let at = view.ptr() as usize;
+    assert!(address <= at && at + view.len() <= address + len);
 }

@@ -17,7 +17,7 @@ from mmcache.simulate.config import (
     SimulationConfig,
     SimulationError,
 )
-from mmcache.simulate.processes import run_mode, run_modes
+from mmcache.simulate.processes import run_config, run_configs, run_modes
 
 __all__ = [
     "MODES",
@@ -25,6 +25,7 @@ __all__ = [
     "RunMetrics",
     "SimulationConfig",
     "SimulationError",
-    "run_mode",
+    "run_config",
+    "run_configs",
     "run_modes",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,16 @@ ITEM_BYTES = 3 * TARGET_SIDE * TARGET_SIDE * 4 + 2 * 8
 MAX_WORKERS_PER_CPU = 4
 #: The drift rate is capped so that a lost request is resubmitted a bounded number of times.
 MAX_DRIFT = 0.5
+#: The popularity table takes 16 bytes per catalogue image in every P0.
+MAX_CATALOGUE = 1_000_000
+#: Zipf exponents above this put all popularity on the first few images anyway.
+MAX_ZIPF = 10.0
+MAX_ITEMS = 64
+MAX_SEED = 2**63 - 1
+MAX_REQUESTS = 10**15
+MAX_HOSTS = 8
+#: ``--remote`` URLs that start a server for the run instead of naming one.
+AUTO_REMOTES = ("redis://auto", "valkey://auto", "mooncake://auto")
 
 
 class ConfigError(ValueError):
@@ -42,10 +52,25 @@ class SimulationConfig:
     inflight: int = 4
     inject_drift: float = 0.0
     seed: int = 0
+    #: URL of the remote tier every host shares (``redis://auto``: start one), or ``None``.
+    remote: str | None = None
+    #: Independent pipelines (each its own P0, P1, workers and ring): stand-ins for hosts.
+    hosts: int = 1
 
     def with_mode(self, mode: str) -> SimulationConfig:
         """The same run in another cache mode."""
         return replace(self, mode=mode)
+
+    def without_remote(self) -> SimulationConfig:
+        """The same run without the remote tier."""
+        return replace(self, remote=None)
+
+    @property
+    def label(self) -> str:
+        """How a report names this run: the mode, and the remote tier's scheme if any."""
+        if self.remote is None:
+            return self.mode
+        return f"{self.mode} + {self.remote.split(':', 1)[0]}"
 
     def validate(self) -> None:
         """Raise :class:`ConfigError`, with a one-line reason, for a run that cannot work."""
@@ -55,17 +80,30 @@ class SimulationConfig:
         for name in ("requests", "catalogue", "max_items", "inflight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        for name, limit, why in (
+            ("requests", MAX_REQUESTS, ""),
+            ("catalogue", MAX_CATALOGUE, " (its popularity table lives in every P0)"),
+            ("max_items", MAX_ITEMS, " images per request"),
+        ):
+            if getattr(self, name) > limit:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at most {limit:,}{why}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"--seed must be between 0 and {MAX_SEED}, not {self.seed}")
         if not 1 <= self.workers <= MAX_WORKERS_PER_CPU * cpus:
             raise ConfigError(
                 f"--workers must be between 1 and {MAX_WORKERS_PER_CPU * cpus} on this machine "
                 f"({cpus} CPUs), not {self.workers}"
             )
-        if not (math.isfinite(self.zipf) and self.zipf >= 0):
-            raise ConfigError(f"--zipf must be a finite number >= 0, not {self.zipf}")
+        if not 0 <= self.zipf <= MAX_ZIPF:  # also refuses nan
+            raise ConfigError(f"--zipf must be between 0 and {MAX_ZIPF:g}, not {self.zipf}")
         if not 0 <= self.inject_drift <= MAX_DRIFT:
             raise ConfigError(
                 f"--inject-drift must be between 0 and {MAX_DRIFT}, not {self.inject_drift}"
             )
+        if not 1 <= self.hosts <= MAX_HOSTS:
+            raise ConfigError(f"--hosts must be between 1 and {MAX_HOSTS}, not {self.hosts}")
+        if self.remote is not None:
+            self._validate_remote()
         if self.mode == "none":
             return
         needed = self.max_items * ITEM_BYTES
@@ -77,16 +115,35 @@ class SimulationConfig:
             )
         if self.mode == "shm":
             free = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
-            if self.capacity_gb * 2**30 > free:
+            if self.hosts * self.capacity_gb * 2**30 > free:
+                each = f" for each of {self.hosts} hosts" if self.hosts > 1 else ""
                 raise ConfigError(
-                    f"--capacity-gb {self.capacity_gb:g} is more than the {free / 2**30:.2f} GiB "
-                    "free in /dev/shm; lower it or enlarge /dev/shm (docker: --shm-size)"
+                    f"--capacity-gb {self.capacity_gb:g}{each} is more than the "
+                    f"{free / 2**30:.2f} GiB free in /dev/shm; lower it or enlarge /dev/shm "
+                    "(docker: --shm-size)"
                 )
+
+    def _validate_remote(self) -> None:
+        remote = self.remote or ""
+        if self.mode == "none":
+            raise ConfigError(
+                "--remote needs a P0 cache to put remote hits in: use --mode processor_only, "
+                "lru or shm"
+            )
+        scheme = remote.split("://", 1)[0] if "://" in remote else ""
+        if scheme not in ("redis", "rediss", "valkey", "valkeys", "mooncake"):
+            raise ConfigError(
+                f"--remote {remote}: expected redis://HOST:PORT, valkey://HOST:PORT, "
+                f"mooncake://HOST:PORT or one of {', '.join(AUTO_REMOTES)}"
+            )
+        if remote.endswith("://auto") and remote not in AUTO_REMOTES:
+            raise ConfigError(f"--remote {remote}: only {', '.join(AUTO_REMOTES)} start a server")
 
 
 @dataclass
 class RunMetrics:
-    """What one simulated run measured (see :mod:`mmcache.simulate.report` for the meaning)."""
+    """What one simulated run measured, summed over its hosts (see
+    :mod:`mmcache.simulate.report` for the meaning); ``per_host`` breaks it down."""
 
     mode: str
     requests: int
@@ -112,10 +169,32 @@ class RunMetrics:
     unrecovered: int
     tensors_checked: int
     wrong_tensors: int
+    label: str = ""
+    hosts: int = 1
+    remote: str | None = None
+    distinct_images: int = 0
+    remote_hits: int = 0
+    cross_host_hits: int = 0
+    remote_processing_s_saved: float = 0.0
+    remote_puts: int = 0
+    remote_errors: int = 0
+    remote_get_p50_ms: float = 0.0
+    remote_get_p99_ms: float = 0.0
+    remote_put_p50_ms: float = 0.0
+    remote_put_p99_ms: float = 0.0
+    per_host: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.mode
 
     def to_dict(self) -> dict[str, Any]:
         """The metrics as plain JSON-friendly values."""
         return asdict(self)
+
+    @property
+    def processed_per_image(self) -> float:
+        """Items processed per distinct image served (1.0: each processed once, anywhere)."""
+        return self.items_processed / self.distinct_images if self.distinct_images else 0.0
 
     @property
     def ok(self) -> bool:

@@ -8,19 +8,30 @@ request once more: the retry processes them again and carries their data. With
 ``inject_drift`` P0 loses some requests after updating its cache (as when a request is
 rejected before the engine sees it) and resubmits them, so the caches drift apart.
 
+With a remote tier (``--remote``) P0's cache is a :class:`~mmcache.remote.TieredSenderCache`:
+``is_cached`` also finds items another host (or this one, before an eviction) processed, and
+P0 skips processing them; what P0 does process is published for the other hosts.
+
 P0 also keeps the truth: the digest of every tensor it produced for each hash, which every
-worker checks what it receives against.
+worker checks what it receives against.  For an item the remote tier supplied, P0 takes the
+digests of the item it fetched; the driver checks those against the digests of whichever host
+processed it, so a wrong remote item counts as wrong tensors even though every worker of this
+host agreed with P0.
+
+The request stream is drawn lazily and each upload made when its request arrives (the time
+that takes is the simulated client's, excluded from latency and throughput), so memory does
+not grow with ``--requests``.
 """
 
 from __future__ import annotations
 
 import pickle
+import random
 import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -28,13 +39,20 @@ from mmcache import Feature, ShmHandle, ShmSenderCache, content_hash, make_cache
 from mmcache.caches import BaseSenderCache, SenderOutput
 from mmcache.factory import Mode
 from mmcache.simulate import wire
-from mmcache.simulate.config import (
-    ITEM_BYTES,
-    RunMetrics,
-    SimulationConfig,
-    SimulationError,
+from mmcache.simulate.config import ITEM_BYTES, SimulationConfig, SimulationError
+from mmcache.simulate.workload import (
+    TARGET_SIDE,
+    Catalogue,
+    process,
+    request_stream,
+    tensor_digests,
 )
-from mmcache.simulate.workload import TARGET_SIDE, load_workload, process, tensor_digests
+
+if TYPE_CHECKING:
+    from mmcache.remote import TieredSenderCache
+
+#: Request latencies kept for the percentiles (a uniform sample of all of them).
+LATENCY_SAMPLES = 100_000
 
 
 @dataclass
@@ -54,9 +72,12 @@ class _Pending:
 class _Counts:
     """What P0 counts during a run."""
 
+    requests: int = 0  # completed requests
     items: int = 0  # items of completed requests
     lookups: int = 0  # items looked up in P0's cache, every attempt included
-    hits: int = 0  # lookups that found the item cached
+    hits: int = 0  # lookups that found the item in P0's local cache
+    remote_hits: int = 0  # lookups the remote tier answered instead of processing
+    cross_host_hits: int = 0  # ... for an item this host had not processed itself
     processed: int = 0  # items run through the processor
     invalidated: int = 0  # cached hashes invalidated after a receiver missed them
     dropped: int = 0  # attempts lost on purpose (inject_drift)
@@ -66,55 +87,97 @@ class _Counts:
     baseline_bytes: int = 0  # tensor bytes mode none sends for the completed requests
 
 
+class _LatencySample:
+    """A uniform sample of at most ``size`` values out of all those added (reservoir
+    sampling), so percentiles cost bounded memory however long the run."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.values: list[float] = []
+        self.seen = 0
+        self._rng = random.Random(seed)
+
+    def add(self, value: float) -> None:
+        self.seen += 1
+        if len(self.values) < self.size:
+            self.values.append(value)
+        else:
+            slot = self._rng.randrange(self.seen)
+            if slot < self.size:
+                self.values[slot] = value
+
+
 class _Frontend:
     """P0: turns the request stream into messages, recovers from misses, measures."""
 
     def __init__(
         self,
         config: SimulationConfig,
-        cache: BaseSenderCache | None,
+        host: int,
+        local: BaseSenderCache | None,
+        tiered: TieredSenderCache | None,
         engine: Connection,
         results: list[Connection],
         events: Connection,
-        workload: Path,
     ) -> None:
         self.config = config
-        self.cache = cache
+        self.host = host
+        self.local = local
+        self.tiered = tiered
+        self.cache: BaseSenderCache | None = tiered or local
         self.engine = engine
         self.results = results
         self.events = events
-        self.requests, self.images = load_workload(workload)
-        self.drift = np.random.default_rng([config.seed, 0xD81F7])
-        self.truth: dict[str, dict[str, bytes]] = {}
+        self.requests = request_stream(
+            requests=config.requests,
+            catalogue=config.catalogue,
+            zipf=config.zipf,
+            max_items=config.max_items,
+            seed=config.seed,
+            host=host,
+        )
+        self.catalogue = Catalogue(config.catalogue, config.seed)
+        self.drift = np.random.default_rng([config.seed, 0xD81F7, host])
+        self.image_of: dict[str, int] = {}
+        self.processed_truth: dict[str, dict[str, bytes]] = {}
+        self.remote_truth: dict[str, dict[str, bytes]] = {}
+        self.seen = np.zeros(config.catalogue, dtype=bool)
         self.pending: dict[int, _Pending] = {}
-        self.latencies: list[float] = []
+        self.latencies = _LatencySample(LATENCY_SAMPLES, seed=host)
         self.traffic = wire.Traffic()
         self.counts = _Counts()
         self.processing_s = 0.0
+        self.upload_s = 0.0
 
     # The request loop
 
     def run(self) -> dict[str, Any]:
-        """Serve every request, stop the pipeline and return the metrics."""
+        """Serve every request, stop the pipeline and return this host's figures."""
         for conn in [self.engine, *self.results]:
             header, _ = wire.recv(conn)
             if header["type"] != "ready":
                 raise SimulationError(f"expected a ready message, got {header['type']!r}")
         started = time.perf_counter()
         submitted = 0
-        while submitted < len(self.requests) or self.pending:
-            while submitted < len(self.requests) and len(self.pending) < self.config.inflight:
+        while submitted < self.config.requests or self.pending:
+            while submitted < self.config.requests and len(self.pending) < self.config.inflight:
                 self._submit(submitted)
                 submitted += 1
             for ready in wait([self.engine, *self.results]):
                 self._receive(cast(Connection, ready))
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started - self.upload_s
         return self._finish(elapsed)
 
     def _submit(self, rid: int) -> None:
+        images = next(self.requests)
+        upload_started = time.perf_counter()
+        uploads = [self.catalogue[i] for i in images]  # the client's part, not timed
         started = time.perf_counter()
-        images = self.requests[rid]
-        hashes = [content_hash(self.images[i], size=TARGET_SIDE) for i in images]
+        self.upload_s += started - upload_started
+        hashes = [content_hash(data, size=TARGET_SIDE) for data in uploads]
+        for h, i in zip(hashes, images, strict=True):
+            self.image_of[h] = i
+            self.seen[i] = True
         self.pending[rid] = _Pending(images, hashes, started)
         self._send(rid, drift=True)
 
@@ -128,8 +191,8 @@ class _Frontend:
             if not (drift and self.drift.random() < self.config.inject_drift):
                 break
             self.counts.dropped += 1
-            if isinstance(self.cache, ShmSenderCache):
-                self.cache.release_handles(handles)
+            if isinstance(self.local, ShmSenderCache):
+                self.local.release_handles(handles)
         header = {"type": "request", "rid": rid, "attempt": pending.attempt, "features": entries}
         wire.send(self.engine, header, buffers, traffic=self.traffic)
         pending.awaiting = set(range(self.config.workers))
@@ -144,10 +207,12 @@ class _Frontend:
         hashes = pending.hashes
         self.counts.lookups += len(hashes)
         outputs: list[SenderOutput]
-        if self.cache is None:
+        if self.cache is None or self.local is None:
             outputs = [self._process(h, i) for h, i in zip(hashes, pending.images, strict=True)]
         else:
-            cached = self.cache.is_cached(hashes)
+            local = self.local.is_cached(hashes)
+            cached = self.cache.is_cached(hashes)  # with a remote tier: remote hits too
+            self._note_remote_hits(hashes, local, cached)
             inputs = [
                 None if hit else self._process(h, i)
                 for h, i, hit in zip(hashes, pending.images, cached, strict=True)
@@ -155,30 +220,53 @@ class _Frontend:
             for h in hashes:
                 self.cache.touch_sender_cache_item(h)
             outputs = self.cache.get_and_update(inputs, hashes)
-            self.counts.hits += sum(cached)
+            self.counts.hits += sum(local)
             self.counts.shm_bytes += sum(
                 ITEM_BYTES
-                for inp, out in zip(inputs, outputs, strict=True)
-                if inp is not None and isinstance(out[0], ShmHandle)
+                for hit, out in zip(local, outputs, strict=True)
+                if not hit and isinstance(out[0], ShmHandle)
             )
         buffers: list[memoryview] = []
         entries = [
             wire.encode_feature(
-                Feature(data=data, mm_hash=h, identifier=h, digests=self.truth[h]), buffers
+                Feature(data=data, mm_hash=h, identifier=h, digests=self._truth(h)), buffers
             )
             for h, (data, _prompt_updates) in zip(hashes, outputs, strict=True)
         ]
         handles = [data for data, _ in outputs if isinstance(data, ShmHandle)]
         return entries, buffers, handles
 
+    def _note_remote_hits(self, hashes: list[str], local: list[bool], cached: list[bool]) -> None:
+        """Count what the remote tier supplied and take the digests of what it fetched."""
+        if self.tiered is None:
+            return
+        for h, local_hit, hit in zip(hashes, local, cached, strict=True):
+            if local_hit or not hit:
+                continue
+            fetched = self.tiered.fetched(h)
+            if fetched is None:
+                continue
+            self.counts.remote_hits += 1
+            self.counts.cross_host_hits += h not in self.processed_truth
+            digests = tensor_digests(fetched[0])
+            known = self.remote_truth.setdefault(h, digests)
+            if known != digests:  # the tier supplied two different items for one hash
+                self.remote_truth[h] = {name: b"" for name in digests}
+
+    def _truth(self, mm_hash: str) -> dict[str, bytes]:
+        truth = self.processed_truth.get(mm_hash) or self.remote_truth.get(mm_hash)
+        if truth is None:
+            raise SimulationError(f"no truth for {mm_hash}: it was neither processed nor fetched")
+        return truth
+
     def _process(self, mm_hash: str, image: int) -> tuple[dict[str, np.ndarray], Any]:
         """Run the processor on one image and record (or check) the truth for its hash."""
         started = time.perf_counter()
-        processed = process(self.images[image])
+        processed = process(self.catalogue[image])
         self.processing_s += time.perf_counter() - started
         self.counts.processed += 1
         digests = tensor_digests(processed.tensors)
-        if self.truth.setdefault(mm_hash, digests) != digests:
+        if self.processed_truth.setdefault(mm_hash, digests) != digests:
             raise SimulationError(f"processing image {image} twice gave different tensors")
         return processed.tensors, processed.prompt_update
 
@@ -219,51 +307,64 @@ class _Frontend:
 
     def _complete(self, rid: int, pending: _Pending) -> None:
         del self.pending[rid]
-        self.latencies.append(time.perf_counter() - pending.started)
+        self.latencies.add((time.perf_counter() - pending.started) * 1e3)
+        self.counts.requests += 1
         self.counts.items += len(pending.hashes)
         self.counts.baseline_bytes += len(pending.hashes) * ITEM_BYTES * (1 + self.config.workers)
-        wire.send(self.events, {"type": "progress", "done": len(self.latencies)})
+        wire.send(self.events, {"type": "progress", "done": self.counts.requests})
 
     # The end of the run
 
     def _finish(self, elapsed: float) -> dict[str, Any]:
-        """Stop P1 and the workers, gather their counters and compute the metrics."""
+        """Stop P1 and the workers, gather their counters and return this host's figures."""
         wire.send(self.engine, {"type": "stop"}, traffic=self.traffic)
         engine, _ = wire.recv(self.engine)
         workers = [wire.recv(conn)[0] for conn in self.results]
+        if self.tiered is not None:
+            self.tiered.flush()  # what this host processed reaches the others before the end
         counts = self.counts
-        moved = self.traffic.total + engine["bytes"] + sum(w["bytes"] for w in workers)
-        payload = self.traffic.payload_bytes + engine["payload_bytes"]
-        lookups, hits, processed = counts.lookups, counts.hits, counts.processed
-        mean_processing_s = self.processing_s / processed if processed else 0.0
-        latencies_ms = np.array(self.latencies) * 1e3
         stats = self.cache.stats() if self.cache is not None else {}
-        return RunMetrics(
-            mode=self.config.mode,
-            requests=len(self.latencies),
-            items=counts.items,
-            workers=self.config.workers,
-            elapsed_s=elapsed,
-            requests_per_s=len(self.latencies) / elapsed,
-            items_per_s=counts.items / elapsed,
-            latency_p50_ms=float(np.percentile(latencies_ms, 50)),
-            latency_p99_ms=float(np.percentile(latencies_ms, 99)),
-            hit_ratio=hits / lookups if lookups else 0.0,
-            items_processed=processed,
-            processing_s=self.processing_s,
-            processing_s_saved=(lookups - processed) * mean_processing_s,
-            bytes_moved=moved,
-            payload_bytes_moved=payload,
-            bytes_saved=counts.baseline_bytes - payload,
-            shm_bytes_written=counts.shm_bytes,
-            evictions=self._evictions(stats),
-            served_uncached=stats.get("uncached_oversize", 0) + stats.get("uncached_full", 0),
-            dropped_updates=counts.dropped,
-            retries=counts.retries,
-            unrecovered=counts.unrecovered,
-            tensors_checked=sum(w["checked"] for w in workers),
-            wrong_tensors=sum(w["wrong"] for w in workers),
-        ).to_dict()
+        report: dict[str, Any] = {
+            "host": self.host,
+            "requests": counts.requests,
+            "items": counts.items,
+            "elapsed_s": elapsed,
+            "latencies_ms": self.latencies.values,
+            "lookups": counts.lookups,
+            "hits": counts.hits,
+            "remote_hits": counts.remote_hits,
+            "cross_host_hits": counts.cross_host_hits,
+            "processed": counts.processed,
+            "processing_s": self.processing_s,
+            "bytes_moved": self.traffic.total + engine["bytes"] + sum(w["bytes"] for w in workers),
+            "payload_bytes_moved": self.traffic.payload_bytes + engine["payload_bytes"],
+            "baseline_bytes": counts.baseline_bytes,
+            "shm_bytes": counts.shm_bytes,
+            "evictions": self._evictions(stats),
+            "served_uncached": stats.get("uncached_oversize", 0) + stats.get("uncached_full", 0),
+            "dropped": counts.dropped,
+            "retries": counts.retries,
+            "unrecovered": counts.unrecovered,
+            "tensors_checked": sum(w["checked"] for w in workers),
+            "wrong_tensors": sum(w["wrong"] for w in workers),
+            "seen": np.packbits(self.seen).tobytes(),
+            # The driver checks what the tier supplied against what any host processed.
+            "processed_truth": self._by_image(self.processed_truth),
+            "remote_truth": self._by_image(self.remote_truth),
+            "remote": None,
+        }
+        if self.tiered is not None:
+            store = self.tiered.remote
+            report["remote"] = {
+                "puts": stats["remote_puts"],
+                "errors": stats["remote_errors"],
+                "latencies_s": store.latencies(),
+            }
+        return report
+
+    def _by_image(self, truths: dict[str, dict[str, bytes]]) -> list[list[Any]]:
+        """``[image, [[tensor name, digest], ...]]`` for each hash of ``truths``."""
+        return [[self.image_of[h], sorted(d.items())] for h, d in truths.items()]
 
     def _evictions(self, stats: dict[str, int]) -> int | None:
         """Items the cache dropped to make room (``None`` without a cache)."""
@@ -271,47 +372,63 @@ class _Frontend:
             return None
         if "store_evictions" in stats:
             return stats["store_evictions"]
-        # An LRU stores every item P0 processed, except those served uncached.
-        inserted = self.counts.processed - stats["uncached_oversize"]
+        # An LRU stores every item P0 processed or fetched, except those served uncached.
+        inserted = self.counts.processed + self.counts.remote_hits - stats["uncached_oversize"]
         return inserted - stats["entries"] - self.counts.invalidated
 
 
 def frontend_main(
     config: SimulationConfig,
-    workload: Path,
+    host: int,
+    remote: dict[str, str] | None,
     engine: Connection,
     results: list[Connection],
     events: Connection,
 ) -> None:
-    """P0's process: make the cache of ``config.mode``, hand P1 and the workers what they need,
-    serve the workload, report the metrics to the driver. SIGTERM closes the cache (unlinking
-    a shared-memory ring) before exiting."""
+    """P0's process: make the cache of ``config.mode`` (behind the remote tier ``remote``:
+    its ``url``, ``namespace`` and ``secret``), hand P1 and the workers what they need, serve
+    the workload, report the figures to the driver. SIGTERM closes the cache (unlinking a
+    shared-memory ring) before exiting."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    tiered: TieredSenderCache | None = None
     try:
+        store = None
+        if remote is not None:
+            from mmcache.remote import RemoteStore
+
+            store = RemoteStore(
+                remote["url"], namespace=remote["namespace"], secret=remote["secret"]
+            )
         cache, downstream = make_caches(
             cast(Mode, config.mode),
             capacity_gb=config.capacity_gb,
             n_readers=config.workers,
+            remote=store,
         )
-    except (MemoryError, ValueError) as exc:
+        if store is not None:
+            tiered = cast("TieredSenderCache", cache)
+        local = tiered.local if tiered is not None else cache
+    except (MemoryError, ValueError, ImportError) as exc:
         wire.send(
             events,
             {
                 "type": "error",
                 "config": True,
-                "message": f"cannot create the {config.mode} cache: {exc}",
+                "message": f"cannot create the {config.label} cache: {exc}",
             },
         )
         return
     try:
-        if isinstance(cache, ShmSenderCache):
-            wire.send(events, {"type": "segment", "name": cache.name})
+        if isinstance(local, ShmSenderCache):
+            wire.send(events, {"type": "segment", "name": local.name})
         wire.send(engine, {"type": "setup", "downstream": pickle.dumps(downstream)})
-        metrics = _Frontend(config, cache, engine, results, events, workload).run()
-        wire.send(events, {"type": "result", "metrics": metrics})
+        report = _Frontend(config, host, local, tiered, engine, results, events).run()
+        wire.send(events, {"type": "result", "host": report})
     finally:
-        if cache is not None:
-            cache.close()
+        if tiered is not None:
+            tiered.close()  # publishes what is queued, closes the local cache too
+        elif local is not None:
+            local.close()
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -1,4 +1,4 @@
-"""The simulated serving pipeline, one process each: P0, P1 and the workers, supervised.
+"""The simulated serving pipelines, one process each: P0, P1 and the workers, supervised.
 
 Started with the ``spawn`` method and wired with :mod:`multiprocessing` connections carrying
 :mod:`~mmcache.simulate.wire` messages (msgpack headers, tensors out of band)::
@@ -9,108 +9,214 @@ Started with the ``spawn`` method and wired with :mod:`multiprocessing` connecti
         ▲        ◀──misses────                                   │
         └──────────────────────── results ───────────────────────┘
 
-:mod:`.frontend` is P0, :mod:`.engine` is P1 and the workers. Ctrl-C reaches the driver
-only; it then stops every child, and P0 closes (unlinks) its shared-memory ring.
+With ``--hosts N`` the driver runs N such pipelines at once, each its own P0, P1, workers and
+ring (stand-ins for hosts), sharing only the remote tier (``--remote``; ``redis://auto`` and
+friends start a real server for the run).  :mod:`.frontend` is P0, :mod:`.engine` is P1 and
+the workers. Ctrl-C reaches the driver only; it then stops every child, and each P0 closes
+(unlinks) its shared-memory ring.  A child that dies ends the run with one line naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from multiprocessing import get_context
-from multiprocessing.connection import wait
-from pathlib import Path
+from multiprocessing.connection import Connection, wait
 from typing import Any, cast
+
+import numpy as np
 
 from mmcache import _core
 from mmcache.simulate import wire
-from mmcache.simulate.config import ConfigError, RunMetrics, SimulationConfig, SimulationError
+from mmcache.simulate.config import (
+    AUTO_REMOTES,
+    ConfigError,
+    RunMetrics,
+    SimulationConfig,
+    SimulationError,
+)
 from mmcache.simulate.engine import engine_core_main, worker_main
 from mmcache.simulate.frontend import frontend_main
-from mmcache.simulate.workload import prepare_workload
 
-__all__ = ["run_mode", "run_modes"]
+__all__ = ["run_config", "run_configs", "run_modes"]
+
+#: What produced the simulated items: part of the remote tier's namespace.
+PROCESSOR_ID = "mmcache-simulate/clip448@1"
 
 
-def run_mode(
-    config: SimulationConfig,
-    workload: Path,
-    on_progress: Callable[[int], None] | None = None,
+class _Pipeline:
+    """One host: P0, P1 and the workers, and the pipes between them."""
+
+    def __init__(
+        self, ctx: Any, config: SimulationConfig, host: int, remote: dict[str, str] | None
+    ) -> None:
+        self.host = host
+        of_host = f" of host {host}" if config.hosts > 1 else ""
+        to_engine, from_frontend = ctx.Pipe()
+        inbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
+        outbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
+        self.events, events_sender = ctx.Pipe(duplex=False)
+        self.processes = [
+            ctx.Process(
+                target=frontend_main,
+                args=(config, host, remote, to_engine, [r for r, _ in outbox], events_sender),
+                name=f"P0 (frontend){of_host}",
+            ),
+            ctx.Process(
+                target=engine_core_main,
+                args=(from_frontend, [w for _, w in inbox]),
+                name=f"P1 (engine core){of_host}",
+            ),
+            *(
+                ctx.Process(
+                    target=worker_main,
+                    args=(rank, inbox[rank][0], outbox[rank][1]),
+                    name=f"worker {rank}{of_host}",
+                )
+                for rank in range(config.workers)
+            ),
+        ]
+        self._child_ends = list(chain([to_engine, from_frontend, events_sender], *inbox, *outbox))
+        self.segment: str | None = None
+        self.report: dict[str, Any] | None = None
+        self.done = 0
+
+    def start(self) -> None:
+        for proc in self.processes:
+            proc.start()
+        for conn in self._child_ends:
+            conn.close()
+
+    def cleanup(self) -> None:
+        self.events.close()
+        if self.segment is not None and self.segment in _core.list_segments():
+            _core.unlink_segment(self.segment)  # P0 died before it could unlink its ring
+
+
+def run_config(
+    config: SimulationConfig, on_progress: Callable[[int], None] | None = None
 ) -> RunMetrics:
-    """Run one mode's pipeline over the prepared ``workload`` and return its metrics.
+    """Run ``config``'s pipelines (one per host, sharing its remote tier) to the end and
+    return the metrics summed over the hosts.
 
     ``on_progress(completed_requests)`` is called as requests complete. On any exit (the end,
-    an error, Ctrl-C) every child process is stopped and the shared-memory segment is gone.
+    an error, Ctrl-C) every child process is stopped, every shared-memory segment is gone and a
+    server started for the run is stopped.
     """
     ctx = get_context("spawn")
-    to_engine, from_frontend = ctx.Pipe()
-    worker_inbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
-    worker_outbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
-    events, events_sender = ctx.Pipe(duplex=False)
-    processes = [
-        ctx.Process(
-            target=frontend_main,
-            args=(config, workload, to_engine, [r for r, _ in worker_outbox], events_sender),
-            name="P0 (frontend)",
-        ),
-        ctx.Process(
-            target=engine_core_main,
-            args=(from_frontend, [s for _, s in worker_inbox]),
-            name="P1 (engine core)",
-        ),
-        *(
-            ctx.Process(
-                target=worker_main,
-                args=(rank, worker_inbox[rank][0], worker_outbox[rank][1]),
-                name=f"worker {rank}",
-            )
-            for rank in range(config.workers)
-        ),
-    ]
-    segment = None
-    finished = False
+    with _remote_tier(config) as remote:
+        pipelines = [_Pipeline(ctx, config, host, remote) for host in range(config.hosts)]
+        processes = [proc for p in pipelines for proc in p.processes]
+        finished = False
+        try:
+            with _child_environment(), _sigint_ignored():
+                for pipeline in pipelines:
+                    pipeline.start()
+            _supervise(config, pipelines, on_progress)
+            finished = True
+        finally:
+            _stop(processes, grace_s=10.0 if finished else 0.0)
+            for pipeline in pipelines:
+                pipeline.cleanup()
+    return _combine(config, [cast(dict[str, Any], p.report) for p in pipelines])
+
+
+def _supervise(
+    config: SimulationConfig,
+    pipelines: list[_Pipeline],
+    on_progress: Callable[[int], None] | None,
+) -> None:
+    """Relay the pipelines' events until every P0 reported its figures; raise
+    :class:`SimulationError` naming the first process that failed."""
+    events = {p.events: p for p in pipelines}
+    sentinels = {proc.sentinel: proc for p in pipelines for proc in p.processes}
+    while events:
+        for ready in wait([*events, *sentinels], timeout=1.0):
+            pipeline = events.get(cast(Connection, ready))
+            if pipeline is None:
+                proc = sentinels.pop(cast(int, ready))
+                proc.join()
+                if proc.exitcode != 0:  # P1 or a worker exits 0 after the stop message
+                    raise _failure(config, pipelines)
+                continue
+            try:
+                header, _ = wire.recv(pipeline.events)
+            except (EOFError, OSError):  # P0 is gone without a word
+                raise _failure(config, pipelines) from None
+            kind = header["type"]
+            if kind == "segment":
+                pipeline.segment = header["name"]
+            elif kind == "progress":
+                pipeline.done = header["done"]
+                if on_progress is not None:
+                    on_progress(sum(p.done for p in pipelines))
+            elif kind == "error":
+                error = ConfigError if header["config"] else SimulationError
+                raise error(header["message"])
+            elif kind == "result":
+                pipeline.report = header["host"]
+                del events[pipeline.events]
+
+
+def _failure(config: SimulationConfig, pipelines: list[_Pipeline]) -> SimulationError:
+    """The error that names the process whose death ended the run.
+
+    When one process dies its peers exit too (their pipes close), in an order nobody
+    controls; the cause is the process killed by a signal, else a P0 that failed, else the
+    first that failed.  The others get a moment to be reaped first, so the cause is known.
+    """
+    processes = [proc for p in pipelines for proc in p.processes]
+    deadline = time.monotonic() + 2.0
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    failed = [proc for proc in processes if proc.exitcode not in (None, 0)]
+    if not failed:
+        return SimulationError(
+            f"P0 (frontend) closed its connection to the driver during the {config.label} run"
+        )
+    killed = [proc for proc in failed if cast(int, proc.exitcode) < 0]
+    frontends = [proc for proc in failed if proc.name.startswith("P0")]
+    culprit = (killed or frontends or failed)[0]
+    code = cast(int, culprit.exitcode)
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with status {code} (its traceback, if any, is above)"
+    return SimulationError(f"{culprit.name} {how} during the {config.label} run")
+
+
+@contextlib.contextmanager
+def _remote_tier(config: SimulationConfig) -> Iterator[dict[str, str] | None]:
+    """What every host needs to share the remote tier of ``config`` (``None`` without one):
+    its URL (a server started for the run for ``*://auto``, stopped afterwards), a namespace
+    of this run's own and a secret shared by its hosts."""
+    if config.remote is None:
+        yield None
+        return
+    from mmcache.remote.servers import ServerUnavailable, start_mooncake_master, start_valkey
+
+    run = secrets.token_hex(8)
+    tier = {"namespace": f"{PROCESSOR_ID}/{run}", "secret": secrets.token_hex(16)}
+    if config.remote not in AUTO_REMOTES:
+        yield {**tier, "url": config.remote}
+        return
     try:
-        with _single_threaded_children(), _sigint_ignored():
-            for proc in processes:
-                proc.start()
-        for conn in chain([to_engine, from_frontend, events_sender], *worker_inbox, *worker_outbox):
-            conn.close()
-        sentinels = {proc.sentinel: proc for proc in processes}
-        while True:
-            for ready in wait([events, *sentinels], timeout=1.0):
-                if ready is events:
-                    header, _ = wire.recv(events)
-                    kind = header["type"]
-                    if kind == "segment":
-                        segment = header["name"]
-                    elif kind == "progress" and on_progress is not None:
-                        on_progress(header["done"])
-                    elif kind == "error":
-                        error = ConfigError if header["config"] else SimulationError
-                        raise error(header["message"])
-                    elif kind == "result":
-                        finished = True
-                        return RunMetrics(**header["metrics"])
-                else:
-                    proc = sentinels.pop(cast(int, ready))
-                    proc.join()
-                    if proc.exitcode == 0:
-                        continue  # P1 or a worker done after the stop message
-                    raise SimulationError(
-                        f"{proc.name} exited with status {proc.exitcode} during the {config.mode} "
-                        "run (its traceback, if any, is above)"
-                    )
+        server = start_mooncake_master() if config.remote.startswith("mooncake") else start_valkey()
+    except ServerUnavailable as exc:
+        raise ConfigError(f"--remote {config.remote}: {exc}") from None
+    try:
+        yield {**tier, "url": server.url}
     finally:
-        events.close()
-        _stop(processes, grace_s=10.0 if finished else 0.0)
-        if segment is not None and segment in _core.list_segments():
-            _core.unlink_segment(segment)  # P0 died before it could unlink its ring
+        server.close()
 
 
 def _stop(processes: Sequence[Any], *, grace_s: float) -> None:
@@ -145,11 +251,11 @@ def _sigint_ignored() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _single_threaded_children() -> Iterator[None]:
+def _child_environment() -> Iterator[None]:
     """Start children with one BLAS thread each, like an engine's processes sharing cores."""
-    names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(dict.fromkeys(names, "1"))
+    settings = dict.fromkeys(("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"), "1")
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
@@ -160,27 +266,128 @@ def _single_threaded_children() -> Iterator[None]:
                 os.environ[name] = value
 
 
+def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetrics:
+    """One run's metrics from its hosts' reports (see :mod:`.report` for the meanings)."""
+
+    def total(name: str) -> Any:
+        return sum(r[name] for r in reports)
+
+    elapsed = max(r["elapsed_s"] for r in reports)
+    requests, items, lookups, processed = (
+        total(n) for n in ("requests", "items", "lookups", "processed")
+    )
+    mean_processing_s = total("processing_s") / processed if processed else 0.0
+    latencies = np.array([v for r in reports for v in r["latencies_ms"]])
+    seen = np.zeros(config.catalogue, dtype=bool)
+    for r in reports:
+        seen |= np.unpackbits(np.frombuffer(r["seen"], np.uint8), count=config.catalogue) > 0
+    per_host = [_host_summary(r) for r in reports]
+    remote = [r["remote"] for r in reports if r["remote"] is not None]
+    remote_latency = {
+        op: np.array([v for r in remote for v in r["latencies_s"][op]]) * 1e3
+        for op in ("get", "put")
+    }
+    evictions = [r["evictions"] for r in reports]
+    return RunMetrics(
+        mode=config.mode,
+        label=config.label,
+        hosts=config.hosts,
+        remote=config.remote,
+        requests=requests,
+        items=items,
+        workers=config.workers,
+        elapsed_s=elapsed,
+        requests_per_s=requests / elapsed,
+        items_per_s=items / elapsed,
+        latency_p50_ms=float(np.percentile(latencies, 50)),
+        latency_p99_ms=float(np.percentile(latencies, 99)),
+        hit_ratio=total("hits") / lookups if lookups else 0.0,
+        items_processed=processed,
+        processing_s=total("processing_s"),
+        processing_s_saved=(lookups - processed) * mean_processing_s,
+        bytes_moved=total("bytes_moved"),
+        payload_bytes_moved=total("payload_bytes_moved"),
+        bytes_saved=total("baseline_bytes") - total("payload_bytes_moved"),
+        shm_bytes_written=total("shm_bytes"),
+        evictions=None if None in evictions else sum(evictions),
+        served_uncached=total("served_uncached"),
+        dropped_updates=total("dropped"),
+        retries=total("retries"),
+        unrecovered=total("unrecovered"),
+        tensors_checked=total("tensors_checked"),
+        wrong_tensors=total("wrong_tensors") + _wrong_remote_tensors(reports),
+        distinct_images=int(seen.sum()),
+        remote_hits=total("remote_hits"),
+        cross_host_hits=total("cross_host_hits"),
+        remote_processing_s_saved=total("remote_hits") * mean_processing_s,
+        remote_puts=sum(r["puts"] for r in remote),
+        remote_errors=sum(r["errors"] for r in remote),
+        **{
+            f"remote_{op}_p{q}_ms": float(np.percentile(v, q)) if v.size else 0.0
+            for op, v in remote_latency.items()
+            for q in (50, 99)
+        },
+        per_host=per_host,
+    )
+
+
+def _wrong_remote_tensors(reports: list[dict[str, Any]]) -> int:
+    """Tensors the remote tier supplied that differ from what processing the same image
+    gave on any host (or that no host of the run processed at all)."""
+    truth: dict[int, list[Any]] = {}
+    for r in reports:
+        for image, digests in r["processed_truth"]:
+            if truth.setdefault(image, digests) != digests:
+                raise SimulationError(f"two hosts processed image {image} into different tensors")
+    return sum(
+        len(digests)
+        for r in reports
+        for image, digests in r["remote_truth"]
+        if truth.get(image) != digests
+    )
+
+
+def _host_summary(report: dict[str, Any]) -> dict[str, Any]:
+    lookups = report["lookups"]
+    remote = report["remote"] or {}
+    return {
+        "host": report["host"],
+        "requests": report["requests"],
+        "requests_per_s": report["requests"] / report["elapsed_s"],
+        "hit_ratio": report["hits"] / lookups if lookups else 0.0,
+        "items_processed": report["processed"],
+        "remote_hits": report["remote_hits"],
+        "cross_host_hits": report["cross_host_hits"],
+        "remote_errors": remote.get("errors", 0),
+        "wrong_tensors": report["wrong_tensors"],
+    }
+
+
+def run_configs(
+    configs: Sequence[SimulationConfig],
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> list[RunMetrics]:
+    """Run each of ``configs`` in turn (the same seeded workload, whatever else differs).
+
+    ``on_progress(label, done, total)`` reports each run's completed requests. Raises
+    :class:`ConfigError` for a configuration that cannot run, before starting anything.
+    """
+    for config in configs:
+        config.validate()
+    report = on_progress or (lambda label, done, total: None)
+    return [
+        run_config(
+            config,
+            lambda done, c=config: report(c.label, done, c.requests * c.hosts),  # type: ignore[misc]
+        )
+        for config in configs
+    ]
+
+
 def run_modes(
     config: SimulationConfig,
     modes: Sequence[str],
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> list[RunMetrics]:
-    """Run ``config`` in each of ``modes`` (in order) over one seeded workload.
-
-    ``on_progress(stage, done, total)`` reports the workload's generation (stage
-    ``"images"``) and each mode's completed requests (stage: the mode). Raises
-    :class:`ConfigError` for a configuration that cannot run, before starting anything.
-    """
-    for mode in modes:
-        config.with_mode(mode).validate()
-    report = on_progress or (lambda stage, done, total: None)
-    with tempfile.TemporaryDirectory(prefix="mmcache-simulate-") as directory:
-        workload = prepare_workload(config, Path(directory), lambda d, t: report("images", d, t))
-        return [
-            run_mode(
-                config.with_mode(mode),
-                workload,
-                lambda done, mode=mode: report(mode, done, config.requests),  # type: ignore[misc]
-            )
-            for mode in modes
-        ]
+    """:func:`run_configs` of ``config`` in each of ``modes``."""
+    return run_configs([config.with_mode(mode) for mode in modes], on_progress)

@@ -15,7 +15,22 @@ Metrics (one :class:`~mmcache.simulate.processes.RunMetrics` per mode):
 - ``processing_s_saved``: items P0 did not process times the mean processing time;
 - ``evictions``, ``served_uncached``, ``dropped_updates`` (``--inject-drift``), ``retries``
   (requests resent after a cache miss), ``unrecovered`` (a retry that missed again),
-  ``wrong_tensors`` (out of ``tensors_checked``): the last two must be 0.
+  ``wrong_tensors`` (out of ``tensors_checked``, plus every tensor the remote tier supplied that
+  differs from what processing the image gave on any host): the last two must be 0.
+
+With ``--hosts N`` the figures are sums over the hosts (throughput: all requests over the
+longest host's time) and ``per_host`` breaks them down.  With ``--remote``:
+
+- ``distinct_images``: images requested on any host; ``processed_per_image``: items processed
+  (on all hosts) per distinct image - 1.0 means each image was processed once, anywhere;
+- ``remote_hits``: lookups the remote tier answered, so P0 did not process the item;
+  ``cross_host_hits``: those of items another host had processed;
+  ``remote_processing_s_saved``: remote hits times the mean processing time;
+- ``remote_get_p50_ms`` ... ``remote_put_p99_ms``: latency of the calls that reached the store
+  (a get is one request's batch); ``remote_puts``: items published; ``remote_errors``: failed
+  calls and values that did not verify (each a miss).
+
+Time spent making the simulated clients' uploads is excluded from latency and throughput.
 """
 
 from __future__ import annotations
@@ -34,6 +49,8 @@ from mmcache.simulate.config import RunMetrics, SimulationConfig
 #: Required speed-up of ``shm`` over ``none``, and the largest hit-ratio gap to ``lru``.
 TARGET_SPEEDUP = 3.0
 TARGET_HIT_GAP = 0.02
+#: With the remote tier, items processed per distinct image across all hosts ("about once").
+TARGET_PROCESSED_PER_IMAGE = 1.1
 
 
 def _bytes(value: float) -> str:
@@ -68,20 +85,38 @@ _ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("elapsed_s", "elapsed", "{:,.1f} s".format),
 ]
 
+#: Rows shown when a run has several hosts or a remote tier.
+_HOST_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("hosts", "hosts", "{:,}".format),
+    ("distinct_images", "distinct images (all hosts)", "{:,}".format),
+    ("processed_per_image", "items processed per distinct image", "{:.2f}".format),
+]
+_REMOTE_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("remote_hits", "remote hits", "{:,}".format),
+    ("cross_host_hits", "cross-host hits", "{:,}".format),
+    ("remote_processing_s_saved", "processing saved by the remote tier", "{:,.1f} s".format),
+    ("remote_get_p50_ms", "remote get p50", "{:,.2f} ms".format),
+    ("remote_get_p99_ms", "remote get p99", "{:,.2f} ms".format),
+    ("remote_put_p50_ms", "remote put p50", "{:,.2f} ms".format),
+    ("remote_put_p99_ms", "remote put p99", "{:,.2f} ms".format),
+    ("remote_puts", "remote puts", "{:,}".format),
+    ("remote_errors", "remote errors", "{:,}".format),
+]
+
 
 def speedups(runs: Sequence[RunMetrics]) -> dict[str, float]:
-    """Each mode's requests/s over the ``none`` mode's (empty without a ``none`` run)."""
+    """Each run's requests/s over the ``none`` mode's (empty without a ``none`` run)."""
     base = next((r for r in runs if r.mode == "none"), None)
     if base is None:
         return {}
-    return {r.mode: r.requests_per_s / base.requests_per_s for r in runs}
+    return {r.label: r.requests_per_s / base.requests_per_s for r in runs}
 
 
 def targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
     """The project's targets, where the runs include the modes they compare."""
-    by_mode = {r.mode: r for r in runs}
+    found = _remote_targets(runs)
+    by_mode = {r.label: r for r in runs}
     shm, lru, none = by_mode.get("shm"), by_mode.get("lru"), by_mode.get("none")
-    found = []
     if shm and none:
         ratio = shm.requests_per_s / none.requests_per_s
         found.append(
@@ -107,37 +142,104 @@ def targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
     return found
 
 
+def _remote_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
+    """With a remote tier: each image processed about once across the hosts, and (with the
+    run without the tier beside it) how much processing that saved."""
+    tiered = next((r for r in runs if r.remote is not None), None)
+    if tiered is None:
+        return []
+    per_image = tiered.processed_per_image
+    found = [
+        {
+            "target": f"items processed per distinct image <= {TARGET_PROCESSED_PER_IMAGE:g} "
+            f"across {tiered.hosts} host(s) with the remote tier",
+            "value": f"{per_image:.2f}",
+            "met": per_image <= TARGET_PROCESSED_PER_IMAGE,
+        }
+    ]
+    alone = next((r for r in runs if r.remote is None and r.mode == tiered.mode), None)
+    if alone is not None and alone.items_processed:
+        found.append(
+            {
+                "target": "items processed with the remote tier / without it (lower is better)",
+                "value": f"{tiered.items_processed / alone.items_processed:.2f}",
+                "met": tiered.items_processed < alone.items_processed,
+            }
+        )
+    return found
+
+
 def render(config: SimulationConfig, runs: Sequence[RunMetrics], console: Console) -> None:
-    """Print the runs as one table (a column per mode), then speed-ups and targets."""
+    """Print the runs as one table (a column per run), then speed-ups and targets; with
+    several hosts, a table per run with each host's figures."""
+    hosts = f", {config.hosts} hosts" if config.hosts > 1 else ""
     title = (
-        f"mmcache simulate: {config.requests} requests of 1-{config.max_items} images, "
-        f"catalogue {config.catalogue} (zipf {config.zipf:g}), {config.workers} workers, "
-        f"{config.capacity_gb:g} GiB cache, seed {config.seed}"
+        f"mmcache simulate: {config.requests} requests of 1-{config.max_items} images"
+        f"{' per host' if hosts else ''}, catalogue {config.catalogue} (zipf {config.zipf:g}), "
+        f"{config.workers} workers, {config.capacity_gb:g} GiB cache, seed {config.seed}{hosts}"
     )
     console.print(title)
     table = Table()
     table.add_column("metric")
     for run in runs:
-        table.add_column(run.mode, justify="right")
-    for key, label, fmt in _ROWS:
-        table.add_row(label, *(fmt(getattr(run, key)) for run in runs))
+        table.add_column(run.label, justify="right")
+    rows = list(_ROWS)
+    if any(run.hosts > 1 or run.remote is not None for run in runs):
+        rows += _HOST_ROWS
+    if any(run.remote is not None for run in runs):
+        rows += _REMOTE_ROWS
+    remote_keys = {key for key, _, _ in _REMOTE_ROWS}
+    for key, label, fmt in rows:
+        table.add_row(
+            label,
+            *(
+                "-" if key in remote_keys and run.remote is None else fmt(getattr(run, key))
+                for run in runs
+            ),
+        )
     factors = speedups(runs)
     if len(runs) > 1 and factors:
         table.add_row(
-            "speed-up vs none", *(f"{factors[run.mode]:.2f}x" for run in runs), style="bold"
+            "speed-up vs none", *(f"{factors[run.label]:.2f}x" for run in runs), style="bold"
         )
     console.print(table)
+    for run in runs:
+        if run.hosts > 1:
+            _render_hosts(run, console)
     for target in targets(runs):
         mark = "[green]met[/]" if target["met"] else "[red]missed[/]"
         console.print(f"target: {target['target']}: {target['value']} ({mark})")
 
 
+def _render_hosts(run: RunMetrics, console: Console) -> None:
+    table = Table(title=f"{run.label}: per host", title_justify="left")
+    columns = [
+        ("host", "host", "{}"),
+        ("requests", "requests", "{:,}"),
+        ("requests_per_s", "req/s", "{:,.1f}"),
+        ("hit_ratio", "hits", "{:.1%}"),
+        ("items_processed", "processed", "{:,}"),
+        ("remote_hits", "remote", "{:,}"),
+        ("cross_host_hits", "cross-host", "{:,}"),
+        ("remote_errors", "errors", "{:,}"),
+        ("wrong_tensors", "wrong", "{:,}"),
+    ]
+    for _, title, _ in columns:
+        table.add_column(title, justify="right")
+    for host in run.per_host:
+        table.add_row(*(fmt.format(host[name]) for name, _, fmt in columns))
+    console.print(table)
+
+
 def to_json(config: SimulationConfig, runs: Sequence[RunMetrics]) -> dict[str, Any]:
     """The figures of a simulation as a JSON-ready mapping."""
-    workload = {k: v for k, v in asdict(config).items() if k != "mode"}
+    workload = {k: v for k, v in asdict(config).items() if k not in ("mode", "remote")}
     return {
         "config": workload,
-        "runs": {run.mode: run.to_dict() for run in runs},
+        "runs": {
+            run.label: {**run.to_dict(), "processed_per_image": run.processed_per_image}
+            for run in runs
+        },
         "speedup_vs_none": speedups(runs),
         "targets": targets(runs),
         "ok": all(run.ok for run in runs),
@@ -156,7 +258,7 @@ def write_plot(path: Path, runs: Sequence[RunMetrics]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [run.mode for run in runs]
+    modes = [run.label for run in runs]
     positions = range(len(runs))
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
     bars = throughput.bar(modes, [run.requests_per_s for run in runs], color="tab:blue")

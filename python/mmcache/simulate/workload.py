@@ -1,19 +1,19 @@
 """The simulated workload: a catalogue of images, a skewed request stream, a real processor.
 
 Everything here is deterministic in ``seed``, so every cache mode of a ``--compare`` run sees
-the same requests, the same image bytes and the same tensors.
+the same requests, the same image bytes and the same tensors.  Nothing grows with the number
+of requests: P0 draws them one at a time and makes each image's upload when it is needed.
 
 - :class:`Catalogue` makes each image's *encoded bytes* on first use (what a client uploads):
   a PNG-like container, rows delta-filtered and deflated, of a smooth random picture whose size
-  varies per image.
+  varies per image; it keeps the most recent uploads up to a byte budget.
 - :func:`request_stream` draws requests of 1 to ``max_items`` distinct images from a Zipf
-  popularity over the catalogue.
+  popularity over the catalogue.  Every host of a multi-host run shares the catalogue and the
+  popularity ranking and draws its own requests (``host``).
 - :func:`process` is the vision processor P0 runs on a miss: decode, antialiased resize to
   448×448, normalise, channels first. Its output mirrors a vision model's: ``pixel_values``
   (float32, 3×448×448) and ``image_sizes`` (int64, the original height and width).
 - :func:`tensor_digests` is the truth each worker checks what it receives against.
-- :func:`prepare_workload` writes the request stream and the images it uses to a file that
-  every mode's P0 reads (:func:`load_workload`), so generating uploads is not timed.
 """
 
 from __future__ import annotations
@@ -21,17 +21,11 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from itertools import chain
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-import msgpack  # type: ignore[import-untyped]
 import numpy as np
-
-if TYPE_CHECKING:
-    from mmcache.simulate.config import SimulationConfig
 
 #: Side of the square model input, in pixels (a 448×448 crop, as in several VLMs).
 TARGET_SIDE = 448
@@ -62,23 +56,31 @@ def decode_image(data: bytes) -> np.ndarray:
 
 
 class Catalogue:
-    """``size`` distinct images, each generated from ``(seed, index)`` on first use and kept.
+    """``size`` distinct images, each generated from ``(seed, index)`` on first use; the most
+    recently used uploads are kept up to ``keep_bytes``.
 
     Sides vary between 384 and 1280 pixels, so processing cost varies per image as it does
     for real uploads.
     """
 
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(self, size: int, seed: int, *, keep_bytes: int = 256 << 20) -> None:
         self.size = size
         self.seed = seed
-        self._encoded: dict[int, bytes] = {}
+        self._keep_bytes = keep_bytes
+        self._kept_bytes = 0
+        self._encoded: OrderedDict[int, bytes] = OrderedDict()
 
     def __getitem__(self, index: int) -> bytes:
-        """The encoded bytes of image ``index`` (generated once, then remembered)."""
+        """The encoded bytes of image ``index`` (the same bytes every time)."""
         data = self._encoded.get(index)
-        if data is None:
-            data = encode_image(self._picture(index))
-            self._encoded[index] = data
+        if data is not None:
+            self._encoded.move_to_end(index)
+            return data
+        data = encode_image(self._picture(index))
+        self._encoded[index] = data
+        self._kept_bytes += len(data)
+        while self._kept_bytes > self._keep_bytes and len(self._encoded) > 1:
+            self._kept_bytes -= len(self._encoded.popitem(last=False)[1])
         return data
 
     def _picture(self, index: int) -> np.ndarray:
@@ -95,21 +97,43 @@ class Catalogue:
 
 
 def request_stream(
-    *, requests: int, catalogue: int, zipf: float, max_items: int, seed: int
+    *, requests: int, catalogue: int, zipf: float, max_items: int, seed: int, host: int = 0
 ) -> Iterator[list[int]]:
     """Yield ``requests`` requests, each a list of 1 to ``max_items`` distinct image indices.
 
     Popularity follows Zipf's law with exponent ``zipf`` over a seeded random ranking of the
-    catalogue (0 gives a uniform popularity; larger values concentrate on fewer images).
+    catalogue (0 gives a uniform popularity; larger values concentrate on fewer images); the
+    ranking depends on ``seed`` only, the draws on ``seed`` and ``host``.  Memory is linear in
+    ``catalogue`` and constant in ``requests``.
     """
-    rng = np.random.default_rng([seed, 0x5EED])
-    ranking = rng.permutation(catalogue)
-    weights = 1.0 / np.arange(1, catalogue + 1, dtype=np.float64) ** zipf
-    popularity = weights / weights.sum()
+    ranking = np.random.default_rng([seed, 0x5EED]).permutation(catalogue)
+    # Weights in log space: no overflow or underflow for any exponent the CLI accepts.
+    log_weights = -zipf * np.log(np.arange(1, catalogue + 1, dtype=np.float64))
+    cumulative = np.cumsum(np.exp(log_weights - log_weights.max()))
+    cumulative /= cumulative[-1]
+    rng = np.random.default_rng([seed, 0x5EED, host])
     for _ in range(requests):
         count = int(rng.integers(1, min(max_items, catalogue) + 1))
-        ranks = rng.choice(catalogue, size=count, replace=False, p=popularity)
-        yield [int(i) for i in ranking[ranks]]
+        yield [int(ranking[rank]) for rank in _distinct_ranks(rng, cumulative, count)]
+
+
+def _distinct_ranks(rng: np.random.Generator, cumulative: np.ndarray, count: int) -> list[int]:
+    """``count`` distinct ranks drawn by popularity: draws that repeat an earlier rank are
+    redrawn (which is drawing without replacement), a bounded number of times; should the
+    popularity be so concentrated that distinct draws do not come, the most popular ranks
+    not yet drawn complete the request."""
+    chosen: dict[int, None] = {}
+    for _ in range(64 * count):
+        drawn = int(np.searchsorted(cumulative, rng.random(), side="right"))
+        rank = min(drawn, len(cumulative) - 1)
+        chosen[rank] = None
+        if len(chosen) == count:
+            return list(chosen)
+    rank = 0
+    while len(chosen) < count:
+        chosen.setdefault(rank, None)
+        rank += 1
+    return list(chosen)
 
 
 @dataclass(frozen=True)
@@ -160,39 +184,3 @@ def tensor_digests(tensors: Mapping[str, object]) -> dict[str, bytes]:
         hasher.update(array.data.cast("B"))
         digests[name] = hasher.digest()[:16]
     return digests
-
-
-def prepare_workload(
-    config: SimulationConfig,
-    directory: Path,
-    on_image: Callable[[int, int], None] | None = None,
-) -> Path:
-    """Write ``config``'s requests and the encoded bytes of every image they use to a file.
-
-    ``on_image(done, total)`` is called as the images are generated.
-    """
-    requests = list(
-        request_stream(
-            requests=config.requests,
-            catalogue=config.catalogue,
-            zipf=config.zipf,
-            max_items=config.max_items,
-            seed=config.seed,
-        )
-    )
-    catalogue = Catalogue(config.catalogue, config.seed)
-    used = sorted(set(chain.from_iterable(requests)))
-    images = {}
-    for done, index in enumerate(used, 1):
-        images[index] = catalogue[index]
-        if on_image is not None:
-            on_image(done, len(used))
-    path = directory / f"workload-{config.seed}.msgpack"
-    path.write_bytes(msgpack.packb({"requests": requests, "images": images}))
-    return path
-
-
-def load_workload(path: Path) -> tuple[list[list[int]], dict[int, bytes]]:
-    """The requests and the encoded images :func:`prepare_workload` wrote."""
-    workload = msgpack.unpackb(path.read_bytes(), strict_map_key=False)
-    return workload["requests"], workload["images"]

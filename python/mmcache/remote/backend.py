@@ -1,0 +1,95 @@
+"""What :class:`~mmcache.remote.RemoteStore` needs of a store: three batched byte operations.
+
+A backend moves whole envelopes (see :mod:`.envelope`) and knows nothing of items, digests,
+deadlines' bookkeeping or the circuit breaker; it raises :class:`RemoteTimeout` or
+:class:`RemoteUnreachable` (or its client's own exceptions) and the store turns each into a
+counted miss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol, Self
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "INCOMPLETE",
+    "Backend",
+    "ClosesOnExit",
+    "Incomplete",
+    "RemoteTimeout",
+    "RemoteUnreachable",
+    "ValueTooLarge",
+    "check_deadline",
+]
+
+
+class RemoteTimeout(Exception):
+    """A call to the store ran out of its deadline."""
+
+
+class RemoteUnreachable(Exception):
+    """The store could not be reached (refused, reset, not set up)."""
+
+
+class ValueTooLarge(Exception):
+    """A value larger than this backend can store (a limit of the client, not a failure of
+    the store)."""
+
+
+class Incomplete:
+    """A value whose header is present but part of whose body is gone (a chunk evicted or
+    deleted): a miss, counted apart from a plain absence."""
+
+    def __repr__(self) -> str:
+        return "INCOMPLETE"
+
+
+INCOMPLETE = Incomplete()
+
+
+class Backend(Protocol):
+    """The byte operations of one store.  ``deadline`` is a :func:`time.monotonic` instant
+    by which the call must have returned (or raised :class:`RemoteTimeout`)."""
+
+    def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
+        """Whether each key holds a value, in one round trip."""
+
+    def read(self, keys: Sequence[str], deadline: float) -> list[Buffer | Incomplete | None]:
+        """Each key's whole value (``None`` when absent, :data:`INCOMPLETE` when part of it
+        is gone).  A writable buffer is the caller's to keep (no one else refers to it)."""
+
+    def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
+        """Store ``header + payload`` under ``key`` unless the key holds a value already;
+        whether this call stored it."""
+
+    def close(self) -> None:
+        """Release connections and threads; idempotent."""
+
+
+def check_deadline(deadline: float, what: str) -> None:
+    """Raise :class:`RemoteTimeout` if ``deadline`` has passed (between two round trips)."""
+    if time.monotonic() >= deadline:
+        raise RemoteTimeout(f"deadline passed before {what}")
+
+
+class ClosesOnExit:
+    """``with obj:`` calls ``obj.close()`` on the way out."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,433 @@
+"""``RemoteStore``: items shared between hosts through an existing distributed store.
+
+Everything that can go wrong on the way to or from the store is a miss, never an exception
+into the engine: a timeout, a refused or reset connection, a value that is corrupt,
+truncated, missing a chunk, written by another schema version, or whose digest does not
+verify (tampered, or sealed with another secret).  Each is counted in :meth:`RemoteStore.stats`
+and the first of each kind is logged through the ``mmcache`` logger.  A circuit breaker stops
+calling a store that keeps failing (``breaker_failures`` transport failures in a row), so a
+dead server costs nothing per request; after ``breaker_cooldown_s`` one call probes it, and a
+success closes the breaker again (each failed probe doubles the wait, up to 30 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from mmcache import serde
+from mmcache.errors import SegmentCorruptError
+from mmcache.items import Item
+from mmcache.remote.backend import (
+    Backend,
+    ClosesOnExit,
+    Incomplete,
+    RemoteTimeout,
+    RemoteUnreachable,
+    ValueTooLarge,
+)
+from mmcache.remote.envelope import (
+    CorruptValue,
+    DigestMismatch,
+    VersionMismatch,
+    derive_digest_key,
+    open_envelope,
+    seal,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["CircuitBreaker", "RemoteStore", "is_shareable_key"]
+
+logger = logging.getLogger("mmcache")
+
+_T = TypeVar("_T")
+MiB = 1 << 20
+_NAMESPACE = re.compile(r"[A-Za-z0-9._:@+=,-][A-Za-z0-9._:@+=,/-]{0,199}")
+_CONTENT_KEY = re.compile(r"[A-Za-z0-9._+=-]{32,256}")
+_LATENCY_SAMPLES = 100_000
+
+# What each failure is counted as in stats(), and whether it is the store failing (which
+# trips the circuit breaker) rather than one bad value.
+_TRANSPORT = ("timeouts", "unreachable", "server_errors")
+
+
+def is_shareable_key(key: object) -> bool:
+    """Whether ``key`` can name an item in a store shared between hosts: a full-width
+    content hash (at least 32 characters of ``[A-Za-z0-9._+=-]``, e.g. hex), never an
+    arbitrary identifier two hosts could use for different items."""
+    return isinstance(key, str) and _CONTENT_KEY.fullmatch(key) is not None
+
+
+class CircuitBreaker:
+    """Closed (calls go through) until ``failures`` failures in a row; then open (calls are
+    refused) for ``cooldown_s``; then half-open: one call probes, its success closes the
+    breaker, its failure opens it again for twice as long (at most ``max_cooldown_s``).
+    Thread-safe."""
+
+    def __init__(
+        self, failures: int = 3, cooldown_s: float = 1.0, max_cooldown_s: float = 30.0
+    ) -> None:
+        if failures < 1 or not cooldown_s > 0 or not max_cooldown_s >= cooldown_s:
+            raise ValueError(
+                "a circuit breaker needs failures >= 1 and 0 < cooldown_s <= max_cooldown_s"
+            )
+        self.failures_to_open = failures
+        self._base_cooldown = cooldown_s
+        self._max_cooldown = max_cooldown_s
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._cooldown = cooldown_s
+        self._open_until: float | None = None
+        self._probing = False
+        self.opened = 0  # times the breaker opened
+
+    @property
+    def state(self) -> str:
+        """``closed``, ``open`` or ``half-open``."""
+        with self._lock:
+            if self._open_until is None:
+                return "closed"
+            return "open" if time.monotonic() < self._open_until else "half-open"
+
+    def allow(self) -> bool:
+        """Whether a call may go to the store now (in half-open state: only one probe)."""
+        with self._lock:
+            if self._open_until is None:
+                return True
+            if self._probing or time.monotonic() < self._open_until:
+                return False
+            self._probing = True
+            return True
+
+    def success(self) -> bool:
+        """A call succeeded; whether that closed an open breaker."""
+        with self._lock:
+            was_open = self._open_until is not None
+            self._failures = 0
+            self._cooldown = self._base_cooldown
+            self._open_until = None
+            self._probing = False
+            return was_open
+
+    def failure(self) -> bool:
+        """A call failed; whether that opened the breaker."""
+        with self._lock:
+            self._failures += 1
+            if self._probing:  # the probe failed: wait longer before the next one
+                self._probing = False
+                self._cooldown = min(self._cooldown * 2, self._max_cooldown)
+                self._open_until = time.monotonic() + self._cooldown
+                return False
+            if self._open_until is None and self._failures >= self.failures_to_open:
+                self._open_until = time.monotonic() + self._cooldown
+                self.opened += 1
+                return True
+            return False
+
+
+def _open_backend(url: str, timeout_s: float, ttl_s: float | None) -> Backend:
+    scheme = urlsplit(url).scheme
+    if scheme in ("redis", "rediss", "valkey", "valkeys"):
+        from mmcache.remote.redis_backend import RedisBackend
+
+        return RedisBackend(url, timeout_s=timeout_s, ttl_s=ttl_s)
+    if scheme == "mooncake":
+        from mmcache.remote.mooncake_backend import MooncakeBackend
+
+        return MooncakeBackend(url, timeout_s=timeout_s)
+    raise ValueError(
+        f"unsupported remote store URL {url!r}: expected redis://, rediss://, valkey://, "
+        "valkeys:// or mooncake://"
+    )
+
+
+class RemoteStore(ClosesOnExit):
+    """Processed items shared by every host that opens the same store with the same
+    ``namespace`` (and ``secret``).
+
+    ``url`` picks the backend: ``redis://`` / ``valkey://`` (``rediss://`` / ``valkeys://``
+    for TLS) or ``mooncake://`` (see :mod:`mmcache.remote`).  ``namespace`` names what
+    produced the items - the model, the processor and their versions, e.g.
+    ``"Qwen2-VL-7B@a1b2c3/processor@4.57"`` - and prefixes every key, so two models never share
+    an item.  With ``secret`` (shared by every host; a ``str`` or ``bytes``) every value's
+    digest is keyed, so a process that can write to the store but does not know the secret
+    cannot plant a value that verifies.  Every network operation is bounded by ``timeout_s``
+    (a call makes at most two round trips).  ``ttl_s`` lets values expire (Redis/Valkey);
+    items whose payload exceeds ``max_value_mb`` are not published.
+
+    Keys are content hashes (see :func:`is_shareable_key`); any other key raises
+    ``ValueError``.  Thread-safe: P0's request thread reads while its writer thread puts.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str,
+        secret: bytes | str | None = None,
+        timeout_s: float = 0.5,
+        ttl_s: float | None = None,
+        max_value_mb: float = 256,
+        breaker_failures: int = 3,
+        breaker_cooldown_s: float = 1.0,
+    ) -> None:
+        if not isinstance(namespace, str) or _NAMESPACE.fullmatch(namespace) is None:
+            raise ValueError(
+                f"namespace {namespace!r} must be 1-200 characters of letters, digits and "
+                "._:@+=,-/ (e.g. 'model@revision/processor@version')"
+            )
+        if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 60):
+            raise ValueError(f"timeout_s must be a number of seconds in (0, 60], not {timeout_s!r}")
+        if ttl_s is not None and not 0 < ttl_s < 1e9:
+            raise ValueError(f"ttl_s must be a positive number of seconds or None, not {ttl_s!r}")
+        if not 0 < max_value_mb <= 1 << 20:
+            raise ValueError(f"max_value_mb must be positive, not {max_value_mb!r}")
+        self.url = url
+        self.namespace = namespace
+        self.timeout_s = float(timeout_s)
+        self._digest_key = None if secret is None else derive_digest_key(secret)
+        self._max_value = int(max_value_mb * MiB)
+        self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
+        self._backend = _open_backend(url, self.timeout_s, ttl_s)
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._latency: dict[str, deque[float]] = {
+            op: deque(maxlen=_LATENCY_SAMPLES) for op in ("contains", "get", "put")
+        }
+        self._closed = False
+
+    # -- the interface ---------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the store holds each key (one round trip for the whole batch; repeated
+        keys are asked once).  A failure answers ``False`` for every key."""
+        unique = self._unique(keys)
+        found = self._call("contains", lambda deadline: self._backend.exists(unique, deadline))
+        if found is None:
+            return [False] * len(keys)
+        self._count(contains_keys=len(unique), contains_found=sum(found))
+        by_key = dict(zip(unique, found, strict=True))
+        return [by_key[self._store_key(k)] for k in keys]
+
+    def get(self, key: str) -> Item | None:
+        """The item stored under ``key``, verified end to end, or ``None`` (absent, or any
+        failure)."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[Item | None]:
+        """:meth:`get` for a batch, in at most two round trips (repeated keys fetched once)."""
+        unique = self._unique(keys)
+        values = self._call("get", lambda deadline: self._backend.read(unique, deadline))
+        if values is None:
+            return [None] * len(keys)
+        items = {
+            store_key: self._open(store_key, value)
+            for store_key, value in zip(unique, values, strict=True)
+        }
+        return [items[self._store_key(k)] for k in keys]
+
+    def put(self, key: str, item: Item) -> None:
+        """Store ``item`` under ``key`` unless the key holds a value already (items are
+        immutable: the first writer wins, a later put is a no-op).  Never raises for the
+        store's sake; an item the codec cannot encode is counted, logged once and skipped."""
+        store_key = self._store_key(key)
+        if not isinstance(item, Mapping):
+            raise TypeError(f"an item must be a mapping of field names, not {type(item).__name__}")
+        try:
+            payload = serde.pack(item)
+        except TypeError as exc:
+            self._fault("unencodable", f"item {key} cannot be encoded for the remote tier: {exc}")
+            return
+        if len(payload) > self._max_value:
+            self._fault(
+                "oversize",
+                f"item {key} is {len(payload) / MiB:.1f} MiB, more than max_value_mb="
+                f"{self._max_value / MiB:g}; not published",
+            )
+            return
+        header = seal(store_key, payload, self._digest_key)
+
+        def write(deadline: float) -> bool:
+            return self._backend.write(store_key, header, payload, deadline)
+
+        stored = self._call("put", write)
+        if stored is not None:
+            self._count(
+                **({"puts": 1, "bytes_written": len(payload)} if stored else {"put_present": 1})
+            )
+
+    def close(self) -> None:
+        """Close the connections; later calls are misses.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._backend.close()
+
+    def stats(self) -> dict[str, float]:
+        """Counters and latencies.
+
+        ``hits`` / ``misses`` (gets), ``puts`` (values stored), ``put_present`` (already
+        there), ``bytes_read`` / ``bytes_written`` (payloads), ``contains_keys`` /
+        ``contains_found``; failures: ``timeouts``, ``unreachable``, ``server_errors``,
+        ``corrupt``, ``incomplete`` (a chunk gone), ``version_mismatch``,
+        ``digest_mismatch``, ``unencodable``, ``oversize``, ``skipped`` (calls the open
+        breaker refused) and ``errors`` (their sum, minus ``skipped``); ``breaker_opened``,
+        ``breaker_open`` (1 while open); ``{contains,get,put}_p50_ms`` / ``_p99_ms`` over the
+        latest calls that reached the store.
+        """
+        with self._lock:
+            counts = dict(self._counts)
+            samples = {op: np.array(values) for op, values in self._latency.items()}
+        failures = (
+            *_TRANSPORT,
+            "corrupt",
+            "incomplete",
+            "version_mismatch",
+            "digest_mismatch",
+            "unencodable",
+            "oversize",
+        )
+        out: dict[str, float] = {
+            name: counts.get(name, 0)
+            for name in (
+                "hits",
+                "misses",
+                "puts",
+                "put_present",
+                "bytes_read",
+                "bytes_written",
+                "contains_keys",
+                "contains_found",
+                *failures,
+                "skipped",
+            )
+        }
+        out["errors"] = sum(counts.get(name, 0) for name in failures)
+        out["breaker_opened"] = self._breaker.opened
+        out["breaker_open"] = int(self._breaker.state == "open")
+        for op, values in samples.items():
+            for q in (50, 99):
+                out[f"{op}_p{q}_ms"] = float(np.percentile(values, q)) * 1e3 if values.size else 0.0
+        return out
+
+    def latencies(self) -> dict[str, list[float]]:
+        """The durations, in seconds, of the latest calls that reached the store (at most
+        100,000 per operation): ``{"contains": [...], "get": [...], "put": [...]}``."""
+        with self._lock:
+            return {op: list(values) for op, values in self._latency.items()}
+
+    def __repr__(self) -> str:
+        keyed = "keyed" if self._digest_key is not None else "unkeyed"
+        return f"RemoteStore({self.url!r}, namespace={self.namespace!r}, {keyed})"
+
+    # -- machinery -------------------------------------------------------------------------
+
+    def _store_key(self, key: str) -> str:
+        if not is_shareable_key(key):
+            raise ValueError(
+                f"remote tier key {key!r} is not a full-width content hash (at least 32 "
+                "characters of [A-Za-z0-9._+=-], such as mmcache.content_hash(...))"
+            )
+        return f"mmc/{self.namespace}/{key}"
+
+    def _unique(self, keys: Sequence[str]) -> list[str]:
+        if isinstance(keys, str):
+            raise TypeError("keys must be a sequence of keys, not one str")
+        return list(dict.fromkeys(self._store_key(k) for k in keys))
+
+    def _call(self, op: str, call: Callable[[float], _T]) -> _T | None:
+        """Run one backend call under the deadline and the breaker; ``None`` for a failure
+        (counted, logged once)."""
+        if self._closed or not self._breaker.allow():
+            self._count(skipped=1)
+            return None
+        started = time.monotonic()
+        try:
+            result = call(started + self.timeout_s)
+        except RemoteTimeout as exc:
+            self._transport_failure("timeouts", op, f"timed out after {self.timeout_s:g} s ({exc})")
+            return None
+        except RemoteUnreachable as exc:
+            self._transport_failure("unreachable", op, f"unreachable ({exc})")
+            return None
+        except ValueTooLarge as exc:  # the client's limit, not the store failing
+            self._fault("oversize", f"remote tier {self.url}: {op} refused: {exc}")
+            return None
+        except Exception as exc:  # the client's own errors (e.g. a server that refuses writes)
+            self._transport_failure("server_errors", op, f"failed: {type(exc).__name__}: {exc}")
+            return None
+        elapsed = time.monotonic() - started
+        with self._lock:
+            self._latency[op].append(elapsed)
+        if self._breaker.success():
+            logger.warning("remote tier %s answers again; calling it again", self.url)
+        return result
+
+    def _transport_failure(self, kind: str, op: str, message: str) -> None:
+        self._fault(kind, f"remote tier {self.url}: {op} {message}")
+        if self._breaker.failure():
+            logger.warning(
+                "remote tier %s failed %s times in a row: not calling it for a while (probing "
+                "again later); requests are served by processing meanwhile",
+                self.url,
+                self._breaker.failures_to_open,
+            )
+
+    def _open(self, store_key: str, value: Buffer | Incomplete | None) -> Item | None:
+        """The verified item in ``value``, or ``None`` (counted)."""
+        if value is None:
+            self._count(misses=1)
+            return None
+        if isinstance(value, Incomplete):
+            self._fault("incomplete", f"remote value {store_key} is missing a chunk")
+            self._count(misses=1)
+            return None
+        try:
+            payload = open_envelope(store_key, value, self._digest_key)
+            # A buffer the backend handed over writable is ours alone: view it in place.
+            item = serde.decode(payload, copy=payload.readonly)
+        except VersionMismatch as exc:
+            self._fault("version_mismatch", f"remote value {store_key}: {exc}")
+        except DigestMismatch as exc:
+            self._fault(
+                "digest_mismatch",
+                f"remote value {store_key} does not verify ({exc}): tampered, corrupted, or "
+                "written with another secret",
+            )
+        except (CorruptValue, SegmentCorruptError) as exc:
+            self._fault("corrupt", f"remote value {store_key} is corrupt: {exc}")
+        else:
+            self._count(hits=1, bytes_read=payload.nbytes)
+            return item
+        self._count(misses=1)
+        return None
+
+    def _fault(self, kind: str, message: str) -> None:
+        """Count a failure of ``kind``; log the first one of each kind."""
+        with self._lock:
+            self._counts[kind] += 1
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if first:
+            logger.warning(
+                "%s; treated as a miss. Further failures of this kind are counted in "
+                "RemoteStore.stats()['%s'] and not logged.",
+                message,
+                kind,
+            )
+
+    def _count(self, **increments: int) -> None:
+        with self._lock:
+            self._counts.update(increments)

@@ -1,0 +1,642 @@
+"""Hardening of the shared-memory core, each with real processes where it is about processes.
+
+Fork (a child inheriting a writer, a reader or views), reader slots (races, dead and draining
+occupants), reference-counter limits, liveness across PID namespaces, segments damaged by
+another process, and bad input at the edges.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache import (
+    ClosedError,
+    ShmHandle,
+    ShmReceiverCache,
+    ShmSenderCache,
+    WrongProcessError,
+    _core,
+    make_caches,
+    prune,
+)
+from mmcache._core import ShmObjectStore
+
+KiB = 1024
+MiB = 1 << 20
+GiB = 1 << 30
+SHM = "/dev/shm"
+CHUNK = 1024  # a 1 KiB chunk: 128-byte header (n_readers <= 8) + 896 payload bytes
+PAYLOAD = 896
+TIMEOUT = 120
+
+spawn = mp.get_context("spawn")
+
+
+def pattern(tag: int, n: int = PAYLOAD) -> bytes:
+    return np.random.default_rng(tag).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def wait_for(pid: int) -> int:
+    """Wait for a forked child; its exit status (negative: killed by that signal)."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def in_child(body: Any) -> int:
+    """Run ``body()`` in a forked child; exit status 0 if it returned True, 1 otherwise."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            code = 0 if body() else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return wait_for(pid)
+
+
+def recv(conn: Any) -> Any:
+    assert conn.poll(TIMEOUT), "the other process did not answer"
+    return conn.recv()
+
+
+# -- 1. a forked child of a reader --------------------------------------------------------------
+
+
+def test_a_forked_child_letting_go_of_inherited_views_releases_nothing() -> None:
+    writer = ShmObjectStore.create(2 * CHUNK)
+    reader = ShmObjectStore.attach(writer.handle())
+    h = writer.put("a", pattern(1))
+    view = reader.get(h, "a", copy=False)
+    arr = np.frombuffer(view, dtype=np.uint8)
+
+    def child_drops_everything() -> bool:
+        nonlocal view, arr
+        del view, arr
+        gc.collect()
+        reader.close()
+        return True
+
+    assert in_child(child_drops_everything) == 0
+    # The parent's view still protects "a": new objects go around it.
+    for n, key in enumerate("bcdef"):
+        hk = writer.put(key, pattern(10 + n))
+        reader.get(hk, key)
+        assert writer.is_cached("a"), "a child's exit released the parent's view"
+    assert arr.tobytes() == pattern(1)
+    assert writer.stats()["views"] == 1
+    writer.close()
+
+
+def test_a_forked_child_cannot_resolve_through_the_inherited_reader() -> None:
+    with ShmSenderCache(1 * MiB / GiB, max_object_size_mb=1, n_readers=2) as p0:
+        cache = ShmReceiverCache(p0.handle())
+        raw = ShmObjectStore.attach(p0.handle())
+        item = {"x": torch.arange(100, dtype=torch.int32)}
+        h, _ = p0.get_and_update_item((item, None), "a")
+        before = p0.stats()["store_outstanding_refs"]
+
+        def child_tries() -> bool:
+            errors = 0
+            for attempt in (
+                lambda: raw.get(h, "a"),
+                lambda: raw.get(h, "a", copy=False),
+                lambda: cache.get_and_update_item(h, "a"),
+            ):
+                try:
+                    attempt()
+                except WrongProcessError as exc:
+                    errors += "attach a new reader in the child" in str(exc)
+            return errors == 3
+
+        assert in_child(child_tries) == 0
+        assert p0.stats()["store_outstanding_refs"] == before == 2, "the child consumed refs"
+        got = cache.get_and_update_item(h, "a")
+        assert torch.equal(got["x"], item["x"])
+        raw.close()
+        cache.close()
+
+
+def _reader_that_forks(reader_handle: Any, conn: Any, child_conn: Any, how: str) -> None:
+    """Attach, take a zero-copy view of "a", fork a child that keeps it, then let go of
+    everything in this process (``close``) or exit at once (``exit``)."""
+    reader = ShmObjectStore.attach(reader_handle)
+    conn.send("attached")
+    handle = conn.recv()
+    view = reader.get(handle, "a", copy=False)
+    arr = np.frombuffer(view, dtype=np.uint8)
+    if os.fork() == 0:  # the child keeps the inherited view until told to check it
+        code = 1
+        try:
+            expected = pattern(1)
+            child_conn.send("ready")
+            child_conn.recv()  # the writer has reused the ring meanwhile
+            child_conn.send(arr.tobytes() == expected)
+            code = 0
+        finally:
+            os._exit(code)
+    if how == "exit":
+        os._exit(0)
+    del arr, view
+    gc.collect()
+    reader.close()
+    conn.send("closed")
+    conn.recv()  # stay alive until the test is done
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_views_a_forked_child_keeps_never_change_after_its_parent_lets_go(how: str) -> None:
+    writer = ShmObjectStore.create(2 * CHUNK)
+    conn, their_conn = spawn.Pipe()
+    child_conn, their_child_conn = spawn.Pipe()
+    proc = spawn.Process(
+        target=_reader_that_forks, args=(writer.handle(), their_conn, their_child_conn, how)
+    )
+    proc.start()
+    try:
+        assert recv(conn) == "attached"
+        conn.send(writer.put("a", pattern(1)))
+        assert recv(child_conn) == "ready"
+        if how == "exit":
+            # Not join(): the forked child inherited the pipe join() waits on.
+            deadline = time.monotonic() + TIMEOUT
+            while proc.exitcode is None:
+                assert time.monotonic() < deadline, "the reader did not exit"
+                time.sleep(0.01)
+            assert proc.exitcode == 0
+        else:
+            assert recv(conn) == "closed"
+        # The reader (this test's child process) is gone or detached: "a" is reclaimable and
+        # the ring is reused many times over.
+        for n in range(8):
+            writer.put(f"churn{n}", pattern(100 + n))
+        assert not writer.is_cached("a")
+        child_conn.send("check")
+        assert recv(child_conn) is True, "an inherited view changed its bytes"
+    finally:
+        if proc.is_alive():
+            conn.send("done")
+            proc.join(TIMEOUT)
+        proc.kill()
+    writer.close()
+
+
+# -- 2. a forked child of the writer --------------------------------------------------------------
+
+
+def test_every_writer_operation_raises_in_a_forked_child() -> None:
+    writer = ShmObjectStore.create(4 * CHUNK)
+    reader = ShmObjectStore.attach(writer.handle())
+    h = writer.put("a", pattern(1))
+    writer.put("b", pattern(2))
+
+    def child_tries_everything() -> bool:
+        operations = {
+            "put": lambda: writer.put("c", pattern(3)),
+            "get_cached": lambda: writer.get_cached("a"),
+            "pin": lambda: writer.pin("a"),
+            "unpin": lambda: writer.unpin("a"),
+            "release": lambda: writer.release(h),
+            "invalidate": lambda: writer.invalidate("b"),
+            "clear": writer.clear,
+            "is_cached": lambda: writer.is_cached("a"),
+            "keys": writer.keys,
+            "verify": lambda: writer.verify(h, "a"),
+            "get_stored": lambda: writer.get_stored("a"),
+            "get": lambda: writer.get(h, "a"),
+            "stats": writer.stats,
+        }
+        refused = []
+        for name, operation in operations.items():
+            try:
+                operation()
+            except WrongProcessError:
+                refused.append(name)
+        writer.close()  # closing the inherited copy is allowed and does nothing
+        return refused == list(operations)
+
+    assert in_child(child_tries_everything) == 0
+    # The creator carries on; the reader sees exactly what was put.
+    assert writer.is_cached("b") and writer.keys() and not writer.closed
+    assert reader.get(h, "a") == pattern(1)
+    assert os.path.exists(f"{SHM}/{writer.name}")
+    writer.close()
+
+
+def test_a_forked_child_of_p0_gets_a_clear_error_from_the_cache() -> None:
+    with ShmSenderCache(1 * MiB / GiB, max_object_size_mb=1) as p0:
+        worker = ShmReceiverCache(p0.handle())
+        item = {"x": torch.ones(10)}
+        h, _ = p0.get_and_update_item((item, "pu"), "a")
+
+        def child_updates() -> bool:
+            try:
+                p0.get_and_update_item(({"x": torch.zeros(10)}, "pu"), "b")
+            except WrongProcessError:
+                return True
+            return False
+
+        assert in_child(child_updates) == 0
+        assert p0.is_cached(["a", "b"]) == [True, False]
+        assert torch.equal(worker.get_and_update_item(h, "a")["x"], item["x"])
+        worker.close()
+
+
+# -- 3, 4. reader slots: races and dead occupants --------------------------------------------------
+
+
+def _attach_and_hold(reader_handle: Any, conn: Any, barrier: Any) -> None:
+    if barrier is not None:
+        barrier.wait(TIMEOUT)
+    try:
+        reader = ShmObjectStore.attach(reader_handle)
+    except Exception as exc:  # reported, not raised: the test asserts on it
+        conn.send(repr(exc))
+        return
+    conn.send(reader.reader_slot)
+    conn.recv()
+
+
+def test_readers_attaching_at_once_over_dead_readers_all_get_a_slot() -> None:
+    n = 3
+    writer = ShmObjectStore.create(1 << 16, n_readers=n)
+    doomed = []
+    for _ in range(n):
+        conn, theirs = spawn.Pipe()
+        p = spawn.Process(target=_attach_and_hold, args=(writer.handle(), theirs, None))
+        p.start()
+        assert isinstance(recv(conn), int)
+        doomed.append((p, conn))  # keep our end open: the reader holds on until killed
+    for p, _ in doomed:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(TIMEOUT)
+    # Every slot is claimed by a dead process; n newcomers race to take them over.
+    barrier = spawn.Barrier(n)
+    conns, procs = [], []
+    for _ in range(n):
+        conn, theirs = spawn.Pipe()
+        p = spawn.Process(target=_attach_and_hold, args=(writer.handle(), theirs, barrier))
+        p.start()
+        conns.append(conn)
+        procs.append(p)
+    try:
+        slots = [recv(c) for c in conns]
+        assert sorted(slots) == list(range(n)), slots
+    finally:
+        for c in conns:
+            c.send("done")
+        for p in procs:
+            p.join(TIMEOUT)
+    writer.close()
+
+
+# -- 5. reference-counter saturation ---------------------------------------------------------------
+
+MAX_OUTSTANDING = (1 << 20) - 1
+
+
+def test_a_hot_item_and_a_stuck_reader_never_make_the_cache_raise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    truth = {"pixel_values": torch.arange(64, dtype=torch.float32), "n": 7}
+    with ShmSenderCache(1 * MiB / GiB, max_object_size_mb=1) as p0:
+        stuck = ShmReceiverCache(p0.handle())  # attached, never reads
+        first, _ = p0.get_and_update_item((truth, "pu"), "hot")
+        assert isinstance(first, ShmHandle)
+        hits = 0
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            while True:
+                data, updates = p0.get_and_update_item(None, "hot")
+                if not isinstance(data, ShmHandle):
+                    break
+                hits += 1
+        assert hits + 1 == MAX_OUTSTANDING, "every reference the slot can count was issued"
+        # P0 believed it cached: served uncached, from a copy of what the ring holds.
+        assert updates == "pu" and data.keys() == truth.keys()
+        assert torch.equal(data["pixel_values"], truth["pixel_values"]) and data["n"] == 7
+        # With data in the request: that data, as is.
+        fresh = {"pixel_values": torch.ones(3), "n": 1}
+        assert p0.get_and_update_item((fresh, "pu2"), "hot") == (fresh, "pu2")
+        stats = p0.stats()
+        assert stats["uncached_saturated"] == 2
+        assert stats["store_outstanding_refs"] == MAX_OUTSTANDING, "no orphan references"
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("not reading" in m for m in messages), messages
+        assert not any("no space for 0 bytes" in m for m in messages)
+        # Once the reader reads one, the item is served by handle again.
+        got = stuck.get_and_update_item(first, "hot")
+        assert torch.equal(got["pixel_values"], truth["pixel_values"])
+        again, _ = p0.get_and_update_item(None, "hot")
+        assert isinstance(again, ShmHandle)
+        stuck.close()
+
+
+# -- 6. a closed reader with live views drains -----------------------------------------------------
+
+
+def test_a_closed_reader_keeps_its_views_and_stops_receiving_references() -> None:
+    item = {"x": torch.arange(4096, dtype=torch.int32)}
+    ring = 6 * (16 * KiB + 4 * KiB)
+    with ShmSenderCache(ring / GiB, max_object_size_mb=1, n_readers=2) as p0:
+        closing = ShmReceiverCache(p0.handle(), copy=False)
+        other = ShmReceiverCache(p0.handle())
+        h, _ = p0.get_and_update_item((item, None), "kept")
+        view = closing.get_and_update_item(h, "kept")["x"]
+        other.get_and_update_item(h, "kept")
+        closing.close()
+        assert p0.stats()["store_readers_draining"] == 1
+        for n in range(40):
+            data, _ = p0.get_and_update_item(({"x": torch.full((4096,), n)}, None), f"n{n}")
+            assert isinstance(data, ShmHandle), "the ring filled up for a closed reader"
+            other.get_and_update_item(data, f"n{n}")
+        assert p0.stats()["uncached_full"] == 0
+        assert p0.is_cached_item("kept") and torch.equal(view, item["x"])
+        with pytest.raises(ClosedError):
+            closing.get_and_update_item(h, "kept")
+        del view
+        gc.collect()
+        assert p0.stats()["store_readers_draining"] == 0
+        with ShmReceiverCache(p0.handle()) as newcomer:  # the slot is free again
+            h2, _ = p0.get_and_update_item(None, "n39")
+            assert newcomer.get_and_update_item(h2, "n39")["x"][0] == 39
+        other.close()
+
+
+# -- 7. PID namespaces -----------------------------------------------------------------------------
+
+
+# A new PID (and /proc) namespace; its init dies with the unshare process.
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def _unshare_available() -> str | None:
+    """Why a new PID namespace cannot be made here (None if it can)."""
+    if shutil.which("unshare") is None:
+        return "the unshare command is not installed"
+    probe = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"unshare -p is not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+NAMESPACED_READER = textwrap.dedent(
+    """
+    import pickle, sys
+    from mmcache._core import ShmObjectStore
+    from mmcache import prune
+    handle, puts = pickle.load(sys.stdin.buffer)
+    reader = ShmObjectStore.attach(handle)
+    print("attached", flush=True)
+    pruned = prune(dry_run=True)  # what prune would remove from this namespace
+    got = [bytes(reader.get(h, key)) for key, h, _ in puts[:1]]
+    print("pruned", ",".join(pruned) or "-", flush=True)
+    print("read", got[0] == puts[0][2], flush=True)
+    sys.stdin.readline()  # hold the slot (and the unread handles) until told
+    """
+)
+
+
+def test_liveness_holds_across_pid_namespaces() -> None:
+    reason = _unshare_available()
+    if reason is not None:
+        pytest.skip(reason)
+    import pickle
+
+    writer = ShmObjectStore.create(3 * CHUNK)
+    puts = [("a", writer.put("a", pattern(1)), pattern(1))]
+    proc = subprocess.Popen(
+        [*UNSHARE, sys.executable, "-c", NAMESPACED_READER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=False,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(pickle.dumps((writer.handle(), puts)))
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == b"attached"
+        pruned = proc.stdout.readline().split()
+        assert writer.name.encode() not in pruned[1].split(b","), "prune took a live segment"
+        assert proc.stdout.readline().strip() == b"read True", "a live writer looked gone"
+        for n, key in enumerate("bcd"):  # the namespaced reader never reads these
+            writer.put(key, pattern(2 + n))
+        with pytest.raises(MemoryError):
+            writer.put("e", pattern(5))  # b, c, d: unread by a reader alive elsewhere
+        assert writer.stats()["readers_reclaimed"] == 0, "a live reader's slot was freed"
+        info = _core.inspect_segment(writer.name)
+        assert info["readers"][0]["alive"] and info["creator_alive"]
+        assert writer.name not in prune(dry_run=True)
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    # Once it is gone (whatever namespace it was in), its slot is reclaimed.
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            writer.put("e", pattern(5))
+            break
+        except MemoryError:
+            assert time.monotonic() < deadline, "the dead reader's slot was never reclaimed"
+            time.sleep(0.05)
+    assert writer.stats()["readers_reclaimed"] == 1
+    writer.close()
+
+
+NAMESPACED_WRITER = textwrap.dedent(
+    """
+    import sys
+    from mmcache._core import ShmObjectStore
+    writer = ShmObjectStore.create(1 << 16)
+    print(writer.name, flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_prune_in_another_namespace_never_removes_a_live_writers_segment() -> None:
+    reason = _unshare_available()
+    if reason is not None:
+        pytest.skip(reason)
+    proc = subprocess.Popen(
+        [*UNSHARE, sys.executable, "-c", NAMESPACED_WRITER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        name = proc.stdout.readline().strip()
+        # Its pid (1 or 2 in its namespace) means nothing here; its lock does.
+        assert _core.segment_status(name)[0] == "live"
+        assert name not in prune()
+        assert name in _core.list_segments()
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT  # its init is killed as unshare dies, not before
+    while _core.segment_status(name)[0] == "live":
+        assert time.monotonic() < deadline, "the writer never died"
+        time.sleep(0.05)
+    assert name in prune(), "the segment of a writer that died is orphaned"
+
+
+# -- 8. damaged segments ---------------------------------------------------------------------------
+
+
+def _writer_then_wait(conn: Any) -> None:
+    store = ShmObjectStore.create(1 << 20)
+    conn.send(store.name)
+    conn.recv()
+
+
+def test_prune_removes_truncated_and_garbage_segments_of_dead_writers() -> None:
+    conn, theirs = spawn.Pipe()
+    proc = spawn.Process(target=_writer_then_wait, args=(theirs,))
+    proc.start()
+    try:
+        name = recv(conn)
+        os.truncate(f"{SHM}/{name}", 4096)  # another process of the same user does this
+        assert _core.segment_status(name)[0] == "live", "its writer still runs"
+        assert name not in prune()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(TIMEOUT)
+    finally:
+        proc.kill()
+    garbage = f"mmc_garbage_{os.getpid()}"
+    with open(f"{SHM}/{garbage}", "wb") as f:
+        f.write(os.urandom(5000))
+    fresh = f"mmc_fresh_{os.getpid()}"
+    open(f"{SHM}/{fresh}", "wb").close()  # empty and new: may be a segment being created
+    try:
+        status, why = _core.segment_status(name)
+        assert status == "orphaned" and "bytes" in why, why
+        removed = prune()
+        assert name in removed and garbage in removed and fresh not in removed
+        assert not os.path.exists(f"{SHM}/{name}") and not os.path.exists(f"{SHM}/{garbage}")
+        assert _core.segment_status(fresh)[0] == "undecided"
+    finally:
+        for leftover in (garbage, fresh):
+            if os.path.exists(f"{SHM}/{leftover}"):
+                os.unlink(f"{SHM}/{leftover}")
+
+
+# -- 10. inspect on things that are not segments ---------------------------------------------------
+
+
+@pytest.fixture
+def not_segments() -> Iterator[dict[str, str]]:
+    tag = f"{os.getpid()}_{time.monotonic_ns()}"
+    names = {"fifo": f"mmc_fifo_{tag}", "directory": f"mmc_dir_{tag}", "link": f"mmc_link_{tag}"}
+    os.mkfifo(f"{SHM}/{names['fifo']}")
+    os.mkdir(f"{SHM}/{names['directory']}")
+    os.symlink("/etc/passwd", f"{SHM}/{names['link']}")
+    yield names
+    os.unlink(f"{SHM}/{names['fifo']}")
+    os.rmdir(f"{SHM}/{names['directory']}")
+    os.unlink(f"{SHM}/{names['link']}")
+
+
+def test_inspect_of_something_that_is_not_a_segment_fails_in_one_line(
+    not_segments: dict[str, str],
+) -> None:
+    cases = {**not_segments, "outside": "../etc/passwd", "nested": "a/b"}
+    for kind, name in cases.items():
+        result = subprocess.run(
+            [sys.executable, "-m", "mmcache", "inspect", name],
+            capture_output=True,
+            text=True,
+            timeout=60,  # a FIFO opened for reading without O_NONBLOCK would hang here
+        )
+        assert result.returncode != 0, kind
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in result.stderr, (kind, result.stderr)
+        assert result.stdout == ""
+    # And the listing/pruning commands walk past them.
+    listing = subprocess.run(
+        [sys.executable, "-m", "mmcache", "inspect"], capture_output=True, text=True, timeout=60
+    )
+    assert listing.returncode == 0 and "Traceback" not in listing.stderr
+    assert all(name not in prune(dry_run=True) for name in not_segments.values())
+
+
+# -- 11. sizes that are not numbers ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity_gb", [float("inf"), float("nan"), -1.0, 1e30])
+def test_capacities_that_are_not_sizes_are_value_errors(capacity_gb: float) -> None:
+    for mode in ("processor_only", "lru", "shm"):
+        if mode != "shm" and capacity_gb == 1e30:
+            continue  # a huge LRU bound is a bound
+        with pytest.raises(ValueError, match="capacity_gb"):
+            make_caches(mode, capacity_gb=capacity_gb)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("limit_mb", [float("inf"), 1e30])
+def test_object_size_limits_beyond_the_ring_are_clamped(limit_mb: float) -> None:
+    with ShmSenderCache(1 * MiB / GiB, max_object_size_mb=limit_mb) as p0:
+        assert 0 < p0.stats()["max_object_size"] < 1 * MiB
+    with pytest.raises(ValueError, match="max_object_size_mb"):
+        ShmSenderCache(1 * MiB / GiB, max_object_size_mb=float("nan"))
+
+
+# -- 14. a write into a zero-copy view explains itself ---------------------------------------------
+
+WRITES_INTO_ITS_VIEW = textwrap.dedent(
+    """
+    import torch
+    from mmcache import ShmReceiverCache, ShmSenderCache
+    p0 = ShmSenderCache(1 / 1024, max_object_size_mb=1)
+    worker = ShmReceiverCache(p0.handle(), copy=False)
+    handle, _ = p0.get_and_update_item(({"x": torch.ones(1000)}, None), "a")
+    tensor = worker.get_and_update_item(handle, "a")["x"]
+    tensor.mul_(2)
+    print("survived")
+    """
+)
+
+
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_an_in_place_op_on_a_zero_copy_tensor_dies_explaining_why(faulthandler: bool) -> None:
+    flags = ["-X", "faulthandler"] if faulthandler else []
+    result = subprocess.run(
+        [sys.executable, *flags, "-c", WRITES_INTO_ITS_VIEW],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == -signal.SIGSEGV, result
+    assert "survived" not in result.stdout
+    explained = [line for line in result.stderr.splitlines() if line.startswith("mmcache:")]
+    assert len(explained) == 1, result.stderr
+    assert "read-only zero-copy view" in explained[0] and "copy=True" in explained[0]
+    if faulthandler:
+        assert "Fatal Python error: Segmentation fault" in result.stderr
+    # Other segfaults are not blamed on mmcache.
+    other = subprocess.run(
+        [sys.executable, "-c", "import ctypes, mmcache, torch; "
+         "from mmcache import make_caches; make_caches('shm', capacity_gb=0.001); "
+         "ctypes.string_at(0)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == -signal.SIGSEGV and "mmcache:" not in other.stderr

@@ -1,0 +1,610 @@
+"""The remote tier against a real Valkey server (started on a free loopback port).
+
+Every fault is injected for real: values rewritten or deleted in the server with a raw
+client, the server killed and restarted, stopped with SIGSTOP, two stores racing on one key.
+The oracle is always the same: a get returns the very item that was put, bit for bit, or
+``None`` - never other tensors, never an exception, never a hang (each call runs with a
+generous join timeout; no duration is asserted).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from mmcache import (
+    Feature,
+    ReceiverCache,
+    SenderCache,
+    ShmReceiverCache,
+    ShmSenderCache,
+    content_hash,
+    serde,
+)
+from mmcache._core import ShmObjectStore
+from mmcache.remote import CircuitBreaker, RemoteStore, TieredSenderCache, is_shareable_key
+from mmcache.remote.envelope import HEADER_SIZE, SCHEMA_VERSION
+from mmcache.remote.redis_backend import CHUNK_BYTES
+from mmcache.remote.servers import LocalServer, start_valkey
+
+MiB = 1 << 20
+HANG_S = 30  # a call that has not returned by then is a hang (the test fails, CI goes on)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-identical items: same structure, same types, tensors and arrays by dtype, shape
+    and bytes."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+        )
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def make_item(seed: int, n_bytes: int) -> dict[str, Any]:
+    """Random bits (any foreign byte shows) in tensors of several dtypes, an array, bytes."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, generator=g)
+    return {
+        "pixel_values": raw.view(torch.float32),
+        "bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3) * seed,
+        "grid": np.array([seed, 2, 3], dtype=np.int64),
+        "blob": bytes(range(256)) * 2,
+        "meta": {"id": seed, "tags": ("a", "b"), "ok": True},
+    }
+
+
+def key(name: object) -> str:
+    return content_hash(str(name))
+
+
+def in_time(call: Callable[[], Any]) -> Any:
+    """``call()`` on a thread; fails the test if it has not returned after ``HANG_S``."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    assert not thread.is_alive(), "the call hung instead of returning a miss"
+    return result[0]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with start_valkey() as srv:
+        yield srv
+
+
+@pytest.fixture
+def raw(server: LocalServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(server.url)
+    yield client
+    client.close()
+
+
+_namespaces = iter(range(10**9))
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A namespace of its own for each test: tests share one server, never a key."""
+    return f"test/{next(_namespaces)}@1"
+
+
+def open_store(url: str, namespace: str, **kwargs: Any) -> RemoteStore:
+    return RemoteStore(url, namespace=namespace, secret="shared secret", **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# The codec's whole payload
+
+
+def test_pack_is_exactly_what_the_ring_stores() -> None:
+    item = make_item(3, 5000)
+    header, buffers = serde.encode(item)
+    with ShmObjectStore.create(1 * MiB) as ring:
+        handle = ring.put("k", [header, *buffers])
+        stored = ring.get(handle, "k")
+    assert serde.pack(item) == bytes(stored)
+    assert same(serde.decode(serde.pack(item)), item)
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips and the interface
+
+
+@pytest.mark.parametrize("n_bytes", [1000, 3 * MiB + 124], ids=["one-key", "chunked"])
+def test_get_returns_what_was_put_bit_for_bit(
+    server: LocalServer, namespace: str, n_bytes: int
+) -> None:
+    with open_store(server.url, namespace) as store:
+        item = make_item(1, n_bytes)
+        assert store.get(key(1)) is None
+        store.put(key(1), item)
+        got = store.get(key(1))
+        assert same(got, item)
+        assert got is not None and got["pixel_values"].numel() * 4 == n_bytes
+        stats = store.stats()
+        assert stats["puts"] == 1 and stats["hits"] == 1 and stats["misses"] == 1
+        assert stats["errors"] == 0
+
+
+def test_valkey_urls_name_the_same_server(server: LocalServer, namespace: str) -> None:
+    item = make_item(4, 100)
+    with open_store(server.url, namespace) as redis_url:
+        redis_url.put(key(4), item)
+    with open_store(server.url.replace("redis://", "valkey://"), namespace) as valkey_url:
+        assert same(valkey_url.get(key(4)), item)
+
+
+def test_a_chunked_value_is_chunks_plus_a_manifest_written_last(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    with open_store(server.url, namespace) as store:
+        store.put(key(2), make_item(2, 3 * MiB))
+    names = sorted(n.decode() for n in raw.scan_iter(match=f"mmc/{namespace}/*"))
+    manifest, chunks = names[0], names[1:]
+    assert manifest == f"mmc/{namespace}/{key(2)}"
+    assert len(chunks) == 4 and all(c.startswith(manifest + "/chunk/") for c in chunks)
+    assert all(raw.strlen(c) <= CHUNK_BYTES for c in chunks)
+    assert raw.strlen(manifest) < 64
+
+
+def test_the_chunk_size_is_the_writers_choice_and_any_reader_follows_it(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    item = make_item(5, 50_000)
+    with RemoteStore(server.url + "?chunk_kb=4", namespace=namespace, secret="s") as small:
+        small.put(key(5), item)
+    assert len(list(raw.scan_iter(match=f"mmc/{namespace}/*/chunk/*"))) == 13
+    with RemoteStore(server.url, namespace=namespace, secret="s") as default:
+        assert same(default.get(key(5)), item)
+
+
+def test_put_if_absent_keeps_the_first_item(server: LocalServer, namespace: str) -> None:
+    with open_store(server.url, namespace) as store:
+        first, second = make_item(1, 2 * MiB), make_item(2, 2 * MiB)
+        store.put(key(1), first)
+        store.put(key(1), second)
+        assert same(store.get(key(1)), first)
+        assert store.stats()["put_present"] == 1
+
+
+def test_contains_answers_each_key_and_asks_a_repeated_key_once(
+    server: LocalServer, namespace: str
+) -> None:
+    with open_store(server.url, namespace) as store:
+        store.put(key("a"), make_item(1, 100))
+        assert store.contains([key("a"), key("b"), key("a")]) == [True, False, True]
+        assert store.stats()["contains_keys"] == 2
+
+
+def test_contains_of_a_16_item_request_is_one_round_trip(
+    server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sends = []
+    real_send = redis.connection.AbstractConnection.send_packed_command
+
+    def counting_send(self: Any, command: Any, check_health: bool = True) -> None:
+        sends.append(command)
+        real_send(self, command, check_health)
+
+    with open_store(server.url, namespace) as store:
+        keys = [key(i) for i in range(16)]
+        store.put(keys[3], make_item(3, 100))
+        store.contains(keys[:1])  # connect first: the handshake is not the request's
+        monkeypatch.setattr(
+            redis.connection.AbstractConnection, "send_packed_command", counting_send
+        )
+        found = store.contains(keys)
+    assert found == [i == 3 for i in range(16)]
+    assert len(sends) == 1
+
+
+def test_namespaces_never_share_an_item(server: LocalServer, namespace: str) -> None:
+    with open_store(server.url, namespace) as a, open_store(server.url, namespace + "x") as b:
+        a.put(key(1), make_item(1, 100))
+        assert b.get(key(1)) is None and b.contains([key(1)]) == [False]
+
+
+def test_get_many_fetches_a_batch(server: LocalServer, namespace: str) -> None:
+    with open_store(server.url, namespace) as store:
+        items = {i: make_item(i, 2 * MiB if i % 2 else 500) for i in range(4)}
+        for i, item in items.items():
+            store.put(key(i), item)
+        got = store.get_many([key(0), key(9), key(3), key(1), key(0)])
+        assert got[1] is None
+        assert all(same(g, items[i]) for g, i in zip(got, [0, 9, 3, 1, 0], strict=True) if i != 9)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s: s.get("short"), "full-width content hash"),
+        (lambda s: s.contains(["has space" * 8]), "full-width content hash"),
+        (lambda s: s.contains(key(1)), "not one str"),
+        (lambda s: s.put(key(1), [1, 2]), "mapping"),
+    ],
+)
+def test_bad_keys_and_items_are_clear_errors(
+    server: LocalServer, namespace: str, call: Callable[[RemoteStore], Any], message: str
+) -> None:
+    with open_store(server.url, namespace) as store, pytest.raises((ValueError, TypeError)) as e:
+        call(store)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "kwargs", "message"),
+    [
+        ("http://127.0.0.1:1", {}, "unsupported remote store URL"),
+        ("redis://", {}, "not a Redis/Valkey URL"),
+        ("redis://127.0.0.1:1", {"namespace": "has space"}, "namespace"),
+        ("redis://127.0.0.1:1", {"namespace": ""}, "namespace"),
+        ("redis://127.0.0.1:1", {"timeout_s": 0}, "timeout_s"),
+        ("redis://127.0.0.1:1", {"secret": b""}, "must not be empty"),
+        ("mooncake://127.0.0.1", {}, "not a Mooncake URL"),
+        ("redis://127.0.0.1:1?chunk_kb=0", {}, "chunk_kb"),
+        ("redis://127.0.0.1:1?chunk_kb=many", {}, "chunk_kb"),
+    ],
+)
+def test_bad_configuration_is_a_value_error(url: str, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RemoteStore(url, **{"namespace": "m@1", **kwargs})
+
+
+def test_shareable_keys_are_full_width_hashes() -> None:
+    assert is_shareable_key(content_hash(b"x"))
+    assert not is_shareable_key("image-0")
+    assert not is_shareable_key(None)
+
+
+def test_an_unencodable_item_is_counted_not_raised(
+    server: LocalServer, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with open_store(server.url, namespace) as store, caplog.at_level(logging.WARNING):
+        store.put(key(1), {"fn": print})
+        store.put(key(2), {"fn": print})
+        assert store.stats()["unencodable"] == 2 and store.contains([key(1)]) == [False]
+    assert len([r for r in caplog.records if "cannot be encoded" in r.message]) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Values damaged in the store: always a miss, never other tensors
+
+
+def _value_key(namespace: str, name: object) -> str:
+    return f"mmc/{namespace}/{key(name)}"
+
+
+def _chunks_of(raw: redis.Redis, namespace: str, name: object) -> list[str]:
+    return sorted(
+        (n.decode() for n in raw.scan_iter(match=_value_key(namespace, name) + "/chunk/*")),
+        key=lambda n: int(n.rsplit("/", 1)[1]),
+    )
+
+
+def _flip(raw: redis.Redis, name: str, offset: int) -> None:
+    value = bytearray(raw.get(name) or b"")
+    value[offset] ^= 0x01
+    raw.set(name, bytes(value))
+
+
+def _with_version(raw: redis.Redis, name: str, version: int) -> None:
+    value = bytearray(raw.get(name) or b"")
+    struct.pack_into("<H", value, 4, version)
+    raw.set(name, bytes(value))
+
+
+DAMAGE: dict[str, tuple[int, Callable[[redis.Redis, str], None], str]] = {
+    # name: (item size, damage(raw, namespace), the stats counter that must count it)
+    "flipped byte in the tensor bytes": (
+        10_000,
+        lambda r, ns: _flip(r, _value_key(ns, 1), HEADER_SIZE + 5000),
+        "digest_mismatch",
+    ),
+    "flipped byte in the digest": (
+        10_000,
+        lambda r, ns: _flip(r, _value_key(ns, 1), 20),
+        "digest_mismatch",
+    ),
+    "flipped byte in a chunk": (
+        3 * MiB,
+        lambda r, ns: _flip(r, _chunks_of(r, ns, 1)[2], 77),
+        "digest_mismatch",
+    ),
+    "deleted chunk": (3 * MiB, lambda r, ns: r.delete(_chunks_of(r, ns, 1)[1]), "incomplete"),
+    "truncated value": (
+        10_000,
+        lambda r, ns: r.set(_value_key(ns, 1), (r.get(_value_key(ns, 1)) or b"")[:-100]),
+        "corrupt",
+    ),
+    "header of another schema version": (
+        10_000,
+        lambda r, ns: _with_version(r, _value_key(ns, 1), SCHEMA_VERSION + 1),
+        "version_mismatch",
+    ),
+    "another item's value copied over": (
+        10_000,
+        lambda r, ns: r.copy(_value_key(ns, 2), _value_key(ns, 1), replace=True),
+        "digest_mismatch",
+    ),
+    "garbage": (10_000, lambda r, ns: r.set(_value_key(ns, 1), b"MMCK" + bytes(40)), "incomplete"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_value_is_a_counted_miss(
+    server: LocalServer, raw: redis.Redis, namespace: str, damage: str
+) -> None:
+    size, harm, counter = DAMAGE[damage]
+    with open_store(server.url, namespace) as store:
+        store.put(key(1), make_item(1, size))
+        store.put(key(2), make_item(2, size))
+        harm(raw, namespace)
+        assert store.get(key(1)) is None
+        assert store.stats()[counter] == 1
+        assert same(store.get(key(2)), make_item(2, size))  # the healthy item still reads
+
+
+def test_a_wrong_secret_makes_every_value_a_miss(server: LocalServer, namespace: str) -> None:
+    items = {i: make_item(i, 2 * MiB if i == 0 else 300) for i in range(3)}
+    with open_store(server.url, namespace) as writer:
+        for i, item in items.items():
+            writer.put(key(i), item)
+        assert all(same(writer.get(key(i)), item) for i, item in items.items())
+    for secret in ("another secret", None):
+        with RemoteStore(server.url, namespace=namespace, secret=secret) as reader:
+            assert reader.get_many([key(i) for i in items]) == [None, None, None]
+            assert reader.stats()["digest_mismatch"] == 3 and reader.stats()["hits"] == 0
+
+
+def test_two_hosts_putting_one_key_at_once_leave_one_whole_item(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    items = [make_item(10, 3 * MiB), make_item(11, 3 * MiB)]  # the hosts disagree, visibly
+    for _ in range(5):
+        stores = [open_store(server.url, namespace) for _ in items]
+        start = threading.Barrier(len(items))
+
+        def put(store: RemoteStore, item: dict[str, Any], start: threading.Barrier = start) -> None:
+            start.wait()
+            store.put(key("race"), item)
+
+        threads = [
+            threading.Thread(target=put, args=pair) for pair in zip(stores, items, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(HANG_S)
+        got = stores[0].get(key("race"))
+        assert same(got, items[0]) or same(got, items[1])
+        assert sum(s.stats()["puts"] for s in stores) == 1
+        assert len(_chunks_of(raw, namespace, "race")) == 4  # the loser removed its chunks
+        for s in stores:
+            s.close()
+        raw.delete(*raw.scan_iter(match=f"mmc/{namespace}/*"))
+
+
+# --------------------------------------------------------------------------------------------
+# A server that dies, stalls and comes back
+
+
+@pytest.fixture
+def own_server() -> Iterator[LocalServer]:
+    """A server this test may kill, stall and restart."""
+    with start_valkey() as srv:
+        yield srv
+
+
+def test_a_dead_server_costs_misses_then_the_breaker_and_recovers_by_itself(
+    own_server: LocalServer, namespace: str
+) -> None:
+    store = open_store(own_server.url, namespace, timeout_s=0.2, breaker_cooldown_s=0.2)
+    store.put(key(1), make_item(1, 100))
+    own_server.kill()
+    for _ in range(10):
+        assert in_time(lambda: store.get(key(1))) is None
+        assert in_time(lambda: store.contains([key(1)])) == [False]
+        in_time(lambda: store.put(key(2), make_item(2, 100)))
+    stats = store.stats()
+    assert stats["unreachable"] >= 3 and stats["breaker_opened"] == 1 and stats["skipped"] > 0
+    own_server.start()  # a fresh, empty server on the same port
+    recovered = False
+    for _ in range(200):  # the breaker probes again after its cooldown
+        in_time(lambda: store.put(key(3), make_item(3, 100)))
+        if same(in_time(lambda: store.get(key(3))), make_item(3, 100)):
+            recovered = True
+            break
+        threading.Event().wait(0.05)
+    assert recovered
+    assert store.stats()["breaker_open"] == 0
+    store.close()
+
+
+def test_a_stalled_server_costs_each_call_its_deadline_not_a_hang(
+    own_server: LocalServer, namespace: str
+) -> None:
+    store = open_store(own_server.url, namespace, timeout_s=0.3, breaker_failures=100)
+    item = make_item(1, 2 * MiB)
+    store.put(key(1), item)
+    own_server.stall()
+    try:
+        for call in (
+            lambda: store.get(key(1)),
+            lambda: store.contains([key(1)]),
+            lambda: store.put(key(2), item),
+            lambda: store.get_many([key(1), key(2)]),
+        ):
+            assert in_time(call) in (None, [False], [None, None])
+        assert store.stats()["timeouts"] == 4
+    finally:
+        own_server.resume()
+    assert same(in_time(lambda: store.get(key(1))), item)
+    store.close()
+
+
+def test_the_breaker_opens_probes_once_and_backs_off() -> None:
+    breaker = CircuitBreaker(failures=2, cooldown_s=0.05)
+    assert breaker.allow() and not breaker.failure() and breaker.failure()
+    assert breaker.state == "open" and not breaker.allow()
+    threading.Event().wait(0.06)
+    assert breaker.allow() and not breaker.allow()  # one probe at a time
+    breaker.failure()  # the probe failed: open again, for longer
+    assert breaker.state == "open"
+    threading.Event().wait(0.11)
+    assert breaker.allow() and breaker.success() and breaker.state == "closed"
+
+
+# --------------------------------------------------------------------------------------------
+# P0 with the tier: two hosts share what either processed
+
+
+class Host:
+    """One host's P0 (``TieredSenderCache`` over ``lru`` or ``shm``) and its P1 / worker,
+    driven as an engine's frontend would; counts what it processed."""
+
+    def __init__(self, mode: str, url: str, namespace: str, secret: str = "shared secret"):
+        local: Any
+        if mode == "lru":
+            local = SenderCache(0.05)
+            self.receiver: Any = ReceiverCache(0.05)
+        else:
+            local = ShmSenderCache(0.05, n_readers=1)
+            self.receiver = ShmReceiverCache(local.handle())
+        self.p0 = TieredSenderCache(local, RemoteStore(url, namespace=namespace, secret=secret))
+        self.processed: list[int] = []
+
+    def serve(self, ids: list[int]) -> list[Feature]:
+        hashes = [key(i) for i in ids]
+        cached = self.p0.is_cached(hashes)
+        for h in hashes:
+            self.p0.touch_sender_cache_item(h)
+        inputs = [None if hit else self._process(i) for i, hit in zip(ids, cached, strict=True)]
+        outputs = self.p0.get_and_update(inputs, hashes)
+        features = [
+            Feature(data=data, mm_hash=h) for (data, _), h in zip(outputs, hashes, strict=True)
+        ]
+        self.receiver.get_and_update_features(features)
+        for (_, updates), i in zip(outputs, ids, strict=True):
+            assert updates == ["<image>", i]
+        return features
+
+    def _process(self, i: int) -> tuple[dict[str, Any], list[Any]]:
+        self.processed.append(i)
+        return make_item(i, 40_000), ["<image>", i]
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_second_host_serves_what_the_first_processed_without_processing(
+    server: LocalServer, namespace: str, mode: str
+) -> None:
+    a, b = Host(mode, server.url, namespace), Host(mode, server.url, namespace)
+    try:
+        for ids in ([1, 2], [3], [1, 4]):
+            for f, i in zip(a.serve(ids), ids, strict=True):
+                assert same(f.data, make_item(i, 40_000))
+        assert a.p0.flush()
+        for ids in ([2, 1], [4, 3, 5]):
+            for f, i in zip(b.serve(ids), ids, strict=True):
+                assert same(f.data, make_item(i, 40_000))
+        assert a.processed == [1, 2, 3, 4] and b.processed == [5]
+        stats = b.p0.stats()
+        assert stats["remote_served"] == 4 and stats["remote_hits"] == 4
+        # A remote hit went into B's local cache as usual: now a local hit, no remote call.
+        lookups = stats["remote_lookups"]
+        b.serve([1, 2])
+        assert b.p0.stats()["remote_lookups"] == lookups and b.processed == [5]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_with_the_server_gone_every_request_is_still_served_by_processing(
+    own_server: LocalServer, namespace: str
+) -> None:
+    host = Host("shm", own_server.url, namespace)
+    host.p0.remote.timeout_s = 0.2
+    try:
+        host.serve([1])
+        own_server.kill()
+        for ids in ([2, 3], [4], [2, 5]):
+            for f, i in zip(in_time(lambda ids=ids: host.serve(ids)), ids, strict=True):
+                assert same(f.data, make_item(i, 40_000))
+        assert host.processed == [1, 2, 3, 4, 5]
+        assert host.p0.stats()["remote_errors"] > 0
+    finally:
+        host.close()
+
+
+def test_a_host_with_a_wrong_secret_processes_everything_itself(
+    server: LocalServer, namespace: str
+) -> None:
+    a = Host("lru", server.url, namespace)
+    b = Host("lru", server.url, namespace, secret="not the shared one")
+    try:
+        a.serve([1, 2])
+        assert a.p0.flush()
+        for f, i in zip(b.serve([1, 2]), [1, 2], strict=True):
+            assert same(f.data, make_item(i, 40_000))
+        assert b.processed == [1, 2] and b.p0.stats()["remote_digest_mismatch"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_make_caches_puts_the_p0_cache_of_a_mode_behind_the_tier(
+    server: LocalServer, namespace: str
+) -> None:
+    from mmcache import make_caches
+
+    with pytest.raises(ValueError, match="needs a P0 cache"):
+        make_caches("none", capacity_gb=0.01, remote=open_store(server.url, namespace))
+    p0, p1 = make_caches("lru", capacity_gb=0.01, remote=open_store(server.url, namespace))
+    assert isinstance(p0, TieredSenderCache) and isinstance(p0.local, SenderCache)
+    assert isinstance(p1, ReceiverCache)
+    p0.close()
+    assert p0.remote.get(key(1)) is None and p0.remote.stats()["skipped"] == 1  # closed with it
+
+
+def test_the_readme_example_runs_against_a_real_server(
+    server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "remote" in b)
+    monkeypatch.setenv("MMCACHE_REMOTE_SECRET", "from the environment")
+    namespace: dict[str, Any] = {}
+    exec(
+        compile(block.replace("redis://cache.internal:6379", server.url), "README", "exec"),
+        namespace,
+    )
+    p0 = namespace["p0"]
+    try:
+        assert isinstance(p0, TieredSenderCache) and isinstance(p0.local, ShmSenderCache)
+        assert p0.is_cached([key("readme")]) == [False] and p0.remote.stats()["errors"] == 0
+    finally:
+        p0.close()

@@ -1,0 +1,100 @@
+"""The remote tier on a real Mooncake Store: a ``mooncake_master`` from the
+``mooncake-transfer-engine-non-cuda`` wheel on loopback, clients over TCP.
+
+Mooncake's wheel needs libibverbs, libnuma and libcurl from the OS; where one is missing these
+tests skip, saying which (README: what to install).  Everything else runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_remote import in_time, key, make_item, same
+
+from mmcache.remote import RemoteStore
+from mmcache.remote.envelope import HEADER_SIZE
+from mmcache.remote.mooncake_backend import import_mooncake
+from mmcache.remote.servers import LocalServer, start_mooncake_master
+
+MiB = 1 << 20
+
+try:
+    mooncake_store = import_mooncake()
+except ImportError as exc:
+    pytest.skip(str(exc), allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[LocalServer]:
+    with start_mooncake_master() as srv:
+        yield srv
+
+
+def open_store(url: str, namespace: str, **kwargs: Any) -> RemoteStore:
+    return RemoteStore(
+        f"{url}&segment_mb=64", namespace=namespace, secret="shared secret", **kwargs
+    )
+
+
+@pytest.fixture
+def raw(master: LocalServer) -> Iterator[Any]:
+    """A plain Mooncake client, to damage values behind the store's back."""
+    store = mooncake_store.MooncakeDistributedStore()
+    host_port, metadata = master.url.removeprefix("mooncake://").split("?metadata=")
+    assert store.setup("127.0.0.1", metadata, 16 * MiB, 16 * MiB, "tcp", "", host_port) == 0
+    yield store
+    store.close()
+
+
+@pytest.mark.parametrize("n_bytes", [1000, 3 * MiB + 124], ids=["small", "large"])
+def test_get_returns_what_was_put_bit_for_bit(master: LocalServer, n_bytes: int) -> None:
+    with open_store(master.url, f"mc/roundtrip{n_bytes}@1") as store:
+        item = make_item(1, n_bytes)
+        assert store.get(key(1)) is None
+        store.put(key(1), item)
+        assert store.contains([key(1), key(2), key(1)]) == [True, False, True]
+        got = store.get_many([key(1), key(2)])
+        assert same(got[0], item) and got[1] is None
+        store.put(key(1), make_item(2, n_bytes))  # put-if-absent: the first item stays
+        assert same(store.get(key(1)), item)
+        stats = store.stats()
+        assert stats["puts"] == 1 and stats["put_present"] == 1 and stats["errors"] == 0
+
+
+def test_another_host_reads_it_and_a_wrong_secret_does_not(master: LocalServer) -> None:
+    namespace = "mc/hosts@1"
+    item = make_item(3, 2 * MiB)
+    # Mooncake keeps a value in the memory the writing client contributes: the writer stays.
+    with open_store(master.url, namespace) as writer:
+        writer.put(key(3), item)
+        with open_store(master.url, namespace) as reader:
+            assert same(reader.get(key(3)), item)
+        wrong = RemoteStore(master.url + "&segment_mb=16", namespace=namespace, secret="wrong")
+        with wrong:
+            assert wrong.get(key(3)) is None and wrong.stats()["digest_mismatch"] == 1
+
+
+def test_a_damaged_value_is_a_miss(master: LocalServer, raw: Any) -> None:
+    namespace = "mc/damage@1"
+    with open_store(master.url, namespace) as store:
+        store.put(key(1), make_item(1, 10_000))
+        name = f"mmc/{namespace}/{key(1)}"
+        value = bytearray(raw.get(name))
+        value[HEADER_SIZE + 4000] ^= 0x10
+        assert raw.upsert(name, bytes(value)) == 0
+        assert store.get(key(1)) is None and store.stats()["digest_mismatch"] == 1
+
+
+def test_a_dead_master_costs_misses_not_hangs() -> None:
+    with start_mooncake_master() as master:
+        store = open_store(master.url, "mc/dead@1", timeout_s=1.0, breaker_cooldown_s=0.2)
+        store.put(key(1), make_item(1, 1000))
+        master.kill()
+        for _ in range(6):
+            assert in_time(lambda: store.get(key(2))) is None
+            assert in_time(lambda: store.contains([key(2)])) == [False]
+        stats = store.stats()
+        assert stats["errors"] > 0 and stats["hits"] == 0
+        in_time(store.close)

@@ -1,0 +1,317 @@
+"""``mmcache.vllm`` in one process: installing, items, handles, the request bracket,
+errors, clearing and the small-``/dev/shm`` fallback, all through vLLM's own factories."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from vllm.multimodal import cache as vllm_cache
+from vllm.multimodal.cache import (
+    MultiModalCacheMissError,
+    engine_receiver_cache_from_config,
+    processor_cache_from_config,
+    worker_receiver_cache_from_config,
+)
+from vllm.multimodal.cache.base import MultiModalCache
+from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache, LruKeyReplicatedSenderCache
+from vllm.multimodal.cache.shm import ShmObjectStoreReceiverCache, ShmObjectStoreSenderCache
+from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+import mmcache.vllm as mv
+from mmcache import ShmHandle
+from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+
+LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
+Pair = tuple[Any, Any]  # P0's cache and a worker's
+
+
+def mm_hash(i: int) -> str:
+    return f"image-{i}"
+
+
+# -- installing --------------------------------------------------------------------------------
+
+
+def test_install_makes_every_factory_build_mmcache_and_is_idempotent() -> None:
+    mv.install()
+    mv.install()
+    for name, cls in mv.REPLACEMENTS.items():
+        assert getattr(vllm_cache, name) is cls
+    assert issubclass(mv.MmcacheLruSenderCache, LruKeyReplicatedSenderCache)
+    assert issubclass(mv.MmcacheLruReceiverCache, LruKeyReplicatedReceiverCache)
+    assert issubclass(mv.MmcacheShmSenderCache, ShmObjectStoreSenderCache)
+    assert issubclass(mv.MmcacheShmReceiverCache, ShmObjectStoreReceiverCache)
+
+    lru = vllm_config("lru", MiB)
+    assert type(processor_cache_from_config(lru)) is mv.MmcacheLruSenderCache
+    assert type(engine_receiver_cache_from_config(lru)) is mv.MmcacheLruReceiverCache
+    only = vllm_config("processor_only", MiB)
+    assert type(processor_cache_from_config(only)) is mv.MmcacheProcessorOnlyCache
+    shm = vllm_config("shm", 4 * MiB)
+    sender = processor_cache_from_config(shm)
+    try:
+        assert type(sender) is mv.MmcacheShmSenderCache
+        assert engine_receiver_cache_from_config(shm) is None
+        receiver = worker_receiver_cache_from_config(shm, LOCK)
+        assert type(receiver) is mv.MmcacheShmReceiverCache
+        receiver._shm_cache.close()
+    finally:
+        sender.close()
+
+
+# -- items and handles -------------------------------------------------------------------------
+
+
+def test_items_convert_losslessly() -> None:
+    item = kwargs_item(3)
+    back = mv.item_from_mmcache(mv.item_to_mmcache(item))
+    assert same_item(item, back)
+    assert back["image_embeds"].field.slices == [slice(0, 2), slice(2, 4, 1)]
+    assert back["grid_thw"].field.keep_on_cpu is True
+
+
+def test_sizes_are_vllms_own() -> None:
+    items = [kwargs_item(i, n_bytes=100 * (i + 1)) for i in range(3)]
+    sender = processor_cache_from_config(vllm_config("lru", MiB))
+    receiver = engine_receiver_cache_from_config(vllm_config("lru", MiB))
+    for i, item in enumerate(items):
+        data, _ = sender.get_and_update_item((item, []), mm_hash(i))
+        receiver.get_and_update_item(data, mm_hash(i))
+    expected = sum(MultiModalCache.get_item_size(item) for item in items)
+    assert sender._sender.stats()["used_bytes"] == expected
+    assert receiver._receiver.stats()["used_bytes"] == expected
+
+
+@pytest.mark.parametrize("signature_bytes", [16, 20, 32, 1])
+def test_handles_cross_vllms_ipc_with_signatures_of_any_length(signature_bytes: int) -> None:
+    handle = ShmHandle(
+        address=2**63 + 64,
+        monotonic_id=2**40 + 1,
+        signature=bytes(range(7, 7 + signature_bytes)),
+    )
+    item = mv.handle_as_item(handle)
+    assert "address" in item
+    decoded = MsgpackDecoder(MultiModalKwargsItem).decode(MsgpackEncoder().encode(item))
+    assert mv.handle_from_item(decoded, "k") == handle
+    assert mv.handle_from_item(kwargs_item(1), "k") is None
+
+
+def _with(item: Any, key: str, data: Any) -> Any:
+    elems = dict(item)
+    elems[key] = MultiModalFieldElem(data=data, field=item["address"].field)
+    return MultiModalKwargsItem(elems)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("address", True),
+        ("address", -1),
+        ("address", 2**64),
+        ("monotonic_id", 1.0),
+        ("signature", [[1]]),
+        ("signature", [2**64]),
+        ("signature", "00"),
+        ("signature_nbytes", 17),
+        ("signature_nbytes", 8),
+    ],
+)
+def test_malformed_handle_items_are_value_errors(key: str, value: Any) -> None:
+    good = mv.handle_as_item(ShmHandle(address=0, monotonic_id=1, signature=bytes(16)))
+    with pytest.raises(ValueError, match="SHM handle signature") as info:
+        mv.handle_from_item(_with(good, key, value), "k")
+    assert isinstance(info.value, mv.InvalidShmHandleError)
+
+
+# -- P0 and the request bracket ----------------------------------------------------------------
+
+
+def vllm_p0_request(p0: Any, hashes: list[str], truth: dict[str, Any]) -> list[Any]:
+    """What vLLM's processor does with P0's cache for one request (``_merge_mm_kwargs``)."""
+    cached = p0.is_cached(hashes)
+    try:
+        for h in hashes:
+            p0.touch_sender_cache_item(h)
+        return [
+            p0.get_and_update_item(None if c else (truth[h], [f"pu-{h}"]), h)[0]
+            for h, c in zip(hashes, cached)
+        ]
+    finally:
+        p0.release_sender_touches()
+
+
+def test_lru_mode_stays_mirrored_with_requests_larger_than_the_cache() -> None:
+    rng = random.Random(5)
+    truth = {mm_hash(i): kwargs_item(i, n_bytes=rng.choice([1, 2, 3, 5]) * 1000) for i in range(12)}
+    config = vllm_config("lru", 10_000)
+    p0, p1 = processor_cache_from_config(config), engine_receiver_cache_from_config(config)
+    oversized = 0
+    for _ in range(200):
+        hashes = [rng.choice(list(truth)) for _ in range(rng.randint(1, 5))]
+        oversized += sum(MultiModalCache.get_item_size(truth[h]) for h in set(hashes)) > 10_000
+        features = [feature(d, h) for d, h in zip(vllm_p0_request(p0, hashes, truth), hashes)]
+        p1.get_and_update_features(features)
+        assert all(same_item(truth[h], f.data) for f, h in zip(features, hashes))
+        assert p0._sender.keys() == p1._receiver.keys()
+    assert oversized > 20
+
+
+def test_a_request_that_fails_part_way_gives_its_handles_back() -> None:
+    # A ring that holds one object: the first item's object must be reclaimable after the
+    # failed request, or the next request's item is served uncached.
+    item = kwargs_item(1, n_bytes=600_000)
+    p0 = processor_cache_from_config(vllm_config("shm", 1_000_000, max_object_mb=1))
+    try:
+        p0.touch_sender_cache_item("a")
+        p0.touch_sender_cache_item("b")
+        handle, _ = p0.get_and_update_item((item, []), "a")
+        assert "address" in handle
+        with pytest.raises(MultiModalCacheMissError) as info:
+            p0.get_and_update_item(None, "b")  # not cached and no data
+        assert info.value.mm_hashes == ["b"]
+        p0.release_sender_touches()
+        p0.invalidate("a")
+        again, _ = p0.get_and_update_item((kwargs_item(2, n_bytes=600_000), []), "c")
+        assert "address" in again, "the failed request's reference still pins the ring"
+    finally:
+        p0.close()
+
+
+# -- P0 validates what clients send back -----------------------------------------------------
+
+
+def test_validate_input_item_accepts_only_the_current_handle_of_the_key() -> None:
+    p0 = processor_cache_from_config(vllm_config("shm", 4 * MiB))
+    try:
+        handle, _ = p0.get_and_update_item((kwargs_item(1), []), "a")
+        before = p0.make_stats()
+        p0.validate_input_item(handle, "a")
+        p0.validate_input_item(kwargs_item(2), "a")  # plain data: nothing to check
+        assert p0.make_stats() == before, "validation counted a lookup"
+        with pytest.raises(ValueError, match="SHM handle signature"):
+            p0.validate_input_item(handle, "b")
+        p0.clear_cache()
+        with pytest.raises(ValueError, match="SHM handle signature"):
+            p0.validate_input_item(handle, "a")
+    finally:
+        p0.close()
+
+
+# -- clear_cache and workers -----------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_pair() -> Iterator[Pair]:
+    """P0's cache and one worker's, on a 2 MiB ring of 1 MiB objects at most."""
+    config = vllm_config("shm", 2 * MiB, max_object_mb=1)
+    p0 = processor_cache_from_config(config)
+    worker = worker_receiver_cache_from_config(config, LOCK)
+    yield p0, worker
+    worker._shm_cache.close()
+    p0.close()
+
+
+def test_a_clear_while_requests_are_in_flight_never_hands_out_other_data(
+    shm_pair: Pair,
+) -> None:
+    p0, worker = shm_pair
+    in_flight = [feature(p0.get_and_update_item((kwargs_item(0), []), "k")[0], "k")]
+    p0.clear_cache()  # vLLM: sleep, KV-cache release, reset
+    assert not p0.is_cached_item("k") and p0.make_stats().total == 0
+    for i in range(1, 6):  # other data under the same key fills the ring
+        p0.get_and_update_item((kwargs_item(i, n_bytes=400_000), []), "k")
+        p0.invalidate("k")
+    worker.get_and_update_features(in_flight)
+    assert same_item(kwargs_item(0), in_flight[0].data)
+
+
+def test_a_stale_handle_is_a_miss_that_is_also_a_value_error(shm_pair: Pair) -> None:
+    p0, worker = shm_pair
+    handle, _ = p0.get_and_update_item((kwargs_item(0), []), "old")
+    # mmcache's plain clear drops the references of handles in flight, so the ring
+    # reuses their space: the worker has never read this one.
+    p0.ring.clear_cache()
+    for i in range(1, 8):
+        p0.get_and_update_item((kwargs_item(i, n_bytes=400_000), []), f"new-{i}")
+    with pytest.raises(MultiModalCacheMissError) as info:
+        worker.get_and_update_features([feature(handle, "old")])
+    assert isinstance(info.value, ValueError)
+    assert info.value.mm_hashes == ["old"]
+    assert "modified or is invalid" in str(info.value)
+
+
+def test_a_replayed_handle_reads_its_own_data_after_the_ring_moved_on(shm_pair: Pair) -> None:
+    # vLLM resends a preempted request with the same handles, after the first read gave
+    # their references back.
+    p0, worker = shm_pair
+
+    def churn() -> None:
+        # Enough other objects, read, to wrap the ring several times; each is larger than
+        # what a worker keeps for replays (a quarter of the ring), so none displaces "a".
+        for i in range(1, 16):
+            other, _ = p0.get_and_update_item((kwargs_item(i, n_bytes=600_000), []), f"o{i}")
+            assert "address" in other
+            worker.get_and_update_item(other, f"o{i}")
+            p0.invalidate(f"o{i}")
+
+    handle, _ = p0.get_and_update_item((kwargs_item(0), []), "a")
+    assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
+    p0.invalidate("a")
+    churn()
+    assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
+    worker.clear_cache()  # the worker lets its recent objects go: now the ring may too
+    churn()
+    with pytest.raises(MultiModalCacheMissError):
+        worker.get_and_update_item(handle, "a")
+
+
+# -- small /dev/shm --------------------------------------------------------------------------
+
+
+def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stat = os.statvfs("/dev/shm")
+    too_big = 2 * stat.f_bavail * stat.f_frsize + (1 << 30)
+    config = vllm_config("shm", too_big)
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        p0 = processor_cache_from_config(config)
+    warnings = [
+        r for r in caplog.records if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
+    ]
+    assert len(warnings) == 1 and "processor-only" in warnings[0].getMessage()
+    assert type(p0) is mv.MmcacheShmSenderCache and p0.ring is None
+    assert os.environ[mv.READER_HANDLE_ENV] == ""
+    worker = worker_receiver_cache_from_config(config, LOCK)
+    item = kwargs_item(1)
+    sent, _ = p0.get_and_update_item((item, []), "a")
+    assert sent is item  # data travels by IPC
+    assert p0.get_and_update_item(None, "a")[0] is item  # a processor-only hit
+    features = [feature(sent, "a"), feature(None, "b")]
+    worker.get_and_update_features(features)
+    assert features[0].data is item and features[1].data is None
+    with pytest.raises(ValueError, match="SHM handle signature"):
+        p0.validate_input_item(mv.handle_as_item(ShmHandle(address=0, monotonic_id=0,
+                                                           signature=bytes(16))), "a")
+    p0.close()
+
+
+def test_workers_refuse_to_start_when_no_ring_was_published() -> None:
+    with pytest.raises(RuntimeError, match=mv.READER_HANDLE_ENV):
+        worker_receiver_cache_from_config(vllm_config("shm", MiB), LOCK)
+
+
+def test_decoded_tensors_are_ordinary_writable_tensors_on_cpu(shm_pair: Pair) -> None:
+    p0, worker = shm_pair
+    handle, _ = p0.get_and_update_item((kwargs_item(1), []), "a")
+    out = worker.get_and_update_item(handle, "a")
+    pixels = out["pixel_values"].data
+    pixels += 1  # vLLM may modify what it receives: it owns it
+    assert torch.equal(pixels, kwargs_item(1)["pixel_values"].data + 1)
