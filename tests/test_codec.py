@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import math
 import struct
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -248,6 +250,28 @@ def test_other_format_versions_are_refused_with_the_reason() -> None:
     payload[3] = ord("1")
     with pytest.raises(SegmentCorruptError, match="version '1'"):
         serde.decode(bytes(payload))
+
+
+def test_views_freed_by_the_garbage_collector_inside_a_native_call() -> None:
+    """torch frees a tensor with the GIL released, even when the collector runs inside one of
+    our own calls: the DLPack deleter must take the GIL itself to drop what it holds. (It
+    crashed the interpreter when it trusted PyO3's belief that the GIL was held.)"""
+    code = """
+import gc, torch, numpy as np
+from mmcache import serde
+payload = serde.pack({"t": torch.arange(4.0)})
+item = {"a": np.arange(3)}
+gc.set_threshold(1, 1, 1)  # collect at (nearly) every allocation, ours included
+for _ in range(3000):
+    view = serde.decode(payload, copy=False)
+    cycle = [view]
+    cycle.append(cycle)  # only the collector frees the tensor
+    del view, cycle
+    serde.encode(item)  # allocates inside a native call
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_lazy_negation_is_resolved_on_encode() -> None:

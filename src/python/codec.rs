@@ -353,9 +353,25 @@ impl SimpleBuffer {
 impl Drop for SimpleBuffer {
     fn drop(&mut self) {
         // SAFETY: the view was filled by a successful PyObject_GetBuffer and is released
-        // exactly once, here, attached to the interpreter (which has gone if this fails:
-        // then there is nothing left to release to).
-        let _ = Python::try_attach(|_| unsafe { ffi::PyBuffer_Release(&mut *self.0) });
+        // exactly once, here, holding the GIL.
+        with_gil_held(|| unsafe { ffi::PyBuffer_Release(&mut *self.0) });
+    }
+}
+
+/// Run `f` holding the GIL, whether or not this thread holds it already and whatever PyO3's
+/// own bookkeeping says: torch frees a tensor (so calls its DLPack deleter) with the GIL
+/// released, even in the middle of a PyO3 call, where `Python::attach` would assume it
+/// held. Nothing runs once the interpreter is gone (what `f` would free goes with it).
+fn with_gil_held(f: impl FnOnce()) {
+    // SAFETY: Py_IsInitialized may be called at any time; PyGILState_Ensure/Release pair up
+    // on this thread and work whether or not it holds the GIL.
+    unsafe {
+        if ffi::Py_IsInitialized() == 0 {
+            return;
+        }
+        let state = ffi::PyGILState_Ensure();
+        f();
+        ffi::PyGILState_Release(state);
     }
 }
 
@@ -419,9 +435,10 @@ unsafe extern "C" fn delete_exported(managed: *mut DLManagedTensor) {
     // `dlpack_tensor`, and DLPack calls the deleter exactly once.
     let exported = unsafe { Box::from_raw(managed.cast::<Exported>()) };
     if let Owner::Object { obj } = exported.owner {
-        // torch may free a tensor on a thread without the GIL: take it to decref now, or (the
-        // interpreter is shutting down) leave the decref to PyO3's deferred pool.
-        let _ = Python::try_attach(move |_| drop(obj));
+        let obj = obj.into_ptr();
+        // SAFETY: `obj` is the strong reference the owner held, given up exactly once, with
+        // the GIL held.
+        with_gil_held(|| unsafe { ffi::Py_DecRef(obj) });
     }
 }
 
