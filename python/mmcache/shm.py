@@ -25,7 +25,6 @@ from mmcache._core import ReaderHandle, ShmObjectStore, StaleHandleError
 from mmcache.caches import (
     BaseReceiverCache,
     BaseSenderCache,
-    FeatureLike,
     SenderInput,
     SenderOutput,
     capacity_bytes,
@@ -339,35 +338,6 @@ class ShmReceiverCache(BaseReceiverCache):
             )
         except StaleHandleError:
             raise CacheMissError([mm_hash]) from None
-
-    def get_and_update_features(self, features: Sequence[FeatureLike]) -> Sequence[FeatureLike]:
-        """The base class's loop without the steps that do nothing in ``shm`` (touches,
-        request protection: references are P0's business), one native call per handle:
-        resolves every feature's ``data`` in place, lists every missing hash in one
-        :class:`CacheMissError`, and raises the first other error once all are resolved."""
-        get_item, copy, pin = self._store.get_item, self._copy, self._pin_copies
-        missing: list[str] = []
-        failure: Exception | None = None
-        for feature in features:
-            data = feature.data
-            if type(data) is not ShmHandle and (data is None or isinstance(data, Mapping)):
-                continue
-            key = feature.mm_hash or feature.identifier
-            try:
-                if type(data) is not ShmHandle:
-                    raise TypeError(
-                        f"ShmReceiverCache got a {type(data).__qualname__} for {key}"
-                    )
-                feature.data = get_item(data, key, copy=copy, pin_memory=pin)
-            except StaleHandleError:
-                missing.append(key)
-            except Exception as exc:
-                failure = failure or exc
-        if failure is not None:
-            raise failure
-        if missing:
-            raise CacheMissError(missing)
-        return features
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Nothing to do: references are taken by P0 and given back by reading."""
