@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
-.PHONY: build simulate test test-rust test-python test-vllm lint typecheck bench clean
+.PHONY: build simulate test test-rust test-python test-vllm lint typecheck bench bench-vllm clean
 
 # vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
 # their own, with vLLM installed without its dependencies plus exactly what its cache
@@ -68,6 +68,11 @@ test: lint test-rust typecheck test-python test-vllm
 bench: build
 	$(VENV)/bin/mmcache bench
 	$(PY) benches/bench_caches.py
+
+# The cache API and the core against vLLM 0.33's own store, in vLLM's venv (a few minutes).
+bench-vllm: build $(VLLM_STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet
+	$(VLLM_ENV) $(VENV_VLLM)/bin/python benches/bench_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) target

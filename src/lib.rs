@@ -12,11 +12,13 @@
 //! * [`ring`] — the writer's allocator (pure, writer-private).
 //! * [`handle`] — keyed signatures of `(key, address, monotonic id)`.
 //! * [`store`] — the protocol: references, acknowledgements, leases, eviction.
+//! * [`codec`] — the payload format of one item (header + parts), encoded and parsed.
 //! * `python` (feature `python`) — the thin PyO3 module `mmcache._core`.
 
 #[cfg(not(target_has_atomic = "64"))]
 compile_error!("mmcache needs lock-free 64-bit atomics");
 
+pub mod codec;
 pub mod error;
 pub mod handle;
 pub mod layout;

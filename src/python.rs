@@ -1,7 +1,8 @@
 //! `mmcache._core`: the thin PyO3 layer. Argument conversion, the buffer protocol (in and
 //! out), releasing the GIL around large copies, and mapping `Error` to Python exceptions —
 //! nothing else. Besides `segment.rs`, this is the only module with `unsafe` code: the two
-//! buffer-protocol crossings PyO3 cannot express safely.
+//! buffer-protocol crossings PyO3 cannot express safely, and (in `codec`) the item codec's
+//! DLPack and buffer crossings.
 
 use std::ffi::c_int;
 use std::sync::{Arc, Mutex};
@@ -21,6 +22,8 @@ use crate::layout::LAYOUT_VERSION;
 use crate::layout::{Liveness, SlotState};
 use crate::segment::RawBytes;
 use crate::store::{self, Reader, ReaderInfo, View, Writer};
+
+mod codec;
 
 create_exception!(
     mmcache._core,
@@ -307,12 +310,13 @@ enum ViewBytes {
 /// A read-only, zero-copy view of one object's bytes (buffer protocol).
 #[pyclass(frozen, module = "mmcache._core")]
 pub struct ShmView {
-    bytes: ViewBytes,
+    /// Shared with the tensors a decoded item hands out over the same bytes.
+    bytes: Arc<ViewBytes>,
 }
 
 impl ShmView {
     fn ptr_len(&self) -> (*const u8, usize) {
-        match &self.bytes {
+        match &*self.bytes {
             ViewBytes::Shared(view) => (view.ptr(), view.len()),
             ViewBytes::Owned(v) => (v.as_ptr(), v.len()),
         }
@@ -326,7 +330,7 @@ impl ShmView {
     }
 
     fn __repr__(&self) -> String {
-        let kind = match self.bytes {
+        let kind = match *self.bytes {
             ViewBytes::Shared(_) => "shared",
             ViewBytes::Owned(_) => "copy",
         };
@@ -338,45 +342,66 @@ impl ShmView {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        if view.is_null() {
-            return Err(PyBufferError::new_err("view is null"));
-        }
-        if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
-            return Err(PyBufferError::new_err("ShmView is read-only"));
-        }
         let (ptr, len) = slf.get().ptr_len();
-        // SAFETY: `view` is a non-null Py_buffer the interpreter asked us to fill. We store a
-        // strong reference to `slf` in `obj`, so the view (and through it the lease and the
-        // mapping) outlives every consumer of the buffer. The memory is exposed read-only; the
-        // shape/strides pointers point into the Py_buffer itself, as CPython's own 1-D
-        // exporters do, and the format is a static string, so nothing needs freeing.
-        unsafe {
-            (*view).obj = slf.into_any().into_ptr();
-            (*view).buf = ptr.cast_mut().cast();
-            (*view).len = len as isize;
-            (*view).readonly = 1;
-            (*view).itemsize = 1;
-            (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
-                c"B".as_ptr().cast_mut()
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).ndim = 1;
-            (*view).shape = if flags & ffi::PyBUF_ND == ffi::PyBUF_ND {
-                &mut (*view).len
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
-                &mut (*view).itemsize
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).suboffsets = std::ptr::null_mut();
-            (*view).internal = std::ptr::null_mut();
-        }
-        Ok(())
+        // SAFETY: forwarded from this method's contract; the bytes live as long as `slf` (the
+        // lease and the mapping, or the private copy), which the view references.
+        unsafe { export_read_only_bytes(slf.into_any(), view, flags, ptr, len) }
     }
+}
+
+/// Fill `view` with `len` read-only bytes at `ptr`, owned by `owner` (what `__getbuffer__`
+/// of a read-only, one-dimensional byte exporter does).
+///
+/// # Safety
+/// `view` is the Py_buffer the interpreter passed to `__getbuffer__`; `ptr..ptr+len` stays
+/// valid and unchanged for as long as `owner` lives.
+unsafe fn export_read_only_bytes(
+    owner: Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    ptr: *const u8,
+    len: usize,
+) -> PyResult<()> {
+    if view.is_null() {
+        return Err(PyBufferError::new_err("view is null"));
+    }
+    if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+        return Err(PyBufferError::new_err(format!(
+            "{} is read-only",
+            owner.get_type().qualname()?
+        )));
+    }
+    // SAFETY: `view` is a non-null Py_buffer the interpreter asked us to fill. We store a
+    // strong reference to `owner` in `obj`, so the bytes outlive every consumer of the
+    // buffer (the caller's contract). The memory is exposed read-only; the shape/strides
+    // pointers point into the Py_buffer itself, as CPython's own 1-D exporters do, and the
+    // format is a static string, so nothing needs freeing.
+    unsafe {
+        (*view).obj = owner.into_ptr();
+        (*view).buf = ptr.cast_mut().cast();
+        (*view).len = len as isize;
+        (*view).readonly = 1;
+        (*view).itemsize = 1;
+        (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
+            c"B".as_ptr().cast_mut()
+        } else {
+            std::ptr::null_mut()
+        };
+        (*view).ndim = 1;
+        (*view).shape = if flags & ffi::PyBUF_ND == ffi::PyBUF_ND {
+            &mut (*view).len
+        } else {
+            std::ptr::null_mut()
+        };
+        (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+            &mut (*view).itemsize
+        } else {
+            std::ptr::null_mut()
+        };
+        (*view).suboffsets = std::ptr::null_mut();
+        (*view).internal = std::ptr::null_mut();
+    }
+    Ok(())
 }
 
 #[derive(Clone)]
@@ -427,6 +452,22 @@ fn collect_buffers(data: &Bound<'_, PyAny>) -> PyResult<Vec<PyUntypedBuffer>> {
             Ok(buf)
         })
         .collect()
+}
+
+/// `Writer::put_raw`, with the GIL released when there is much to copy.
+fn put_parts(
+    py: Python<'_>,
+    writer: &Writer,
+    key: &str,
+    parts: &[RawBytes<'_>],
+) -> PyResult<ShmHandle> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let handle = if total >= DETACH_THRESHOLD {
+        py.detach(|| writer.put_raw(key, parts))
+    } else {
+        writer.put_raw(key, parts)
+    }?;
+    Ok(ShmHandle::from_handle(handle))
 }
 
 impl ShmObjectStore {
@@ -549,13 +590,7 @@ impl ShmObjectStore {
             // only ever copies from them, never forms a slice.
             .map(|b| unsafe { RawBytes::new(b.buf_ptr().cast::<u8>(), b.len_bytes()) })
             .collect();
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        let handle = if total >= DETACH_THRESHOLD {
-            py.detach(|| writer.put_raw(key, &parts))
-        } else {
-            writer.put_raw(key, &parts)
-        }?;
-        Ok(ShmHandle::from_handle(handle))
+        put_parts(py, &writer, key, &parts)
     }
 
     fn is_cached(&self, key: &str) -> PyResult<bool> {
@@ -624,7 +659,7 @@ impl ShmObjectStore {
                     Py::new(
                         py,
                         ShmView {
-                            bytes: ViewBytes::Owned(bytes),
+                            bytes: Arc::new(ViewBytes::Owned(bytes)),
                         },
                     )?
                     .into_any()
@@ -653,7 +688,64 @@ impl ShmObjectStore {
                 ViewBytes::Owned(owned)
             }
         };
-        Ok(Py::new(py, ShmView { bytes })?.into_any())
+        Ok(Py::new(
+            py,
+            ShmView {
+                bytes: Arc::new(bytes),
+            },
+        )?
+        .into_any())
+    }
+
+    /// Encode `item` (a mapping of tensors, arrays and small values) and store it under
+    /// `key`, in one pass: the header and every tensor's bytes go straight into the chunk.
+    fn put_item(&self, py: Python<'_>, key: &str, item: &Bound<'_, PyAny>) -> PyResult<ShmHandle> {
+        codec::put_item(self, py, key, item)
+    }
+
+    /// Verify `handle` for `key` and decode its item: zero-copy views (`copy=False`) or one
+    /// copy per value, tensors into torch memory (pinned with `pin_memory=True`).
+    #[pyo3(signature = (handle, key, *, copy = true, pin_memory = false))]
+    fn get_item<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &ShmHandle,
+        key: &str,
+        copy: bool,
+        pin_memory: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        codec::get_item(self, py, handle, key, copy, pin_memory)
+    }
+
+    /// `get_cached`, with `None` for an absent key instead of `KeyError` (P0's hot path).
+    fn try_get_cached(&self, key: &str) -> PyResult<Option<ShmHandle>> {
+        match self.writer("try_get_cached")?.get_cached(key) {
+            Ok(h) => Ok(Some(ShmHandle::from_handle(h))),
+            Err(Error::KeyNotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `pin`, returning whether `key` was there to pin instead of raising `KeyError`.
+    fn try_pin(&self, key: &str) -> PyResult<bool> {
+        match self.writer("try_pin")?.pin(key) {
+            Ok(()) => Ok(true),
+            Err(Error::KeyNotFound(_)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `(address, length)` of a reader's read-only mapping of the segment, which zero-copy
+    /// views point into (to register it with CUDA, say).
+    fn view_mapping(&self) -> PyResult<(usize, usize)> {
+        match self.role()? {
+            Role::Reader(r) => r
+                .view_mapping()
+                .ok_or_else(|| MmcacheError::new_err("this reader has no read-only mapping")),
+            Role::Writer(_) => Err(MmcacheError::new_err(
+                "view_mapping() is for readers; the writer exports no views",
+            )),
+        }
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -796,5 +888,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(list_segments, m)?)?;
     m.add_function(wrap_pyfunction!(segment_status, m)?)?;
     m.add_function(wrap_pyfunction!(unlink_segment, m)?)?;
+    codec::register(m)?;
     Ok(())
 }

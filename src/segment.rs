@@ -733,6 +733,12 @@ impl Segment {
         Ok(base.as_ptr().wrapping_add(start).cast_const())
     }
 
+    /// Address and length of the read-only mapping views point into (openers only).
+    pub fn view_mapping(&self) -> Option<(usize, usize)> {
+        self.view_base
+            .map(|base| (base.as_ptr() as usize, self.len))
+    }
+
     /// Whether this handle is the creator's, in the creating process.
     pub fn is_owner(&self) -> bool {
         self.creator_pid == Some(current_pid())

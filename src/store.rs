@@ -1052,6 +1052,11 @@ impl View {
         self.address as *const u8
     }
 
+    /// `Lease::read_at` of the view's payload (a copy that forms no reference to it).
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.lease.read_at(offset, dst)
+    }
+
     pub fn len(&self) -> usize {
         self.lease.len()
     }
@@ -1193,6 +1198,12 @@ impl Reader {
 
     pub fn name(&self) -> &str {
         self.shared.seg.name()
+    }
+
+    /// Address and length of this reader's read-only mapping of the whole segment, where
+    /// zero-copy views point (for registering it with a device, e.g. `cudaHostRegister`).
+    pub fn view_mapping(&self) -> Option<(usize, usize)> {
+        self.shared.seg.view_mapping()
     }
 
     /// Stop taking leases; the slot drains (its live views stay protected, it gets no new
@@ -1411,6 +1422,30 @@ impl Lease {
             }
         }
         Ok(())
+    }
+
+    /// Copy `dst.len()` payload bytes starting `offset` bytes in (a protected lease only:
+    /// the writer cannot reuse those bytes while it lives, so no check is needed after).
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        if self.stamp.is_none() {
+            return Err(Error::InvalidArgument(
+                "read_at needs a protected lease; copy an unprotected payload with copy_to".into(),
+            ));
+        }
+        if offset
+            .checked_add(dst.len() as u64)
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {offset}+{} lie outside the {}-byte payload",
+                dst.len(),
+                self.len
+            )));
+        }
+        self.reader
+            .shared
+            .seg
+            .read_into(self.payload_offset() + offset, dst)
     }
 
     /// A zero-copy view of the payload, for a protected lease (`Err(self)` otherwise).

@@ -82,10 +82,20 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     ops = {row["op"] for row in rows}
-    assert ops == {"memcpy (numpy)", "put", "lookup", "get (copy)", "get (zero-copy)"}
+    core = {"memcpy (numpy)", "put", "lookup", "get (copy)", "get (zero-copy)"}
+    cache = {"cache put", "cache lookup", "cache hit", "cache get (copy)", "cache get (zero-copy)"}
+    assert ops == core | cache
     assert {row["size"] for row in rows} == {4 << 10, 64 << 10, 1 << 20, 16 << 20}
     assert {row["readers"] for row in rows if row["op"].startswith("get")} == {1, 2}
+    assert {row["readers"] for row in rows if row["op"].startswith("cache get")} == {1}
     assert all(row["seconds"] > 0 and row["vs_memcpy"] > 0 for row in rows)
     assert all(row["vs_memcpy"] == 1.0 for row in rows if row["op"] == "memcpy (numpy)")
-    assert all((row["bytes_per_s"] is None) == (row["op"] == "lookup") for row in rows)
-    assert "x memcpy" in result.stdout and "16 MiB" in result.stdout
+    no_bytes = {"lookup", "cache lookup", "cache hit"}
+    assert all((row["bytes_per_s"] is None) == (row["op"] in no_bytes) for row in rows)
+    # Each size's rows: every cache row right after its core rows (1 and 2 readers).
+    assert [row["op"] for row in rows if row["size"] == 4 << 10] == [
+        "memcpy (numpy)", "put", "cache put", "lookup", "cache lookup", "cache hit",
+        "get (copy)", "get (copy)", "cache get (copy)",
+        "get (zero-copy)", "get (zero-copy)", "cache get (zero-copy)",
+    ]
+    assert all(s in result.stdout for s in ("x memcpy", "16 MiB", "cache put"))

@@ -1,6 +1,6 @@
 """Type stubs for the Rust core, ``mmcache._core`` (kept honest by ``mypy.stubtest``)."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, final
 
@@ -10,6 +10,10 @@ __version__: str
 LAYOUT_VERSION: int
 PART_ALIGNMENT: int
 """Every part of a multi-part ``put`` starts at a multiple of this many bytes of the payload."""
+OUT_OF_BAND_BYTES: int
+"""``bytes`` values at least this long travel as their own part instead of in the header."""
+PAYLOAD_FORMAT_VERSION: int
+"""The item payload format this build writes and reads (the digit after ``b"MMC"``)."""
 
 class MmcacheError(Exception):
     """Base class of every error the shared-memory core raises on its own account."""
@@ -92,6 +96,15 @@ class ShmView:
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 @final
+class PartView:
+    """A read-only view of one part of an encoded item (a tensor's, array's or ``bytes``
+    value's own bytes), keeping the object that holds them alive."""
+
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+@final
 class ShmObjectStore:
     """One named shared-memory ring: created by its single writer, attached by readers."""
 
@@ -136,6 +149,20 @@ class ShmObjectStore:
     def clear(self) -> None: ...
     def keys(self) -> list[str]: ...
     def get(self, handle: ShmHandle, key: str, copy: bool = True) -> bytes | ShmView: ...
+    def put_item(self, key: str, item: Mapping[str, Any]) -> ShmHandle:
+        """Encode ``item`` and store it under ``key`` in one pass (``put``'s errors, and
+        ``TypeError`` naming the field of a value the format cannot hold)."""
+    def get_item(
+        self, handle: ShmHandle, key: str, *, copy: bool = True, pin_memory: bool = False
+    ) -> dict[str, Any]:
+        """``get`` and decode: read-only zero-copy views (``copy=False``), or one copy per
+        value, tensors in torch memory (pinned with ``pin_memory=True``, copies only)."""
+    def try_get_cached(self, key: str) -> ShmHandle | None:
+        """``get_cached``, or ``None`` for an absent key."""
+    def try_pin(self, key: str) -> bool:
+        """``pin``; whether ``key`` was there to pin (no ``KeyError``)."""
+    def view_mapping(self) -> tuple[int, int]:
+        """``(address, length)`` of a reader's read-only mapping, which views point into."""
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
     def __enter__(self) -> Self: ...
@@ -145,6 +172,13 @@ class ShmObjectStore:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+def encode_item(item: Mapping[str, Any]) -> tuple[bytes, list[memoryview]]:
+    """An item as ``(part 0, [part 1, ...])``: the header and read-only views of the item's
+    own tensor, array and long ``bytes`` memory."""
+
+def decode_item(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
+    """The item in a payload: copies, or (``copy=False``) views of ``payload``'s memory."""
 
 def inspect_segment(name: str) -> dict[str, Any]:
     """Read a live segment's header without attaching as a reader (never writes to it)."""

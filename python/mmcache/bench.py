@@ -10,6 +10,15 @@ machines compare):
   read-only view, in 1 to 4 reader *processes* reading the same handles at once; their
   throughput is the bytes all readers got over the wall time of the concurrent section.
 
+Each is followed by its ``cache`` row: the same through the cache API an engine calls, for an
+item of three float32 tensors of the same total size (codec included):
+
+- ``cache put``: ``ShmSenderCache.get_and_update_item`` of a new item;
+- ``cache lookup``: ``is_cached_item``; ``cache hit``: ``touch_sender_cache_item`` and
+  ``get_and_update_item(None)`` of a present item (P0's whole cost for a repeated item);
+- ``cache get (copy)`` / ``cache get (zero-copy)``: ``ShmReceiverCache.get_and_update_item``
+  in one reader process.
+
 Performance is measured here, never asserted by a test.
 """
 
@@ -19,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
 from typing import Any
@@ -27,9 +37,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from mmcache._core import ShmObjectStore
+from mmcache._core import ReaderHandle, ShmHandle, ShmObjectStore
+from mmcache.shm import ShmReceiverCache, ShmSenderCache
 
-__all__ = ["SIZES", "BenchResult", "render", "run_benchmarks"]
+__all__ = ["SIZES", "BenchResult", "render", "run_benchmarks", "three_tensor_item"]
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB)
@@ -82,8 +93,30 @@ def _store_for(size: int, n_readers: int, objects: int) -> ShmObjectStore:
     return ShmObjectStore.create(objects * slot + MiB, n_readers=n_readers, max_object_size=slot)
 
 
+def three_tensor_item(size: int, seed: int = 0) -> dict[str, Any]:
+    """The benchmarks' item: three float32 tensors of ``size`` bytes in all (1/4, 1/2 and
+    1/4 of them), as a vision processor makes."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = size // 4
+    return {
+        "pixel_values": torch.randn(n // 4, generator=g),
+        "image_embeds": torch.randn(n // 2, generator=g),
+        "image_grid": torch.randn(n // 4, generator=g),
+    }
+
+
+def _sender_for(size: int, n_readers: int, objects: int) -> ShmSenderCache:
+    """A P0 cache with room for ``objects`` items of ``size`` bytes."""
+    slot = size + 64 * KiB
+    return ShmSenderCache(
+        (objects * slot + MiB) / 2**30, max_object_size_mb=slot / MiB, n_readers=n_readers
+    )
+
+
 def _in_process(size: int, budget_s: float, memcpy_s: float) -> list[BenchResult]:
-    """``put`` and ``lookup`` in this process (the writer's operations)."""
+    """``put``, ``lookup`` and P0's cache calls in this process (the writer's operations)."""
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     results = []
     with _store_for(size, 1, 8) as store:
@@ -94,9 +127,33 @@ def _in_process(size: int, budget_s: float, memcpy_s: float) -> list[BenchResult
         times = _timings(put, budget_s)
         results.append(_result("put", size, 1, times, memcpy_s))
         store.release(store.put(_KEY, payload.data))
-        times = _timings(lambda i: store.is_cached(_KEY), budget_s)
-        results.append(_result("lookup", size, 1, times, memcpy_s))
+        lookup_times = _timings(lambda i: store.is_cached(_KEY), budget_s)
+
+    item = three_tensor_item(size)
+    with _sender_for(size, 1, 8) as cache:
+
+        def cache_put(i: int) -> None:
+            handle, _ = cache.get_and_update_item((item, None), f"{_KEY}-{i}")
+            cache.release_handles([handle])
+
+        times = _timings(cache_put, budget_s)
+        results.append(_result("cache put", size, 1, times, memcpy_s))
+        results.append(_result("lookup", size, 1, lookup_times, memcpy_s))
+        cache.get_and_update_item((item, None), _KEY)
+        times = _timings(lambda i: cache.is_cached_item(_KEY), budget_s)
+        results.append(_result("cache lookup", size, 1, times, memcpy_s))
+
+        def hit(i: int) -> None:
+            cache.touch_sender_cache_item(_KEY)
+            handle, _ = cache.get_and_update_item(None, _KEY)
+            cache.release_handles([handle])
+
+        times = _timings(hit, budget_s)
+        results.append(_result("cache hit", size, 1, times, memcpy_s))
     return results
+
+
+_NO_BYTES = ("lookup", "cache lookup", "cache hit")
 
 
 def _result(
@@ -104,23 +161,34 @@ def _result(
 ) -> BenchResult:
     median = statistics.median(times)
     return BenchResult(
-        op, size, readers, median, None if op == "lookup" else size / median, memcpy_s
+        op, size, readers, median, None if op in _NO_BYTES else size / median, memcpy_s
     )
 
 
 def _reader_process(conn: Connection) -> None:
-    """A reader of the pool: for each task, attach, receive the handles (the start signal),
-    read every one, report the timings, detach. ``None`` ends it."""
+    """A reader of the pool: for each task, attach (to the store, or as the cache API's
+    receiver), receive the handles (the start signal), read every one, report the timings,
+    detach. ``None`` ends it."""
     while (task := conn.recv()) is not None:
-        reader_handle, copy = task
-        with ShmObjectStore.attach(reader_handle) as reader:
+        reader_handle, copy, through_cache = task
+        read: Callable[[ShmHandle], object]
+        reader: ShmReceiverCache | ShmObjectStore
+        if through_cache:
+            import torch  # decoding imports it on first use: not on the clock
+
+            reader = cache = ShmReceiverCache(reader_handle, copy=copy)
+            read = partial(cache.get_and_update_item, mm_hash=_KEY)
+        else:
+            reader = store = ShmObjectStore.attach(reader_handle)
+            read = partial(store.get, key=_KEY, copy=copy)
+        with reader:
             conn.send("attached")
             handles = conn.recv()
             times = []
             began = time.perf_counter()
             for handle in handles:
                 start = time.perf_counter()
-                data = reader.get(handle, _KEY, copy=copy)
+                data = read(handle)
                 times.append(time.perf_counter() - start)
                 del data
             conn.send((times, began, time.perf_counter()))
@@ -142,18 +210,24 @@ class _ReaderPool:
             self._procs.append(proc)
 
     def read(
-        self, store: ShmObjectStore, count: int, readers: int, copy: bool
+        self,
+        reader_handle: ReaderHandle,
+        issue: Callable[[], ShmHandle],
+        count: int,
+        readers: int,
+        copy: bool,
+        through_cache: bool = False,
     ) -> tuple[list[float], float]:
-        """Have ``readers`` processes attach to ``store``, then read ``count`` handles of its
-        object at once: every per-get time, and the wall time from the first start to the
-        last end. (Handles are issued once every reader is attached: a handle issued before
-        a reader took its slot is not that reader's to acknowledge.)"""
+        """Have ``readers`` processes attach, then read ``count`` handles from ``issue`` at
+        once: every per-get time, and the wall time from the first start to the last end.
+        (Handles are issued once every reader is attached: a handle issued before a reader
+        took its slot is not that reader's to acknowledge.)"""
         conns = self._conns[:readers]
         for conn in conns:
-            conn.send((store.handle(), copy))
+            conn.send((reader_handle, copy, through_cache))
         for conn in conns:
             conn.recv()  # every reader attached
-        handles = [store.get_cached(_KEY) for _ in range(count)]
+        handles = [issue() for _ in range(count)]
         for conn in conns:
             conn.send(handles)
         reports = [conn.recv() for conn in conns]
@@ -176,11 +250,32 @@ def _get(
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     with _store_for(size, readers, 2) as store:
         store.release(store.put(_KEY, payload.data))
-        times, wall = pool.read(store, count, readers, copy)
+        times, wall = pool.read(
+            store.handle(), lambda: store.get_cached(_KEY), count, readers, copy
+        )
     op = "get (copy)" if copy else "get (zero-copy)"
     return BenchResult(
         op, size, readers, statistics.median(times), readers * count * size / wall, memcpy_s
     )
+
+
+def _cache_get(
+    pool: _ReaderPool, size: int, copy: bool, count: int, memcpy_s: float
+) -> BenchResult:
+    """One worker's ``get_and_update_item`` of handles to one item (P0's hits)."""
+    with _sender_for(size, 1, 2) as cache:
+
+        def issue() -> ShmHandle:
+            handle, _ = cache.get_and_update_item(None, _KEY)
+            if not isinstance(handle, ShmHandle):
+                raise RuntimeError(f"the benchmark's ring served its item uncached: {handle!r}")
+            return handle
+
+        first, _ = cache.get_and_update_item((three_tensor_item(size), None), _KEY)
+        cache.release_handles([first])
+        times, wall = pool.read(cache.handle(), issue, count, 1, copy, through_cache=True)
+    op = "cache get (copy)" if copy else "cache get (zero-copy)"
+    return BenchResult(op, size, 1, statistics.median(times), count * size / wall, memcpy_s)
 
 
 def _memcpy(size: int) -> Callable[[int], None]:
@@ -214,6 +309,7 @@ def run_benchmarks(
             for copy in (True, False):
                 for readers in range(1, max_readers + 1):
                     results.append(_get(pool, size, readers, copy, count, memcpy_s))
+                results.append(_cache_get(pool, size, copy, count, memcpy_s))
     finally:
         pool.close()
     return results
@@ -229,7 +325,10 @@ def _duration(seconds: float) -> str:
 
 def render(results: Sequence[BenchResult], console: Console) -> None:
     """Print the results as one table."""
-    table = Table(title="mmcache bench: shared-memory store", title_justify="left")
+    table = Table(
+        title="mmcache bench: shared-memory store, and the cache API (cache …) over it",
+        title_justify="left",
+    )
     for name in ("operation", "size", "readers", "median", "throughput", "x memcpy"):
         table.add_column(name, justify="left" if name == "operation" else "right")
     for r in results:

@@ -7,14 +7,20 @@ its object, given back when every reader has read it (or by
 :meth:`ShmSenderCache.release_handles` for a request that never reaches the readers), so an
 object is never reclaimed while a handle to it is in flight.  Prompt updates stay in P0's
 memory and never enter shared memory.
+
+Items go into the ring and come out of it through the native codec (``serde``'s format):
+``put_item`` encodes straight into the object's chunk and ``get_item`` decodes straight out
+of it, so the cache API costs little more than the store itself.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mmcache import serde
+from mmcache import pinning, serde
 from mmcache._core import ReaderHandle, ShmObjectStore, StaleHandleError
 from mmcache.caches import (
     BaseReceiverCache,
@@ -99,18 +105,19 @@ class ShmSenderCache(BaseSenderCache):
         self._total += 1
         try:
             try:
-                handle = self._store.get_cached(mm_hash)
-            except KeyError:
-                data, prompt_updates = split_sender_input(item, mm_hash)
-                return self._put(mm_hash, data, prompt_updates), prompt_updates
+                handle = self._store.try_get_cached(mm_hash)
             except MemoryError:
                 self._hits += 1
                 return self._serve_saturated(item, mm_hash)
+            if handle is None:
+                data, prompt_updates = split_sender_input(item, mm_hash)
+                return self._put(mm_hash, data, prompt_updates), prompt_updates
             self._hits += 1
             return handle, self._prompt_updates[mm_hash]
         finally:
             # The handle's reference now protects the object; the touch's pin is not needed.
-            self._unpin(mm_hash)
+            if mm_hash in self._pinned:
+                self._unpin(mm_hash)
 
     def _serve_saturated(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         """``mm_hash`` is cached, but a reader already holds as many unread references to it
@@ -127,19 +134,23 @@ class ShmSenderCache(BaseSenderCache):
         return serde.decode(self._store.get_stored(mm_hash)), self._prompt_updates[mm_hash]
 
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
-        header, buffers = serde.encode(data)
-        size = serde.payload_size(header, buffers)
-        limit = self._max_object_size
-        if size > limit:
+        try:
+            handle = self._store.put_item(mm_hash, data)
+        except ValueError:
+            # Larger than max_object_size (the key is not a duplicate: it just missed). The
+            # size is worked out again only for the message, on this rare path.
+            size = serde.payload_size(*serde.encode(data))
+            limit = self._max_object_size
+            if size <= limit:
+                raise
             self._serve_uncached(
                 "oversize",
                 f"item {mm_hash} takes {size / MiB:.1f} MiB in shared memory, more than "
                 f"max_object_size_mb={limit / MiB:g} (raise it to cache items this large)",
             )
             return data
-        try:
-            handle = self._store.put(mm_hash, [header, *buffers])
         except MemoryError:
+            size = serde.payload_size(*serde.encode(data))
             self._serve_uncached(
                 "full",
                 f"no room for item {mm_hash} ({size / MiB:.1f} MiB): every object in the "
@@ -171,13 +182,8 @@ class ShmSenderCache(BaseSenderCache):
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Pin ``mm_hash`` (if cached) until its :meth:`get_and_update_item`, so writing the
         request's other items cannot evict it."""
-        if mm_hash in self._pinned:
-            return
-        try:
-            self._store.pin(mm_hash)
-        except KeyError:
-            return
-        self._pinned.add(mm_hash)
+        if mm_hash not in self._pinned and self._store.try_pin(mm_hash):
+            self._pinned.add(mm_hash)
 
     def release_sender_touches(self) -> None:
         """Unpin every touched item whose update never came (an abandoned request)."""
@@ -270,25 +276,68 @@ class ShmReceiverCache(BaseReceiverCache):
     taken) until :meth:`close`.
 
     With ``copy=False`` tensors and arrays are read-only zero-copy views of shared memory;
-    each keeps its object from being reclaimed until the last view of it is gone.
+    each keeps its object from being reclaimed until the last view of it is gone. With
+    ``copy=True`` (the default) each tensor and array is copied once, straight out of the
+    ring, into memory of its own (torch's allocator for tensors).
+
+    ``pin_memory=True`` makes resolved tensors pinned host memory, so ``.to("cuda",
+    non_blocking=True)`` is a DMA: with ``copy=False`` the reader's read-only mapping of the
+    ring is registered with CUDA once, here (and unregistered by :meth:`close`), so the
+    zero-copy views are pinned with no copy at all; with ``copy=True`` the copies go to
+    torch's pinned allocator. Without a CUDA device, or if CUDA refuses, it warns once and
+    resolves unpinned.
     """
 
-    def __init__(self, handle: ReaderHandle, *, copy: bool = True) -> None:
+    def __init__(
+        self, handle: ReaderHandle, *, copy: bool = True, pin_memory: bool = False
+    ) -> None:
         super().__init__()
         self._store = ShmObjectStore.attach(handle)
         self._copy = copy
+        self._pin_copies = False
+        self._unregister: weakref.finalize[[], ShmReceiverCache] | None = None
+        if pin_memory:
+            self._pin(copy)
+
+    def _pin(self, copy: bool) -> None:
+        problem = pinning.pinning_unavailable()
+        if problem is None and copy:
+            self._pin_copies = True
+            return
+        if problem is None:
+            address, length = self._store.view_mapping()
+            try:
+                unregister = pinning.register_read_only(address, length)
+            except RuntimeError as exc:
+                problem = str(exc)
+            else:
+                # Also when the cache is dropped without close(): before the mapping goes.
+                self._unregister = weakref.finalize(self, unregister)
+                return
+        warnings.warn(
+            f"ShmReceiverCache(pin_memory=True): {problem}; resolving into unpinned memory",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    @property
+    def pinned(self) -> bool:
+        """Whether resolved tensors are pinned (``pin_memory=True`` took effect)."""
+        return self._pin_copies or (self._unregister is not None and self._unregister.alive)
 
     def get_and_update_item(self, item: Item | ShmHandle | None, mm_hash: str) -> Item | None:
-        if item is None or isinstance(item, Mapping):
-            return item
-        if not isinstance(item, ShmHandle):
+        # Handles first: an isinstance check against the Mapping ABC costs more than the
+        # rest of the call's Python together.
+        if type(item) is not ShmHandle:
+            if item is None or isinstance(item, Mapping):
+                return item
             raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
         try:
-            # A view even when copying: decode copies each tensor once, straight out of it.
-            view = self._store.get(item, mm_hash, copy=False)
+            return self._store.get_item(
+                item, mm_hash, copy=self._copy, pin_memory=self._pin_copies
+            )
         except StaleHandleError:
             raise CacheMissError([mm_hash]) from None
-        return serde.decode(view, copy=self._copy)
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Nothing to do: references are taken by P0 and given back by reading."""
@@ -297,6 +346,9 @@ class ShmReceiverCache(BaseReceiverCache):
         """Nothing to do: a reader does not own the ring (P0 clears it)."""
 
     def close(self) -> None:
-        """Detach, freeing the reader slot (what it had not read is credited); idempotent."""
+        """Detach, freeing the reader slot (what it had not read is credited), and unregister
+        a pinned mapping; idempotent. Zero-copy views still alive stay valid (unpinned)."""
+        if self._unregister is not None:
+            self._unregister()
         if not self._store.closed:
             self._store.close()

@@ -709,3 +709,32 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn read_at_copies_slices_of_protected_payloads_only() {
+    let w = writer(1 << 16, 1);
+    // Issued before the reader attached: that reader reads it unprotected.
+    let early = w.put("early", &[&payload(1, 300)]).unwrap();
+    let r = Reader::attach(&w.reader_info()).unwrap();
+    let h = w.put("a", &[&payload(2, 300)]).unwrap();
+    let lease = r.acquire(&h, "a").unwrap();
+    let mut middle = [0u8; 100];
+    lease.read_at(50, &mut middle).unwrap();
+    assert_eq!(&middle[..], &payload(2, 300)[50..150]);
+    assert!(
+        lease.read_at(250, &mut middle).is_err(),
+        "runs past the payload"
+    );
+    assert!(lease.read_at(u64::MAX, &mut [0u8; 1]).is_err());
+    let unprotected = r.acquire(&early, "early").unwrap();
+    assert!(!unprotected.is_protected());
+    assert!(unprotected.read_at(0, &mut middle).is_err());
+    let (address, len) = r.view_mapping().expect("readers map a view");
+    assert_eq!(len as u64, w.layout().total_len());
+    let view = lease.into_view().expect("a protected lease views");
+    let mut again = [0u8; 100];
+    view.read_at(50, &mut again).unwrap();
+    assert_eq!(again, middle);
+    let at = view.ptr() as usize;
+    assert!(address <= at && at + view.len() <= address + len);
+}

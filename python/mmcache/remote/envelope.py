@@ -7,7 +7,7 @@
            6   flags: u16 LE           (bit 0: the digest is keyed with a shared secret)
            8   payload length: u64 LE
           16   digest: 32 bytes        BLAKE3 of (the 16 bytes above, the store key, payload)
-          48   payload                 the item codec's payload (serde.pack): msgpack header,
+          48   payload                 the item codec's payload (serde.pack): its header,
                                        then the raw tensor bytes at 64-byte aligned offsets
 
 The digest covers the store key as well as the bytes, so a value copied under another key

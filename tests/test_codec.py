@@ -1,0 +1,383 @@
+"""The native item codec: every dtype round trips bit-exact (through a payload and through the
+ring, copied and zero-copy), malformed payloads are a SegmentCorruptError, the copy path owns
+its memory, and the store's hot-path helpers."""
+
+from __future__ import annotations
+
+import gc
+import math
+import struct
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mmcache import MmcacheError, SegmentCorruptError, serde
+from mmcache._core import ShmObjectStore
+
+# torch warns whenever it makes a complex32 tensor (encoding a strided one makes a copy).
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
+# Every torch dtype the codec carries: those with a DLPack type and those that travel as
+# bytes and are re-viewed (sub-byte integers, bit types).
+TORCH_DTYPES = [
+    getattr(torch, name)
+    for name in (
+        "float32 float16 bfloat16 float64 int64 int32 int16 int8 uint8 uint16 uint32 uint64 "
+        "bool complex32 complex64 complex128 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+        "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2 int1 int2 int3 int4 int5 int6 int7 "
+        "uint1 uint2 uint3 uint4 uint5 uint6 uint7 bits1x8 bits2x4 bits4x2 bits8 bits16"
+    ).split()
+]
+
+# torch stores these a byte per element but cannot copy them: they only come contiguous.
+SUB_BYTE = {getattr(torch, f"{sign}int{bits}") for sign in ("", "u") for bits in range(1, 8)}
+
+NUMPY_DTYPES = [
+    np.dtype(d)
+    for d in ("<f4 >f8 <f2 <i8 >i4 |i1 |u1 <u2 |b1 <c8 >c16 <M8[D] <m8[ms] <U3 |S5 |V3".split())
+]
+
+
+def raw(value: Any) -> bytes:
+    """A tensor's or array's bytes, whatever its dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Same type, structure, dtypes, shapes and bits (NaN payloads and -0.0 included)."""
+    if isinstance(a, torch.Tensor):
+        return (
+            type(b) is torch.Tensor
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and raw(a) == raw(b)
+        )
+    if isinstance(a, np.ndarray):
+        return (
+            type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b)
+        )
+    if isinstance(a, np.generic):
+        return type(b) is type(a) and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, float):
+        return type(b) is float and struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def tensor_of(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    flat = torch.tensor(list(data), dtype=torch.uint8)
+    if dtype == torch.bool:
+        flat = flat % 2
+    return flat.view(dtype).reshape(shape)
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype = draw(st.sampled_from(TORCH_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    n = math.prod(shape) * dtype.itemsize
+    t = tensor_of(dtype, shape, draw(st.binary(min_size=n, max_size=n)))
+    if t.dim() >= 2 and dtype not in SUB_BYTE and draw(st.booleans()):
+        t = t.transpose(0, 1)  # not contiguous: materialised on encode
+    if t.is_complex() and draw(st.booleans()):
+        t = t.conj()  # a lazy conjugate: resolved on encode
+    return t
+
+
+@st.composite
+def arrays(draw: st.DrawFn) -> np.ndarray:
+    dtype = draw(st.sampled_from(NUMPY_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    n = math.prod(shape) * dtype.itemsize
+    data = draw(st.binary(min_size=n, max_size=n))
+    a = np.frombuffer(data, dtype=np.uint8).copy()
+    if dtype.kind == "b":
+        a %= 2
+    a = a.view(dtype).reshape(shape)
+    return a[::-1] if a.ndim and draw(st.booleans()) else a
+
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.binary(max_size=600),  # both sides of OUT_OF_BAND_BYTES
+    st.builds(np.float32, st.floats(width=32)),
+    st.builds(np.int64, st.integers(-(2**63), 2**63 - 1)),
+    st.builds(np.bool_, st.booleans()),
+)
+
+values = st.recursive(
+    st.one_of(scalars, tensors(), arrays()),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+items = st.dictionaries(st.text(max_size=12), values, max_size=6)
+
+
+def expected(value: Any) -> Any:
+    """What decoding gives back: what was encoded, with tensors as their values stand."""
+    if isinstance(value, torch.Tensor):
+        return value.resolve_conj().contiguous()
+    if isinstance(value, np.ndarray):
+        return value.copy(order="C")
+    if isinstance(value, list | tuple):
+        return type(value)(expected(v) for v in value)
+    if isinstance(value, dict):
+        return {k: expected(v) for k, v in value.items()}
+    return value
+
+
+def payload_of(item: dict[str, Any]) -> bytes:
+    """The payload the store would hold for ``item``."""
+    header, buffers = serde.encode(item)
+    parts = [header, *(bytes(b) for b in buffers)]
+    out = bytearray()
+    for offset, part in zip(serde.part_offsets([len(p) for p in parts]), parts):
+        out += bytes(offset - len(out)) + part
+    assert len(out) == serde.payload_size(header, buffers)
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def ring() -> Iterator[tuple[ShmObjectStore, ShmObjectStore]]:
+    writer = ShmObjectStore.create(64 << 20, n_readers=1)
+    reader = ShmObjectStore.attach(writer.handle())
+    yield writer, reader
+    reader.close()
+    writer.close()
+
+
+PROPERTY = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@PROPERTY
+@given(item=items)
+def test_any_item_round_trips_bit_exact_through_a_payload(item: dict[str, Any]) -> None:
+    payload = payload_of(item)
+    want = expected(item)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no torch warning for read-only memory either
+        for copy in (True, False):
+            assert same(want, serde.decode(payload, copy=copy))
+
+
+_keys = iter(range(10**9))
+
+
+@PROPERTY
+@given(item=items)
+def test_any_item_round_trips_bit_exact_through_the_ring(
+    ring: tuple[ShmObjectStore, ShmObjectStore], item: dict[str, Any]
+) -> None:
+    writer, reader = ring
+    key = f"item-{next(_keys)}"
+    first = writer.put_item(key, item)
+    second = writer.get_cached(key)
+    want = expected(item)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert same(want, reader.get_item(first, key, copy=True))
+        view = reader.get_item(second, key, copy=False)
+        assert same(want, view)
+    assert same(want, writer.get_item(writer.get_cached(key), key))  # the writer's own read
+    del view
+    writer.invalidate(key)
+
+
+@PROPERTY
+@given(item=items, data=st.data())
+def test_corrupt_payloads_raise_segment_corrupt(item: dict[str, Any], data: st.DataObject) -> None:
+    payload = bytearray(payload_of(item))
+    header_len = struct.unpack_from("<I", payload, 4)[0]
+    for _ in range(data.draw(st.integers(1, 6))):
+        # Mostly the header (where a flip changes meaning), sometimes anywhere.
+        limit = header_len if data.draw(st.booleans()) else len(payload)
+        payload[data.draw(st.integers(0, limit - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(payload)))
+    for mangled in (bytes(payload), bytes(payload[:cut])):
+        for copy in (True, False):
+            try:
+                out = serde.decode(mangled, copy=copy)
+            except SegmentCorruptError:
+                continue
+            assert isinstance(out, dict)  # a flip that still makes a valid item
+
+
+def test_every_truncation_is_corrupt() -> None:
+    payload = payload_of({"t": torch.arange(10), "a": np.ones(3), "b": b"x" * 300, "n": [1]})
+    for cut in range(len(payload)):
+        with pytest.raises(SegmentCorruptError):
+            serde.decode(payload[:cut])
+
+
+def test_object_dtypes_in_a_payload_are_refused() -> None:
+    """A descriptor flipped to numpy's object dtype must not make pointers of shared bytes."""
+    payload = bytearray(payload_of({"a": np.zeros(2, dtype="<i8")}))
+    at = payload.index(b"<i8")
+    payload[at : at + 3] = b"|O8"
+    with pytest.raises(SegmentCorruptError, match="Python objects"):
+        serde.decode(bytes(payload))
+
+
+def test_other_format_versions_are_refused_with_the_reason() -> None:
+    payload = bytearray(payload_of({"a": 1}))
+    assert payload[:4] == b"MMC2"
+    payload[3] = ord("1")
+    with pytest.raises(SegmentCorruptError, match="version '1'"):
+        serde.decode(bytes(payload))
+
+
+def test_views_freed_by_the_garbage_collector_inside_a_native_call() -> None:
+    """torch frees a tensor with the GIL released, even when the collector runs inside one of
+    our own calls: the DLPack deleter must take the GIL itself to drop what it holds. (It
+    crashed the interpreter when it trusted PyO3's belief that the GIL was held.)"""
+    code = """
+import gc, torch, numpy as np
+from mmcache import serde
+payload = serde.pack({"t": torch.arange(4.0)})
+item = {"a": np.arange(3)}
+gc.set_threshold(1, 1, 1)  # collect at (nearly) every allocation, ours included
+for _ in range(3000):
+    view = serde.decode(payload, copy=False)
+    cycle = [view]
+    cycle.append(cycle)  # only the collector frees the tensor
+    del view, cycle
+    serde.encode(item)  # allocates inside a native call
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_lazy_negation_is_resolved_on_encode() -> None:
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    negated = z.conj().imag  # a real tensor with torch's negative bit
+    assert negated.is_neg()
+    out = serde.decode(payload_of({"im": negated}))
+    assert out["im"].tolist() == [-2.0, 4.0] and not out["im"].is_neg()
+
+
+# -- the copy path -------------------------------------------------------------------------
+
+
+def in_mapping(t: torch.Tensor, mapping: tuple[int, int]) -> bool:
+    start, length = mapping
+    return start <= t.data_ptr() < start + length
+
+
+def test_copies_own_torch_memory_and_release_the_ring(
+    ring: tuple[ShmObjectStore, ShmObjectStore],
+) -> None:
+    writer, reader = ring
+    item = {
+        "a": torch.arange(1000, dtype=torch.float32),
+        "b": torch.ones(3, 5, dtype=torch.bfloat16),
+        "arr": np.arange(7),
+    }
+    handle = writer.put_item("copied", item)
+    out = reader.get_item(handle, "copied", copy=True)
+    mapping = reader.view_mapping()
+    for name in ("a", "b"):
+        assert not in_mapping(out[name], mapping)
+    assert out["arr"].flags.writeable and out["arr"].flags.owndata
+    assert writer.stats()["views"] == 0, "a copy holds no view of the ring"
+    out["a"][0] = 42.0  # writable, and the ring is untouched
+    again = reader.get_item(writer.get_cached("copied"), "copied", copy=True)
+    assert again["a"][0] == 0.0 and same(item["b"], again["b"])
+    writer.invalidate("copied")
+
+
+def test_zero_copy_views_point_into_the_read_only_mapping(
+    ring: tuple[ShmObjectStore, ShmObjectStore],
+) -> None:
+    writer, reader = ring
+    item = {"t": torch.arange(64, dtype=torch.int16), "a": np.arange(5.0)}
+    view = reader.get_item(writer.put_item("viewed", item), "viewed", copy=False)
+    assert in_mapping(view["t"], reader.view_mapping())
+    assert not view["a"].flags.writeable
+    assert writer.stats()["views"] == 1
+    tensor = view["t"]
+    del view
+    gc.collect()
+    assert writer.stats()["views"] == 1, "the tensor alone keeps the object"
+    del tensor
+    gc.collect()
+    assert writer.stats()["views"] == 0
+    writer.invalidate("viewed")
+
+
+def test_large_items_copy_with_every_byte(ring: tuple[ShmObjectStore, ShmObjectStore]) -> None:
+    """Above the GIL-release threshold, and several tensors in one copy buffer."""
+    writer, reader = ring
+    g = torch.Generator().manual_seed(7)
+    item = {
+        "pixels": torch.randn(3, 448, 448, generator=g),
+        "grid": torch.randint(0, 99, (1, 3), generator=g),
+        "mask": torch.rand(448, 448, generator=g) > 0.5,
+        "raw": bytes(range(256)) * 1000,
+    }
+    out = reader.get_item(writer.put_item("large", item), "large", copy=True)
+    assert same(item, out)
+    writer.invalidate("large")
+
+
+def test_pin_memory_applies_to_copies_only(ring: tuple[ShmObjectStore, ShmObjectStore]) -> None:
+    writer, reader = ring
+    handle = writer.put_item("pinned", {"t": torch.ones(2)})
+    with pytest.raises(ValueError, match="pins copies"):
+        reader.get_item(handle, "pinned", copy=False, pin_memory=True)
+    writer.release(handle)
+    writer.invalidate("pinned")
+
+
+# -- the store's hot-path helpers ----------------------------------------------------------
+
+
+def test_try_get_cached_and_try_pin_answer_instead_of_raising(
+    ring: tuple[ShmObjectStore, ShmObjectStore],
+) -> None:
+    writer, reader = ring
+    assert writer.try_get_cached("absent") is None
+    assert writer.try_pin("absent") is False
+    handle = writer.put_item("present", {"x": 1})
+    assert writer.try_pin("present") is True
+    hit = writer.try_get_cached("present")
+    assert hit == handle, "the same object, one more reference"
+    for h in (handle, hit):
+        assert reader.get_item(h, "present") == {"x": 1}
+    writer.unpin("present")
+    writer.invalidate("present")
+
+
+def test_view_mapping_is_the_readers() -> None:
+    with ShmObjectStore.create(1 << 20) as writer:
+        with pytest.raises(MmcacheError, match="for readers"):
+            writer.view_mapping()
+        with ShmObjectStore.attach(writer.handle()) as reader:
+            address, length = reader.view_mapping()
+            assert address > 0 and length > writer.capacity
