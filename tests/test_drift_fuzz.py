@@ -233,7 +233,7 @@ def test_the_oracle_catches_a_remote_tier_that_serves_unverified_values(
         monkeypatch.setattr(
             remote_store,
             "open_envelope",
-            lambda key, value, digest_key: memoryview(value)[HEADER_SIZE:],
+            lambda key, value, digest_key, parts=None: memoryview(value)[HEADER_SIZE:],
         )
         with pytest.raises(OracleFailure, match=r"\(a\)"):
             model.request([small[0]], "other_host")

@@ -31,7 +31,19 @@ from mmcache import (
 )
 from mmcache._core import ShmObjectStore
 from mmcache.remote import CircuitBreaker, RemoteStore, TieredSenderCache, is_shareable_key
-from mmcache.remote.envelope import HEADER_SIZE, SCHEMA_VERSION
+from mmcache.remote import redis_backend
+from mmcache.remote.envelope import (
+    HEADER_SIZE,
+    MIN_PART_BYTES,
+    SCHEMA_VERSION,
+    CorruptValue,
+    DigestMismatch,
+    PartDigests,
+    derive_digest_key,
+    open_envelope,
+    part_hasher,
+    seal,
+)
 from mmcache.remote.redis_backend import CHUNK_BYTES
 from mmcache.remote.servers import LocalServer, start_valkey
 
@@ -126,6 +138,77 @@ def test_pack_is_exactly_what_the_ring_stores() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# The envelope's digest: a keyed hash over the hash list of the payload's parts
+
+
+def _hash_list(payload: bytes, part_bytes: int) -> list[bytes]:
+    digests = []
+    for start in range(0, len(payload), part_bytes):
+        hasher = part_hasher()
+        hasher.update(payload[start : start + part_bytes])
+        digests.append(hasher.digest())
+    return digests
+
+
+def test_a_value_verifies_from_part_digests_hashed_on_arrival() -> None:
+    payload = serde.pack(make_item(1, 10_000))
+    secret = derive_digest_key("s")
+    value = seal("k", payload, secret, 4096) + payload
+    parts = _hash_list(payload, 4096)
+    assert len(parts) == 3
+    assert bytes(open_envelope("k", value, secret)) == payload
+    assert bytes(open_envelope("k", value, secret, PartDigests(4096, parts))) == payload
+    # Digests for another part size than the header's, or too few, are not used: the
+    # payload is hashed again.
+    assert bytes(open_envelope("k", value, secret, PartDigests(8192, [bytes(32)] * 2))) == payload
+    assert bytes(open_envelope("k", value, secret, PartDigests(4096, parts[:2]))) == payload
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    ["a part digest", "the parts' order", "the key", "the secret", "the part size"],
+)
+def test_the_hash_list_is_bound_to_every_part_its_order_the_key_and_the_header(
+    tamper: str,
+) -> None:
+    payload = serde.pack(make_item(2, 12_000))
+    secret = derive_digest_key("s")
+    value = bytearray(seal("k", payload, secret, 4096) + payload)
+    parts = _hash_list(payload, 4096)
+    store_key, digest_key = "k", secret
+    if tamper == "a part digest":
+        parts[1] = bytes(32)
+    elif tamper == "the parts' order":
+        parts[0], parts[1] = parts[1], parts[0]
+    elif tamper == "the key":
+        store_key = "k2"
+    elif tamper == "the secret":
+        digest_key = derive_digest_key("another")
+    else:
+        struct.pack_into("<I", value, 16, 8192)
+        parts = _hash_list(payload, 8192)
+    with pytest.raises(DigestMismatch):
+        open_envelope(store_key, value, digest_key, PartDigests(4096, parts))
+    if tamper in ("a part digest", "the parts' order"):  # the bytes themselves are intact
+        assert bytes(open_envelope(store_key, value, digest_key)) == payload
+    else:  # hashed from the bytes, the verdict is the same
+        with pytest.raises(DigestMismatch):
+            open_envelope(store_key, value, digest_key)
+
+
+def test_a_header_with_a_tiny_part_size_or_reserved_bytes_set_is_corrupt() -> None:
+    payload = serde.pack(make_item(3, 100))
+    with pytest.raises(ValueError, match="part_bytes"):
+        seal("k", payload, None, MIN_PART_BYTES - 1)
+    good = seal("k", payload, None, MIN_PART_BYTES) + payload
+    for offset, field in ((16, "<I"), (24, "<B")):
+        value = bytearray(good)
+        struct.pack_into(field, value, offset, 1)
+        with pytest.raises(CorruptValue, match="part size"):
+            open_envelope("k", value, None)
+
+
+# --------------------------------------------------------------------------------------------
 # Round trips and the interface
 
 
@@ -156,14 +239,17 @@ def test_valkey_urls_name_the_same_server(server: LocalServer, namespace: str) -
 def test_a_chunked_value_is_chunks_plus_a_manifest_written_last(
     server: LocalServer, raw: redis.Redis, namespace: str
 ) -> None:
+    item = make_item(2, 3 * MiB)
     with open_store(server.url, namespace) as store:
-        store.put(key(2), make_item(2, 3 * MiB))
+        store.put(key(2), item)
     names = sorted(n.decode() for n in raw.scan_iter(match=f"mmc/{namespace}/*"))
     manifest, chunks = names[0], names[1:]
     assert manifest == f"mmc/{namespace}/{key(2)}"
     assert len(chunks) == 4 and all(c.startswith(manifest + "/chunk/") for c in chunks)
     assert all(raw.strlen(c) <= CHUNK_BYTES for c in chunks)
-    assert raw.strlen(manifest) < 64
+    # The chunks hold the payload alone; the envelope header travels in the manifest.
+    assert sum(raw.strlen(c) for c in chunks) == len(serde.pack(item))
+    assert raw.strlen(manifest) < 128 and (raw.get(manifest) or b"").find(b"MMCR") > 0
 
 
 def test_the_chunk_size_is_the_writers_choice_and_any_reader_follows_it(
@@ -306,9 +392,46 @@ def _flip(raw: redis.Redis, name: str, offset: int) -> None:
     raw.set(name, bytes(value))
 
 
-def _with_version(raw: redis.Redis, name: str, version: int) -> None:
+def _with_version(raw: redis.Redis, name: str, version: int, at: int = 0) -> None:
     value = bytearray(raw.get(name) or b"")
-    struct.pack_into("<H", value, 4, version)
+    struct.pack_into("<H", value, at + 4, version)
+    raw.set(name, bytes(value))
+
+
+def _header_at(raw: redis.Redis, manifest: str) -> int:
+    """Where the envelope header starts in a chunked value's manifest (it ends it)."""
+    at = raw.strlen(manifest) - HEADER_SIZE
+    assert (raw.getrange(manifest, at, at + 3)) == b"MMCR"
+    return at
+
+
+def _rewrite_manifest(raw: redis.Redis, ns: str, **fields: int) -> None:
+    """Change the chunk count, chunk size or payload length a manifest announces."""
+    name = _value_key(ns, 1)
+    value = bytearray(raw.get(name) or b"")
+    offsets = {"count": 20, "size": 24, "total": 28}
+    for field, number in fields.items():
+        struct.pack_into("<Q" if field == "total" else "<I", value, offsets[field], number)
+    raw.set(name, bytes(value))
+
+
+def _swap_chunks(raw: redis.Redis, ns: str) -> None:
+    first, second = _chunks_of(raw, ns, 1)[:2]
+    a, b = raw.get(first), raw.get(second)
+    assert a != b and len(a or b"") == len(b or b"")
+    raw.set(first, b or b"")
+    raw.set(second, a or b"")
+
+
+def _foreign_chunk(raw: redis.Redis, ns: str) -> None:
+    """Item 2's chunk 1 (same length, same position) in place of item 1's."""
+    raw.copy(_chunks_of(raw, ns, 2)[1], _chunks_of(raw, ns, 1)[1], replace=True)
+
+
+def _part_size(raw: redis.Redis, ns: str, part_bytes: int) -> None:
+    name = _value_key(ns, 1)
+    value = bytearray(raw.get(name) or b"")
+    struct.pack_into("<I", value, _header_at(raw, name) + 16, part_bytes)
     raw.set(name, bytes(value))
 
 
@@ -321,7 +444,7 @@ DAMAGE: dict[str, tuple[int, Callable[[redis.Redis, str], None], str]] = {
     ),
     "flipped byte in the digest": (
         10_000,
-        lambda r, ns: _flip(r, _value_key(ns, 1), 20),
+        lambda r, ns: _flip(r, _value_key(ns, 1), HEADER_SIZE - 5),
         "digest_mismatch",
     ),
     "flipped byte in a chunk": (
@@ -346,6 +469,52 @@ DAMAGE: dict[str, tuple[int, Callable[[redis.Redis, str], None], str]] = {
         "digest_mismatch",
     ),
     "garbage": (10_000, lambda r, ns: r.set(_value_key(ns, 1), b"MMCK" + bytes(40)), "incomplete"),
+    # A chunked value: its envelope header lives in the manifest, each chunk is one part of
+    # the digest's hash list, and the manifest only says where the parts are.
+    "flipped byte in the manifest's digest": (
+        3 * MiB,
+        lambda r, ns: _flip(r, _value_key(ns, 1), _header_at(r, _value_key(ns, 1)) + 40),
+        "digest_mismatch",
+    ),
+    "manifest's header of another schema version": (
+        3 * MiB,
+        lambda r, ns: _with_version(
+            r, _value_key(ns, 1), SCHEMA_VERSION - 1, _header_at(r, _value_key(ns, 1))
+        ),
+        "version_mismatch",
+    ),
+    "another part size in the manifest's header": (
+        3 * MiB,
+        lambda r, ns: _part_size(r, ns, 2 * CHUNK_BYTES),
+        "digest_mismatch",
+    ),
+    "two chunks swapped": (3 * MiB, _swap_chunks, "digest_mismatch"),
+    "another item's chunk in its place": (3 * MiB, _foreign_chunk, "digest_mismatch"),
+    "a chunk of another length": (
+        3 * MiB,
+        lambda r, ns: r.append(_chunks_of(r, ns, 1)[1], b"!"),
+        "incomplete",
+    ),
+    "a chunk of another type": (
+        3 * MiB,
+        lambda r, ns: (r.delete(c := _chunks_of(r, ns, 1)[2]), r.rpush(c, b"x")),
+        "incomplete",
+    ),
+    "manifest with a byte appended": (
+        3 * MiB,
+        lambda r, ns: r.append(_value_key(ns, 1), b"!"),
+        "incomplete",
+    ),
+    "manifest with another chunk size": (
+        3 * MiB,
+        lambda r, ns: _rewrite_manifest(r, ns, size=CHUNK_BYTES // 2),
+        "incomplete",
+    ),
+    "manifest announcing a value past max_value_mb": (
+        3 * MiB,
+        lambda r, ns: _rewrite_manifest(r, ns, count=1 << 20, total=1 << 40),
+        "incomplete",
+    ),
 }
 
 
@@ -459,6 +628,43 @@ def test_a_stalled_server_costs_each_call_its_deadline_not_a_hang(
         own_server.resume()
     assert same(in_time(lambda: store.get(key(1))), item)
     store.close()
+
+
+def test_a_server_that_stalls_mid_value_costs_the_deadline_then_reads_again(
+    own_server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 40 MiB: more than the sockets' buffers hold, so the server stops with most of it unsent.
+    item = make_item(1, 40 * MiB)
+    with open_store(own_server.url, namespace, timeout_s=30) as writer:
+        writer.put(key(1), item)
+    store = open_store(own_server.url, namespace, timeout_s=1.0, breaker_failures=100)
+    real_into = redis_backend._ReplyReader.into
+
+    def stall_first(reader: Any, view: memoryview) -> bytes:
+        own_server.stall()  # once the value has begun to arrive
+        return real_into(reader, view)
+
+    monkeypatch.setattr(redis_backend._ReplyReader, "into", stall_first)
+    try:
+        assert in_time(lambda: store.get(key(1))) is None
+        assert store.stats()["timeouts"] == 1 and store.stats()["hits"] == 0
+    finally:
+        own_server.resume()
+    monkeypatch.undo()
+    # The connection left mid-reply is closed, never reused: the next get reads whole.
+    assert same(in_time(lambda: store.get(key(1))), item)
+    store.close()
+
+
+def test_resp3_connections_read_chunked_values_and_their_gaps(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    item = make_item(7, 3 * MiB)
+    with open_store(server.url + "?protocol=3", namespace) as store:
+        store.put(key(7), item)
+        assert same(store.get(key(7)), item)
+        raw.delete(_chunks_of(raw, namespace, 7)[3])
+        assert store.get(key(7)) is None and store.stats()["incomplete"] == 1
 
 
 def test_the_breaker_opens_probes_once_and_backs_off() -> None:

@@ -1193,10 +1193,14 @@ class _RemoteModel(_LruModel):
         self._damage(ids, lambda raw, name: raw.delete(name), chunked=True)
 
     def _fault_old_version(self, ids: list[int]) -> None:
+        from mmcache.remote.envelope import HEADER_SIZE
+
         def rewrite(raw: Any, name: str) -> None:
             value = bytearray(raw.get(name) or b"")
-            if value[:4] == b"MMCR":  # a whole value (not a chunk manifest)
-                value[4:6] = struct.pack("<H", 0xFFFF)
+            # The envelope header starts a whole value and ends a chunked value's manifest.
+            at = {b"MMCR": 0, b"MMCK": len(value) - HEADER_SIZE}.get(bytes(value[:4]))
+            if at is not None:
+                value[at + 4 : at + 6] = struct.pack("<H", 0xFFFF)
                 raw.set(name, bytes(value))
 
         self._damage(ids, rewrite, chunked=False)

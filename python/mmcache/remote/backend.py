@@ -1,7 +1,8 @@
 """What :class:`~mmcache.remote.RemoteStore` needs of a store: three batched byte operations.
 
-A backend moves whole envelopes (see :mod:`.envelope`) and knows nothing of items, digests,
-deadlines' bookkeeping or the circuit breaker; it raises :class:`RemoteTimeout` or
+A backend moves whole envelopes (see :mod:`.envelope`) and knows nothing of items, keys of
+digests, deadlines' bookkeeping or the circuit breaker (one that receives a value in parts may
+hash each part as it arrives: :class:`Received`); it raises :class:`RemoteTimeout` or
 :class:`RemoteUnreachable` (or its client's own exceptions) and the store turns each into a
 counted miss.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol, Self
+from typing import TYPE_CHECKING, NamedTuple, Protocol, Self
+
+from mmcache.remote.envelope import PartDigests
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -21,6 +24,7 @@ __all__ = [
     "Backend",
     "ClosesOnExit",
     "Incomplete",
+    "Received",
     "RemoteTimeout",
     "RemoteUnreachable",
     "ValueTooLarge",
@@ -52,16 +56,32 @@ class Incomplete:
 INCOMPLETE = Incomplete()
 
 
+class Received(NamedTuple):
+    """A whole value whose payload's parts the backend hashed as they arrived (the store then
+    only hashes the short list of part digests, not the value)."""
+
+    value: Buffer
+    parts: PartDigests
+
+
 class Backend(Protocol):
     """The byte operations of one store.  ``deadline`` is a :func:`time.monotonic` instant
     by which the call must have returned (or raised :class:`RemoteTimeout`)."""
 
+    part_bytes: int
+    """The part size values written here are digested in (see :mod:`.envelope`): a backend
+    that stores a large value as chunks uses its chunk size, so that each chunk is one part
+    and can be hashed as soon as it arrives."""
+
     def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
         """Whether each key holds a value, in one round trip."""
 
-    def read(self, keys: Sequence[str], deadline: float) -> list[Buffer | Incomplete | None]:
+    def read(
+        self, keys: Sequence[str], deadline: float
+    ) -> list[Buffer | Received | Incomplete | None]:
         """Each key's whole value (``None`` when absent, :data:`INCOMPLETE` when part of it
-        is gone).  A writable buffer is the caller's to keep (no one else refers to it)."""
+        is gone), possibly with its part digests.  A writable buffer is the caller's to keep
+        (no one else refers to it)."""
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         """Store ``header + payload`` under ``key`` unless the key holds a value already;

@@ -42,7 +42,13 @@ from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
-from mmcache.remote.backend import Incomplete, RemoteTimeout, RemoteUnreachable, ValueTooLarge
+from mmcache.remote.backend import (
+    Incomplete,
+    Received,
+    RemoteTimeout,
+    RemoteUnreachable,
+    ValueTooLarge,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -196,6 +202,8 @@ class MooncakeBackend:
             for name, default in (("segment_mb", 256), ("buffer_mb", 64))
         )
         self._buffer = int(buffer_mb * MiB)
+        # A value arrives whole (batch_get_into): the store hashes its parts after the read.
+        self.part_bytes = MiB
         module = import_mooncake()
         host, port = parts.hostname, parts.port
         metadata = query.get("metadata", f"http://{host}:8080/metadata")
@@ -223,10 +231,12 @@ class MooncakeBackend:
             raise RemoteUnreachable(f"Mooncake batch_is_exist failed ({found[:1]})")
         return [f == 1 for f in found]
 
-    def read(self, keys: Sequence[str], deadline: float) -> list[Buffer | Incomplete | None]:
-        def fetch(store: Any) -> list[Buffer | Incomplete | None]:
+    def read(
+        self, keys: Sequence[str], deadline: float
+    ) -> list[Buffer | Received | Incomplete | None]:
+        def fetch(store: Any) -> list[Buffer | Received | Incomplete | None]:
             sizes = [store.get_size(key) for key in keys]
-            out: list[Buffer | Incomplete | None] = [None] * len(keys)
+            out: list[Buffer | Received | Incomplete | None] = [None] * len(keys)
             wanted = [i for i, size in enumerate(sizes) if size > 0]
             if any(size < 0 and size != _NOT_FOUND for size in sizes) and not wanted:
                 raise RemoteUnreachable(f"Mooncake get_size failed ({min(sizes)})")

@@ -1,29 +1,36 @@
 """Redis / Valkey backend: the official client (redis-py), automatic retries off.
 
-A value of at most :data:`CHUNK_BYTES` is one key.  A larger one is split into chunk keys
-written first, then a small *manifest* under the item's key naming them (``SET NX``: the first
-writer wins, and a reader never sees a manifest before its chunks).  Chunk keys carry the
-writer's random nonce, so two hosts putting one item at once never mix their chunks; the
-loser deletes its own.  A reader fetches the manifests (and small values) of a whole batch in
-one ``MGET`` and the chunks of the batch in a second round trip, split over
-:data:`FETCH_CONNECTIONS` connections at once (a Redis/Valkey server writes a large reply 64 KiB
-per event-loop turn and client, so one connection gets about half of what loopback TCP
-carries); a value missing any chunk (evicted by ``maxmemory``, deleted, expired) is
-:data:`~.backend.INCOMPLETE`, a miss.
+A value of at most :data:`CHUNK_BYTES` is one key.  A larger one is its envelope header plus a
+payload split into chunk keys written first, then a small *manifest* under the item's key
+naming them and holding the header (``SET NX``: the first writer wins, and a reader never sees
+a manifest before its chunks).  Chunk keys carry the writer's random nonce, so two hosts
+putting one item at once never mix their chunks; the loser deletes its own.  Each chunk is one
+part of the envelope's digest (see :mod:`.envelope`).
+
+A reader fetches the manifests (and small values) of a whole batch in one ``MGET`` and the
+chunks of the batch with a second ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections
+at once), whose reply it reads off the socket itself: each chunk goes straight into one
+buffer allocated for the whole value - no copy in the client's parser, no join - and is
+hashed as soon as it is in, while the server is still sending the next.  A value missing any
+chunk (evicted by ``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss.
 
 With retries on, redis-py retries a failed command three times with backoff, so a dead server
 costs seconds per call; here every socket operation is bounded by the store's ``timeout_s``
-and fails once.
+(the chunks' by what is left of the call's deadline) and fails once.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import struct
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import numpy as np
 
 try:
     import redis
@@ -36,10 +43,12 @@ except ImportError as exc:  # pragma: no cover - the remote and test extras inst
 from mmcache.remote.backend import (
     INCOMPLETE,
     Incomplete,
+    Received,
     RemoteTimeout,
     RemoteUnreachable,
     check_deadline,
 )
+from mmcache.remote.envelope import HEADER_SIZE, MIN_PART_BYTES, PartDigests, part_hasher
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -51,11 +60,15 @@ CHUNK_BYTES = 1 << 20
 parameter sets another, e.g. for a proxy that limits value sizes)."""
 
 FETCH_CONNECTIONS = 2
-"""Connections that fetch a batch's chunks at once."""
+"""Connections that fetch a batch's chunks at once (a Redis/Valkey server writes a large reply
+64 KiB per event-loop turn and client)."""
 
 _MANIFEST = struct.Struct("<4s16sIIQ")  # magic, writer nonce, chunk count, chunk size, total
-_MANIFEST_MAGIC = b"MMCK"
+_MANIFEST_MAGIC = b"MMCK"  # ... then the envelope header
 _SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
+_MAX_LINE = 1 << 16  # a reply's type line (an error message at most)
+_LINE_READ = 64  # bytes asked for when a type line is next (the rest goes straight in place)
+_SKIP_READ = 1 << 16  # bytes read at a time from a chunk of the wrong length, to drop them
 
 
 def chunk_key(key: str, nonce: bytes, index: int) -> str:
@@ -63,19 +76,103 @@ def chunk_key(key: str, nonce: bytes, index: int) -> str:
     return f"{key}/chunk/{nonce.hex()}/{index}"
 
 
-def _chunks(header: bytes, payload: memoryview, size: int) -> Iterator[bytes | memoryview]:
-    """``header + payload`` in pieces of ``size`` bytes, copying only the first."""
-    first = size - len(header)
-    yield header + payload[:first]
-    for start in range(first, payload.nbytes, size):
-        yield payload[start : start + size]
+class _ReplyReader:
+    """The reply to one ``MGET`` read off a socket, each value into a buffer of the caller's
+    (RESP2 or RESP3); every receive is bounded by what is left until ``deadline``."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._pending = bytearray()  # received, not consumed yet
+
+    def _recv_into(self, view: memoryview) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise RemoteTimeout("deadline passed while reading chunks")
+        self._sock.settimeout(left)
+        try:
+            n = self._sock.recv_into(view)
+        except TimeoutError as exc:
+            raise RemoteTimeout(f"reading chunks: {exc}") from exc
+        except OSError as exc:
+            raise RemoteUnreachable(f"reading chunks: {exc}") from exc
+        if n == 0:
+            raise RemoteUnreachable("the server closed the connection while sending chunks")
+        return n
+
+    def line(self) -> bytes:
+        """The next ``\\r\\n``-terminated line, without its terminator."""
+        while (end := self._pending.find(b"\r\n")) < 0:
+            if len(self._pending) > _MAX_LINE:
+                raise redis.exceptions.InvalidResponse("a reply line without an end")
+            more = bytearray(_LINE_READ)
+            self._pending += more[: self._recv_into(memoryview(more))]
+        line = bytes(self._pending[:end])
+        del self._pending[: end + 2]
+        return line
+
+    def into(self, view: memoryview) -> bytes:
+        """Fill ``view`` with the next bytes of the reply, hashing each piece as it comes in
+        (while the server sends the next); the part digest of the whole."""
+        hasher = part_hasher()
+        got = min(len(self._pending), view.nbytes)
+        view[:got] = self._pending[:got]
+        del self._pending[:got]
+        hasher.update(view[:got])
+        while got < view.nbytes:
+            n = self._recv_into(view[got:])
+            hasher.update(view[got : got + n])
+            got += n
+        return hasher.digest()
+
+    def skip(self, n: int) -> None:
+        """Drop the next ``n`` bytes of the reply."""
+        dropped = min(len(self._pending), n)
+        del self._pending[:dropped]
+        scratch = memoryview(bytearray(min(n - dropped, _SKIP_READ)))
+        while dropped < n:
+            dropped += self._recv_into(scratch[: n - dropped])
+
+    def values_into(self, views: Sequence[memoryview]) -> list[bytes | None]:
+        """Read an ``MGET`` reply of ``len(views)`` values: each one of exactly its view's
+        length goes into the view and is hashed there (:func:`~.envelope.part_hasher`);
+        ``None`` for one that is absent, of another type or of another length."""
+        head = self.line()
+        if head[:1] == b"-":
+            raise redis.exceptions.ResponseError(head[1:].decode(errors="replace"))
+        if head != b"*%d" % len(views):
+            raise redis.exceptions.InvalidResponse(f"expected {len(views)} values, got {head!r}")
+        digests: list[bytes | None] = []
+        for view in views:
+            line = self.line()
+            if line in (b"$-1", b"_"):  # nil (RESP2, RESP3)
+                digests.append(None)
+                continue
+            try:
+                n = int(line[1:]) if line[:1] == b"$" else -1
+            except ValueError:
+                n = -1
+            if n < 0:
+                raise redis.exceptions.InvalidResponse(f"expected a bulk string, got {line!r}")
+            if n == view.nbytes:
+                digests.append(self.into(view))
+            else:
+                self.skip(n)
+                digests.append(None)
+            if self.line():
+                raise redis.exceptions.InvalidResponse("a bulk string longer than it said")
+        return digests
 
 
 class RedisBackend:
     """A Redis or Valkey server at ``url`` (``redis://``, ``rediss://``, ``valkey://``,
-    ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them)."""
+    ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them).
+    A manifest that announces a value over ``max_value_bytes`` is a miss, never an
+    allocation."""
 
-    def __init__(self, url: str, *, timeout_s: float, ttl_s: float | None = None) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float, ttl_s: float | None = None, max_value_bytes: int
+    ) -> None:
         parts = urlsplit(url)
         scheme = _SCHEMES.get(parts.scheme)
         if scheme is None or not parts.hostname:
@@ -90,8 +187,11 @@ class RedisBackend:
             self._chunk = 0
         if not 1 << 10 <= self._chunk <= 512 << 20:
             raise ValueError(f"chunk_kb must be a whole number from 1 to 524288 in {url!r}")
+        self.part_bytes = self._chunk
+        self._timeout_s = timeout_s
+        self._max_value = max_value_bytes
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS, "mmcache-redis-fetch")
+        self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS - 1, "mmcache-redis-fetch")
         self._client = redis.Redis.from_url(
             urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
             socket_timeout=timeout_s,
@@ -106,70 +206,106 @@ class RedisBackend:
             pipe.exists(key)
         return [bool(n) for n in self._call(pipe.execute)]
 
-    def read(self, keys: Sequence[str], deadline: float) -> list[Buffer | Incomplete | None]:
+    def read(
+        self, keys: Sequence[str], deadline: float
+    ) -> list[Buffer | Received | Incomplete | None]:
         heads: list[bytes | None] = self._call(self._client.mget, list(keys))
-        out: list[Buffer | Incomplete | None] = list(heads)
-        # (position, chunk key, offset in the value, chunk size)
-        wanted: list[tuple[int, str, int, int]] = []
-        sizes: dict[int, int] = {}
+        out: list[Buffer | Received | Incomplete | None] = list(heads)
+        # The chunked values: position -> (the value's buffer, chunk size, chunk digests).
+        values: dict[int, tuple[np.ndarray[Any, Any], int, list[bytes]]] = {}
+        wanted: list[tuple[int, str, memoryview]] = []  # (position, chunk key, where it goes)
         for position, (key, head) in enumerate(zip(keys, heads, strict=True)):
             if head is None or not head.startswith(_MANIFEST_MAGIC):
                 continue
-            if len(head) != _MANIFEST.size:
-                out[position] = INCOMPLETE  # a torn manifest reads as a broken value
-                continue
-            _, nonce, count, size, total = _MANIFEST.unpack(head)
-            if size == 0 or count != -(-total // size):
+            # Exactly a manifest and an envelope header, so that the chunks' part digests are
+            # of the bytes the envelope calls its payload; a torn manifest is a broken value.
+            if len(head) != _MANIFEST.size + HEADER_SIZE:
                 out[position] = INCOMPLETE
                 continue
-            sizes[position] = total
-            wanted += [(position, chunk_key(key, nonce, i), i * size, size) for i in range(count)]
+            _, nonce, count, size, total = _MANIFEST.unpack_from(head)
+            header = head[_MANIFEST.size :]
+            if (
+                size < MIN_PART_BYTES
+                or not 0 < total <= self._max_value
+                or count != -(-total // size)
+            ):
+                out[position] = INCOMPLETE
+                continue
+            # The whole value in one buffer of its own (the item will view it in place).
+            buffer = np.empty(len(header) + total, np.uint8)
+            buffer[: len(header)] = np.frombuffer(header, np.uint8)
+            payload = buffer[len(header) :].data
+            values[position] = (buffer, size, [])
+            wanted += [
+                (position, chunk_key(key, nonce, i), payload[i * size : (i + 1) * size])
+                for i in range(count)
+            ]
         if not wanted:
             return out
         check_deadline(deadline, "reading chunks")
-        chunks = self._fetch([w[1] for w in wanted])
-        parts: dict[int, list[bytes]] = {position: [] for position in sizes}
-        for (position, _, offset, size), chunk in zip(wanted, chunks, strict=True):
-            pieces = parts.get(position)
-            if pieces is None:
+        digests = self._fetch([w[1] for w in wanted], [w[2] for w in wanted], deadline)
+        for (position, _, _), digest in zip(wanted, digests, strict=True):
+            if position not in values:
                 continue  # already found incomplete
-            if chunk is None or len(chunk) != min(size, sizes[position] - offset):
-                del parts[position]
+            if digest is None:
+                del values[position]
                 out[position] = INCOMPLETE
             else:
-                pieces.append(chunk)
-        for position, pieces in parts.items():
-            # One copy into a buffer of our own (writable: the item may view it in place).
-            out[position] = bytearray().join(pieces)
+                values[position][2].append(digest)
+        for position, (buffer, size, chunk_digests) in values.items():
+            out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
         return out
 
-    def _fetch(self, names: list[str]) -> list[bytes | None]:
-        """``MGET`` of ``names``, split over the fetch connections when there are several."""
-        if len(names) < 2:
-            return list(self._call(self._client.mget, names))
+    def _fetch(
+        self, names: list[str], views: list[memoryview], deadline: float
+    ) -> list[bytes | None]:
+        """The chunks ``names`` read into ``views``, split over the fetch connections (this
+        thread reads the first share); each one's digest, or ``None`` where it is missing."""
         step = -(-len(names) // FETCH_CONNECTIONS)
-        parts = [names[i : i + step] for i in range(0, len(names), step)]
-        futures = [self._fetchers.submit(self._call, self._client.mget, part) for part in parts]
-        return [value for future in futures for value in future.result()]
+        shares = [slice(i, i + step) for i in range(step, len(names), step)]
+        futures = [
+            self._fetchers.submit(self._fetch_share, names[s], views[s], deadline) for s in shares
+        ]
+        first = self._fetch_share(names[:step], views[:step], deadline)
+        return first + [digest for future in futures for digest in future.result()]
+
+    def _fetch_share(
+        self, names: list[str], views: list[memoryview], deadline: float
+    ) -> list[bytes | None]:
+        """One ``MGET`` of ``names`` on a connection of the pool, its reply read straight into
+        ``views``.  A connection whose reply was not read to the end is closed, never reused."""
+        pool = self._client.connection_pool
+        connection = self._call(pool.get_connection)
+        try:
+            self._call(connection.send_packed_command, connection.pack_command("MGET", *names))
+            # redis-py's parser would copy each value twice; this reads the socket itself.
+            sock: socket.socket = connection._sock
+            digests = _ReplyReader(sock, deadline).values_into(views)
+            sock.settimeout(self._timeout_s)
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        return digests
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         body = memoryview(payload).cast("B")
-        total = len(header) + body.nbytes
-        if total <= self._chunk:
+        if len(header) + body.nbytes <= self._chunk:
             return bool(self._call(self._client.set, key, header + body, nx=True, px=self._ttl_ms))
         if self._call(self._client.exists, key):
             return False  # put-if-absent: do not upload chunks nobody will read
         nonce = os.urandom(16)
-        names = []
+        names: list[str] = []
         pipe = self._client.pipeline(transaction=False)
-        for index, chunk in enumerate(_chunks(header, body, self._chunk)):
-            names.append(chunk_key(key, nonce, index))
-            pipe.set(names[-1], chunk, px=self._ttl_ms)
+        for start in range(0, body.nbytes, self._chunk):
+            names.append(chunk_key(key, nonce, len(names)))
+            pipe.set(names[-1], body[start : start + self._chunk], px=self._ttl_ms)
         check_deadline(deadline, "writing chunks")
         self._call(pipe.execute)
         check_deadline(deadline, "writing the manifest")
-        manifest = _MANIFEST.pack(_MANIFEST_MAGIC, nonce, len(names), self._chunk, total)
-        if self._call(self._client.set, key, manifest, nx=True, px=self._ttl_ms):
+        manifest = _MANIFEST.pack(_MANIFEST_MAGIC, nonce, len(names), self._chunk, body.nbytes)
+        if self._call(self._client.set, key, manifest + header, nx=True, px=self._ttl_ms):
             return True
         self._call(self._client.delete, *names)  # another writer won: drop our chunks
         return False

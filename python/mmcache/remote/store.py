@@ -30,6 +30,7 @@ from mmcache.remote.backend import (
     Backend,
     ClosesOnExit,
     Incomplete,
+    Received,
     RemoteTimeout,
     RemoteUnreachable,
     ValueTooLarge,
@@ -135,12 +136,12 @@ class CircuitBreaker:
             return False
 
 
-def _open_backend(url: str, timeout_s: float, ttl_s: float | None) -> Backend:
+def _open_backend(url: str, timeout_s: float, ttl_s: float | None, max_value: int) -> Backend:
     scheme = urlsplit(url).scheme
     if scheme in ("redis", "rediss", "valkey", "valkeys"):
         from mmcache.remote.redis_backend import RedisBackend
 
-        return RedisBackend(url, timeout_s=timeout_s, ttl_s=ttl_s)
+        return RedisBackend(url, timeout_s=timeout_s, ttl_s=ttl_s, max_value_bytes=max_value)
     if scheme == "mooncake":
         from mmcache.remote.mooncake_backend import MooncakeBackend
 
@@ -163,7 +164,8 @@ class RemoteStore(ClosesOnExit):
     digest is keyed, so a process that can write to the store but does not know the secret
     cannot plant a value that verifies.  Every network operation is bounded by ``timeout_s``
     (a call makes at most two round trips).  ``ttl_s`` lets values expire (Redis/Valkey);
-    items whose payload exceeds ``max_value_mb`` are not published.
+    items whose payload exceeds ``max_value_mb`` are not published (and on Redis/Valkey a
+    manifest announcing a larger value is a miss).
 
     Keys are content hashes (see :func:`is_shareable_key`); any other key raises
     ``ValueError``.  Thread-safe: P0's request thread reads while its writer thread puts.
@@ -198,7 +200,7 @@ class RemoteStore(ClosesOnExit):
         self._digest_key = None if secret is None else derive_digest_key(secret)
         self._max_value = int(max_value_mb * MiB)
         self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
-        self._backend = _open_backend(url, self.timeout_s, ttl_s)
+        self._backend = _open_backend(url, self.timeout_s, ttl_s, self._max_value)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._logged: set[str] = set()
@@ -256,7 +258,7 @@ class RemoteStore(ClosesOnExit):
                 f"{self._max_value / MiB:g}; not published",
             )
             return
-        header = seal(store_key, payload, self._digest_key)
+        header = seal(store_key, payload, self._digest_key, self._backend.part_bytes)
 
         def write(deadline: float) -> bool:
             return self._backend.write(store_key, header, payload, deadline)
@@ -385,7 +387,7 @@ class RemoteStore(ClosesOnExit):
                 self._breaker.failures_to_open,
             )
 
-    def _open(self, store_key: str, value: Buffer | Incomplete | None) -> Item | None:
+    def _open(self, store_key: str, value: Buffer | Received | Incomplete | None) -> Item | None:
         """The verified item in ``value``, or ``None`` (counted)."""
         if value is None:
             self._count(misses=1)
@@ -395,7 +397,11 @@ class RemoteStore(ClosesOnExit):
             self._count(misses=1)
             return None
         try:
-            payload = open_envelope(store_key, value, self._digest_key)
+            payload = (
+                open_envelope(store_key, value.value, self._digest_key, value.parts)
+                if isinstance(value, Received)
+                else open_envelope(store_key, value, self._digest_key)
+            )
             # A buffer the backend handed over writable is ours alone: view it in place.
             item = serde.decode(payload, copy=payload.readonly)
         except VersionMismatch as exc:
