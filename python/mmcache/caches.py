@@ -28,9 +28,9 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import TracebackType
-from typing import Any, Generic, Protocol, Self, TypeAlias, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
+from mmcache.closing import ClosesOnExit
 from mmcache.errors import CacheMissError
 from mmcache.items import CachedItem, Item, ItemMetadata, ShmHandle, item_size
 from mmcache.lru import CacheInfo, LRUCache
@@ -82,7 +82,7 @@ def capacity_bytes(capacity_gb: float) -> int:
     return int(capacity_gb * GiB)
 
 
-class BaseCache(ABC, Generic[InT, OutT]):
+class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
     """What every cache has: per-item and batched updates, clearing, closing, and the
     accounting of items served uncached (counted, logged once per reason)."""
 
@@ -184,17 +184,6 @@ class BaseCache(ABC, Generic[InT, OutT]):
         items served uncached (too large; no room beside protected items; a reader holding
         the most unread references to it that the ring can count)."""
         return {f"uncached_{reason}": n for reason, n in self._uncached.items()}
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _serve_uncached(self, reason: str, message: str) -> None:
         """Count an item served uncached; log the first one of each reason."""

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, NamedTuple, Protocol, Self
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from mmcache.remote.envelope import PartDigests
 
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
 __all__ = [
     "INCOMPLETE",
     "Backend",
-    "ClosesOnExit",
     "Incomplete",
     "Received",
     "RemoteTimeout",
@@ -95,21 +93,3 @@ def check_deadline(deadline: float, what: str) -> None:
     """Raise :class:`RemoteTimeout` if ``deadline`` has passed (between two round trips)."""
     if time.monotonic() >= deadline:
         raise RemoteTimeout(f"deadline passed before {what}")
-
-
-class ClosesOnExit:
-    """``with obj:`` calls ``obj.close()`` on the way out."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mmcache.remote.backend import ClosesOnExit
+from mmcache.closing import ClosesOnExit
 
 __all__ = [
     "LocalServer",

@@ -24,11 +24,11 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from mmcache import serde
+from mmcache.closing import ClosesOnExit
 from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
 from mmcache.remote.backend import (
     Backend,
-    ClosesOnExit,
     Incomplete,
     Received,
     RemoteTimeout,
