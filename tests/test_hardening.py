@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -76,6 +76,16 @@ def in_child(body: Any) -> int:
 def recv(conn: Any) -> Any:
     assert conn.poll(TIMEOUT), "the other process did not answer"
     return conn.recv()
+
+
+def wait_until(done: Callable[[], bool], never: str) -> None:
+    """Poll ``done()`` until it holds; fail with ``never`` if it still does not after
+    ``TIMEOUT`` seconds (a guard against hanging, not a measurement)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(never)
+        time.sleep(0.02)
 
 
 # -- 1. a forked child of a reader --------------------------------------------------------------
@@ -177,10 +187,7 @@ def test_views_a_forked_child_keeps_never_change_after_its_parent_lets_go(how: s
         assert recv(child_conn) == "ready"
         if how == "exit":
             # Not join(): the forked child inherited the pipe join() waits on.
-            deadline = time.monotonic() + TIMEOUT
-            while proc.exitcode is None:
-                assert time.monotonic() < deadline, "the reader did not exit"
-                time.sleep(0.01)
+            wait_until(lambda: proc.exitcode is not None, "the reader did not exit")
             assert proc.exitcode == 0
         else:
             assert recv(conn) == "closed"
@@ -449,14 +456,15 @@ def test_liveness_holds_across_pid_namespaces() -> None:
         proc.kill()
         proc.wait(TIMEOUT)
     # Once it is gone (whatever namespace it was in), its slot is reclaimed.
-    deadline = time.monotonic() + TIMEOUT
-    while True:
+
+    def put_once_reclaimed() -> bool:
         try:
             writer.put("e", pattern(5))
-            break
         except MemoryError:
-            assert time.monotonic() < deadline, "the dead reader's slot was never reclaimed"
-            time.sleep(0.05)
+            return False
+        return True
+
+    wait_until(put_once_reclaimed, "the dead reader's slot was never reclaimed")
     assert writer.stats()["readers_reclaimed"] == 1
     writer.close()
 
@@ -492,10 +500,8 @@ def test_prune_in_another_namespace_never_removes_a_live_writers_segment() -> No
     finally:
         proc.kill()
         proc.wait(TIMEOUT)
-    deadline = time.monotonic() + TIMEOUT  # its init is killed as unshare dies, not before
-    while _core.segment_status(name)[0] == "live":
-        assert time.monotonic() < deadline, "the writer never died"
-        time.sleep(0.05)
+    # Its init is killed as unshare dies, not before.
+    wait_until(lambda: _core.segment_status(name)[0] != "live", "the writer never died")
     assert name in prune(), "the segment of a writer that died is orphaned"
 
 

@@ -294,6 +294,17 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+def _ring_of(driver: int, deadline: float) -> tuple[str, int]:
+    """The name of the simulation's shared-memory ring and the pid of its creator, P0."""
+    while time.monotonic() < deadline:
+        children = _pipeline_processes(driver)
+        for name, pid in segments_by_creator().items():
+            if pid in children:
+                return name, pid
+        time.sleep(0.1)
+    pytest.fail("the simulation never created its ring")
+
+
 def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
     proc = subprocess.Popen(
         [
@@ -313,14 +324,9 @@ def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        ours: set[str] = set()
-        while not ours and time.monotonic() < deadline:
-            time.sleep(0.1)
-            children = _pipeline_processes(proc.pid)
-            ours = {n for n, pid in segments_by_creator().items() if pid in children}
-        assert ours, "the simulation never created its ring"
+        ring, _ = _ring_of(proc.pid, time.monotonic() + 60)
         time.sleep(1.0)  # let requests flow
+        children = _pipeline_processes(proc.pid)
         assert len(children) == 4  # P0, P1 and two workers
         os.kill(proc.pid, signal.SIGINT)
         _, stderr = proc.communicate(timeout=30)
@@ -329,7 +335,7 @@ def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
     assert proc.returncode == 130
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert not any(_running(child) for child in children)
-    assert not (ours & set(_core.list_segments()))
+    assert ring not in _core.list_segments()
 
 
 def _request(
@@ -443,15 +449,6 @@ def test_a_huge_request_count_is_generated_lazily_with_progress_and_bounded_memo
     assert b"Traceback" not in screen
 
 
-def _p0_pid(driver: int, deadline: float) -> int:
-    """The pid of the simulation's P0: the creator of its shared-memory ring."""
-    while time.monotonic() < deadline:
-        children = _pipeline_processes(driver)
-        for name, pid in segments_by_creator().items():
-            if pid in children:
-                return pid
-        time.sleep(0.1)
-    raise AssertionError("the simulation never created its ring")
 
 
 @pytest.mark.parametrize("attempt", range(3))
@@ -462,7 +459,7 @@ def test_sigkill_of_p0_ends_with_one_line_naming_it(attempt: int) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        p0 = _p0_pid(proc.pid, time.monotonic() + 60)
+        _, p0 = _ring_of(proc.pid, time.monotonic() + 60)
         time.sleep(0.5 + attempt * 0.7)  # let requests flow (a different moment each time)
         os.kill(p0, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=60)
