@@ -272,6 +272,26 @@ def test_a_replayed_handle_reads_its_own_data_after_the_ring_moved_on(shm_pair: 
         worker.get_and_update_item(handle, "a")
 
 
+def test_a_saturated_hit_is_served_as_vllms_own_item(shm_pair: Pair) -> None:
+    # A worker that stopped reading holds the most unread references to "hot" the ring can
+    # count; P0 believes "hot" cached (None), so it gets the ring's copy, uncached.
+    p0, worker = shm_pair
+    first, _ = p0.get_and_update_item((kwargs_item(0), ["pu"]), "hot")
+    store = p0.ring._store
+    while True:
+        try:
+            store.get_cached("hot")
+        except MemoryError:
+            break
+    served, updates = p0.get_and_update_item(None, "hot")
+    assert type(served) is MultiModalKwargsItem and updates == ["pu"]
+    assert same_item(kwargs_item(0), served)
+    assert p0.ring.stats()["uncached_saturated"] == 1
+    # What the worker receives for it is that item, passed through as plain data.
+    assert same_item(kwargs_item(0), worker.get_and_update_item(served, "hot"))
+    assert same_item(kwargs_item(0), worker.get_and_update_item(first, "hot"))
+
+
 # -- small /dev/shm --------------------------------------------------------------------------
 
 

@@ -536,8 +536,11 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
     def _to_vllm(self, data: Any, mm_item: Any) -> Any:
         if isinstance(data, ShmHandle):
             return handle_as_item(data)
-        # Served uncached: the caller's own item, not its mmcache form.
-        return data if self._ring is None or mm_item is None else mm_item[0]
+        if self._ring is None:
+            return data
+        # Served uncached: the caller's own item when it sent one; else (a saturated hit) the
+        # ring's copy, which is in mmcache's form.
+        return mm_item[0] if mm_item is not None else item_from_mmcache(data)
 
     def _abandon(self, issued: list[Any]) -> None:
         if self._ring is not None:
