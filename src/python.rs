@@ -74,6 +74,20 @@ create_exception!(
     "A writer or reader used in a process other than the one that created or attached it."
 );
 
+create_exception!(
+    mmcache._core,
+    ObjectTooLargeError,
+    PyValueError,
+    "An object larger than the store's max_object_size (a ValueError)."
+);
+create_exception!(
+    mmcache._core,
+    RingFullError,
+    PyMemoryError,
+    "No room in the ring: every chunk that could hold the object is still unread, pinned or \
+     viewed (a MemoryError)."
+);
+
 /// Copies at least this large run with the GIL released.
 const DETACH_THRESHOLD: usize = 64 * 1024;
 
@@ -81,12 +95,10 @@ impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let msg = err.to_string();
         match err {
-            Error::InvalidArgument(_) | Error::DuplicateKey(_) | Error::TooLarge { .. } => {
-                PyValueError::new_err(msg)
-            }
-            Error::Full { .. } | Error::ShmTooSmall { .. } | Error::Saturated { .. } => {
-                PyMemoryError::new_err(msg)
-            }
+            Error::InvalidArgument(_) | Error::DuplicateKey(_) => PyValueError::new_err(msg),
+            Error::TooLarge { .. } => ObjectTooLargeError::new_err(msg),
+            Error::Full { .. } => RingFullError::new_err(msg),
+            Error::ShmTooSmall { .. } | Error::Saturated { .. } => PyMemoryError::new_err(msg),
             Error::KeyNotFound(key) => PyKeyError::new_err(key),
             Error::Exists(_) => PyFileExistsError::new_err(msg),
             Error::NotFound(_) => PyFileNotFoundError::new_err(msg),
@@ -878,6 +890,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
     m.add("NoReaderSlotError", py.get_type::<NoReaderSlotError>())?;
     m.add("WrongProcessError", py.get_type::<WrongProcessError>())?;
+    m.add("ObjectTooLargeError", py.get_type::<ObjectTooLargeError>())?;
+    m.add("RingFullError", py.get_type::<RingFullError>())?;
     m.add_class::<ShmHandle>()?;
     m.add_class::<ReaderHandle>()?;
     m.add_class::<ShmView>()?;

@@ -16,6 +16,8 @@ from mmcache._core import (
     InvalidHandleError,
     MmcacheError,
     NoReaderSlotError,
+    ObjectTooLargeError,
+    RingFullError,
     SegmentCorruptError,
     ShmHandle,
     ShmObjectStore,
@@ -228,16 +230,19 @@ def test_pinned_objects_are_not_evicted():
 
 def test_oversize_duplicate_and_full_errors():
     writer = ShmObjectStore.create(2 * CHUNK, max_object_size=PAYLOAD)
-    with pytest.raises(ValueError, match="max_object_size"):
+    with pytest.raises(ObjectTooLargeError, match="max_object_size") as too_large:
         writer.put("big", b"x" * (PAYLOAD + 1))
+    assert isinstance(too_large.value, ValueError)
     writer.put("a", b"a" * PAYLOAD)
-    with pytest.raises(ValueError, match="already stored"):
+    with pytest.raises(ValueError, match="already stored") as duplicate:
         writer.put("a", b"a")
+    assert not isinstance(duplicate.value, ObjectTooLargeError)
     writer.pin("a")
     writer.put("b", b"b" * PAYLOAD)
     writer.pin("b")
-    with pytest.raises(MemoryError, match="pinned"):
+    with pytest.raises(RingFullError, match="pinned") as full:
         writer.put("c", b"c")
+    assert isinstance(full.value, MemoryError)
     with pytest.raises(TypeError):
         writer.put("d", 12345)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="contiguous"):

@@ -40,6 +40,13 @@ class WrongProcessError(MmcacheError):
     """A writer or reader used in a process other than the one that created or attached it
     (after ``fork()``: create a new writer, or attach a new reader, in the child)."""
 
+class ObjectTooLargeError(ValueError):
+    """An object larger than the store's ``max_object_size``."""
+
+class RingFullError(MemoryError):
+    """No room in the ring: every chunk that could hold the object is still unread, pinned or
+    viewed."""
+
 @final
 class ShmHandle:
     """Where one object lives: ring address, monotonic id and a keyed signature."""

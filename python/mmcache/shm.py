@@ -30,7 +30,7 @@ from mmcache.caches import (
     capacity_bytes,
     split_sender_input,
 )
-from mmcache.errors import CacheMissError
+from mmcache.errors import CacheMissError, ObjectTooLargeError, RingFullError
 from mmcache.items import Item, ShmHandle
 from mmcache.lru import CacheInfo
 
@@ -136,26 +136,19 @@ class ShmSenderCache(BaseSenderCache):
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
         try:
             handle = self._store.put_item(mm_hash, data)
-        except ValueError:
-            # Larger than max_object_size (the key is not a duplicate: it just missed). The
-            # size is worked out again only for the message, on this rare path.
-            size = serde.payload_size(*serde.encode(data))
-            limit = self._max_object_size
-            if size <= limit:
-                raise
+        except ObjectTooLargeError as exc:
             self._serve_uncached(
                 "oversize",
-                f"item {mm_hash} takes {size / MiB:.1f} MiB in shared memory, more than "
-                f"max_object_size_mb={limit / MiB:g} (raise it to cache items this large)",
+                f"item {mm_hash} does not fit max_object_size_mb="
+                f"{self._max_object_size / MiB:g} (raise it to cache items this large): {exc}",
             )
             return data
-        except MemoryError:
-            size = serde.payload_size(*serde.encode(data))
+        except RingFullError:
             self._serve_uncached(
                 "full",
-                f"no room for item {mm_hash} ({size / MiB:.1f} MiB): every object in the "
-                "shared-memory ring is still unread, pinned or viewed (raise capacity_gb, or "
-                "check that every reader keeps up and aborted requests call release_handles)",
+                f"no room for item {mm_hash}: every object in the shared-memory ring is still "
+                "unread, pinned or viewed (raise capacity_gb, or check that every reader keeps "
+                "up and aborted requests call release_handles)",
             )
             return data
         self._prompt_updates[mm_hash] = prompt_updates
