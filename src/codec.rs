@@ -399,10 +399,6 @@ impl<'a> Header<'a> {
 pub struct Shape<'a>(&'a [u8]);
 
 impl<'a> Shape<'a> {
-    pub fn ndim(&self) -> usize {
-        self.0.len() / 8
-    }
-
     pub fn dims(&self) -> impl ExactSizeIterator<Item = u64> + 'a {
         self.0
             .chunks_exact(8)

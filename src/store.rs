@@ -987,15 +987,14 @@ impl Writer {
             return Ok(());
         }
         state.closed = true;
-        if self.shared.seg.is_owner() {
-            // Release pairs with the reader's Acquire load in `Shared::writer_alive`.
-            self.shared
-                .header(header::WRITER_STATE)?
-                .store(WRITER_CLOSED, Ordering::Release);
-            self.shared.seg.unlink()?;
-            if self.shared.liveness == Liveness::Locks {
-                self.shared.seg.unlock(WRITER_LOCK)?;
-            }
+        // The writer created the segment, and this is its process (checked above).
+        // Release pairs with the reader's Acquire load in `Shared::writer_alive`.
+        self.shared
+            .header(header::WRITER_STATE)?
+            .store(WRITER_CLOSED, Ordering::Release);
+        self.shared.seg.unlink()?;
+        if self.shared.liveness == Liveness::Locks {
+            self.shared.seg.unlock(WRITER_LOCK)?;
         }
         Ok(())
     }

@@ -116,8 +116,7 @@ class ShmSenderCache(BaseSenderCache):
             return handle, self._prompt_updates[mm_hash]
         finally:
             # The handle's reference now protects the object; the touch's pin is not needed.
-            if mm_hash in self._pinned:
-                self._unpin(mm_hash)
+            self._unpin(mm_hash)
 
     def _serve_saturated(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         """``mm_hash`` is cached, but a reader already holds as many unread references to it
@@ -290,11 +289,11 @@ class ShmReceiverCache(BaseReceiverCache):
         self._pin_copies = False
         self._unregister: weakref.finalize[[], ShmReceiverCache] | None = None
         if pin_memory:
-            self._pin(copy)
+            self._pin()
 
-    def _pin(self, copy: bool) -> None:
+    def _pin(self) -> None:
         problem = pinning.pinning_unavailable()
-        if problem is None and copy:
+        if problem is None and self._copy:
             self._pin_copies = True
             return
         if problem is None:

@@ -185,7 +185,7 @@ class RedisBackend:
             self._chunk = int(chunk_kb) << 10
         except ValueError:
             self._chunk = 0
-        if not 1 << 10 <= self._chunk <= 512 << 20:
+        if not MIN_PART_BYTES <= self._chunk <= 512 << 20:
             raise ValueError(f"chunk_kb must be a whole number from 1 to 524288 in {url!r}")
         self.part_bytes = self._chunk
         self._timeout_s = timeout_s
