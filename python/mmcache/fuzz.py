@@ -51,7 +51,7 @@ import sys
 import time
 import traceback
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -752,10 +752,14 @@ class _LruModel(Model):
             fe.clear_cache()
         self.p1.clear_cache()
 
+    def _p0_keys(self) -> list[Hashable]:
+        """The keys of P0's own cache, the one P1 mirrors."""
+        return self.frontend().keys()
+
     def check(self) -> None:
         if not self.drifted:
             self.stats.mirror_checks += 1
-            p0, p1 = self.frontend().keys(), self.p1.keys()
+            p0, p1 = self._p0_keys(), self.p1.keys()
             self._check(
                 p0 == p1,
                 f"(c) with no fault injected P0 and P1 disagree: P0 holds {len(p0)} keys, "
@@ -1242,15 +1246,17 @@ class _RemoteModel(_LruModel):
             stranger.close()
             p1.close()
 
+    def _p0_keys(self) -> list[Hashable]:
+        keys: list[Hashable] = self.frontend().local.keys()
+        return keys
+
     def check(self) -> None:
-        if not self.drifted:
-            self.stats.mirror_checks += 1
-            p0, p1 = self.frontend().local.keys(), self.p1.keys()
-            self._check(p0 == p1, f"(c) with no fault injected P0 and P1 disagree: {p0} {p1}")
+        super().check()  # (c) and (d) for this host's P0s and P1
         counted = 0
         for host in self._tiered():
             stats = host.stats()
-            self._check(stats["used_bytes"] <= self.capacity, "(d) P0 exceeds its capacity")
+            if host is self.other:
+                self._check(stats["used_bytes"] <= self.capacity, "(d) P0 exceeds its capacity")
             counted += stats["remote_served"]
         self.stats.remote_served += counted - self._counted
         self._counted = counted
