@@ -226,6 +226,10 @@ def test_get_returns_what_was_put_bit_for_bit(
         stats = store.stats()
         assert stats["puts"] == 1 and stats["hits"] == 1 and stats["misses"] == 1
         assert stats["errors"] == 0
+        assert stats["get_p50_ms"] > 0 and stats["put_p99_ms"] > 0
+        # Without latencies: the same counters, no percentiles (nothing sorted).
+        counters = store.stats(latencies=False)
+        assert counters == {k: v for k, v in stats.items() if not k.endswith("_ms")}
 
 
 def test_valkey_urls_name_the_same_server(server: LocalServer, namespace: str) -> None:

@@ -277,8 +277,8 @@ class RemoteStore(ClosesOnExit):
             self._closed = True
         self._backend.close()
 
-    def stats(self) -> dict[str, float]:
-        """Counters and latencies.
+    def stats(self, *, latencies: bool = True) -> dict[str, float]:
+        """Counters and (unless ``latencies=False``) latency percentiles.
 
         ``hits`` / ``misses`` (gets), ``puts`` (values stored), ``put_present`` (already
         there), ``bytes_read`` / ``bytes_written`` (payloads), ``contains_keys`` /
@@ -291,7 +291,9 @@ class RemoteStore(ClosesOnExit):
         """
         with self._lock:
             counts = dict(self._counts)
-            samples = {op: np.array(values) for op, values in self._latency.items()}
+            samples = (
+                {op: np.array(values) for op, values in self._latency.items()} if latencies else {}
+            )
         failures = (
             *_TRANSPORT,
             "corrupt",

@@ -292,7 +292,5 @@ class TieredSenderCache(BaseSenderCache):
             "remote_publish_dropped": self._publisher.dropped,
             "remote_publish_failed": self._publisher.failed,
         }
-        store = {
-            f"remote_{k}": int(v) for k, v in self.remote.stats().items() if not k.endswith("_ms")
-        }
+        store = {f"remote_{k}": int(v) for k, v in self.remote.stats(latencies=False).items()}
         return {**self.local.stats(), **store, **own}
