@@ -152,11 +152,13 @@ impl Shared {
         self.layout.chunk_offset(address) + self.layout.chunk_header_size
     }
 
-    /// The id and MAC words of the chunk at `address` equal the handle's.
+    /// The id and MAC words of the chunk at `address` equal the handle's. The id is loaded
+    /// first, with Acquire: it pairs with P1 (the writer's Release store of the id), so the
+    /// MAC words and everything the writer wrote before publishing the id are visible.
     fn chunk_matches(&self, address: u64, id: u64, mac: &[u8; MAC_LEN]) -> Result<bool> {
         let (lo, hi) = mac_words(mac);
         Ok(
-            self.chunk(address, chunk::ID)?.load(Ordering::Relaxed) == id
+            self.chunk(address, chunk::ID)?.load(Ordering::Acquire) == id
                 && self.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) == lo
                 && self.chunk(address, chunk::SIG_HI)?.load(Ordering::Relaxed) == hi,
         )
@@ -330,15 +332,17 @@ struct WriterState {
 impl WriterState {
     /// The current reader set given the occupied slots, numbering a new one if it changed.
     fn reader_set(&mut self, occupants: &[Occupant]) -> ReaderSet {
-        let members: Vec<(u32, u32)> = occupants
-            .iter()
-            .filter(|o| o.claim.state == SlotState::Claimed)
-            .map(|o| (o.slot, o.claim.epoch))
-            .collect();
-        if *self.reader_set.members != *members {
+        let members = || {
+            occupants
+                .iter()
+                .filter(|o| o.claim.state == SlotState::Claimed)
+                .map(|o| (o.slot, o.claim.epoch))
+        };
+        // Compared without allocating: the set changes only when readers come and go.
+        if !self.reader_set.members.iter().copied().eq(members()) {
             self.reader_set = ReaderSet {
                 number: self.reader_set.number.wrapping_add(1),
-                members: members.into(),
+                members: members().collect(),
             };
         }
         self.reader_set.clone()
@@ -1278,10 +1282,7 @@ impl Reader {
         self.check_writer()?;
         let sh = &self.shared;
         let address = handle.address;
-        // Acquire pairs with P1 (the writer's Release store of the id).
-        if sh.chunk(address, chunk::ID)?.load(Ordering::Acquire) != handle.monotonic_id
-            || !sh.chunk_matches(address, handle.monotonic_id, &mac)?
-        {
+        if !sh.chunk_matches(address, handle.monotonic_id, &mac)? {
             return Err(self.stale());
         }
         let len = sh.chunk(address, chunk::LEN)?.load(Ordering::Relaxed);
