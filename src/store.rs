@@ -1080,8 +1080,8 @@ impl Reader {
                 info.layout_version
             )));
         }
-        let seg = Segment::open(&info.name, Access::ReadWrite)?;
-        let layout = Layout::read(&seg)?;
+        let shared = open_shared(&info.name, Access::ReadWrite)?;
+        let (layout, liveness) = (shared.layout, shared.liveness);
         if layout.capacity != info.capacity
             || layout.n_readers != info.n_readers
             || layout.max_object_size != info.max_object_size
@@ -1092,13 +1092,6 @@ impl Reader {
                 info.name
             )));
         }
-        let liveness = Liveness::from_code(seg.atomic(header::LIVENESS)?.load(Ordering::Relaxed))
-            .expect("Layout::read validated the liveness mode");
-        let shared = Shared {
-            seg: Arc::new(seg),
-            layout,
-            liveness,
-        };
         if !shared.writer_alive()? {
             return Err(Error::WriterGone(format!(
                 "the writer of {:?} closed it or exited",
@@ -1513,8 +1506,9 @@ pub struct SegmentInfo {
     pub readers: Vec<SlotInfo>,
 }
 
-fn open_read_only(name: &str) -> Result<Shared> {
-    let seg = Segment::open(name, Access::ReadOnly)?;
+/// An existing segment, its layout and liveness mode read and validated.
+fn open_shared(name: &str, access: Access) -> Result<Shared> {
+    let seg = Segment::open(name, access)?;
     let layout = Layout::read(&seg)?;
     let liveness = Liveness::from_code(seg.atomic(header::LIVENESS)?.load(Ordering::Relaxed))
         .expect("Layout::read validated the liveness mode");
@@ -1526,7 +1520,7 @@ fn open_read_only(name: &str) -> Result<Shared> {
 }
 
 pub fn inspect(name: &str) -> Result<SegmentInfo> {
-    let sh = open_read_only(name)?;
+    let sh = open_shared(name, Access::ReadOnly)?;
     let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
     let writer_closed = load(header::WRITER_STATE)? == WRITER_CLOSED;
     let mut readers = Vec::new();
@@ -1608,7 +1602,7 @@ pub fn status(name: &str) -> Result<Status> {
     if probe.creator_lock_held {
         return Ok(Status::Live);
     }
-    match open_read_only(name) {
+    match open_shared(name, Access::ReadOnly) {
         Ok(sh) => Ok(match sh.liveness {
             Liveness::Locks => Status::Orphaned("its writer is gone".into()),
             Liveness::Pids if sh.writer_alive()? => Status::Live,
