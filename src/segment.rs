@@ -230,13 +230,23 @@ pub fn current_pid() -> u32 {
     std::process::id()
 }
 
+/// `/proc/<pid>/stat` after the command name (which may contain spaces and parentheses:
+/// everything up to its last ')' is skipped); its first field is field 3, the state.
+fn proc_stat_after_name(pid: u32) -> Option<String> {
+    let mut stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let end = stat.rfind(')')? + 1;
+    stat.drain(..end);
+    Some(stat)
+}
+
 /// A process's start time in clock ticks since boot (field 22 of `/proc/<pid>/stat`), which
 /// together with the pid names a process uniquely even after the pid is reused.
 pub fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may contain spaces and parentheses: skip past its last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    proc_stat_after_name(pid)?
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
 }
 
 /// Whether a process with this pid exists (one syscall; a zombie or a reused pid counts).
@@ -255,20 +265,19 @@ pub fn process_alive(pid: u32, start_time: u64) -> bool {
     if !pid_exists(pid) {
         return false;
     }
+    // One read of /proc/<pid>/stat gives both the state and the start time.
+    let Some(stat) = proc_stat_after_name(pid) else {
+        return true; // it exists, but /proc does not show it (e.g. another namespace's /proc)
+    };
+    let mut fields = stat.split_whitespace();
     // A zombie has exited: its memory is gone and it will never acknowledge anything.
-    if let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) {
-        if let Some(state) = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 1..].split_whitespace().next())
-        {
-            if state == "Z" || state == "X" {
-                return false;
-            }
-        }
+    if matches!(fields.next(), Some("Z" | "X")) {
+        return false;
     }
     // Compare the low 32 bits only: reader slots keep no more (clock ticks since boot: over
     // a year of uptime at 100 Hz before two start times could share them).
-    start_time == 0 || process_start_time(pid).is_none_or(|t| t as u32 == start_time as u32)
+    let started = fields.nth(18).and_then(|t| t.parse::<u64>().ok());
+    start_time == 0 || started.is_none_or(|t| t as u32 == start_time as u32)
 }
 
 /// `n` bytes from the kernel's random source.
