@@ -926,7 +926,7 @@ impl PartView {
 /// `serde.encode`: an item as `(part 0, [part 1, ...])`, each part a read-only memoryview
 /// of the item's own memory.
 #[pyfunction]
-pub fn encode_item<'py>(
+pub(super) fn encode_item<'py>(
     py: Python<'py>,
     item: &Bound<'py, PyAny>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>)> {
@@ -1353,7 +1353,7 @@ impl<'py> Decoder<'_, 'py> {
 /// `serde.decode`: the item in a payload (any object with the buffer protocol).
 #[pyfunction]
 #[pyo3(signature = (payload, *, copy = true))]
-pub fn decode_item<'py>(
+pub(super) fn decode_item<'py>(
     py: Python<'py>,
     payload: &Bound<'py, PyAny>,
     copy: bool,

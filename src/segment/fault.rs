@@ -133,11 +133,11 @@ fn lookup(address: usize) -> Option<Mapping> {
 }
 
 extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo_t for SA_SIGINFO handlers of fault signals;
-    // si_addr is the faulting address.
     let address = if info.is_null() {
         0
     } else {
+        // SAFETY: the kernel passes a valid siginfo_t for SA_SIGINFO handlers of fault
+        // signals (checked non-null above); si_addr is the faulting address.
         (unsafe { (*info).si_addr() }) as usize
     };
     let message = match (sig, lookup(address)) {
