@@ -37,7 +37,7 @@
 
 use std::fmt;
 
-use crate::store::part_offsets;
+use crate::layout::part_offsets;
 
 /// The first three bytes of every payload; the fourth is the format version digit.
 pub const MAGIC: &[u8; 3] = b"MMC";

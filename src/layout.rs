@@ -141,6 +141,20 @@ pub const fn align_up(n: u64) -> Option<u64> {
     }
 }
 
+/// Where each part of a payload starts (every part starts [`ALIGN`]ed, after the previous
+/// one) and where the last one ends; `None` if that overflows a `u64`. Writer and codec
+/// both place parts by this one rule.
+pub fn part_offsets(lengths: impl IntoIterator<Item = u64>) -> Option<(Vec<u64>, u64)> {
+    let mut offsets = Vec::new();
+    let mut end = 0u64;
+    for len in lengths {
+        let start = align_up(end)?;
+        offsets.push(start);
+        end = start.checked_add(len)?;
+    }
+    Some((offsets, end))
+}
+
 /// What a reader slot is doing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SlotState {

@@ -53,7 +53,7 @@ use crate::error::{Error, Result};
 use crate::handle::{Handle, MAC_LEN, SIGNATURE_LEN, Signer, tag};
 use crate::layout::{
     self, Claim, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED, WRITER_LIVE,
-    WRITER_LOCK, align_up, chunk, header, slot,
+    WRITER_LOCK, align_up, chunk, header, part_offsets, slot,
 };
 use crate::ring::{Ring, Verdict};
 use crate::segment::{self, Access, Process, RawBytes, Registration, Segment};
@@ -70,18 +70,6 @@ pub struct ReaderInfo {
     pub max_object_size: u64,
     pub layout_version: u64,
     pub secret: [u8; 32],
-}
-
-/// Byte offsets of each part inside a payload: every part starts 64-byte aligned.
-pub fn part_offsets(lengths: impl IntoIterator<Item = u64>) -> Option<(Vec<u64>, u64)> {
-    let mut offsets = Vec::new();
-    let mut end = 0u64;
-    for len in lengths {
-        let start = align_up(end)?;
-        offsets.push(start);
-        end = start.checked_add(len)?;
-    }
-    Some((offsets, end))
 }
 
 fn to_base36(mut n: u64) -> String {
