@@ -54,20 +54,73 @@ pub mod header {
     pub const WRITER_STATE: u64 = 80;
     /// const: how liveness is told, `LIVENESS_LOCKS` or `LIVENESS_PIDS` (see `Liveness`).
     pub const LIVENESS: u64 = 88;
-    // Counters published by the writer for `inspect` (Relaxed: statistics only).
-    pub const PUTS: u64 = 128;
-    pub const HITS: u64 = 136;
-    pub const EVICTIONS: u64 = 144;
-    pub const BYTES_IN_USE: u64 = 152;
-    pub const OBJECTS: u64 = 160;
-    pub const REFS_ISSUED: u64 = 168;
-    pub const LAST_ID: u64 = 176;
-    pub const READERS_RECLAIMED: u64 = 184;
-    pub const CLEARS: u64 = 192;
+    /// The writer's published counters, one word each in [`Counter`](super::Counter) order
+    /// (Relaxed: statistics only).
+    pub const COUNTERS: u64 = 128;
     /// First reader slot; slot `i` is at `READER_TABLE + i * READER_SLOT_SIZE`.
     pub const READER_TABLE: u64 = 512;
     pub const READER_SLOT_SIZE: u64 = 64;
 }
+
+/// Declares [`Counter`] from one table: each counter's variant, the name `stats()` and
+/// `inspect` report it under, and (by its position) its header word.
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])* $variant:ident => $name:literal,)*) => {
+        /// The store's counters: what the writer tallies, publishes in the segment header
+        /// (counter `c` at [`Counter::offset`]) and reports in `stats()`, and what `inspect`
+        /// reads back — all from this one table.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Counter {
+            $($(#[doc = $doc])* $variant,)*
+        }
+
+        impl Counter {
+            /// Every counter, in header order.
+            pub const ALL: &[Counter] = &[$(Counter::$variant,)*];
+
+            /// The name `stats()` and `inspect` report the counter under.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Counter::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Objects stored by `put`.
+    Puts => "puts",
+    /// References issued by `get_cached`.
+    Hits => "hits",
+    /// Stored objects evicted to make room.
+    Evictions => "evictions",
+    /// Bytes of the ring that chunks cover (the ring's own count).
+    BytesInUse => "bytes_in_use",
+    /// Keys stored (the index's own count).
+    Objects => "objects",
+    /// References issued by `put` and `get_cached`.
+    RefsIssued => "refs_issued",
+    /// The id of the newest chunk (ids keep counting across `clear`).
+    LastId => "last_id",
+    /// Reader slots freed because their occupant died.
+    ReadersReclaimed => "readers_reclaimed",
+    /// Calls of `clear`.
+    Clears => "clears",
+}
+
+impl Counter {
+    /// How many counters there are.
+    pub const COUNT: usize = Counter::ALL.len();
+
+    /// The header word the writer publishes the counter in.
+    pub const fn offset(self) -> u64 {
+        header::COUNTERS + 8 * self as u64
+    }
+}
+
+// Every counter's word lies in the header, before the reader table.
+const _: () = assert!(header::COUNTERS + 8 * Counter::COUNT as u64 <= header::READER_TABLE);
 
 pub const WRITER_LIVE: u64 = 1;
 pub const WRITER_CLOSED: u64 = 2;

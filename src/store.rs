@@ -52,8 +52,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::error::{Error, Result};
 use crate::handle::{Handle, MAC_LEN, SIGNATURE_LEN, Signer, tag};
 use crate::layout::{
-    self, Claim, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED, WRITER_LIVE,
-    WRITER_LOCK, align_up, chunk, header, part_offsets, slot,
+    self, Claim, Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED,
+    WRITER_LIVE, WRITER_LOCK, align_up, chunk, header, part_offsets, slot,
 };
 use crate::ring::{Ring, Verdict};
 use crate::segment::{self, Access, Process, RawBytes, Registration, Segment};
@@ -297,14 +297,15 @@ impl ChunkMeta {
     }
 }
 
+/// The counters the writer counts as events happen; the ring, the index and the id counter
+/// hold the others (see [`WriterState::counter`]).
 #[derive(Debug, Default, Clone, Copy)]
-struct Counters {
-    puts: u64,
-    hits: u64,
-    evictions: u64,
-    refs_issued: u64,
-    readers_reclaimed: u64,
-    clears: u64,
+struct Tally([u64; Counter::COUNT]);
+
+impl Tally {
+    fn bump(&mut self, counter: Counter) {
+        self.0[counter as usize] += 1;
+    }
 }
 
 #[derive(Debug)]
@@ -312,12 +313,22 @@ struct WriterState {
     ring: Ring<ChunkMeta>,
     keys: HashMap<String, u64>,
     last_id: u64,
-    counters: Counters,
+    tally: Tally,
     closed: bool,
     reader_set: ReaderSet,
 }
 
 impl WriterState {
+    /// The value of `counter` now.
+    fn counter(&self, counter: Counter) -> u64 {
+        match counter {
+            Counter::BytesInUse => self.ring.used(),
+            Counter::Objects => self.keys.len() as u64,
+            Counter::LastId => self.last_id,
+            event => self.tally.0[event as usize],
+        }
+    }
+
     /// The current reader set given the occupied slots, numbering a new one if it changed.
     fn reader_set(&mut self, occupants: &[Occupant]) -> ReaderSet {
         let members = || {
@@ -403,7 +414,7 @@ impl Writer {
                 ring: Ring::new(layout.capacity),
                 keys: HashMap::new(),
                 last_id: 0,
-                counters: Counters::default(),
+                tally: Tally::default(),
                 closed: false,
                 reader_set: ReaderSet {
                     number: 0,
@@ -466,7 +477,7 @@ impl Writer {
         &self,
         o: &Occupant,
         checked: &mut HashMap<u32, bool>,
-        counters: &mut Counters,
+        tally: &mut Tally,
     ) -> Result<bool> {
         if let Some(&dead) = checked.get(&o.slot) {
             return Ok(dead);
@@ -485,7 +496,7 @@ impl Writer {
                 .compare_exchange(o.word, free.pack(), Ordering::AcqRel, Ordering::Acquire)
                 .is_ok();
             if freed {
-                counters.readers_reclaimed += 1;
+                tally.bump(Counter::ReadersReclaimed);
             }
         }
         checked.insert(o.slot, dead);
@@ -499,7 +510,7 @@ impl Writer {
         meta: &ChunkMeta,
         occupants: &[Occupant],
         checked: &mut HashMap<u32, bool>,
-        counters: &mut Counters,
+        tally: &mut Tally,
     ) -> bool {
         if meta.pins > 0 {
             return false;
@@ -509,7 +520,7 @@ impl Writer {
             match self.holds(address, sig_tag, o) {
                 Ok(false) => {}
                 Ok(true) => {
-                    if !matches!(self.reap_if_dead(o, checked, counters), Ok(true)) {
+                    if !matches!(self.reap_if_dead(o, checked, tally), Ok(true)) {
                         return false;
                     }
                 }
@@ -562,7 +573,7 @@ impl Writer {
         let occupants = self.shared.occupants()?;
         let reader_set = state.reader_set(&occupants);
         let mut checked = HashMap::new();
-        let mut counters = state.counters;
+        let mut tally = state.tally;
         let meta = ChunkMeta {
             key: Some(key.to_owned()),
             id: 0,
@@ -575,13 +586,13 @@ impl Writer {
             if meta.key.is_some() && std::mem::take(&mut meta.referenced) {
                 return Verdict::Keep; // second chance
             }
-            if self.reclaimable(address, meta, &occupants, &mut checked, &mut counters) {
+            if self.reclaimable(address, meta, &occupants, &mut checked, &mut tally) {
                 Verdict::Evict
             } else {
                 Verdict::Keep
             }
         });
-        state.counters = counters;
+        state.tally = tally;
         let Some(placement) = placement else {
             self.publish(&state)?;
             return Err(Error::Full {
@@ -593,7 +604,7 @@ impl Writer {
             self.kill(*address)?;
             if let Some(old_key) = &old.key {
                 state.keys.remove(old_key);
-                state.counters.evictions += 1;
+                state.tally.bump(Counter::Evictions);
             }
         }
         // P2: every reader that copies reused bytes will see `id == 0` (or a newer id).
@@ -645,8 +656,8 @@ impl Writer {
             unreleased: 1,
         });
         state.keys.insert(key.to_owned(), address);
-        state.counters.puts += 1;
-        state.counters.refs_issued += 1;
+        state.tally.bump(Counter::Puts);
+        state.tally.bump(Counter::RefsIssued);
         self.publish(&state)?;
         Ok(handle)
     }
@@ -715,8 +726,8 @@ impl Writer {
             .expect("indexed keys have chunks");
         meta.referenced = true;
         let handle = meta.issue(&self.signer, key, address, &reader_set);
-        state.counters.hits += 1;
-        state.counters.refs_issued += 1;
+        state.tally.bump(Counter::Hits);
+        state.tally.bump(Counter::RefsIssued);
         self.publish(&state)?;
         Ok(handle)
     }
@@ -805,7 +816,7 @@ impl Writer {
         state.keys.clear();
         let occupants = self.shared.occupants()?;
         let mut checked = HashMap::new();
-        let mut counters = state.counters;
+        let mut tally = state.tally;
         let mut free = Vec::new();
         for (address, meta) in state.ring.iter_mut() {
             meta.key = None;
@@ -822,7 +833,7 @@ impl Writer {
                     })
                 });
             }
-            if self.reclaimable(address, meta, &occupants, &mut checked, &mut counters) {
+            if self.reclaimable(address, meta, &occupants, &mut checked, &mut tally) {
                 free.push(address);
             }
         }
@@ -831,8 +842,8 @@ impl Writer {
             state.ring.remove(address);
         }
         fence(Ordering::Release);
-        counters.clears += 1;
-        state.counters = counters;
+        tally.bump(Counter::Clears);
+        state.tally = tally;
         self.publish(&state)
     }
 
@@ -900,22 +911,12 @@ impl Writer {
         self.copy_payload(address)
     }
 
+    /// Publish every counter in the segment header, for `inspect`.
     fn publish(&self, state: &WriterState) -> Result<()> {
-        let c = state.counters;
-        let objects = state.keys.len() as u64;
-        let values = [
-            (header::PUTS, c.puts),
-            (header::HITS, c.hits),
-            (header::EVICTIONS, c.evictions),
-            (header::BYTES_IN_USE, state.ring.used()),
-            (header::OBJECTS, objects),
-            (header::REFS_ISSUED, c.refs_issued),
-            (header::LAST_ID, state.last_id),
-            (header::READERS_RECLAIMED, c.readers_reclaimed),
-            (header::CLEARS, c.clears),
-        ];
-        for (field, value) in values {
-            self.shared.header(field)?.store(value, Ordering::Relaxed);
+        for &counter in Counter::ALL {
+            self.shared
+                .header(counter.offset())?
+                .store(state.counter(counter), Ordering::Relaxed);
         }
         Ok(())
     }
@@ -943,28 +944,22 @@ impl Writer {
             .iter()
             .filter(|o| o.claim.state == SlotState::Draining)
             .count() as u64;
-        let c = state.counters;
         let l = self.shared.layout;
-        Ok(vec![
+        let mut stats = vec![
             ("capacity", l.capacity),
             ("n_readers", l.n_readers as u64),
             ("max_object_size", l.max_object_size),
-            ("bytes_in_use", state.ring.used()),
-            ("objects", state.keys.len() as u64),
+        ];
+        stats.extend(Counter::ALL.iter().map(|&c| (c.name(), state.counter(c))));
+        stats.extend([
             ("chunks", state.ring.len() as u64),
-            ("puts", c.puts),
-            ("hits", c.hits),
-            ("evictions", c.evictions),
-            ("refs_issued", c.refs_issued),
             ("outstanding_refs", outstanding),
             ("views", views),
             ("pinned", pinned),
             ("readers_attached", occupants.len() as u64 - draining),
             ("readers_draining", draining),
-            ("readers_reclaimed", c.readers_reclaimed),
-            ("clears", c.clears),
-            ("last_id", state.last_id),
-        ])
+        ]);
+        Ok(stats)
     }
 
     /// Mark the segment closed for readers, remove its name and give up the writer's lock.
@@ -1339,11 +1334,13 @@ impl Reader {
             ),
             (
                 "bytes_in_use",
-                sh.header(header::BYTES_IN_USE)?.load(Ordering::Relaxed),
+                sh.header(Counter::BytesInUse.offset())?
+                    .load(Ordering::Relaxed),
             ),
             (
                 "objects",
-                sh.header(header::OBJECTS)?.load(Ordering::Relaxed),
+                sh.header(Counter::Objects.offset())?
+                    .load(Ordering::Relaxed),
             ),
         ])
     }
@@ -1525,20 +1522,10 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
             stale: sh.slot(s, slot::STALE)?.load(Ordering::Relaxed),
         });
     }
-    let counters = [
-        ("puts", header::PUTS),
-        ("hits", header::HITS),
-        ("evictions", header::EVICTIONS),
-        ("bytes_in_use", header::BYTES_IN_USE),
-        ("objects", header::OBJECTS),
-        ("refs_issued", header::REFS_ISSUED),
-        ("last_id", header::LAST_ID),
-        ("readers_reclaimed", header::READERS_RECLAIMED),
-        ("clears", header::CLEARS),
-    ]
-    .into_iter()
-    .map(|(k, f)| Ok((k, load(f)?)))
-    .collect::<Result<Vec<_>>>()?;
+    let counters = Counter::ALL
+        .iter()
+        .map(|&c| Ok((c.name(), load(c.offset())?)))
+        .collect::<Result<Vec<_>>>()?;
     Ok(SegmentInfo {
         name: sh.seg.name().to_owned(),
         total_len: sh.layout.total_len(),

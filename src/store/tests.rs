@@ -236,6 +236,36 @@ fn stats_of(w: &Writer) -> HashMap<&'static str, u64> {
     w.stats().unwrap().into_iter().collect()
 }
 
+#[test]
+fn inspect_reads_back_the_counters_stats_reports() {
+    let w = writer(2048, 1);
+    let r = Reader::attach(&w.reader_info()).unwrap();
+    let a = w.put("a", &[&[1u8; 896]]).unwrap();
+    w.get_cached("a").unwrap();
+    w.put("b", &[&[2u8; 896]]).unwrap();
+    read(&r, &a, "a").unwrap();
+    read(&r, &a, "a").unwrap();
+    w.put("c", &[&[3u8; 896]]).unwrap(); // evicts a
+    w.clear().unwrap();
+    let stats = stats_of(&w);
+    let expected: Vec<(&str, u64)> = [
+        ("puts", 3),
+        ("hits", 1),
+        ("evictions", 1),
+        ("bytes_in_use", 0),
+        ("objects", 0),
+        ("refs_issued", 4),
+        ("last_id", 3),
+        ("readers_reclaimed", 0),
+        ("clears", 1),
+    ]
+    .into();
+    assert_eq!(inspect(w.name()).unwrap().counters, expected);
+    for (name, value) in &expected {
+        assert_eq!(stats[name], *value, "{name}");
+    }
+}
+
 /// The pid of a process that has exited.
 fn dead_pid() -> u32 {
     let mut child = std::process::Command::new("true").spawn().unwrap();
