@@ -429,9 +429,11 @@ impl Layout {
         Ok(())
     }
 
-    /// Read and validate a segment's header: every field is checked for consistency with
-    /// checked arithmetic, so a corrupt or foreign segment is an error, never a wild offset.
-    pub fn read(seg: &Segment) -> Result<Layout> {
+    /// Read and validate a segment's header: its geometry and its liveness mode. Every field
+    /// is loaded once and checked for consistency with checked arithmetic, so a corrupt or
+    /// foreign segment is an error, never a wild offset; callers use the values returned
+    /// here, never a second load of a word another process may change meanwhile.
+    pub fn read(seg: &Segment) -> Result<(Layout, Liveness)> {
         if (seg.len() as u64) < header::READER_TABLE {
             return Err(Error::Corrupt(format!(
                 "segment is {} bytes, smaller than a header",
@@ -454,10 +456,9 @@ impl Layout {
         if state != WRITER_LIVE && state != WRITER_CLOSED {
             return Err(Error::Corrupt(format!("bad writer state {state}")));
         }
-        let liveness = load(header::LIVENESS)?;
-        if Liveness::from_code(liveness).is_none() {
-            return Err(Error::Corrupt(format!("bad liveness mode {liveness}")));
-        }
+        let code = load(header::LIVENESS)?;
+        let liveness = Liveness::from_code(code)
+            .ok_or_else(|| Error::Corrupt(format!("bad liveness mode {code}")))?;
         let n_readers = u32::try_from(load(header::N_READERS)?)
             .map_err(|_| Error::Corrupt("n_readers out of range".into()))?;
         let max_object_size = load(header::MAX_OBJECT_SIZE)?;
@@ -478,7 +479,7 @@ impl Layout {
                 seg.len()
             )));
         }
-        Ok(expected)
+        Ok((expected, liveness))
     }
 }
 
@@ -539,7 +540,7 @@ mod tests {
             if keep_magic {
                 write_words(&seg, &[(header::MAGIC, MAGIC), (header::VERSION, LAYOUT_VERSION)]);
             }
-            if let Ok(l) = Layout::read(&seg) {
+            if let Ok((l, _)) = Layout::read(&seg) {
                 prop_assert_eq!(l.total_len(), seg.len() as u64);
                 prop_assert!(l.valid_payload(0, l.max_object_size));
                 prop_assert!(l.n_readers >= 1 && l.n_readers <= MAX_READERS);
@@ -563,7 +564,7 @@ mod tests {
             atomic.store(atomic.load(Ordering::Relaxed).wrapping_add(delta), Ordering::Relaxed);
             // MAX_OBJECT_SIZE may legitimately change to another valid value.
             match Layout::read(&seg) {
-                Ok(l) => prop_assert!(field == header::MAX_OBJECT_SIZE && l.max_object_size != 4000),
+                Ok((l, _)) => prop_assert!(field == header::MAX_OBJECT_SIZE && l.max_object_size != 4000),
                 Err(e) => prop_assert!(matches!(e, Error::Corrupt(_))),
             }
         }

@@ -1494,9 +1494,7 @@ pub struct SegmentInfo {
 /// An existing segment, its layout and liveness mode read and validated.
 fn open_shared(name: &str, access: Access) -> Result<Shared> {
     let seg = Segment::open(name, access)?;
-    let layout = Layout::read(&seg)?;
-    let liveness = Liveness::from_code(seg.atomic(header::LIVENESS)?.load(Ordering::Relaxed))
-        .expect("Layout::read validated the liveness mode");
+    let (layout, liveness) = Layout::read(&seg)?;
     Ok(Shared {
         seg: Arc::new(seg),
         layout,

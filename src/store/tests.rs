@@ -516,6 +516,60 @@ fn corrupt_headers_are_refused() {
     assert!(matches!(inspect(w.name()), Err(Error::Corrupt(_))));
 }
 
+/// Sets its flag when dropped: stops a helper thread even if the test panics.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// `attach`, `inspect` and `status` (what `prune` decides) validate the header once and use
+/// what they validated: a liveness word that another process changes meanwhile makes them
+/// fail cleanly or succeed, never panic (they used to load it a second time and `expect` it
+/// to be valid still).
+#[test]
+fn a_header_changing_under_validation_is_an_error_never_a_panic() {
+    // The pid fallback: no writer lock, so `status` too opens the segment.
+    let w = Writer::create_with_liveness(2048, 1, Liveness::Pids).unwrap();
+    let info = w.reader_info();
+    let liveness = w.shared.header(header::LIVENESS).unwrap();
+    let stop = AtomicBool::new(false);
+    let (mut accepted, mut refused) = (0, 0);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                liveness.store(Liveness::Pids.code(), Ordering::Relaxed);
+                liveness.store(0, Ordering::Relaxed); // no liveness mode at all
+            }
+        });
+        let _stop = StopOnDrop(&stop);
+        for i in 0..200_000 {
+            let mut outcomes = vec![inspect(w.name()).map(drop)];
+            if i % 16 == 0 {
+                // Slower (they read /proc): less often.
+                outcomes.push(Reader::attach(&info).map(drop));
+                status(w.name()).unwrap();
+            }
+            for outcome in outcomes {
+                match outcome {
+                    Ok(()) => accepted += 1,
+                    Err(Error::Corrupt(_)) => refused += 1,
+                    Err(e) => panic!("unexpected error {e}"),
+                }
+            }
+            if accepted >= 2000 && refused >= 2000 {
+                break;
+            }
+        }
+    });
+    assert!(
+        accepted >= 2000 && refused >= 2000,
+        "the race was not exercised: {accepted} accepted, {refused} refused"
+    );
+}
+
 #[test]
 fn closed_writer_is_reported_to_readers() {
     let w = writer(1 << 16, 1);
