@@ -58,9 +58,6 @@ use crate::layout::{
 use crate::ring::{Ring, Verdict};
 use crate::segment::{self, Access, Process, RawBytes, Registration, Segment};
 
-/// Prefix of every segment name this package generates.
-pub const NAME_PREFIX: &str = "mmc_";
-
 /// Everything a reader needs to attach (the Python `ReaderHandle`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReaderInfo {
@@ -70,36 +67,6 @@ pub struct ReaderInfo {
     pub max_object_size: u64,
     pub layout_version: u64,
     pub secret: [u8; 32],
-}
-
-fn to_base36(mut n: u64) -> String {
-    const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut out = Vec::new();
-    loop {
-        out.push(DIGITS[(n % 36) as usize]);
-        n /= 36;
-        if n == 0 {
-            break;
-        }
-    }
-    out.reverse();
-    String::from_utf8(out).expect("ASCII digits")
-}
-
-/// A fresh segment name: `mmc_<pid>_<random>`, at most 22 characters (macOS allows 30).
-pub fn generate_name() -> Result<String> {
-    let random = u64::from_le_bytes(segment::random_bytes::<8>()?) % 36u64.pow(8);
-    Ok(format!(
-        "{NAME_PREFIX}{}_{:0>8}",
-        to_base36(segment::current_pid() as u64),
-        to_base36(random)
-    ))
-}
-
-/// The creator pid a generated name carries (in the creator's PID namespace).
-fn pid_in_name(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix(NAME_PREFIX)?.split('_').next()?;
-    u32::try_from(u64::from_str_radix(digits, 36).ok()?).ok()
 }
 
 /// Shared view of the segment used by both roles.
@@ -385,7 +352,7 @@ impl Writer {
         let layout = Layout::new(capacity, n_readers, max_object_size)?;
         let name = match name {
             Some(n) => segment::validate_name(n)?.to_owned(),
-            None => generate_name()?,
+            None => segment::generate_name()?,
         };
         let total = usize::try_from(layout.total_len())
             .map_err(|_| Error::InvalidArgument("capacity too large for this host".into()))?;
@@ -1544,7 +1511,7 @@ pub fn list_segments() -> Vec<String> {
     segment::list_names()
         .into_iter()
         .filter(|name| {
-            name.starts_with(NAME_PREFIX)
+            name.starts_with(segment::NAME_PREFIX)
                 || segment::read_prefix::<8>(name)
                     .is_ok_and(|m| u64::from_le_bytes(m) == layout::MAGIC)
         })
@@ -1590,7 +1557,7 @@ pub fn status(name: &str) -> Result<Status> {
             });
             if ours_other_version {
                 // Made by another version, which may not take locks: trust its name's pid.
-                return Ok(match pid_in_name(name) {
+                return Ok(match segment::pid_in_name(name) {
                     Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
                         "made by another mmcache version; its creator (pid {pid}) may still run"
                     )),
