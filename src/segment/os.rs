@@ -79,7 +79,7 @@ pub(super) fn fstat(fd: &OwnedFd) -> Result<libc::stat> {
     Ok(unsafe { st.assume_init() })
 }
 
-/// The first `N` bytes of `/dev/shm/<name>` (regular files only; see [`Segment::open`]).
+/// The first `N` bytes of `/dev/shm/<name>` (regular files only; see [`Segment::open`](super::Segment::open)).
 pub fn read_prefix<const N: usize>(name: &str) -> Result<[u8; N]> {
     use std::io::Read;
     let (fd, _) = open_regular(name, Access::ReadOnly)?;
@@ -100,7 +100,7 @@ pub struct FileProbe {
     pub creator_lock_held: bool,
 }
 
-/// Probe `/dev/shm/<name>` (regular files only; see [`Segment::open`]).
+/// Probe `/dev/shm/<name>` (regular files only; see [`Segment::open`](super::Segment::open)).
 pub fn probe_file(name: &str, creator_lock: LockRange) -> Result<FileProbe> {
     let (fd, size) = open_regular(name, Access::ReadOnly)?;
     let st = fstat(&fd)?;

@@ -1,7 +1,12 @@
 //! Store tests over real segments: protocol examples, a multi-threaded acknowledgement test,
 //! and a proptest state machine against a model.
 
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+
 use super::*;
+use crate::handle::Handle;
+use crate::layout::SlotState;
 use proptest::prelude::*;
 
 fn writer(capacity: u64, n_readers: u32) -> Writer {
