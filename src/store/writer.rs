@@ -12,7 +12,7 @@ use crate::layout::{
     Claim, Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED,
     WRITER_LOCK, align_up, chunk, header, part_offsets, slot,
 };
-use crate::ring::{Ring, Verdict};
+use crate::ring::{Placement, Ring, Verdict};
 use crate::segment::{self, Process, RawBytes, Segment};
 use state::{ChunkMeta, Issuance, ReaderSet, Tally, WriterState};
 
@@ -219,119 +219,167 @@ impl Writer {
     /// [`Writer::put`] from bytes that are only ever copied, never borrowed as a slice (a
     /// Python buffer that another thread may write while the copy runs without the GIL).
     pub fn put_raw(&self, key: &str, parts: &[RawBytes<'_>]) -> Result<Handle> {
-        let mut state = self.lock()?;
+        let mut guard = self.lock()?;
+        let state = &mut *guard;
         if state.keys.contains_key(key) {
             return Err(Error::DuplicateKey(key.to_owned()));
         }
-        let layout = self.shared.layout;
-        let (offsets, payload_len) =
-            part_offsets(parts.iter().map(|p| p.len() as u64)).ok_or(Error::TooLarge {
-                size: u64::MAX,
-                max: layout.max_object_size,
-            })?;
-        if payload_len > layout.max_object_size {
-            return Err(Error::TooLarge {
-                size: payload_len,
-                max: layout.max_object_size,
-            });
-        }
-        let size = align_up(layout.chunk_header_size + payload_len)
-            .filter(|&s| s <= layout.capacity)
-            .ok_or(Error::TooLarge {
-                size: payload_len,
-                max: layout.max_object_size,
-            })?;
-
+        let shape = self.chunk_shape(parts)?;
         let occupants = self.shared.occupants()?;
         let reader_set = state.reader_set(&occupants);
-        let mut checked = HashMap::new();
-        let mut tally = state.tally;
-        let meta = ChunkMeta {
-            key: Some(key.to_owned()),
-            id: 0,
-            mac: [0; MAC_LEN],
-            pins: 0,
-            referenced: false,
-            issued: Vec::new(),
-        };
-        let placement = state.ring.allocate(size, meta, |address, meta| {
-            if meta.key.is_some() && std::mem::take(&mut meta.referenced) {
-                return Verdict::Keep; // second chance
-            }
-            if self.reclaimable(address, meta, &occupants, &mut checked, &mut tally) {
-                Verdict::Evict
-            } else {
-                Verdict::Keep
-            }
-        });
-        state.tally = tally;
+        let placement = self.make_room(&mut state.ring, &mut state.tally, shape.size, &occupants);
         let Some(placement) = placement else {
-            self.publish(&state)?;
+            self.publish(state);
             return Err(Error::Full {
-                needed: size,
-                capacity: layout.capacity,
+                needed: shape.size,
+                capacity: self.shared.layout.capacity,
             });
         };
-        for (address, old) in &placement.evicted {
-            self.kill(*address)?;
-            if let Some(old_key) = &old.key {
-                state.keys.remove(old_key);
-                state.tally.bump(Counter::Evictions);
-            }
-        }
-        // P2: every reader that copies reused bytes will see `id == 0` (or a newer id).
-        fence(Ordering::Release);
-
+        // Before any step that can fail: the index never names a reclaimed chunk.
+        unindex_evicted(&mut state.keys, &mut state.tally, &placement.evicted);
         let address = placement.address;
         state.last_id += 1;
         let id = state.last_id;
         let (mac, handle) = self.signer.sign(key, address, id, reader_set.number);
-        let (lo, hi) = mac_words(&mac);
+        let written = self
+            .kill_evicted(&placement.evicted)
+            .and_then(|()| self.write_chunk(address, id, &mac, &reader_set, &shape, parts));
+        if let Err(err) = written {
+            // Never published, so nobody can hold it: its space is free again at once.
+            state.ring.remove(address);
+            self.publish(state);
+            return Err(err);
+        }
+        *placement.value = ChunkMeta {
+            key: Some(key.to_owned()),
+            id,
+            mac,
+            issued: vec![Issuance {
+                reader_set,
+                signature: handle.signature,
+                unreleased: 1,
+            }],
+            ..ChunkMeta::default()
+        };
+        state.keys.insert(key.to_owned(), address);
+        state.tally.bump(Counter::Puts);
+        state.tally.bump(Counter::RefsIssued);
+        self.publish(state);
+        Ok(handle)
+    }
+
+    /// Where `parts` go in a chunk, or `TooLarge` if they exceed `max_object_size` or the ring.
+    fn chunk_shape(&self, parts: &[RawBytes<'_>]) -> Result<ChunkShape> {
+        let layout = self.shared.layout;
+        let too_large = |size| Error::TooLarge {
+            size,
+            max: layout.max_object_size,
+        };
+        let (offsets, payload_len) =
+            part_offsets(parts.iter().map(|p| p.len() as u64)).ok_or(too_large(u64::MAX))?;
+        if payload_len > layout.max_object_size {
+            return Err(too_large(payload_len));
+        }
+        let size = align_up(layout.chunk_header_size + payload_len)
+            .filter(|&s| s <= layout.capacity)
+            .ok_or(too_large(payload_len))?;
+        Ok(ChunkShape {
+            offsets,
+            payload_len,
+            size,
+        })
+    }
+
+    /// Place an unpublished chunk of `size` bytes with CLOCK: a chunk hit since the hand last
+    /// passed is kept once (second chance), one still held is stepped over, the others in
+    /// the way are evicted (from the ring only: the caller unindexes and kills them). `None`
+    /// when no room can be made.
+    fn make_room<'r>(
+        &self,
+        ring: &'r mut Ring<ChunkMeta>,
+        tally: &mut Tally,
+        size: u64,
+        occupants: &[Occupant],
+    ) -> Option<Placement<'r, ChunkMeta>> {
+        let mut checked = HashMap::new();
+        ring.allocate(size, ChunkMeta::default(), |address, meta| {
+            if meta.key.is_some() && std::mem::take(&mut meta.referenced) {
+                return Verdict::Keep; // second chance
+            }
+            if self.reclaimable(address, meta, occupants, &mut checked, tally) {
+                Verdict::Evict
+            } else {
+                Verdict::Keep
+            }
+        })
+    }
+
+    /// Mark every evicted chunk dead, then issue the Release fence (P2): every reader that
+    /// copies reused bytes will see `id == 0` (or a newer id).
+    fn kill_evicted(&self, evicted: &[(u64, ChunkMeta)]) -> Result<()> {
+        for &(address, _) in evicted {
+            self.kill(address)?;
+        }
+        fence(Ordering::Release);
+        Ok(())
+    }
+
+    /// Fill the chunk at `address` — its signature and length, one reference for each
+    /// member of `reader_set`, the payload — and publish it (P1).
+    fn write_chunk(
+        &self,
+        address: u64,
+        id: u64,
+        mac: &[u8; MAC_LEN],
+        reader_set: &ReaderSet,
+        shape: &ChunkShape,
+        parts: &[RawBytes<'_>],
+    ) -> Result<()> {
         let sh = &self.shared;
+        let (lo, hi) = mac_words(mac);
         sh.chunk(address, chunk::SIG_LO)?
             .store(lo, Ordering::Relaxed);
         sh.chunk(address, chunk::SIG_HI)?
             .store(hi, Ordering::Relaxed);
         sh.chunk(address, chunk::LEN)?
-            .store(payload_len, Ordering::Relaxed);
+            .store(shape.payload_len, Ordering::Relaxed);
         sh.chunk(address, chunk::REFS)?.store(1, Ordering::Relaxed);
-        for s in 0..layout.n_readers {
+        for s in 0..sh.layout.n_readers {
             sh.word(address, s)?.store(0, Ordering::Relaxed);
         }
         for &(s, epoch) in reader_set.members.iter() {
             sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
             let word = SlotWord {
-                stamp: SlotWord::stamp_for(tag(&mac), epoch as u64),
+                stamp: SlotWord::stamp_for(tag(mac), epoch as u64),
                 outstanding: 1,
                 views: 0,
             };
             sh.word(address, s)?.store(word.pack(), Ordering::Relaxed);
         }
-        let payload = sh.payload_offset(address);
-        let mut cursor = 0u64;
-        for (part, &offset) in parts.iter().zip(&offsets) {
-            if offset > cursor {
-                sh.seg.zero(payload + cursor, (offset - cursor) as usize)?;
-            }
-            sh.seg.write_from(payload + offset, *part)?;
-            cursor = offset + part.len() as u64;
-        }
+        self.write_payload(address, shape, parts)?;
         // P1: publish the chunk.
         sh.chunk(address, chunk::ID)?.store(id, Ordering::Release);
+        Ok(())
+    }
 
-        let meta = state.ring.get_mut(address).expect("just placed");
-        meta.id = id;
-        meta.mac = mac;
-        meta.issued.push(Issuance {
-            reader_set,
-            signature: handle.signature,
-            unreleased: 1,
-        });
-        state.keys.insert(key.to_owned(), address);
-        state.tally.bump(Counter::Puts);
-        state.tally.bump(Counter::RefsIssued);
-        self.publish(&state)?;
-        Ok(handle)
+    /// Copy `parts` into the payload at `address`, each at its offset, zeroing the padding.
+    fn write_payload(
+        &self,
+        address: u64,
+        shape: &ChunkShape,
+        parts: &[RawBytes<'_>],
+    ) -> Result<()> {
+        let seg = &self.shared.seg;
+        let payload = self.shared.payload_offset(address);
+        let mut cursor = 0u64;
+        for (part, &offset) in parts.iter().zip(&shape.offsets) {
+            if offset > cursor {
+                seg.zero(payload + cursor, (offset - cursor) as usize)?;
+            }
+            seg.write_from(payload + offset, *part)?;
+            cursor = offset + part.len() as u64;
+        }
+        Ok(())
     }
 
     pub fn is_cached(&self, key: &str) -> Result<bool> {
@@ -345,14 +393,13 @@ impl Writer {
     /// Issue one more reference to a stored object. `Error::Saturated` (nothing changed)
     /// when a reader slot already holds as many unread references to it as it can count.
     pub fn get_cached(&self, key: &str) -> Result<Handle> {
-        let mut state = self.lock()?;
-        let address = *state
-            .keys
-            .get(key)
-            .ok_or_else(|| Error::KeyNotFound(key.to_owned()))?;
+        let mut guard = self.lock()?;
+        let state = &mut *guard;
+        let not_found = || Error::KeyNotFound(key.to_owned());
+        let address = *state.keys.get(key).ok_or_else(not_found)?;
         let occupants = self.shared.occupants()?;
         let reader_set = state.reader_set(&occupants);
-        let meta = state.ring.get(address).expect("indexed keys have chunks");
+        let meta = state.ring.get_mut(address).ok_or_else(not_found)?;
         let sig_tag = tag(&meta.mac);
         // Check every slot before changing any: only this writer raises counts, so a count
         // below the limit now is still below it when we add one.
@@ -392,34 +439,27 @@ impl Writer {
         self.shared
             .chunk(address, chunk::REFS)?
             .fetch_add(1, Ordering::Relaxed);
-        let meta = state
-            .ring
-            .get_mut(address)
-            .expect("indexed keys have chunks");
         meta.referenced = true;
         let handle = meta.issue(&self.signer, key, address, &reader_set);
         state.tally.bump(Counter::Hits);
         state.tally.bump(Counter::RefsIssued);
-        self.publish(&state)?;
+        self.publish(state);
         Ok(handle)
     }
 
     /// Protect a stored object from eviction until a matching `unpin` (pins are counted).
     pub fn pin(&self, key: &str) -> Result<()> {
         let mut state = self.lock()?;
-        let address = *state
-            .keys
-            .get(key)
+        let meta = state
+            .stored(key)
             .ok_or_else(|| Error::KeyNotFound(key.to_owned()))?;
-        state.ring.get_mut(address).expect("indexed").pins += 1;
+        meta.pins = meta.pins.saturating_add(1);
         Ok(())
     }
 
     /// Undo one `pin`; a no-op for an absent or unpinned key.
     pub fn unpin(&self, key: &str) -> Result<()> {
-        let mut state = self.lock()?;
-        if let Some(&address) = state.keys.get(key) {
-            let meta = state.ring.get_mut(address).expect("indexed");
+        if let Some(meta) = self.lock()?.stored(key) {
             meta.pins = meta.pins.saturating_sub(1);
         }
         Ok(())
@@ -469,13 +509,14 @@ impl Writer {
     /// Forget `key`; its chunk is reclaimed once nobody holds it. A no-op if absent.
     pub fn invalidate(&self, key: &str) -> Result<()> {
         let mut state = self.lock()?;
-        if let Some(address) = state.keys.remove(key) {
-            let meta = state.ring.get_mut(address).expect("indexed");
+        if let Some(meta) = state.stored(key) {
             meta.key = None;
             meta.pins = 0;
             meta.referenced = false;
         }
-        self.publish(&state)
+        state.keys.remove(key);
+        self.publish(&state);
+        Ok(())
     }
 
     /// Forget every key, drop every undelivered or unread reference (so the references of
@@ -516,7 +557,8 @@ impl Writer {
         fence(Ordering::Release);
         tally.bump(Counter::Clears);
         state.tally = tally;
-        self.publish(&state)
+        self.publish(&state);
+        Ok(())
     }
 
     /// Whether `handle` is the current entry of `key`: signed for `key` by this store and
@@ -583,14 +625,15 @@ impl Writer {
         self.copy_payload(address)
     }
 
-    /// Publish every counter in the segment header, for `inspect`.
-    fn publish(&self, state: &WriterState) -> Result<()> {
+    /// Publish every counter in the segment header, for `inspect`. Statistics only, so it
+    /// cannot fail the operation it counts: a word out of reach (impossible, `Layout` puts
+    /// every counter in the header) is skipped.
+    fn publish(&self, state: &WriterState) {
         for &counter in Counter::ALL {
-            self.shared
-                .header(counter.offset())?
-                .store(state.counter(counter), Ordering::Relaxed);
+            if let Ok(word) = self.shared.header(counter.offset()) {
+                word.store(state.counter(counter), Ordering::Relaxed);
+            }
         }
-        Ok(())
     }
 
     pub fn stats(&self) -> Result<Stats> {
@@ -656,6 +699,32 @@ impl Writer {
             self.shared.seg.unlock(WRITER_LOCK)?;
         }
         Ok(())
+    }
+}
+
+/// Where an object's parts go in its chunk.
+struct ChunkShape {
+    /// Each part's offset in the payload (64-byte aligned).
+    offsets: Vec<u64>,
+    payload_len: u64,
+    /// The whole chunk, header included, rounded up to `ALIGN`.
+    size: u64,
+}
+
+/// Take the keys of evicted chunks out of the index (each only if it still names that
+/// chunk), counting the evictions.
+fn unindex_evicted(
+    keys: &mut HashMap<String, u64>,
+    tally: &mut Tally,
+    evicted: &[(u64, ChunkMeta)],
+) {
+    for (address, old) in evicted {
+        if let Some(key) = &old.key {
+            if keys.get(key) == Some(address) {
+                keys.remove(key);
+                tally.bump(Counter::Evictions);
+            }
+        }
     }
 }
 

@@ -28,10 +28,13 @@ pub(super) struct Issuance {
     pub(super) unreleased: u32,
 }
 
-/// Writer-private bookkeeping for one chunk.
-#[derive(Debug)]
+/// Writer-private bookkeeping for one chunk. `Default` is a chunk placed but not published
+/// yet (no key, id 0).
+#[derive(Debug, Default)]
 pub(super) struct ChunkMeta {
-    /// `None` once invalidated or cleared: the chunk only waits to be reclaimed.
+    /// The key the index files this chunk under: `Some` exactly while `keys` maps it here
+    /// (`None` before publication and once invalidated or cleared: the chunk only waits to
+    /// be reclaimed).
     pub(super) key: Option<String>,
     pub(super) id: u64,
     pub(super) mac: [u8; MAC_LEN],
@@ -99,6 +102,12 @@ pub(super) struct WriterState {
 }
 
 impl WriterState {
+    /// The bookkeeping of the chunk `key` is stored in.
+    pub(super) fn stored(&mut self, key: &str) -> Option<&mut ChunkMeta> {
+        let address = *self.keys.get(key)?;
+        self.ring.get_mut(address)
+    }
+
     /// The value of `counter` now.
     pub(super) fn counter(&self, counter: Counter) -> u64 {
         match counter {
