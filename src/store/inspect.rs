@@ -122,9 +122,9 @@ pub fn status(name: &str) -> Result<Status> {
         Err(Error::NotFound(n)) => Err(Error::NotFound(n)),
         Err(err) => {
             let prefix = segment::read_prefix::<16>(name).ok();
-            let ours_other_version = prefix.is_some_and(|p| {
-                u64::from_le_bytes(p[..8].try_into().expect("8 bytes")) == layout::MAGIC
-                    && u64::from_le_bytes(p[8..].try_into().expect("8 bytes")) != LAYOUT_VERSION
+            // The first two header words: the magic, then the layout version.
+            let ours_other_version = prefix.map(u128::from_le_bytes).is_some_and(|words| {
+                words as u64 == layout::MAGIC && (words >> 64) as u64 != LAYOUT_VERSION
             });
             if ours_other_version {
                 // Made by another version, which may not take locks: trust its name's pid.

@@ -190,10 +190,10 @@ impl Shared {
     }
 }
 
+/// A chunk MAC as the two words the chunk header stores it in (`SIG_LO`, `SIG_HI`).
 fn mac_words(mac: &[u8; MAC_LEN]) -> (u64, u64) {
-    let lo = u64::from_le_bytes(mac[..8].try_into().expect("8 bytes"));
-    let hi = u64::from_le_bytes(mac[8..].try_into().expect("8 bytes"));
-    (lo, hi)
+    let mac = u128::from_le_bytes(*mac);
+    (mac as u64, (mac >> 64) as u64)
 }
 
 /// Apply `f` to a slot word with a CAS loop; `f` returns `None` to leave it unchanged.
