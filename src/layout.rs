@@ -1,4 +1,5 @@
-//! The bytes of a segment: where every field lives and how a segment is validated.
+//! The bytes of a segment: where every field lives (the store's counters in one table, the
+//! parts of a payload at aligned offsets) and how a segment is validated.
 //!
 //! ```text
 //! 0                      512            header_size                       total_len
@@ -15,7 +16,7 @@
 //! ```text
 //! +0  id          AtomicU64  monotonic id; 0 = dead. Published last (Release) by the
 //!                            writer, after every other header field and the payload;
-//!                            stored 0 before the bytes are reused (see store.rs).
+//!                            stored 0 before the bytes are reused (see `store`).
 //! +8  sig_lo      AtomicU64  the handle signature, so a reader can tell its chunk from
 //! +16 sig_hi      AtomicU64  payload bytes that later landed at the same address.
 //! +24 len         AtomicU64  payload length in bytes.

@@ -1,4 +1,4 @@
-//! The single writer's ring allocator (writer-private memory; no shared state, no unsafe).
+//! The single writer's ring allocator (writer-private memory; no shared state).
 //!
 //! Chunks are placed contiguously at a cursor that sweeps the ring like a clock hand. To
 //! place `size` bytes, the window `[cursor, cursor + size)` must be free or covered only by
