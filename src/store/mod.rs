@@ -1,7 +1,8 @@
 //! The object store: one writer and up to `n_readers` readers over one segment.
 //!
-//! Each side of the protocol below has its file: `writer.rs` ([`Writer`]; its private
-//! bookkeeping in `writer/state.rs`), `reader.rs` ([`Reader`], [`Lease`], [`View`]) and
+//! Each side of the protocol below has its file: `writer.rs` ([`Writer`]; what it may
+//! reclaim in `writer/reclaim.rs`, its private bookkeeping in `writer/state.rs`), `reader.rs`
+//! ([`Reader`], [`Lease`], [`View`]) and
 //! `inspect.rs` (reading a segment without attaching: [`inspect`], [`list_segments`],
 //! [`status`]). This file holds the protocol and what both sides share: [`ReaderInfo`] and
 //! the accessors of the segment's words (`Shared`).

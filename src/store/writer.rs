@@ -5,17 +5,19 @@ use std::collections::HashMap;
 use std::sync::atomic::{Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Occupant, ReaderInfo, Shared, Stats, mac_words, update_word};
+use super::{ReaderInfo, Shared, Stats, mac_words, update_word};
 use crate::error::{Error, Result};
 use crate::handle::{Handle, MAC_LEN, Signer, tag};
 use crate::layout::{
-    Claim, Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED,
-    WRITER_LOCK, align_up, chunk, header, part_offsets, slot,
+    Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED, WRITER_LOCK,
+    align_up, chunk, header, part_offsets, slot,
 };
-use crate::ring::{Placement, Ring, Verdict};
+use crate::ring::Ring;
 use crate::segment::{self, Process, RawBytes, Segment};
+use reclaim::unindex_evicted;
 use state::{ChunkMeta, Issuance, ReaderSet, Tally, WriterState};
 
+mod reclaim;
 mod state;
 
 /// The single writer of a segment.
@@ -134,82 +136,6 @@ impl Writer {
         Ok(state)
     }
 
-    /// Whether slot `o.slot` holds a view or (claimed, not draining) a reference on the chunk.
-    fn holds(&self, address: u64, sig_tag: u32, o: &Occupant) -> Result<bool> {
-        let w = SlotWord::unpack(self.shared.word(address, o.slot)?.load(Ordering::Acquire));
-        Ok(
-            w.stamp == SlotWord::stamp_for(sig_tag, o.claim.epoch as u64)
-                && (w.views > 0 || (o.claim.state == SlotState::Claimed && w.outstanding > 0)),
-        )
-    }
-
-    /// Whether the occupant of `o.slot` is gone; if so, free the slot (crediting everything
-    /// it held). `checked` caches the answer for one sweep.
-    fn reap_if_dead(
-        &self,
-        o: &Occupant,
-        checked: &mut HashMap<u32, bool>,
-        tally: &mut Tally,
-    ) -> Result<bool> {
-        if let Some(&dead) = checked.get(&o.slot) {
-            return Ok(dead);
-        }
-        let dead = !self.shared.occupant_alive(o.slot, o.claim)?;
-        if dead {
-            let free = Claim {
-                pid: 0,
-                state: SlotState::Free,
-                ..o.claim
-            };
-            // CAS: only free the slot if it still has the same occupant in the same state.
-            let freed = self
-                .shared
-                .slot(o.slot, slot::CLAIM)?
-                .compare_exchange(o.word, free.pack(), Ordering::AcqRel, Ordering::Acquire)
-                .is_ok();
-            if freed {
-                tally.bump(Counter::ReadersReclaimed);
-            }
-        }
-        checked.insert(o.slot, dead);
-        Ok(dead)
-    }
-
-    /// Whether the chunk can be reclaimed now (ignoring CLOCK's referenced bit).
-    fn reclaimable(
-        &self,
-        address: u64,
-        meta: &ChunkMeta,
-        occupants: &[Occupant],
-        checked: &mut HashMap<u32, bool>,
-        tally: &mut Tally,
-    ) -> bool {
-        if meta.pins > 0 {
-            return false;
-        }
-        let sig_tag = tag(&meta.mac);
-        for o in occupants {
-            match self.holds(address, sig_tag, o) {
-                Ok(false) => {}
-                Ok(true) => {
-                    if !matches!(self.reap_if_dead(o, checked, tally), Ok(true)) {
-                        return false;
-                    }
-                }
-                Err(_) => return false,
-            }
-        }
-        true
-    }
-
-    /// Mark a chunk dead before its bytes are reused (see P2 in the module docs).
-    fn kill(&self, address: u64) -> Result<()> {
-        self.shared
-            .chunk(address, chunk::ID)?
-            .store(0, Ordering::Relaxed);
-        Ok(())
-    }
-
     /// Store one object made of `parts`, each starting 64-byte aligned in the payload.
     pub fn put(&self, key: &str, parts: &[&[u8]]) -> Result<Handle> {
         let parts: Vec<RawBytes<'_>> = parts.iter().map(|&p| p.into()).collect();
@@ -288,40 +214,6 @@ impl Writer {
             payload_len,
             size,
         })
-    }
-
-    /// Place an unpublished chunk of `size` bytes with CLOCK: a chunk hit since the hand last
-    /// passed is kept once (second chance), one still held is stepped over, the others in
-    /// the way are evicted (from the ring only: the caller unindexes and kills them). `None`
-    /// when no room can be made.
-    fn make_room<'r>(
-        &self,
-        ring: &'r mut Ring<ChunkMeta>,
-        tally: &mut Tally,
-        size: u64,
-        occupants: &[Occupant],
-    ) -> Option<Placement<'r, ChunkMeta>> {
-        let mut checked = HashMap::new();
-        ring.allocate(size, ChunkMeta::default(), |address, meta| {
-            if meta.key.is_some() && std::mem::take(&mut meta.referenced) {
-                return Verdict::Keep; // second chance
-            }
-            if self.reclaimable(address, meta, occupants, &mut checked, tally) {
-                Verdict::Evict
-            } else {
-                Verdict::Keep
-            }
-        })
-    }
-
-    /// Mark every evicted chunk dead, then issue the Release fence (P2): every reader that
-    /// copies reused bytes will see `id == 0` (or a newer id).
-    fn kill_evicted(&self, evicted: &[(u64, ChunkMeta)]) -> Result<()> {
-        for &(address, _) in evicted {
-            self.kill(address)?;
-        }
-        fence(Ordering::Release);
-        Ok(())
     }
 
     /// Fill the chunk at `address` — its signature and length, one reference for each
@@ -709,23 +601,6 @@ struct ChunkShape {
     payload_len: u64,
     /// The whole chunk, header included, rounded up to `ALIGN`.
     size: u64,
-}
-
-/// Take the keys of evicted chunks out of the index (each only if it still names that
-/// chunk), counting the evictions.
-fn unindex_evicted(
-    keys: &mut HashMap<String, u64>,
-    tally: &mut Tally,
-    evicted: &[(u64, ChunkMeta)],
-) {
-    for (address, old) in evicted {
-        if let Some(key) = &old.key {
-            if keys.get(key) == Some(address) {
-                keys.remove(key);
-                tally.bump(Counter::Evictions);
-            }
-        }
-    }
 }
 
 impl Drop for Writer {

@@ -5,10 +5,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::super::Occupant;
 use crate::handle::{Handle, MAC_LEN, SIGNATURE_LEN, Signer};
 use crate::layout::{Counter, SlotState};
 use crate::ring::Ring;
+use crate::store::Occupant;
 
 /// The claimed reader slots a handle's references went to, numbered so a handle can name it.
 #[derive(Clone, Debug)]
