@@ -36,10 +36,12 @@ pub struct SegmentInfo {
     pub creator_pid: u64,
     pub creator_alive: bool,
     pub writer_closed: bool,
+    /// Every [`Counter`] the writer published, by name, in the table's order.
     pub counters: Vec<(&'static str, u64)>,
     pub readers: Vec<SlotInfo>,
 }
 
+/// Read the header, counters and reader slots of the segment `name` (see [`SegmentInfo`]).
 pub fn inspect(name: &str) -> Result<SegmentInfo> {
     let sh = open_shared(name, Access::ReadOnly)?;
     let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
