@@ -1,4 +1,4 @@
-//! The one error type of the core. `python.rs` maps each variant to one Python exception.
+//! The one error type of the core. The Python binding maps each variant to one exception.
 
 use std::fmt;
 use std::io;

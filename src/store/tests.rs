@@ -1,7 +1,12 @@
 //! Store tests over real segments: protocol examples, a multi-threaded acknowledgement test,
 //! and a proptest state machine against a model.
 
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+
 use super::*;
+use crate::handle::Handle;
+use crate::layout::SlotState;
 use proptest::prelude::*;
 
 fn writer(capacity: u64, n_readers: u32) -> Writer {
@@ -234,6 +239,36 @@ fn pretend_dead(r: Arc<Reader>) {
 
 fn stats_of(w: &Writer) -> HashMap<&'static str, u64> {
     w.stats().unwrap().into_iter().collect()
+}
+
+#[test]
+fn inspect_reads_back_the_counters_stats_reports() {
+    let w = writer(2048, 1);
+    let r = Reader::attach(&w.reader_info()).unwrap();
+    let a = w.put("a", &[&[1u8; 896]]).unwrap();
+    w.get_cached("a").unwrap();
+    w.put("b", &[&[2u8; 896]]).unwrap();
+    read(&r, &a, "a").unwrap();
+    read(&r, &a, "a").unwrap();
+    w.put("c", &[&[3u8; 896]]).unwrap(); // evicts a
+    w.clear().unwrap();
+    let stats = stats_of(&w);
+    let expected: Vec<(&str, u64)> = [
+        ("puts", 3),
+        ("hits", 1),
+        ("evictions", 1),
+        ("bytes_in_use", 0),
+        ("objects", 0),
+        ("refs_issued", 4),
+        ("last_id", 3),
+        ("readers_reclaimed", 0),
+        ("clears", 1),
+    ]
+    .into();
+    assert_eq!(inspect(w.name()).unwrap().counters, expected);
+    for (name, value) in &expected {
+        assert_eq!(stats[name], *value, "{name}");
+    }
 }
 
 /// The pid of a process that has exited.
@@ -484,6 +519,60 @@ fn corrupt_headers_are_refused() {
         .store(7, Ordering::Relaxed);
     assert!(matches!(Reader::attach(&info), Err(Error::Corrupt(_))));
     assert!(matches!(inspect(w.name()), Err(Error::Corrupt(_))));
+}
+
+/// Sets its flag when dropped: stops a helper thread even if the test panics.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// `attach`, `inspect` and `status` (what `prune` decides) validate the header once and use
+/// what they validated: a liveness word that another process changes meanwhile makes them
+/// fail cleanly or succeed, never panic (they used to load it a second time and `expect` it
+/// to be valid still).
+#[test]
+fn a_header_changing_under_validation_is_an_error_never_a_panic() {
+    // The pid fallback: no writer lock, so `status` too opens the segment.
+    let w = Writer::create_with_liveness(2048, 1, Liveness::Pids).unwrap();
+    let info = w.reader_info();
+    let liveness = w.shared.header(header::LIVENESS).unwrap();
+    let stop = AtomicBool::new(false);
+    let (mut accepted, mut refused) = (0, 0);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                liveness.store(Liveness::Pids.code(), Ordering::Relaxed);
+                liveness.store(0, Ordering::Relaxed); // no liveness mode at all
+            }
+        });
+        let _stop = StopOnDrop(&stop);
+        for i in 0..200_000 {
+            let mut outcomes = vec![inspect(w.name()).map(drop)];
+            if i % 16 == 0 {
+                // Slower (they read /proc): less often.
+                outcomes.push(Reader::attach(&info).map(drop));
+                status(w.name()).unwrap();
+            }
+            for outcome in outcomes {
+                match outcome {
+                    Ok(()) => accepted += 1,
+                    Err(Error::Corrupt(_)) => refused += 1,
+                    Err(e) => panic!("unexpected error {e}"),
+                }
+            }
+            if accepted >= 2000 && refused >= 2000 {
+                break;
+            }
+        }
+    });
+    assert!(
+        accepted >= 2000 && refused >= 2000,
+        "the race was not exercised: {accepted} accepted, {refused} refused"
+    );
 }
 
 #[test]

@@ -1,0 +1,148 @@
+//! Reading a segment without attaching: `inspect` (its header, counters and reader slots),
+//! `list_segments` (what this package left in `/dev/shm`) and `status` (whether a segment's
+//! writer lives: what `prune` decides).
+
+use std::sync::atomic::Ordering;
+
+use super::open_shared;
+use crate::error::{Error, Result};
+use crate::layout::{
+    self, Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, WRITER_CLOSED, WRITER_LOCK, header,
+    slot,
+};
+use crate::segment::{self, Access};
+
+/// One reader slot as `inspect` sees it.
+#[derive(Debug, Clone)]
+pub struct SlotInfo {
+    pub index: u32,
+    pub state: SlotState,
+    pub epoch: u32,
+    /// The occupant's pid in its own PID namespace (0 when free).
+    pub pid: u32,
+    pub alive: bool,
+    pub refs: u64,
+    pub acks: u64,
+    pub stale: u64,
+}
+
+/// A segment's header, read through a read-only mapping (no slot claimed, nothing written).
+#[derive(Debug, Clone)]
+pub struct SegmentInfo {
+    pub name: String,
+    pub layout: Layout,
+    pub liveness: Liveness,
+    pub total_len: u64,
+    pub creator_pid: u64,
+    pub creator_alive: bool,
+    pub writer_closed: bool,
+    /// Every [`Counter`] the writer published, by name, in the table's order.
+    pub counters: Vec<(&'static str, u64)>,
+    pub readers: Vec<SlotInfo>,
+}
+
+/// Read the header, counters and reader slots of the segment `name` (see [`SegmentInfo`]).
+pub fn inspect(name: &str) -> Result<SegmentInfo> {
+    let sh = open_shared(name, Access::ReadOnly)?;
+    let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
+    let writer_closed = load(header::WRITER_STATE)? == WRITER_CLOSED;
+    let mut readers = Vec::new();
+    for s in 0..sh.layout.n_readers {
+        let (_, claim) = sh.claim(s)?;
+        readers.push(SlotInfo {
+            index: s,
+            state: claim.state,
+            epoch: claim.epoch,
+            pid: claim.pid,
+            alive: claim.is_occupied() && sh.occupant_alive(s, claim)?,
+            refs: sh.slot(s, slot::REFS)?.load(Ordering::Relaxed),
+            acks: sh.slot(s, slot::ACKS)?.load(Ordering::Relaxed),
+            stale: sh.slot(s, slot::STALE)?.load(Ordering::Relaxed),
+        });
+    }
+    let counters = Counter::ALL
+        .iter()
+        .map(|&c| Ok((c.name(), load(c.offset())?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(SegmentInfo {
+        name: sh.seg.name().to_owned(),
+        total_len: sh.layout.total_len(),
+        layout: sh.layout,
+        liveness: sh.liveness,
+        creator_pid: load(header::CREATOR_PID)?,
+        creator_alive: sh.writer_alive()?,
+        writer_closed,
+        counters,
+        readers,
+    })
+}
+
+/// Names in `/dev/shm` that this package made: generated names (`mmc_…`, whatever their
+/// content: a truncated or half-made segment has lost or not yet got its magic) and any
+/// regular file that starts with this package's magic (segments created with a chosen name).
+pub fn list_segments() -> Vec<String> {
+    segment::list_names()
+        .into_iter()
+        .filter(|name| {
+            name.starts_with(segment::NAME_PREFIX)
+                || segment::read_prefix::<8>(name)
+                    .is_ok_and(|m| u64::from_le_bytes(m) == layout::MAGIC)
+        })
+        .collect()
+}
+
+/// Seconds an empty, unlocked file is given to become a segment: the creator takes its lock
+/// right after creating the name, so only a creator that died in that instant leaves one.
+const CREATION_GRACE_SECS: u64 = 10;
+
+/// Whether a segment's writer lives, as `prune` must decide it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Status {
+    /// Its writer is alive (in any PID namespace): never remove it.
+    Live,
+    /// Nobody will use it again: safe to remove. Says why.
+    Orphaned(String),
+    /// Cannot be decided now (being created, or made by another version whose creator may
+    /// run): leave it. Says why.
+    Undecided(String),
+}
+
+/// Decide whether the segment `name` is left behind. A writer's lock, held in any PID
+/// namespace, always means `Live`; a valid segment without it is orphaned; a truncated or
+/// garbage one is orphaned unless it may still be being created.
+pub fn status(name: &str) -> Result<Status> {
+    let probe = segment::probe_file(name, WRITER_LOCK)?;
+    if probe.creator_lock_held {
+        return Ok(Status::Live);
+    }
+    match open_shared(name, Access::ReadOnly) {
+        Ok(sh) => Ok(match sh.liveness {
+            Liveness::Locks => Status::Orphaned("its writer is gone".into()),
+            Liveness::Pids if sh.writer_alive()? => Status::Live,
+            Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
+        }),
+        Err(Error::NotFound(n)) => Err(Error::NotFound(n)),
+        Err(err) => {
+            let prefix = segment::read_prefix::<16>(name).ok();
+            // The first two header words: the magic, then the layout version.
+            let ours_other_version = prefix.map(u128::from_le_bytes).is_some_and(|words| {
+                words as u64 == layout::MAGIC && (words >> 64) as u64 != LAYOUT_VERSION
+            });
+            if ours_other_version {
+                // Made by another version, which may not take locks: trust its name's pid.
+                return Ok(match segment::pid_in_name(name) {
+                    Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
+                        "made by another mmcache version; its creator (pid {pid}) may still run"
+                    )),
+                    _ => Status::Orphaned("made by another mmcache version, creator gone".into()),
+                });
+            }
+            if probe.size == 0 && probe.age_secs < CREATION_GRACE_SECS {
+                return Ok(Status::Undecided(
+                    "empty and new: it may be being created".into(),
+                ));
+            }
+            Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+        }
+    }
+}
