@@ -14,8 +14,10 @@ import pytest
 from mmcache import _core
 from mmcache._core import (
     InvalidHandleError,
+    MmcacheError,
     NoReaderSlotError,
     ObjectTooLargeError,
+    ReferencesSaturatedError,
     RingFullError,
     SegmentCorruptError,
     ShmHandle,
@@ -351,6 +353,10 @@ def test_multi_part_put_aligns_every_part():
     assert data[:3] == b"abc"
     assert np.frombuffer(data[64 : 64 + 40], dtype=np.int64).tolist() == [0, 1, 2, 3, 4]
     assert data[128:] == b"xy"
+    # The rule the store applied is the one it exports (serde's part_offsets/payload_size).
+    assert _core.part_offsets([3, arr.nbytes, 2]) == ([0, 64, 128], len(data))
+    with pytest.raises(OverflowError):
+        _core.part_offsets([2**64 - 1, 1])
     writer.close()
 
 
@@ -467,6 +473,18 @@ def test_more_than_dev_shm_holds_is_a_memory_error_and_the_process_lives():
     s = ShmObjectStore.create(1 << 16)
     assert set(_core.list_segments()) - before == {s.name}
     s.close()
+
+
+def test_each_memory_error_has_its_own_class_exported_by_the_package():
+    import mmcache
+    import mmcache.errors
+
+    kinds = (RingFullError, ReferencesSaturatedError, ShmTooSmallError)
+    for cls in kinds:
+        assert issubclass(cls, MemoryError) and not issubclass(cls, MmcacheError)
+        assert getattr(mmcache, cls.__name__) is cls is getattr(mmcache.errors, cls.__name__)
+        assert cls.__name__ in mmcache.__all__ and cls.__name__ in mmcache.errors.__all__
+        assert sum(issubclass(cls, other) for other in kinds) == 1, "told apart by type"
 
 
 def test_existing_name_and_bad_arguments():
