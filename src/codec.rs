@@ -1,5 +1,6 @@
 //! The item codec: how one cached item is laid out as a payload. No pyo3 here; the Python
-//! side (walking Python objects, building tensors and arrays) is `python/codec.rs`.
+//! side (walking Python objects, building tensors and arrays) is `python/encode.rs` and
+//! `python/decode.rs`.
 //!
 //! A payload is *parts*, each starting at the next multiple of [`ALIGN`](crate::layout::ALIGN)
 //! bytes from the payload start (the store's rule, [`part_offsets`]): part 0 is the header,

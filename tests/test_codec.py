@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmcache import MmcacheError, SegmentCorruptError, serde
-from mmcache._core import ShmObjectStore
+from mmcache import SegmentCorruptError, serde
+from mmcache._core import ShmObjectStore, ShmReader, ShmWriter
 
 # torch warns whenever it makes a complex32 tensor (encoding a strided one makes a copy).
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -160,7 +160,7 @@ def payload_of(item: dict[str, Any]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def ring() -> Iterator[tuple[ShmObjectStore, ShmObjectStore]]:
+def ring() -> Iterator[tuple[ShmWriter, ShmReader]]:
     writer = ShmObjectStore.create(64 << 20, n_readers=1)
     reader = ShmObjectStore.attach(writer.handle())
     yield writer, reader
@@ -192,19 +192,19 @@ _keys = iter(range(10**9))
 @PROPERTY
 @given(item=items)
 def test_any_item_round_trips_bit_exact_through_the_ring(
-    ring: tuple[ShmObjectStore, ShmObjectStore], item: dict[str, Any]
+    ring: tuple[ShmWriter, ShmReader], item: dict[str, Any]
 ) -> None:
     writer, reader = ring
     key = f"item-{next(_keys)}"
     first = writer.put_item(key, item)
-    second = writer.get_cached(key)
+    second = writer.issue(key)
     want = expected(item)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert same(want, reader.get_item(first, key, copy=True))
-        view = reader.get_item(second, key, copy=False)
+        assert same(want, reader.resolve_item(first, key, copy=True))
+        view = reader.resolve_item(second, key, copy=False)
         assert same(want, view)
-    assert same(want, writer.get_item(writer.get_cached(key), key))  # the writer's own read
+    assert same(want, writer.get_item(writer.issue(key), key))  # the writer's own read
     del view
     writer.invalidate(key)
 
@@ -291,7 +291,7 @@ def in_mapping(t: torch.Tensor, mapping: tuple[int, int]) -> bool:
 
 
 def test_copies_own_torch_memory_and_release_the_ring(
-    ring: tuple[ShmObjectStore, ShmObjectStore],
+    ring: tuple[ShmWriter, ShmReader],
 ) -> None:
     writer, reader = ring
     item = {
@@ -300,24 +300,24 @@ def test_copies_own_torch_memory_and_release_the_ring(
         "arr": np.arange(7),
     }
     handle = writer.put_item("copied", item)
-    out = reader.get_item(handle, "copied", copy=True)
+    out = reader.resolve_item(handle, "copied", copy=True)
     mapping = reader.view_mapping()
     for name in ("a", "b"):
         assert not in_mapping(out[name], mapping)
     assert out["arr"].flags.writeable and out["arr"].flags.owndata
     assert writer.stats()["views"] == 0, "a copy holds no view of the ring"
     out["a"][0] = 42.0  # writable, and the ring is untouched
-    again = reader.get_item(writer.get_cached("copied"), "copied", copy=True)
+    again = reader.resolve_item(writer.issue("copied"), "copied", copy=True)
     assert again["a"][0] == 0.0 and same(item["b"], again["b"])
     writer.invalidate("copied")
 
 
 def test_zero_copy_views_point_into_the_read_only_mapping(
-    ring: tuple[ShmObjectStore, ShmObjectStore],
+    ring: tuple[ShmWriter, ShmReader],
 ) -> None:
     writer, reader = ring
     item = {"t": torch.arange(64, dtype=torch.int16), "a": np.arange(5.0)}
-    view = reader.get_item(writer.put_item("viewed", item), "viewed", copy=False)
+    view = reader.resolve_item(writer.put_item("viewed", item), "viewed", copy=False)
     assert in_mapping(view["t"], reader.view_mapping())
     assert not view["a"].flags.writeable
     assert writer.stats()["views"] == 1
@@ -331,7 +331,7 @@ def test_zero_copy_views_point_into_the_read_only_mapping(
     writer.invalidate("viewed")
 
 
-def test_large_items_copy_with_every_byte(ring: tuple[ShmObjectStore, ShmObjectStore]) -> None:
+def test_large_items_copy_with_every_byte(ring: tuple[ShmWriter, ShmReader]) -> None:
     """Above the GIL-release threshold, and several tensors in one copy buffer."""
     writer, reader = ring
     g = torch.Generator().manual_seed(7)
@@ -341,16 +341,16 @@ def test_large_items_copy_with_every_byte(ring: tuple[ShmObjectStore, ShmObjectS
         "mask": torch.rand(448, 448, generator=g) > 0.5,
         "raw": bytes(range(256)) * 1000,
     }
-    out = reader.get_item(writer.put_item("large", item), "large", copy=True)
+    out = reader.resolve_item(writer.put_item("large", item), "large", copy=True)
     assert same(item, out)
     writer.invalidate("large")
 
 
-def test_pin_memory_applies_to_copies_only(ring: tuple[ShmObjectStore, ShmObjectStore]) -> None:
+def test_pin_memory_applies_to_copies_only(ring: tuple[ShmWriter, ShmReader]) -> None:
     writer, reader = ring
     handle = writer.put_item("pinned", {"t": torch.ones(2)})
     with pytest.raises(ValueError, match="pins copies"):
-        reader.get_item(handle, "pinned", copy=False, pin_memory=True)
+        reader.resolve_item(handle, "pinned", copy=False, pin_memory=True)
     writer.release(handle)
     writer.invalidate("pinned")
 
@@ -358,26 +358,25 @@ def test_pin_memory_applies_to_copies_only(ring: tuple[ShmObjectStore, ShmObject
 # -- the store's hot-path helpers ----------------------------------------------------------
 
 
-def test_try_get_cached_and_try_pin_answer_instead_of_raising(
-    ring: tuple[ShmObjectStore, ShmObjectStore],
+def test_issue_if_present_and_pin_if_present_answer_instead_of_raising(
+    ring: tuple[ShmWriter, ShmReader],
 ) -> None:
     writer, reader = ring
-    assert writer.try_get_cached("absent") is None
-    assert writer.try_pin("absent") is False
+    assert writer.issue_if_present("absent") is None
+    assert writer.pin_if_present("absent") is False
     handle = writer.put_item("present", {"x": 1})
-    assert writer.try_pin("present") is True
-    hit = writer.try_get_cached("present")
+    assert writer.pin_if_present("present") is True
+    hit = writer.issue_if_present("present")
     assert hit == handle, "the same object, one more reference"
     for h in (handle, hit):
-        assert reader.get_item(h, "present") == {"x": 1}
+        assert reader.resolve_item(h, "present") == {"x": 1}
     writer.unpin("present")
     writer.invalidate("present")
 
 
 def test_view_mapping_is_the_readers() -> None:
     with ShmObjectStore.create(1 << 20) as writer:
-        with pytest.raises(MmcacheError, match="for readers"):
-            writer.view_mapping()
+        assert not hasattr(writer, "view_mapping")
         with ShmObjectStore.attach(writer.handle()) as reader:
             address, length = reader.view_mapping()
             assert address > 0 and length > writer.capacity

@@ -26,6 +26,7 @@ import torch
 
 from mmcache import (
     ClosedError,
+    ReferencesSaturatedError,
     ShmHandle,
     ShmReceiverCache,
     ShmSenderCache,
@@ -218,8 +219,11 @@ def test_every_writer_operation_raises_in_a_forked_child() -> None:
     def child_tries_everything() -> bool:
         operations = {
             "put": lambda: writer.put("c", pattern(3)),
+            "issue": lambda: writer.issue("a"),
+            "issue_if_present": lambda: writer.issue_if_present("a"),
             "get_cached": lambda: writer.get_cached("a"),
             "pin": lambda: writer.pin("a"),
+            "pin_if_present": lambda: writer.pin_if_present("a"),
             "unpin": lambda: writer.unpin("a"),
             "release": lambda: writer.release(h),
             "invalidate": lambda: writer.invalidate("b"),
@@ -227,6 +231,7 @@ def test_every_writer_operation_raises_in_a_forked_child() -> None:
             "is_cached": lambda: writer.is_cached("a"),
             "keys": writer.keys,
             "verify": lambda: writer.verify(h, "a"),
+            "read_stored": lambda: writer.read_stored("a"),
             "get_stored": lambda: writer.get_stored("a"),
             "get": lambda: writer.get(h, "a"),
             "stats": writer.stats,
@@ -336,6 +341,11 @@ def test_a_hot_item_and_a_stuck_reader_never_make_the_cache_raise(
                     break
                 hits += 1
         assert hits + 1 == MAX_OUTSTANDING, "every reference the slot can count was issued"
+        # The core says why, with a MemoryError of its own, and changes nothing.
+        with pytest.raises(ReferencesSaturatedError, match="not reading") as saturated:
+            p0._store.issue("hot")
+        assert isinstance(saturated.value, MemoryError)
+        assert p0._store.stats()["outstanding_refs"] == MAX_OUTSTANDING
         # P0 believed it cached: served uncached, from a copy of what the ring holds.
         assert updates == "pu" and data.keys() == truth.keys()
         assert torch.equal(data["pixel_values"], truth["pixel_values"]) and data["n"] == 7

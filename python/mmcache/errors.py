@@ -2,7 +2,11 @@
 
 Everything the package raises on its own account derives from :class:`MmcacheError`;
 where a user already expects a builtin (``ValueError``, ``KeyError``, ``MemoryError``, ...)
-that builtin is raised instead.
+that builtin is raised instead, or a subclass of it where callers must tell cases apart:
+``ObjectTooLargeError`` (a ``ValueError``), and three ``MemoryError`` s: ``RingFullError`` (no
+reclaimable room in the ring), ``ReferencesSaturatedError`` (a reader holds the most unread
+references to an object it can count) and ``ShmTooSmallError`` (``/dev/shm`` cannot hold the
+ring).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from mmcache._core import (
     MmcacheError,
     NoReaderSlotError,
     ObjectTooLargeError,
+    ReferencesSaturatedError,
     RingFullError,
     SegmentCorruptError,
+    ShmTooSmallError,
     StaleHandleError,
     WriterGoneError,
     WrongProcessError,
@@ -29,8 +35,10 @@ __all__ = [
     "MmcacheError",
     "NoReaderSlotError",
     "ObjectTooLargeError",
+    "ReferencesSaturatedError",
     "RingFullError",
     "SegmentCorruptError",
+    "ShmTooSmallError",
     "StaleHandleError",
     "WriterGoneError",
     "WrongProcessError",

@@ -1,7 +1,7 @@
 """Items to and from a payload in shared memory, without pickle and without copying tensors.
 
-The codec is native (``src/codec.rs`` defines the format, ``src/python/codec.rs`` walks the
-Python objects): one pass over the item each way, tensor metadata read straight from the
+The codec is native (``src/codec.rs`` defines the format, ``src/python/encode.rs`` and
+``src/python/decode.rs`` walk the Python objects): one pass over the item each way, tensor metadata read straight from the
 tensors, and no per-field Python code.
 
 An item is encoded as *parts*: part 0 is the header (the format's magic and version, the
@@ -9,11 +9,12 @@ length of every other part, and the value tree: field names, small values inline
 every tensor, array or long ``bytes`` value its dtype, shape and the number of the part that
 holds its bytes); parts 1.. are the raw C-contiguous bytes of those values, read in place.
 The shared-memory core writes the parts one after another, each starting at the next
-multiple of :data:`ALIGNMENT` bytes from the payload start, so a reader finds every part
-from the header alone and can view it in place.  ``ARCHITECTURE.md`` has the byte layout.
+multiple of :data:`ALIGNMENT` bytes from the payload start (the core's rule, which
+:func:`part_offsets` applies), so a reader finds every part from the header alone and can view
+it in place.  ``ARCHITECTURE.md`` has the byte layout.
 
-The caches do not go through this module: ``ShmObjectStore.put_item`` encodes straight into
-the ring and ``ShmObjectStore.get_item`` decodes straight out of it.  It is for payloads that
+The caches do not go through this module: ``ShmWriter.put_item`` encodes straight into the
+ring and ``ShmReader.resolve_item`` decodes straight out of it.  It is for payloads that
 travel elsewhere.
 """
 
@@ -44,25 +45,14 @@ OUT_OF_BAND_BYTES: int = _core.OUT_OF_BAND_BYTES
 """``bytes`` values at least this long travel as their own part instead of in the header."""
 
 
-def _align(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
-
-
 def part_offsets(lengths: Sequence[int]) -> list[int]:
     """Start offset of each part, given every part's length (part 0 included)."""
-    offsets: list[int] = []
-    end = 0
-    for n in lengths:
-        start = _align(end) if offsets else 0
-        offsets.append(start)
-        end = start + n
-    return offsets
+    return _core.part_offsets(lengths)[0]
 
 
 def payload_size(header: bytes, buffers: Sequence[memoryview]) -> int:
     """Bytes the core stores for ``encode``'s output (padding included, none after the end)."""
-    lengths = [len(header), *(b.nbytes for b in buffers)]
-    return part_offsets(lengths)[-1] + lengths[-1]
+    return _core.part_offsets([len(header), *(b.nbytes for b in buffers)])[1]
 
 
 def encode(item: Mapping[str, Any]) -> tuple[bytes, list[memoryview]]:

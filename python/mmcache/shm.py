@@ -1,16 +1,16 @@
 """The shared-memory caches: P0 writes each item once into a ring, every worker reads it.
 
-P0's :class:`ShmSenderCache` is the single writer of one :class:`~mmcache._core.ShmObjectStore`
-and hands out small :class:`ShmHandle` s; each worker's :class:`ShmReceiverCache` attaches as
-one reader and turns handles back into items.  Every handle P0 issues holds one reference on
+P0's :class:`ShmSenderCache` is the single writer (a :class:`~mmcache._core.ShmWriter`) of one
+ring and hands out small :class:`ShmHandle` s; each worker's :class:`ShmReceiverCache` attaches
+as one reader (a :class:`~mmcache._core.ShmReader`) and turns handles back into items.  Every handle P0 issues holds one reference on
 its object, given back when every reader has read it (or by
 :meth:`ShmSenderCache.release_handles` for a request that never reaches the readers), so an
 object is never reclaimed while a handle to it is in flight.  Prompt updates stay in P0's
 memory and never enter shared memory.
 
 Items go into the ring and come out of it through the native codec (``serde``'s format):
-``put_item`` encodes straight into the object's chunk and ``get_item`` decodes straight out
-of it, so the cache API costs little more than the store itself.
+``put_item`` encodes straight into the object's chunk and ``resolve_item`` decodes straight
+out of it, so the cache API costs little more than the store itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mmcache import pinning, serde
-from mmcache._core import ReaderHandle, ShmObjectStore, StaleHandleError
+from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, ShmWriter, StaleHandleError
 from mmcache.caches import (
     BaseReceiverCache,
     BaseSenderCache,
@@ -30,7 +30,12 @@ from mmcache.caches import (
     capacity_bytes,
     split_sender_input,
 )
-from mmcache.errors import CacheMissError, ObjectTooLargeError, RingFullError
+from mmcache.errors import (
+    CacheMissError,
+    ObjectTooLargeError,
+    ReferencesSaturatedError,
+    RingFullError,
+)
 from mmcache.items import Item, ShmHandle
 from mmcache.lru import CacheInfo
 
@@ -53,10 +58,10 @@ class ShmSenderCache(BaseSenderCache):
     listing every missing hash), and should an item still miss part-way, the handles issued
     for the items before it are given back before the error propagates.
 
-    ``capacity_gb`` sizes the ring (``MemoryError`` at creation if ``/dev/shm`` cannot hold
-    it); ``n_readers`` is the number of workers, each of which must read every handle.
-    Items whose payload exceeds ``max_object_size_mb`` (or what the ring can hold) are served
-    uncached.
+    ``capacity_gb`` sizes the ring (:class:`~mmcache.errors.ShmTooSmallError`, a
+    ``MemoryError``, at creation if ``/dev/shm`` cannot hold it); ``n_readers`` is the
+    number of workers, each of which must read every handle. Items whose payload exceeds
+    ``max_object_size_mb`` (or what the ring can hold) are served uncached.
     """
 
     def __init__(
@@ -77,7 +82,7 @@ class ShmSenderCache(BaseSenderCache):
             raise ValueError(
                 f"capacity_gb={capacity_gb!r} is more shared memory than any host has"
             )
-        self._store = ShmObjectStore.create(
+        self._store: ShmWriter = ShmObjectStore.create(
             capacity,
             n_readers=n_readers,
             # A limit beyond what the ring holds is clamped (by the core, to the ring).
@@ -105,8 +110,8 @@ class ShmSenderCache(BaseSenderCache):
         self._total += 1
         try:
             try:
-                handle = self._store.try_get_cached(mm_hash)
-            except MemoryError:
+                handle = self._store.issue_if_present(mm_hash)
+            except ReferencesSaturatedError:
                 self._hits += 1
                 return self._serve_saturated(item, mm_hash)
             if handle is None:
@@ -130,7 +135,7 @@ class ShmSenderCache(BaseSenderCache):
         )
         if item is not None:
             return split_sender_input(item, mm_hash)
-        return serde.decode(self._store.get_stored(mm_hash)), self._prompt_updates[mm_hash]
+        return serde.decode(self._store.read_stored(mm_hash)), self._prompt_updates[mm_hash]
 
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
         try:
@@ -174,7 +179,7 @@ class ShmSenderCache(BaseSenderCache):
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Pin ``mm_hash`` (if cached) until its :meth:`get_and_update_item`, so writing the
         request's other items cannot evict it."""
-        if mm_hash not in self._pinned and self._store.try_pin(mm_hash):
+        if mm_hash not in self._pinned and self._store.pin_if_present(mm_hash):
             self._pinned.add(mm_hash)
 
     def release_sender_touches(self) -> None:
@@ -284,7 +289,7 @@ class ShmReceiverCache(BaseReceiverCache):
         self, handle: ReaderHandle, *, copy: bool = True, pin_memory: bool = False
     ) -> None:
         super().__init__()
-        self._store = ShmObjectStore.attach(handle)
+        self._store: ShmReader = ShmObjectStore.attach(handle)
         self._copy = copy
         self._pin_copies = False
         self._unregister: weakref.finalize[[], ShmReceiverCache] | None = None
@@ -325,7 +330,7 @@ class ShmReceiverCache(BaseReceiverCache):
                 return item
             raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
         try:
-            return self._store.get_item(
+            return self._store.resolve_item(
                 item, mm_hash, copy=self._copy, pin_memory=self._pin_copies
             )
         except StaleHandleError:

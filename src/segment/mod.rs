@@ -9,7 +9,7 @@
 //!   compiler would be entitled to assume they do not change;
 //! * the mapping lives as long as the `Segment`, which every view holds through an `Arc`.
 //!
-//! We use `libc` directly rather than the `shared_memory` crate named in DESIGN.md: that crate
+//! We use `libc` directly rather than the `shared_memory` crate: that crate
 //! hides the file descriptor (so no `posix_fallocate`, which is what turns "`/dev/shm` too
 //! small" into an error at creation instead of a SIGBUS later, and no OFD locks), maps only
 //! read-write, is `!Send`, and has not been released since 2022 (see ARCHITECTURE.md).
