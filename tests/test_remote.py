@@ -818,3 +818,53 @@ def test_the_readme_example_runs_against_a_real_server(
         assert p0.is_cached([key("readme")]) == [False] and p0.remote.stats()["errors"] == 0
     finally:
         p0.close()
+
+
+def test_items_waiting_to_be_published_are_bounded_by_bytes(
+    server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(server.url, namespace)
+    release = threading.Event()
+    real_put = store.put
+
+    def slow_put(k: str, item: Any) -> None:
+        release.wait(HANG_S)
+        real_put(k, item)
+
+    monkeypatch.setattr(store, "put", slow_put)
+    p0 = TieredSenderCache(SenderCache(0.05), store, publish_queue=64, publish_queue_mb=1)
+
+    def serve(i: int) -> None:
+        assert p0.is_cached([key(i)]) == [False]
+        p0.get_and_update([(make_item(i, 400_000), ["<image>", i])], [key(i)])
+
+    try:
+        for i in range(4):  # 0.4 MB each: two fit in 1 MiB, the writer is held up
+            serve(i)
+        assert p0.stats()["remote_publish_dropped"] == 2
+        release.set()
+        assert p0.flush()
+        assert store.contains([key(i) for i in range(4)]) == [True, True, False, False]
+        serve(4)  # the queue is empty again: the next item is queued
+        assert p0.flush() and store.contains([key(4)]) == [True]
+        assert p0.stats()["remote_publish_dropped"] == 2
+    finally:
+        release.set()
+        p0.close()
+
+
+def test_items_fetched_for_the_coming_update_are_bounded_by_bytes(
+    server: LocalServer, namespace: str
+) -> None:
+    with open_store(server.url, namespace) as writer:
+        for i in range(3):
+            writer.put(key(i), {"item": make_item(i, 400_000), "prompt_updates": ["<image>", i]})
+    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace), prefetch_limit_mb=1)
+    try:
+        # The oldest goes first: what is left is what the coming update can use.
+        assert p0.is_cached([key(0), key(1), key(2)]) == [False, True, True]
+        assert p0.stats()["remote_prefetch_dropped"] == 1 and p0.fetched(key(0)) is None
+        fetched = p0.fetched(key(2))
+        assert fetched is not None and same(fetched[0], make_item(2, 400_000))
+    finally:
+        p0.close()
