@@ -7,6 +7,8 @@ tests skip, saying which (README: what to install).  Everything else runs.
 
 from __future__ import annotations
 
+import threading
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,4 +99,48 @@ def test_a_dead_master_costs_misses_not_hangs() -> None:
             assert in_time(lambda: store.contains([key(2)])) == [False]
         stats = store.stats()
         assert stats["errors"] > 0 and stats["hits"] == 0
+        in_time(store.close)
+
+
+def test_a_value_past_the_readers_max_value_mb_is_refused_before_it_is_read(
+    master: LocalServer,
+) -> None:
+    namespace = "mc/too-large@1"
+    item = make_item(4, 3 * MiB)
+    with open_store(master.url, namespace) as writer:
+        writer.put(key(4), item)
+        with open_store(master.url, namespace, max_value_mb=1) as reader:
+            assert reader.get(key(5)) is None  # set up, so the next get is the value alone
+            tracemalloc.start()
+            try:
+                got = reader.get_many([key(4), key(5)])
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert got == [None, None] and reader.stats()["too_large"] == 1
+            assert peak < 2 * MiB, f"the reader allocated {peak / MiB:.1f} MiB for it"
+        with open_store(master.url, namespace) as default:  # 256 MiB: it reads
+            assert same(default.get(key(4)), item)
+
+
+def test_a_put_larger_than_the_client_buffer_as_the_probe_settles_the_breaker() -> None:
+    with start_mooncake_master() as master:
+        store = RemoteStore(
+            f"{master.url}&segment_mb=16&buffer_mb=1",
+            namespace="mc/probe@1",
+            secret="s",
+            timeout_s=1.0,
+            breaker_failures=1,
+            breaker_cooldown_s=0.2,
+        )
+        store.put(key(1), make_item(1, 1000))  # the writer client is set up
+        master.kill()
+        assert in_time(lambda: store.get(key(1))) is None
+        assert store.stats()["breaker_opened"] == 1
+        threading.Event().wait(0.3)  # the cooldown: the next call probes
+        in_time(lambda: store.put(key(2), make_item(2, 2 * MiB)))  # refused: over buffer_mb
+        assert store.stats()["oversize"] == 1
+        skipped = store.stats()["skipped"]
+        assert in_time(lambda: store.get(key(1))) is None
+        assert store.stats()["skipped"] == skipped, "the refused probe left the breaker shut"
         in_time(store.close)

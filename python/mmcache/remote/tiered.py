@@ -13,6 +13,10 @@ changing it, and slots into the engine's loop where the local cache already sits
    published to the remote tier by a writer thread after the update; the request never waits
    for it.  A full publishing queue drops the item (counted), never blocks.
 
+Both waiting rooms are bounded by count and by bytes (:func:`~mmcache.items.item_size`): the
+items waiting to be published (until their put returns) and the fetched items waiting for
+their update.
+
 The local tiers and their guarantees are unchanged: the local cache sees the same calls in the
 same order as without the tier, only with data where the tier supplied it.  The remote record
 of an item is the item and its prompt updates, stored as one item
@@ -31,23 +35,27 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
-from mmcache.items import Item
+from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.remote.store import RemoteStore, is_shareable_key
 
 __all__ = ["TieredSenderCache"]
 
 logger = logging.getLogger("mmcache")
+MiB = 1 << 20
 
 
 class _Publisher:
     """A daemon writer thread putting ``(key, record)`` pairs into the remote store from a
-    bounded queue; a key already queued is not queued twice."""
+    queue bounded by ``capacity`` items and ``capacity_bytes`` (an item counts until its put
+    returns); a key already queued is not queued twice."""
 
-    def __init__(self, remote: RemoteStore, capacity: int) -> None:
+    def __init__(self, remote: RemoteStore, capacity: int, capacity_bytes: int) -> None:
         self._remote = remote
         self._queue: queue.Queue[tuple[str, Item] | None] = queue.Queue(maxsize=capacity)
-        self._queued: set[str] = set()
+        self._queued: dict[str, int] = {}  # key -> its bytes, until its put returns
+        self._queued_bytes = 0
+        self._capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self.dropped = 0
         self.failed = 0
@@ -55,15 +63,20 @@ class _Publisher:
         self._thread.start()
 
     def submit(self, key: str, record: Item) -> None:
+        size = item_size(record)
         with self._lock:
             if key in self._queued:
+                return
+            if self._queued_bytes + size > self._capacity_bytes:
+                self.dropped += 1
                 return
             try:
                 self._queue.put_nowait((key, record))
             except queue.Full:
                 self.dropped += 1
                 return
-            self._queued.add(key)
+            self._queued[key] = size
+            self._queued_bytes += size
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -76,7 +89,7 @@ class _Publisher:
                     logger.exception("publishing item %s to the remote tier failed", key)
             finally:
                 with self._lock:
-                    self._queued.discard(key)
+                    self._queued_bytes -= self._queued.pop(key)
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -97,13 +110,58 @@ class _Publisher:
         self._thread.join(timeout_s)
 
 
+class _Fetched:
+    """The items :meth:`TieredSenderCache.is_cached` fetched, waiting for their update, as
+    ``(item, prompt_updates)``: at most ``limit`` items and ``limit_bytes`` of them, the
+    oldest dropped first."""
+
+    def __init__(self, limit: int, limit_bytes: int) -> None:
+        self._entries: OrderedDict[str, tuple[tuple[Item, Any], int]] = OrderedDict()
+        self._bytes = 0
+        self._limit = limit
+        self._limit_bytes = limit_bytes
+
+    def __contains__(self, mm_hash: object) -> bool:
+        return mm_hash in self._entries
+
+    def get(self, mm_hash: str) -> tuple[Item, Any] | None:
+        found = self._entries.get(mm_hash)
+        return None if found is None else found[0]
+
+    def pop(self, mm_hash: str) -> tuple[Item, Any] | None:
+        found = self._entries.pop(mm_hash, None)
+        if found is None:
+            return None
+        self._bytes -= found[1]
+        return found[0]
+
+    def add(self, mm_hash: str, entry: tuple[Item, Any]) -> int:
+        """Keep ``entry`` for ``mm_hash``; how many entries were dropped to stay in bounds
+        (``entry`` itself, if it alone is over them)."""
+        self.pop(mm_hash)
+        size = item_size(entry[0])
+        self._entries[mm_hash] = (entry, size)
+        self._bytes += size
+        dropped = 0
+        while len(self._entries) > self._limit or self._bytes > self._limit_bytes:
+            self._bytes -= self._entries.popitem(last=False)[1][1]
+            dropped += 1
+        return dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
 class TieredSenderCache(BaseSenderCache):
     """``local`` (P0's cache of any mode) with the shared ``remote`` tier behind it (see the
     module's docstring).
 
-    ``publish_queue`` bounds the items waiting for the writer thread; ``prefetch_limit``
-    bounds the fetched items waiting for their update (the oldest is dropped first, e.g. of a
-    request the engine abandoned).  :meth:`close` closes both tiers.
+    ``publish_queue`` (items) and ``publish_queue_mb`` bound the items waiting for the writer
+    thread (beyond either, a processed item is not published: counted); ``prefetch_limit``
+    (items) and ``prefetch_limit_mb`` bound the fetched items waiting for their update (the
+    oldest is dropped first, e.g. of a request the engine abandoned).  :meth:`close` closes
+    both tiers.
     """
 
     def __init__(
@@ -113,15 +171,18 @@ class TieredSenderCache(BaseSenderCache):
         *,
         publish_queue: int = 64,
         prefetch_limit: int = 256,
+        publish_queue_mb: float = 1024,
+        prefetch_limit_mb: float = 1024,
     ) -> None:
         super().__init__()
         if publish_queue < 1 or prefetch_limit < 1:
             raise ValueError("publish_queue and prefetch_limit must be at least 1")
+        if not (publish_queue_mb > 0 and prefetch_limit_mb > 0):
+            raise ValueError("publish_queue_mb and prefetch_limit_mb must be positive")
         self.local = local
         self.remote = remote
-        self._prefetched: OrderedDict[str, tuple[Item, Any]] = OrderedDict()
-        self._prefetch_limit = prefetch_limit
-        self._publisher = _Publisher(remote, publish_queue)
+        self._prefetched = _Fetched(prefetch_limit, int(prefetch_limit_mb * MiB))
+        self._publisher = _Publisher(remote, publish_queue, int(publish_queue_mb * MiB))
         self._counts: Counter[str] = Counter()
 
     # -- lookups ---------------------------------------------------------------------------
@@ -168,7 +229,8 @@ class TieredSenderCache(BaseSenderCache):
         try:
             outputs = self.local.get_and_update(inputs, mm_hashes)
         except BaseException:
-            self._prefetched.update(taken)  # the retry may still use them
+            for h, entry in taken.items():  # the retry may still use them
+                self._prefetch(h, entry)
             raise
         self._counts["remote_served"] += len(taken)
         for h, (item, prompt_updates) in fresh.items():
@@ -182,7 +244,8 @@ class TieredSenderCache(BaseSenderCache):
         try:
             output = self.local.get_and_update_item(local_input, mm_hash)
         except BaseException:
-            self._prefetched.update(taken)
+            for h, entry in taken.items():
+                self._prefetch(h, entry)
             raise
         self._counts["remote_served"] += len(taken)
         for h, (data, prompt_updates) in fresh.items():
@@ -198,7 +261,7 @@ class TieredSenderCache(BaseSenderCache):
             return item
         if mm_hash in taken:
             return taken[mm_hash]
-        entry = self._prefetched.pop(mm_hash, None)
+        entry = self._prefetched.pop(mm_hash)
         if entry is None:
             return None  # the local cache raises CacheMissError, as it would without the tier
         taken[mm_hash] = entry
@@ -225,10 +288,7 @@ class TieredSenderCache(BaseSenderCache):
         self._publisher.submit(mm_hash, {"item": item, "prompt_updates": prompt_updates})
 
     def _prefetch(self, mm_hash: str, entry: tuple[Item, Any]) -> None:
-        self._prefetched[mm_hash] = entry
-        while len(self._prefetched) > self._prefetch_limit:
-            self._prefetched.popitem(last=False)
-            self._counts["remote_prefetch_dropped"] += 1
+        self._counts["remote_prefetch_dropped"] += self._prefetched.add(mm_hash, entry)
 
     def _unwrap(self, mm_hash: str, record: Item | None) -> tuple[Item, Any] | None:
         if record is None:
@@ -249,7 +309,7 @@ class TieredSenderCache(BaseSenderCache):
 
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` locally (the remote value stays: it is still that item)."""
-        self._prefetched.pop(mm_hash, None)
+        self._prefetched.pop(mm_hash)
         self.local.invalidate(mm_hash)
 
     def clear_cache(self) -> None:
