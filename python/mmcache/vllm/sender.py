@@ -231,6 +231,13 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         if self._ring is not None:
             self._ring.release_handles(issued)
 
+    def _stat(self, *, delta: bool = False) -> Any:
+        """vLLM's statistics helper, over ours (its counters are not kept here)."""
+        return self.make_stats(delta=delta)
+
+    def remove_dangling_items(self) -> None:
+        """Nothing to do: the ring prunes the prompt updates of the items it evicted itself."""
+
     def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
         """``InvalidShmHandleError`` unless ``mm_item`` is plain data or the handle this cache
         holds for ``mm_hash`` now (no hit counted, no reference, no recency change)."""
