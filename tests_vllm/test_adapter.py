@@ -247,29 +247,48 @@ def test_a_stale_handle_is_a_miss_that_is_also_a_value_error(shm_pair: Pair) -> 
     assert "modified or is invalid" in str(info.value)
 
 
+def churn(p0: Any, worker: Any) -> None:
+    """Enough other objects, each read by ``worker``, to wrap ``shm_pair``'s ring several
+    times; each is larger than what a worker keeps for replays (a quarter of the ring), so
+    none displaces an object the worker keeps."""
+    for i in range(1, 16):
+        other, _ = p0.get_and_update_item((kwargs_item(i, n_bytes=600_000), []), f"o{i}")
+        assert "address" in other
+        worker.get_and_update_item(other, f"o{i}")
+        p0.invalidate(f"o{i}")
+
+
 def test_a_replayed_handle_reads_its_own_data_after_the_ring_moved_on(shm_pair: Pair) -> None:
     # vLLM resends a preempted request with the same handles, after the first read gave
     # their references back.
     p0, worker = shm_pair
-
-    def churn() -> None:
-        # Enough other objects, read, to wrap the ring several times; each is larger than
-        # what a worker keeps for replays (a quarter of the ring), so none displaces "a".
-        for i in range(1, 16):
-            other, _ = p0.get_and_update_item((kwargs_item(i, n_bytes=600_000), []), f"o{i}")
-            assert "address" in other
-            worker.get_and_update_item(other, f"o{i}")
-            p0.invalidate(f"o{i}")
-
     handle, _ = p0.get_and_update_item((kwargs_item(0), []), "a")
     assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
     p0.invalidate("a")
-    churn()
+    churn(p0, worker)
     assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
     worker.clear_cache()  # the worker lets its recent objects go: now the ring may too
-    churn()
+    churn(p0, worker)
     with pytest.raises(MultiModalCacheMissError):
         worker.get_and_update_item(handle, "a")
+
+
+def test_a_request_preempted_again_and_again_reads_its_own_data_every_time(
+    shm_pair: Pair,
+) -> None:
+    # Each replay reads a private copy (the worker owes the handle nothing any more); the
+    # lease the first read took must keep the object in the ring through all of them.
+    p0, worker = shm_pair
+    handle, _ = p0.get_and_update_item((kwargs_item(0), []), "a")
+    features = [feature(handle, "a")]
+    worker.get_and_update_features(features)
+    assert same_item(kwargs_item(0), features[0].data)
+    p0.invalidate("a")
+    for replay in range(3):
+        churn(p0, worker)
+        features = [feature(handle, "a")]
+        worker.get_and_update_features(features)  # vLLM 0.33: a miss here fails the step
+        assert same_item(kwargs_item(0), features[0].data), f"replay {replay}"
 
 
 def test_a_saturated_hit_is_served_as_vllms_own_item(shm_pair: Pair) -> None:

@@ -84,12 +84,13 @@ class _Rejected:
 class _VllmShmReader(ShmReceiverCache):
     """A ring reader that returns vLLM items and keeps replayed handles readable.
 
-    vLLM's scheduler resends a preempted request with the same handles.  Reading a handle
-    gives its reference back, after which the ring may reclaim the object.  So the reader
-    reads zero-copy views, hands vLLM a copy (pinned where vLLM pins), and keeps the views of
-    the objects it read most recently, up to ``lease_bytes``: while a view lives, its object
-    stays in the ring, and a replay reads it again, verified, from P0's own bytes.  A replay
-    of an object no longer kept is a miss, never another item's data.
+    vLLM's scheduler resends a preempted request with the same handles, as often as it
+    preempts it.  Reading a handle gives its reference back, after which the ring may reclaim
+    the object.  So the reader reads zero-copy views, hands vLLM a copy (pinned where vLLM
+    pins), and keeps the views of the objects it read most recently, up to ``lease_bytes``:
+    while a view lives, its object stays in the ring, and a replay reads it again, verified,
+    from P0's own bytes, however many times.  A replay of an object no longer kept is a
+    miss, never another item's data.
     """
 
     def __init__(self, handle: ReaderHandle, *, pin_memory: bool, lease_bytes: int) -> None:
@@ -105,8 +106,11 @@ class _VllmShmReader(ShmReceiverCache):
         views: Any = super().get_and_update_item(item, mm_hash)
         if not isinstance(item, ShmHandle):
             return views  # a plain vLLM item, passed through
-        if item_size(views) <= self._leases.maxsize:
-            self._leases[(mm_hash, item)] = views
+        lease = (mm_hash, item)
+        # A replay of a leased object refreshes the lease and keeps its views: what the
+        # replay read is a private copy, which would not keep the object in the ring.
+        if self._leases.get(lease) is None and item_size(views) <= self._leases.maxsize:
+            self._leases[lease] = views
         return item_from_mmcache(views, pin_memory=self._pin_memory)
 
     def clear_cache(self) -> None:
