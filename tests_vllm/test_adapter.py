@@ -22,10 +22,12 @@ from vllm.multimodal.cache.base import MultiModalCache
 from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache, LruKeyReplicatedSenderCache
 from vllm.multimodal.cache.shm import ShmObjectStoreReceiverCache, ShmObjectStoreSenderCache
 from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
+from vllm.platforms import current_platform
+from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 import mmcache.vllm as mv
-from mmcache import ShmHandle
+from mmcache import ShmHandle, pinning
 from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
 
 LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
@@ -345,6 +347,39 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
 def test_workers_refuse_to_start_when_no_ring_was_published() -> None:
     with pytest.raises(RuntimeError, match=mv.READER_HANDLE_ENV):
         worker_receiver_cache_from_config(vllm_config("shm", MiB), LOCK)
+
+
+def test_workers_resolve_into_unpinned_memory_where_pinning_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vLLM says "pin" (a CUDA platform) but this process cannot: CUDA torch, no driver.
+    if pinning.pinning_unavailable() is None:
+        pytest.skip("this host can pin memory")
+    monkeypatch.setattr(current_platform, "is_pin_memory_available", lambda: True)
+    is_pin_memory_available.cache_clear()
+    assert is_pin_memory_available()
+    config = vllm_config("shm", 2 * MiB, max_object_mb=1)
+    p0 = processor_cache_from_config(config)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            worker = worker_receiver_cache_from_config(config, LOCK)
+            try:
+                for i in range(3):
+                    handle, _ = p0.get_and_update_item((kwargs_item(i), []), mm_hash(i))
+                    features = [feature(handle, mm_hash(i))]
+                    worker.get_and_update_features(features)
+                    assert same_item(kwargs_item(i), features[0].data)
+            finally:
+                worker._shm_cache.close()
+        warnings = [
+            r
+            for r in caplog.records
+            if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
+        ]
+        assert len(warnings) == 1 and "unpinned" in warnings[0].getMessage()
+    finally:
+        is_pin_memory_available.cache_clear()
+        p0.close()
 
 
 def test_decoded_tensors_are_ordinary_writable_tensors_on_cpu(shm_pair: Pair) -> None:

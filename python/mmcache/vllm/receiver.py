@@ -6,8 +6,8 @@ retry with data.
 
 A worker attaches to the ring P0 published (:mod:`mmcache.vllm.publish`) in its constructor,
 before P0 can write.  It reads zero-copy views, copies each tensor once into memory of its
-own (pinned where vLLM pins), and keeps the views of what it read last for the requests vLLM
-replays.
+own (pinned where vLLM pins and this process can), and keeps the views of what it read last
+for the requests vLLM replays.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
 from vllm.multimodal.cache.shm import ShmObjectStoreReceiverCache
 from vllm.utils.platform_utils import is_pin_memory_available
 
+from mmcache import pinning
 from mmcache._core import ReaderHandle
 from mmcache.caches import ReceiverCache
 from mmcache.items import Feature, ShmHandle, item_size
@@ -118,13 +119,27 @@ class _VllmShmReader(ShmReceiverCache):
         self._leases.clear()
 
 
+def _can_pin() -> bool:
+    """Whether this process can pin the memory vLLM asks for; if not (CUDA torch on a host
+    without a driver, say), one warning, and the worker resolves into unpinned memory."""
+    problem = pinning.pinning_unavailable()
+    if problem is not None:
+        logger.warning(
+            "mmcache: vLLM pins multi-modal tensors here, but this process cannot (%s); "
+            "resolving them into unpinned memory",
+            problem,
+        )
+    return problem is None
+
+
 class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc]
     """vLLM's worker cache in ``shm`` mode, on :class:`ShmReceiverCache`: one reader slot of
     the ring P0 published, attached here, before P0 can write.
 
     Plain items pass through; stripped features (``data=None``) are skipped; handle items
-    become the items P0 wrote, their tensors pinned where vLLM pins.  ``shared_worker_lock``
-    is accepted and not needed: mmcache shares no lock between processes.
+    become the items P0 wrote, their tensors pinned where vLLM pins and this process can.
+    ``shared_worker_lock`` is accepted and not needed: mmcache shares no lock between
+    processes.
     """
 
     def __init__(self, vllm_config: VllmConfig, shared_worker_lock: Any = None) -> None:
@@ -134,7 +149,7 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         if handle is not None:
             self._reader = _VllmShmReader(
                 handle,
-                pin_memory=is_pin_memory_available(),
+                pin_memory=is_pin_memory_available() and _can_pin(),
                 lease_bytes=handle.capacity // REPLAY_SHARE,
             )
         self._shm_cache = self._reader
