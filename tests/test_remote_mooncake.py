@@ -16,7 +16,8 @@ from test_remote import in_time, key, make_item, same
 from mmcache.remote import RemoteStore
 from mmcache.remote.envelope import HEADER_SIZE
 from mmcache.remote.mooncake_backend import import_mooncake
-from mmcache.remote.servers import LocalServer, start_mooncake_master
+from mmcache.remote.local_server import LocalServer, start_mooncake_master
+from tests.servers import kill
 
 MiB = 1 << 20
 
@@ -91,7 +92,7 @@ def test_a_dead_master_costs_misses_not_hangs() -> None:
     with start_mooncake_master() as master:
         store = open_store(master.url, "mc/dead@1", timeout_s=1.0, breaker_cooldown_s=0.2)
         store.put(key(1), make_item(1, 1000))
-        master.kill()
+        kill(master)
         for _ in range(6):
             assert in_time(lambda: store.get(key(2))) is None
             assert in_time(lambda: store.contains([key(2)])) == [False]

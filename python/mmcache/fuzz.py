@@ -1172,17 +1172,21 @@ class _RemoteModel(_LruModel):
         self._serve_on_other_host(ids)
 
     def _fault_server_restart(self, ids: list[int]) -> None:
-        self._server.restart()
+        from tests.servers import restart
+
+        restart(self._server)
         self._serve(self.frontend(), ids)
 
     def _fault_server_stall(self, ids: list[int]) -> None:
-        self._server.stall()
+        from tests.servers import resume, stall
+
+        stall(self._server)
         try:
             self._serve(self.frontend(), ids)
             for host in self._tiered():
                 host.flush(30.0)  # puts time out against the stopped server
         finally:
-            self._server.resume()
+            resume(self._server)
 
     def _fault_flip_byte(self, ids: list[int]) -> None:
         def flip(raw: Any, name: str) -> None:
@@ -1281,7 +1285,7 @@ def _remote_server() -> Any:
     """One real Valkey server for the remote models of this process (started on first use;
     it dies with this process)."""
     if not _REMOTE_SERVER:
-        from mmcache.remote.servers import start_valkey
+        from mmcache.remote.local_server import start_valkey
 
         _REMOTE_SERVER.append(start_valkey())
     return _REMOTE_SERVER[0]
