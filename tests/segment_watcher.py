@@ -55,7 +55,7 @@ def descends_from(pid: int, root: int) -> bool:
 def creator_in_name(name: str) -> int | None:
     """The creator pid a generated segment name carries, or ``None`` for another name."""
     parts = name.split("_")
-    if len(parts) != 3 or f"{parts[0]}_" != PREFIX:
+    if len(parts) != 3 or f"{parts[0]}_" != PREFIX or len(parts[2]) != 8:
         return None
     try:
         return int(parts[1], 36)
