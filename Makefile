@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "maturin>=1.9,<2"
 	touch $@
 
-# Builds the Rust core (release) and installs the package, editable, with its test extras.
+# Builds the Rust core (release) and installs the package, editable, with its test extras
+# and the command line's.
 build: $(STAMP)
-	$(VENV)/bin/maturin develop --release --quiet --extras test,plot
+	$(VENV)/bin/maturin develop --release --quiet --extras test,plot,cli
 
 simulate: build
 	$(VENV)/bin/mmcache simulate
@@ -39,9 +40,10 @@ lint:
 test-rust:
 	cargo test
 
-# The hand-written stub of the Rust module must match it; the package must type-check.
+# The hand-written stub of the Rust module must match it (stubtest finds it through the
+# package's py.typed marker); the package must type-check.
 typecheck: build
-	$(PY) -m mypy.stubtest mmcache._core
+	$(PY) -m mypy.stubtest mmcache._core --allowlist tests/stubtest-allowlist.txt
 	$(PY) -m mypy --strict python/mmcache
 
 test-python: build
@@ -71,7 +73,7 @@ bench: build
 
 # The cache API and the core against vLLM 0.33's own store, in vLLM's venv (a few minutes).
 bench-vllm: build $(VLLM_STAMP)
-	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet
+	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet --extras cli
 	$(VLLM_ENV) $(VENV_VLLM)/bin/python benches/bench_vllm.py
 
 clean:

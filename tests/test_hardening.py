@@ -464,7 +464,7 @@ def test_liveness_holds_across_pid_namespaces() -> None:
         assert writer.name not in prune(dry_run=True)
     finally:
         proc.kill()
-        proc.wait(TIMEOUT)
+        proc.communicate(timeout=TIMEOUT)  # reaps it and closes the pipes
     # Once it is gone (whatever namespace it was in), its slot is reclaimed.
 
     def put_once_reclaimed() -> bool:
@@ -509,7 +509,7 @@ def test_prune_in_another_namespace_never_removes_a_live_writers_segment() -> No
         assert name in _core.list_segments()
     finally:
         proc.kill()
-        proc.wait(TIMEOUT)
+        proc.communicate(timeout=TIMEOUT)  # reaps it and closes the pipes
     # Its init is killed as unshare dies, not before.
     wait_until(lambda: _core.segment_status(name)[0] != "live", "the writer never died")
     assert name in prune(), "the segment of a writer that died is orphaned"

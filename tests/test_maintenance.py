@@ -47,7 +47,7 @@ def orphan() -> Iterator[str]:
     assert creator.stdout is not None
     name = creator.stdout.readline().strip()
     os.kill(creator.pid, signal.SIGKILL)
-    creator.wait()
+    creator.communicate()  # reaps it and closes the pipe
     yield name
     if name in _core.list_segments():
         _core.unlink_segment(name)

@@ -48,7 +48,8 @@ from mmcache.remote.envelope import (
     seal,
 )
 from mmcache.remote.redis_backend import CHUNK_BYTES
-from mmcache.remote.servers import LocalServer, start_valkey
+from tests.servers import kill, resume, stall
+from mmcache.remote.local_server import LocalServer, start_valkey
 
 MiB = 1 << 20
 HANG_S = 30  # a call that has not returned by then is a hang (the test fails, CI goes on)
@@ -738,7 +739,7 @@ def test_a_dead_server_costs_misses_then_the_breaker_and_recovers_by_itself(
 ) -> None:
     store = open_store(own_server.url, namespace, timeout_s=0.2, breaker_cooldown_s=0.2)
     store.put(key(1), make_item(1, 100))
-    own_server.kill()
+    kill(own_server)
     for _ in range(10):
         assert in_time(lambda: store.get(key(1))) is None
         assert in_time(lambda: store.contains([key(1)])) == [False]
@@ -764,7 +765,7 @@ def test_a_stalled_server_costs_each_call_its_deadline_not_a_hang(
     store = open_store(own_server.url, namespace, timeout_s=0.3, breaker_failures=100)
     item = make_item(1, 2 * MiB)
     store.put(key(1), item)
-    own_server.stall()
+    stall(own_server)
     try:
         for call in (
             lambda: store.get(key(1)),
@@ -775,7 +776,7 @@ def test_a_stalled_server_costs_each_call_its_deadline_not_a_hang(
             assert in_time(call) in (None, [False], [None, None])
         assert store.stats()["timeouts"] == 4
     finally:
-        own_server.resume()
+        resume(own_server)
     assert same(in_time(lambda: store.get(key(1))), item)
     store.close()
 
@@ -791,7 +792,7 @@ def test_a_server_that_stalls_mid_value_costs_the_deadline_then_reads_again(
     real_into = redis_backend._ReplyReader.into
 
     def stall_first(reader: Any, view: memoryview) -> bytes:
-        own_server.stall()  # once the value has begun to arrive
+        stall(own_server)  # once the value has begun to arrive
         return real_into(reader, view)
 
     monkeypatch.setattr(redis_backend._ReplyReader, "into", stall_first)
@@ -799,7 +800,7 @@ def test_a_server_that_stalls_mid_value_costs_the_deadline_then_reads_again(
         assert in_time(lambda: store.get(key(1))) is None
         assert store.stats()["timeouts"] == 1 and store.stats()["hits"] == 0
     finally:
-        own_server.resume()
+        resume(own_server)
     monkeypatch.undo()
     # The connection left mid-reply is closed, never reused: the next get reads whole.
     assert same(in_time(lambda: store.get(key(1))), item)
@@ -848,7 +849,7 @@ def test_credentials_in_the_url_never_reach_logs_repr_or_errors(
         store.put(key(1), make_item(1, 100))
         assert same(store.get(key(1)), make_item(1, 100))  # the credentials do work
         with caplog.at_level(logging.WARNING):
-            srv.kill()  # an outage: every kind of failure is logged once
+            kill(srv)  # an outage: every kind of failure is logged once
             for _ in range(4):
                 in_time(lambda: store.get(key(1)))
                 in_time(lambda: store.contains([key(1)]))
@@ -922,7 +923,7 @@ def test_every_outcome_of_a_probe_settles_the_breaker(
         own_server.url, namespace, timeout_s=0.3, breaker_failures=1, breaker_cooldown_s=0.2
     )
     store.put(key(1), make_item(1, 100))
-    own_server.kill()
+    kill(own_server)
     assert store.get(key(1)) is None and store.stats()["breaker_opened"] == 1
     threading.Event().wait(0.3)  # the cooldown: the next call probes
     backend = store._backend
@@ -1131,7 +1132,7 @@ def test_with_the_server_gone_every_request_is_still_served_by_processing(
     host.p0.remote.timeout_s = 0.2
     try:
         host.serve([1])
-        own_server.kill()
+        kill(own_server)
         for ids in ([2, 3], [4], [2, 5]):
             for f, i in zip(in_time(lambda ids=ids: host.serve(ids)), ids, strict=True):
                 assert same(f.data, make_item(i, 40_000))

@@ -18,7 +18,8 @@ from test_remote import in_time, key, make_item, same
 from mmcache.remote import RemoteStore
 from mmcache.remote.envelope import HEADER_SIZE
 from mmcache.remote.mooncake_backend import import_mooncake
-from mmcache.remote.servers import LocalServer, start_mooncake_master
+from mmcache.remote.local_server import LocalServer, start_mooncake_master
+from tests.servers import kill
 
 MiB = 1 << 20
 
@@ -93,7 +94,7 @@ def test_a_dead_master_costs_misses_not_hangs() -> None:
     with start_mooncake_master() as master:
         store = open_store(master.url, "mc/dead@1", timeout_s=1.0, breaker_cooldown_s=0.2)
         store.put(key(1), make_item(1, 1000))
-        master.kill()
+        kill(master)
         for _ in range(6):
             assert in_time(lambda: store.get(key(2))) is None
             assert in_time(lambda: store.contains([key(2)])) == [False]
@@ -134,7 +135,7 @@ def test_a_put_larger_than_the_client_buffer_as_the_probe_settles_the_breaker() 
             breaker_cooldown_s=0.2,
         )
         store.put(key(1), make_item(1, 1000))  # the writer client is set up
-        master.kill()
+        kill(master)
         assert in_time(lambda: store.get(key(1))) is None
         assert store.stats()["breaker_opened"] == 1
         threading.Event().wait(0.3)  # the cooldown: the next call probes

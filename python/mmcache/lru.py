@@ -10,7 +10,7 @@ import cachetools
 
 from mmcache.items import item_size
 
-__all__ = ["CacheInfo", "LRUCache"]
+__all__ = ["CacheInfo", "HitCounter", "LRUCache"]
 
 
 class CacheInfo(NamedTuple):
@@ -26,6 +26,29 @@ class CacheInfo(NamedTuple):
 
     def __sub__(self, other: CacheInfo) -> CacheInfo:
         return CacheInfo(self.hits - other.hits, self.total - other.total)
+
+
+class HitCounter:
+    """Counts lookups (``total``) and ``hits``; :meth:`info` reads them cumulatively or, with
+    ``delta=True``, as the change since the previous delta read (the ``delta`` of the
+    caches' ``make_stats``)."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.total = 0
+        self._last = CacheInfo(0, 0)
+
+    def info(self, *, delta: bool = False) -> CacheInfo:
+        info = CacheInfo(self.hits, self.total)
+        if not delta:
+            return info
+        change, self._last = info - self._last, info
+        return change
+
+    def reset(self) -> None:
+        """Back to zero, the last delta read included."""
+        self.hits = self.total = 0
+        self._last = CacheInfo(0, 0)
 
 
 class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
@@ -50,9 +73,7 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
         self._protected_bytes: float = 0
         self.evictions = 0
         """Entries evicted to make room (not those popped or cleared)."""
-        self._hits = 0
-        self._total = 0
-        self._last = CacheInfo(0, 0)
+        self._lookups = HitCounter()
 
     # -- the mapping, kept in recency order -------------------------------------------------
 
@@ -85,9 +106,9 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         """The value for ``key`` (made most recent) or ``default``; counts one lookup."""
-        self._total += 1
+        self._lookups.total += 1
         if key in self:
-            self._hits += 1
+            self._lookups.hits += 1
             return self[key]
         return default
 
@@ -171,18 +192,12 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
         self._order.clear()
         self.unprotect_all()
         self.evictions = 0
-        self._hits = 0
-        self._total = 0
-        self._last = CacheInfo(0, 0)
+        self._lookups.reset()
 
     def stat(self, delta: bool = False) -> CacheInfo:
         """Cumulative statistics, or with ``delta=True`` the change since the previous
         delta call."""
-        info = CacheInfo(self._hits, self._total)
-        if not delta:
-            return info
-        change, self._last = info - self._last, info
-        return change
+        return self._lookups.info(delta=delta)
 
     def recency_order(self) -> list[Hashable]:
         """Keys from least to most recently used (the order eviction follows); O(n)."""

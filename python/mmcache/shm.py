@@ -37,7 +37,7 @@ from mmcache.errors import (
     RingFullError,
 )
 from mmcache.items import Item, ShmHandle
-from mmcache.lru import CacheInfo
+from mmcache.lru import CacheInfo, HitCounter
 
 __all__ = ["ShmReceiverCache", "ShmSenderCache"]
 
@@ -93,9 +93,7 @@ class ShmSenderCache(BaseSenderCache):
         self._prompt_updates: dict[str, Any] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
         self._pinned: set[str] = set()
-        self._hits = 0
-        self._total = 0
-        self._last = CacheInfo(0, 0)
+        self._lookups = HitCounter()
 
     @property
     def name(self) -> str:
@@ -107,17 +105,17 @@ class ShmSenderCache(BaseSenderCache):
         return self._store.handle()
 
     def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
-        self._total += 1
+        self._lookups.total += 1
         try:
             try:
                 handle = self._store.issue_if_present(mm_hash)
             except ReferencesSaturatedError:
-                self._hits += 1
+                self._lookups.hits += 1
                 return self._serve_saturated(item, mm_hash)
             if handle is None:
                 data, prompt_updates = split_sender_input(item, mm_hash)
                 return self._put(mm_hash, data, prompt_updates), prompt_updates
-            self._hits += 1
+            self._lookups.hits += 1
             return handle, self._prompt_updates[mm_hash]
         finally:
             # The handle's reference now protects the object; the touch's pin is not needed.
@@ -240,8 +238,7 @@ class ShmSenderCache(BaseSenderCache):
         else:
             self._store.clear()
         self._prompt_updates.clear()
-        self._hits = self._total = 0
-        self._last = CacheInfo(0, 0)
+        self._lookups.reset()
 
     def close(self) -> None:
         """Close the ring (the creator unlinks the segment); idempotent."""
@@ -250,16 +247,16 @@ class ShmSenderCache(BaseSenderCache):
             self._store.close()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        info = CacheInfo(self._hits, self._total)
-        if not delta:
-            return info
-        change, self._last = info - self._last, info
-        return change
+        return self._lookups.info(delta=delta)
 
     def stats(self) -> dict[str, int]:
         """Hit counters, items served uncached, and the store's counters (``store_*``)."""
         store = {f"store_{k}": v for k, v in self._store.stats().items()}
-        own = {"hits": self._hits, "total": self._total, "max_object_size": self._max_object_size}
+        own = {
+            "hits": self._lookups.hits,
+            "total": self._lookups.total,
+            "max_object_size": self._max_object_size,
+        }
         return {**own, **super().stats(), **store}
 
 

@@ -202,7 +202,7 @@ def _remote_tier(config: SimulationConfig) -> Iterator[dict[str, str] | None]:
     if config.remote is None:
         yield None
         return
-    from mmcache.remote.servers import ServerUnavailable, start_mooncake_master, start_valkey
+    from mmcache.remote.local_server import ServerUnavailable, start_mooncake_master, start_valkey
 
     run = secrets.token_hex(8)
     tier = {"namespace": f"{PROCESSOR_ID}/{run}", "secret": secrets.token_hex(16)}
