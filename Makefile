@@ -6,7 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
-.PHONY: build simulate test test-rust test-python test-vllm lint typecheck bench bench-vllm clean
+.PHONY: build simulate test test-rust test-python test-vllm test-wheel wheel lint typecheck bench \
+	bench-vllm clean
 
 # vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
 # their own, with vLLM installed without its dependencies plus exactly what its cache
@@ -65,7 +66,31 @@ test-vllm: build $(VLLM_STAMP)
 		tests/multimodal/test_cache.py
 	$(VLLM_ENV) $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider tests_vllm
 
-test: lint test-rust typecheck test-python test-vllm
+test: lint test-rust typecheck test-python test-vllm test-wheel
+
+# Release artefacts without Docker: maturin links the core against glibc 2.17 through zig (the
+# ziglang wheel; maturin finds it through the venv's python on PATH), so the wheel is
+# manylinux2014. tests_wheel/check_dist.py checks its tags and `auditwheel show`'s verdict.
+VENV_WHEEL  := .venv-wheel
+WHEEL_STAMP := $(VENV_WHEEL)/.deps-installed
+DIST        := dist
+
+$(WHEEL_STAMP): tests_wheel/requirements.txt
+	$(PYTHON) -m venv $(VENV_WHEEL)
+	$(VENV_WHEEL)/bin/python -m pip install --quiet -r tests_wheel/requirements.txt
+	touch $@
+
+wheel: $(WHEEL_STAMP)
+	rm -f $(DIST)/mmcache-*
+	PATH="$(abspath $(VENV_WHEEL))/bin:$$PATH" maturin build --profile wheel --locked --zig \
+		--compatibility manylinux2014 --out $(DIST)
+	$(VENV_WHEEL)/bin/maturin sdist --out $(DIST)
+	$(VENV_WHEEL)/bin/python tests_wheel/check_dist.py $(DIST)
+
+# That wheel in a fresh venv with no Rust toolchain on PATH: the README's engine example and
+# `mmcache simulate` (installs torch into the venv: a few minutes).
+test-wheel: wheel
+	$(VENV_WHEEL)/bin/python -m pytest -q -p no:cacheprovider tests_wheel
 
 bench: build
 	$(VENV)/bin/mmcache bench
