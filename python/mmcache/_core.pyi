@@ -4,7 +4,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, final
 
-from typing_extensions import Buffer, Self
+from typing_extensions import Buffer, Self, disjoint_base
 
 __version__: str
 LAYOUT_VERSION: int
@@ -118,6 +118,7 @@ class PartView:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+@disjoint_base
 class ShmObjectStore:
     """One named shared-memory ring. Never instantiated itself: :meth:`create` makes its single
     writer (a :class:`ShmWriter`), :meth:`attach` a reader (a :class:`ShmReader`). What both
