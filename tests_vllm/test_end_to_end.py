@@ -34,13 +34,14 @@ class Peer:
         )
         self.process.start()
         child.close()
-        if not self.conn.poll(300):
+        # Hang guards only: a spawned vLLM process imports slowly on a loaded machine.
+        if not self.conn.poll(900):
             raise TimeoutError(f"the {role} process did not start")
         self.cache_class = self.conn.recv()
 
     def ask(self, message: Any) -> Any:
         self.conn.send(message)
-        if not self.conn.poll(120):
+        if not self.conn.poll(600):
             raise TimeoutError("no answer")
         return self.conn.recv()
 
