@@ -12,6 +12,7 @@ tests pin down the per-thread request bracket and protections several requests s
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 import random
 import sys
@@ -729,3 +730,34 @@ def test_shm_a_stale_pin_never_unpins_a_later_one(actors: tuple[Actor, Actor]) -
         assert p0.stats()["store_pinned"] == 1
         b(p0.release_sender_touches)
         assert p0.stats()["store_pinned"] == 0
+
+
+# -- pickling (simulate hands P1 its ReceiverCache) ---------------------------------------------
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ReceiverCache])
+def test_a_pickled_cache_has_its_own_lock_and_no_request_in_flight(
+    cache_type: type, actors: tuple[Actor, Actor]
+) -> None:
+    a, _ = actors
+    cache = cache_type(capacity_gb(4 * KiB))
+    sender = cache_type is not ReceiverCache
+    item = fill_item(4 * KiB)
+    cache.get_and_update_item((item, None) if sender else item, "a")
+    a(cache.begin_request)
+    if sender:
+        a(cache.touch_sender_cache_item, "a")
+    else:
+        a(cache.touch_receiver_cache_item, "a")
+    copy = pickle.loads(pickle.dumps(cache))
+    assert copy.keys() == ["a"] and not copy.in_request
+    copy.get_and_update_item((item, None) if sender else item, "b")  # nothing protects "a"
+    assert copy.keys() == ["b"] and cache.keys() == ["a"]
+    a(cache.end_request)
+
+
+def test_a_pickled_lru_cache_has_its_own_lock() -> None:
+    lru = LRUCache(4 * KiB)
+    lru.put("a", truth(KEYS[0]))
+    copy = pickle.loads(pickle.dumps(lru))
+    assert copy.lock is not lru.lock and is_truth(KEYS[0], copy.get("a"))

@@ -23,12 +23,13 @@ the protection lasts the whole request, as it does on the receiver.
 Threads: every cache may be called from several threads at once.  Each cache has one
 re-entrant lock, held across each public call that reads or changes its state (a batched
 call is one atomic step); a pure query of a structure that is atomic by itself (the LRU
-caches' ``is_cached_item``: one lookup in a dict) takes no lock.  A request is the calling thread's: the request a thread
-opened (:meth:`BaseCache.begin_request`) and the items it touched are its own, and an item
-several requests touched stays protected until the last of them is done.  In ``lru`` mode
-the mirror holds per request order: requests that reach P1 in another order than P0's
-threads applied them are a drift, reported by P1's :class:`CacheMissError` like any other;
-a retry that carries every item's data to P1 recovers it.
+caches' ``is_cached_item``: one lookup in a dict) takes no lock.  A request is the calling
+thread's: the request a thread opened (:meth:`BaseCache.begin_request`) and the items it
+touched are its own, and an item several requests touched stays protected until the last
+of them is done.  In ``lru`` mode the mirror holds per request order: requests that reach
+P1 in another order than P0's threads applied them are a drift, reported by P1's
+:class:`CacheMissError` like any other; a retry that carries every item's data to P1
+recovers it.
 """
 
 from __future__ import annotations
@@ -108,6 +109,17 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         self._request = RequestState()  # the calling thread's request
         self._uncached = {"oversize": 0, "full": 0, "saturated": 0}
         self._warned: set[str] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock (a copy gets its own) and without requests in flight
+        (each thread's, in this process)."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     @abstractmethod
     def get_and_update_item(self, item: InT, mm_hash: str) -> OutT:
@@ -266,6 +278,11 @@ class _ProtectedLRU:
         self.lru = lru
         self._request = request
         self._holds = Holds(lru.protect, lru.unprotect)
+        lru.unprotect_all()  # no request holds anything yet (in a pickled copy too)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A pickled copy starts with no request in flight, so with nothing protected.
+        return _ProtectedLRU, (self.lru, self._request)
 
     def touch(self, key: str) -> None:
         """Make ``key`` most recent and protect it for this request; a no-op when absent."""

@@ -223,6 +223,17 @@ class LRUCache(UnsynchronizedLRUCache):
         self.lock = threading.RLock()
         """Held by every method."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock (a copy gets its own)."""
+        with self.lock:
+            state = self.__dict__.copy()
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
     def __getitem__(self, key: Hashable) -> Any:
         with self.lock:
             return super().__getitem__(key)

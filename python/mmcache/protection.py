@@ -40,6 +40,10 @@ class RequestState(threading.local):
         self.holds: dict[str, Hold] = {}
         self.carried: dict[str, Any] = {}
 
+    def __reduce__(self) -> tuple[type[RequestState], tuple[()]]:
+        # A pickled cache's copy has no request in flight: its threads have none yet.
+        return RequestState, ()
+
 
 class Holds:
     """The keys the requests in flight protect, counted across requests.
