@@ -46,6 +46,10 @@ def make_caches(
     cache behind the shared remote tier (a :class:`~mmcache.remote.TieredSenderCache`; it
     closes the store with itself); mode ``none`` has no P0 cache to put it in
     (``ValueError``).  ``ValueError`` for an unknown mode.
+
+    Safe to call from several threads, and every cache it returns may be shared by threads
+    (see "Threads" in :mod:`mmcache.caches`), except, for now, the
+    :class:`~mmcache.remote.TieredSenderCache` of ``remote``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown cache mode {mode!r}; expected one of {', '.join(MODES)}")
