@@ -1,7 +1,7 @@
 //! Bytes crossing the boundary: what keeps them alive ([`Keeper`], the one answer for every
-//! view, part and tensor `mmcache._core` hands out), the two read-only buffer exporters
-//! (`ShmView`, `PartView`), buffer imports (`SimpleBuffer`, `raw_parts`), and copies with
-//! the GIL released when they are large.
+//! view, part and tensor `mmcache._core` hands out), the two buffer exporters (`ShmView`,
+//! `PartView`), buffer imports (`SimpleBuffer`, `raw_parts`), and copies with the GIL
+//! released when they are large.
 //!
 //! Its `unsafe`: filling a `Py_buffer` for an export, taking and releasing buffer imports,
 //! reference counting without PyO3's bookkeeping (for drops on threads torch calls us from),
@@ -98,6 +98,11 @@ impl SimpleBuffer {
 
     pub(super) fn len(&self) -> usize {
         self.0.len as usize
+    }
+
+    /// Whether the exporter let this export write its bytes.
+    fn writable(&self) -> bool {
+        self.0.readonly == 0
     }
 }
 
@@ -201,6 +206,12 @@ impl Keeper {
         Ok(())
     }
 
+    /// Whether views of these bytes may write them: only a caller's buffer whose export is
+    /// writable (a `bytearray` payload), never the ring or a private copy.
+    fn writable(&self) -> bool {
+        matches!(self, Keeper::Export(buffer) if buffer.writable())
+    }
+
     fn kind(&self) -> &'static str {
         match self {
             Keeper::Ring(_) => "shared",
@@ -210,7 +221,8 @@ impl Keeper {
     }
 }
 
-/// A read-only, zero-copy view of one object's bytes (buffer protocol).
+/// A zero-copy view of one object's bytes (buffer protocol): read-only, except over a
+/// caller's writable buffer (the base of `decode_item`'s zero-copy arrays).
 #[pyclass(frozen, module = "mmcache._core")]
 pub(crate) struct ShmView {
     /// Shared with the tensors a decoded item hands out over the same bytes.
@@ -239,10 +251,11 @@ impl ShmView {
         flags: c_int,
     ) -> PyResult<()> {
         let keep = &slf.get().keep;
-        let (ptr, len) = (keep.ptr(), keep.len());
+        let (ptr, len, writable) = (keep.ptr(), keep.len(), keep.writable());
         // SAFETY: forwarded from this method's contract; the bytes live as long as `slf`,
-        // whose keeper holds them and which the export references.
-        unsafe { export_read_only_bytes(slf.into_any(), view, flags, ptr, len) }
+        // whose keeper holds them and which the export references; they are writable only
+        // where the keeper's own export is.
+        unsafe { export_bytes(slf.into_any(), view, flags, ptr, len, writable) }
     }
 }
 
@@ -274,27 +287,29 @@ impl PartView {
         let (ptr, len) = (keep.ptr(), keep.len());
         // SAFETY: forwarded from this method's contract; the bytes live as long as `slf`,
         // whose keeper holds them and which the export references.
-        unsafe { export_read_only_bytes(slf.into_any(), view, flags, ptr, len) }
+        unsafe { export_bytes(slf.into_any(), view, flags, ptr, len, false) }
     }
 }
 
-/// Fill `view` with `len` read-only bytes at `ptr`, owned by `owner` (what `__getbuffer__`
-/// of a read-only, one-dimensional byte exporter does).
+/// Fill `view` with `len` bytes at `ptr`, owned by `owner`, writable if `writable` (what
+/// `__getbuffer__` of a one-dimensional byte exporter does).
 ///
 /// # Safety
 /// `view` is the Py_buffer the interpreter passed to `__getbuffer__`; `ptr..ptr+len` stays
-/// valid and unchanged for as long as `owner` lives.
-unsafe fn export_read_only_bytes(
+/// valid for as long as `owner` lives, and unchanged by anyone else unless `writable` (its
+/// memory is then a caller's writable buffer, theirs to write).
+unsafe fn export_bytes(
     owner: Bound<'_, PyAny>,
     view: *mut ffi::Py_buffer,
     flags: c_int,
     ptr: *const u8,
     len: usize,
+    writable: bool,
 ) -> PyResult<()> {
     if view.is_null() {
         return Err(PyBufferError::new_err("view is null"));
     }
-    if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+    if !writable && flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
         return Err(PyBufferError::new_err(format!(
             "{} is read-only",
             owner.get_type().qualname()?
@@ -302,14 +317,15 @@ unsafe fn export_read_only_bytes(
     }
     // SAFETY: `view` is a non-null Py_buffer the interpreter asked us to fill. We store a
     // strong reference to `owner` in `obj`, so the bytes outlive every consumer of the
-    // buffer (the caller's contract). The memory is exposed read-only; the shape/strides
-    // pointers point into the Py_buffer itself, as CPython's own 1-D exporters do, and the
-    // format is a static string, so nothing needs freeing.
+    // buffer (the caller's contract). The memory is exposed read-only unless the caller's own
+    // export of it is writable; the shape/strides pointers point into the Py_buffer itself,
+    // as CPython's own 1-D exporters do, and the format is a static string, so nothing needs
+    // freeing.
     unsafe {
         (*view).obj = owner.into_ptr();
         (*view).buf = ptr.cast_mut().cast();
         (*view).len = len as isize;
-        (*view).readonly = 1;
+        (*view).readonly = c_int::from(!writable);
         (*view).itemsize = 1;
         (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
             c"B".as_ptr().cast_mut()
