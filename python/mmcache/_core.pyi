@@ -40,6 +40,10 @@ class WrongProcessError(MmcacheError):
     """A writer or reader used in a process other than the one that created or attached it
     (after ``fork()``: create a new writer, or attach a new reader, in the child)."""
 
+class ItemNotEncodableError(TypeError, ValueError):
+    """An item the codec cannot hold: an unsupported value, one past a limit of the format,
+    or a tensor without memory of its own. The message names the field."""
+
 class ObjectTooLargeError(ValueError):
     """An object larger than the store's ``max_object_size``."""
 
@@ -234,6 +238,10 @@ class ShmReader(ShmObjectStore):
 def encode_item(item: Mapping[str, Any]) -> tuple[bytes, list[memoryview]]:
     """An item as ``(part 0, [part 1, ...])``: the header and read-only views of the item's
     own tensor, array and long ``bytes`` memory."""
+
+def pack_item(item: Mapping[str, Any]) -> bytes:
+    """An item's whole payload (part 0, then each part at its aligned offset), encoded and
+    copied in one call."""
 
 def decode_item(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
     """The item in a payload: copies, or (``copy=False``) views of ``payload``'s memory."""
