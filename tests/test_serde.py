@@ -405,11 +405,6 @@ def test_another_thread_repointing_or_freeing_the_storage(encoder: str, mutation
     (``untyped_storage().resize_(0)``) in a loop while this one encodes it: every decoded
     tensor is the old or the new content, or the encoder refuses a storage too small for
     the tensor, never garbage and never a crash."""
-    if (encoder, mutation) == ("put_item", "resize_"):
-        pytest.skip(
-            "needs ShmWriter.put_item (src/python/store.rs) to copy through Encoded::copying, "
-            "which keeps the GIL for tensor storages"
-        )
     code = ENCODERS + f"""
 import collections, itertools, sys, threading
 from mmcache.errors import ItemNotEncodableError

@@ -85,15 +85,11 @@ fn refused(py: Python<'_>, what: &str, err: PyErr) -> PyErr {
     out
 }
 
-/// The item in the payload `keep` holds.
-///
-/// `_payload` is unused: zero-copy values view `keep` itself, never another export of the
-/// caller's object (which may be other memory: `__buffer__`). It stays until
-/// `python/store.rs`, which passes `None`, drops it.
+/// The item in the payload `keep` holds. Zero-copy values view `keep` itself, never another
+/// export of the caller's object (which may be other memory: `__buffer__`).
 pub(super) fn decode<'py>(
     py: Python<'py>,
     keep: &Arc<Keeper>,
-    _payload: Option<&Bound<'py, PyAny>>,
     copy: bool,
     pin_memory: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -389,7 +385,7 @@ pub(super) fn decode_item<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     // The one export of `payload`: every zero-copy value reads through it and holds it.
     let keep = Arc::new(Keeper::Export(SimpleBuffer::get(payload, false)?));
-    decode(py, &keep, Some(payload), copy, false)
+    decode(py, &keep, copy, false)
 }
 
 /// Add the decoder's function to `mmcache._core`.

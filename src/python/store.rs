@@ -190,7 +190,7 @@ impl ShmObjectStore {
             Role::Writer(w) => {
                 check_pin_memory(copy, pin_memory)?;
                 let keep = Arc::new(Keeper::Copy(read_copy(py, &*w.get()?, handle, key)?));
-                decode(py, &keep, None, copy, pin_memory)
+                decode(py, &keep, copy, pin_memory)
             }
         }
     }
@@ -287,7 +287,7 @@ fn resolve_item<'py>(
     check_pin_memory(copy, pin_memory)?;
     let lease = reader.acquire(&handle.to_handle()?, key)?;
     let keep = Arc::new(Keeper::from_lease(py, lease)?);
-    decode(py, &keep, None, copy, pin_memory)
+    decode(py, &keep, copy, pin_memory)
 }
 
 /// `Writer::put_raw`, with the GIL released when there is much to copy.
@@ -322,7 +322,11 @@ impl ShmWriter {
     fn put_item(&self, py: Python<'_>, key: &str, item: &Bound<'_, PyAny>) -> PyResult<ShmHandle> {
         let writer = self.writer.get()?;
         let encoded = Encoded::new(item)?;
-        put_parts(py, &writer, key, &encoded.parts())
+        let parts = encoded.parts();
+        // `Encoded::copying`, not `put_parts`: it keeps the GIL when a part lies in a torch
+        // storage, which another thread may free while the GIL is released.
+        let handle = encoded.copying(py, || writer.put_raw(key, &parts))?;
+        Ok(ShmHandle::from_handle(handle))
     }
 
     fn is_cached(&self, key: &str) -> PyResult<bool> {
