@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import select
 import signal
 import socket
@@ -25,7 +26,7 @@ import pytest
 from mmcache import Feature, _core
 from mmcache.cli import main
 from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, wire
-from mmcache.simulate.engine import _serve
+from mmcache.simulate.engine import _serve, worker_main
 from mmcache.simulate.workload import (
     Catalogue,
     decode_image,
@@ -349,6 +350,22 @@ def _request(
     feature = Feature(data=item, mm_hash="h1", identifier="h1", digests=digests)
     header = {"rid": 0, "attempt": 1, "features": [wire.encode_feature(feature, buffers)]}
     return header, [bytes(b) for b in buffers]
+
+
+def test_a_worker_whose_ring_is_gone_before_it_attaches_exits_quietly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # As when P0 dies before a worker attaches and the ring is removed meanwhile (by the
+    # driver, or by any store's creation on the host): the driver names P0, not the worker.
+    with _core.ShmObjectStore.create(1 << 16) as store:
+        handle = store.handle()
+    inbox, setup = Pipe(duplex=False)
+    _, outbox = Pipe(duplex=False)
+    wire.send(setup, {"type": "setup", "reader": pickle.dumps(handle)})
+    with pytest.raises(SystemExit) as exit_status:
+        worker_main(0, inbox, outbox)
+    assert exit_status.value.code == 1
+    assert capsys.readouterr().err == ""
 
 
 def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:
