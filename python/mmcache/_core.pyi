@@ -262,3 +262,8 @@ def list_segments() -> list[str]:
 
 def unlink_segment(name: str) -> None:
     """Remove a segment's name (its memory is freed once every process unmaps it)."""
+
+def generate_segment_name() -> str:
+    """A fresh name of the kind :meth:`ShmObjectStore.create` generates, for a store another
+    process is to create with it: this one then knows the name even if that process dies
+    while creating it, and can remove what it left."""

@@ -66,7 +66,7 @@ mod inspect;
 mod reader;
 mod writer;
 
-pub use inspect::{SegmentInfo, SlotInfo, Status, inspect, list_segments, status};
+pub use inspect::{SegmentInfo, SlotInfo, Status, inspect, list_segments, remove_orphans, status};
 pub use reader::{Lease, Reader, View};
 pub use writer::Writer;
 

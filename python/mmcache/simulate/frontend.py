@@ -381,14 +381,15 @@ def frontend_main(
     config: SimulationConfig,
     host: int,
     remote: dict[str, str] | None,
+    ring: str | None,
     engine: Connection,
     results: list[Connection],
     events: Connection,
 ) -> None:
     """P0's process: make the cache of ``config.mode`` (behind the remote tier ``remote``:
-    its ``url``, ``namespace`` and ``secret``), hand P1 and the workers what they need, serve
-    the workload, report the figures to the driver. SIGTERM closes the cache (unlinking a
-    shared-memory ring) before exiting."""
+    its ``url``, ``namespace`` and ``secret``; in mode ``shm`` a ring named ``ring``), hand
+    P1 and the workers what they need, serve the workload, report the figures to the driver.
+    SIGTERM closes the cache (unlinking a shared-memory ring) before exiting."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     tiered: TieredSenderCache | None = None
     try:
@@ -404,6 +405,7 @@ def frontend_main(
             capacity_gb=config.capacity_gb,
             n_readers=config.workers,
             remote=store,
+            name=ring,
         )
         if store is not None:
             tiered = cast("TieredSenderCache", cache)
@@ -419,8 +421,6 @@ def frontend_main(
         )
         return
     try:
-        if isinstance(local, ShmSenderCache):
-            wire.send(events, {"type": "segment", "name": local.name})
         wire.send(engine, {"type": "setup", "downstream": pickle.dumps(downstream)})
         report = _Frontend(config, host, local, tiered, engine, results, events).run()
         wire.send(events, {"type": "result", "host": report})
