@@ -41,9 +41,11 @@ def master() -> Iterator[LocalServer]:
 
 
 def open_store(url: str, namespace: str, **kwargs: Any) -> RemoteStore:
-    return RemoteStore(
-        f"{url}&segment_mb=64", namespace=namespace, secret="shared secret", **kwargs
-    )
+    """A store on the test's master; unless the test says otherwise, with a deadline only a
+    hang reaches (a client's first call sets it up, which on a loaded machine can take
+    longer than the default 0.5 s)."""
+    options = {"timeout_s": 10.0, **kwargs}
+    return RemoteStore(f"{url}&segment_mb=64", namespace=namespace, secret="shared", **options)
 
 
 @pytest.fixture
@@ -79,7 +81,9 @@ def test_another_host_reads_it_and_a_wrong_secret_does_not(master: LocalServer) 
         writer.put(key(3), item)
         with open_store(master.url, namespace) as reader:
             assert same(reader.get(key(3)), item)
-        wrong = RemoteStore(master.url + "&segment_mb=16", namespace=namespace, secret="wrong")
+        wrong = RemoteStore(
+            master.url + "&segment_mb=16", namespace=namespace, secret="wrong", timeout_s=10.0
+        )
         with wrong:
             assert wrong.get(key(3)) is None and wrong.stats()["digest_mismatch"] == 1
 
