@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
 .PHONY: build simulate test test-rust test-python test-vllm test-wheel wheel lint typecheck bench \
-	bench-vllm clean
+	bench-vllm clean mooncake-libs
 
 # vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
 # their own, with vLLM installed without its dependencies plus exactly what its cache
@@ -15,6 +15,31 @@ STAMP  := $(VENV)/.deps-installed
 VENV_VLLM  := .venv-vllm
 VLLM_STAMP := $(VENV_VLLM)/.deps-installed
 VLLM_ENV   := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1
+
+# Mooncake's wheel (extras `mooncake`, `test`) links libibverbs (which needs libnl-3 and
+# libnl-route-3) and libnuma from the OS; most machines, CI's among them, lack the first three.
+# Where apt exists, `mooncake-libs` fetches the Debian/Ubuntu packages with `apt-get download`
+# and unpacks them with `dpkg -x` under .venv/ (no root; nothing installed, the system
+# untouched); the targets that run Mooncake put them on LD_LIBRARY_PATH, and the Mooncake
+# tests must then run (MMCACHE_REQUIRE_MOONCAKE=1: a library still missing fails them rather
+# than skips them). Without apt they skip, naming the library (README: what to install).
+HAVE_APT       := $(shell command -v apt-get >/dev/null && command -v dpkg >/dev/null && echo 1)
+MOONCAKE_DEBS  := libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1
+MOONCAKE_LIBS  := $(VENV)/mooncake-libs
+MOONCAKE_STAMP := $(MOONCAKE_LIBS)/.unpacked
+MMCACHE_REQUIRE_MOONCAKE ?= $(if $(HAVE_APT),1,0)
+MOONCAKE_ENV   := MMCACHE_REQUIRE_MOONCAKE=$(MMCACHE_REQUIRE_MOONCAKE) \
+	LD_LIBRARY_PATH="$(abspath $(MOONCAKE_LIBS))/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"
+
+mooncake-libs: $(if $(HAVE_APT),$(MOONCAKE_STAMP))
+
+$(MOONCAKE_STAMP):
+	rm -rf $(MOONCAKE_LIBS)
+	mkdir -p $(MOONCAKE_LIBS)/debs $(MOONCAKE_LIBS)/lib
+	cd $(MOONCAKE_LIBS)/debs && apt-get download $(MOONCAKE_DEBS)
+	for deb in $(MOONCAKE_LIBS)/debs/*.deb; do dpkg -x "$$deb" $(MOONCAKE_LIBS)/root || exit 1; done
+	find $(MOONCAKE_LIBS)/root -name '*.so*' -exec cp -P {} $(MOONCAKE_LIBS)/lib/ \;
+	touch $@
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +52,8 @@ $(STAMP): pyproject.toml
 build: $(STAMP)
 	$(VENV)/bin/maturin develop --release --quiet --extras test,plot,cli
 
-simulate: build
-	$(VENV)/bin/mmcache simulate
+simulate: build mooncake-libs
+	$(MOONCAKE_ENV) $(VENV)/bin/mmcache simulate
 
 lint:
 	cargo fmt --check
@@ -47,8 +72,8 @@ typecheck: build
 	$(PY) -m mypy.stubtest mmcache._core --allowlist tests/stubtest-allowlist.txt
 	$(PY) -m mypy --strict python/mmcache
 
-test-python: build
-	$(PY) -m pytest -q
+test-python: build mooncake-libs
+	$(MOONCAKE_ENV) $(PY) -m pytest -q
 
 $(VLLM_STAMP): tests_vllm/requirements.txt
 	$(PYTHON) -m venv $(VENV_VLLM)

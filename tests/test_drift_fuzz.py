@@ -229,6 +229,8 @@ def test_the_oracle_catches_a_remote_tier_that_serves_unverified_values(
     from mmcache.remote.envelope import HEADER_SIZE
 
     with make_model("remote", seed=4, capacity=64 * KiB, n_ids=6) as model:
+        for host in model._tiered():  # the fuzzer's 50 ms: a loaded machine times out
+            host.remote.timeout_s = 10.0
         small = [i for i in range(6) if model.universe.size(i) * 4 <= model.capacity][:2]
         model.request(small)  # host A processes both and publishes them
         _swap_values_in_the_store(model, small[0], small[1])

@@ -561,7 +561,12 @@ def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Pat
     assert shared["remote_puts"] > 0 and shared["remote_errors"] == 0
     assert shared["remote_get_p99_ms"] >= shared["remote_get_p50_ms"] > 0
     assert sum(h["remote_hits"] for h in shared["per_host"]) == shared["remote_hits"]
+    # Single flight: every item processed with the tier was claimed first (no store fault).
+    assert 0 < shared["remote_claims"] <= shared["items_processed"]
+    assert alone["remote_claims"] == alone["remote_claim_waits"] == 0
+    assert shared["remote_claim_wait_hits"] <= shared["remote_claim_waits"]
     assert "cross-host hits" in result.stdout and "per host" in result.stdout
+    assert "remote claims (single flight)" in result.stdout
 
 
 def test_an_unreachable_remote_tier_costs_misses_not_requests(tmp_path: Path) -> None:

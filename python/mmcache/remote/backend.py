@@ -1,4 +1,5 @@
-"""What :class:`~mmcache.remote.RemoteStore` needs of a store: three batched byte operations.
+"""What :class:`~mmcache.remote.RemoteStore` needs of a store: three batched byte operations,
+and two more for claims where the store can hold them (:class:`ClaimingBackend`).
 
 A backend moves whole envelopes (see :mod:`.envelope`) and knows nothing of items, keys of
 digests or the circuit breaker (one that receives a value in parts may hash each part as it
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
 from mmcache.remote.envelope import PartDigests
@@ -23,6 +24,7 @@ __all__ = [
     "INCOMPLETE",
     "TOO_LARGE",
     "Backend",
+    "ClaimingBackend",
     "Fetched",
     "Incomplete",
     "Received",
@@ -106,6 +108,26 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release connections and threads; idempotent."""
+
+
+@runtime_checkable
+class ClaimingBackend(Backend, Protocol):
+    """A store that can also hold *claims*: short-lived markers, beside an item's key, that
+    name the host processing that item (see :class:`~mmcache.remote.TieredSenderCache`)."""
+
+    def read_claiming(
+        self, keys: Sequence[str], owner: str, take: bool, ttl_ms: int, deadline: float
+    ) -> tuple[list[Fetched], list[str | None]]:
+        """:meth:`read` of ``keys`` and, in the same round trip, each absent key's claim:
+        who holds it, or ``None`` where the key holds a value or nobody claimed it.  With
+        ``take``, absent keys nobody claimed are claimed for ``owner`` for ``ttl_ms`` (their
+        holder is then ``owner``) in the order of ``keys``, stopping at the first key another
+        owner holds: an owner that waits for a key holds only keys before it, so owners
+        waiting on each other's claims (given keys in one order) never wait in a circle."""
+
+    def release_claims(self, keys: Sequence[str], owner: str, deadline: float) -> int:
+        """Drop the claims of ``keys`` that ``owner`` holds (never another's), in one round
+        trip; how many there were."""
 
 
 # Query parameters whose values may be credentials (redis-py reads ``password=``, for one).

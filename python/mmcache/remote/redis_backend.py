@@ -16,6 +16,15 @@ the whole value - no copy in the client's parser, no join - and is hashed as soo
 in, while the server is still sending the next.  A value missing any chunk (evicted by
 ``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss.
 
+Claims (:class:`~.backend.ClaimingBackend`) are keys beside the item's (``<key>/claim``)
+holding the claiming host's id with a ``PX`` expiry, so a host that dies holding one frees it
+when it lapses.  A claiming read sends one ``EVAL`` (look at each item key, read its claim,
+take it where asked and free: atomically) in the same pipeline as the ``GETRANGE`` reads, ahead
+of them; a release is one ``EVAL`` that compares each claim with the owner before deleting
+it, so a host never deletes a claim that lapsed and another host took since (a ``GET`` then
+``DEL`` could; ``WATCH`` would cost a round trip per key).  Scripting is in every Redis
+since 2.6 and every Valkey.
+
 With retries on, redis-py retries a failed command three times with backoff, so a dead server
 costs seconds per call; here retries are off and every call ends by its deadline as a whole:
 the connections' sockets (:class:`_DeadlineSocket`) bound each connect, send and receive by
@@ -61,7 +70,7 @@ from mmcache.remote.envelope import HEADER_SIZE, MIN_PART_BYTES, PartDigests, pa
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["CHUNK_BYTES", "RedisBackend"]
+__all__ = ["CHUNK_BYTES", "RedisBackend", "claim_key"]
 
 CHUNK_BYTES = 1 << 20
 """Values larger than this are split into chunks of this size (the URL's ``chunk_kb`` query
@@ -83,6 +92,50 @@ def chunk_key(key: str, nonce: bytes, index: int) -> str:
     """The key of chunk ``index`` of ``key``'s value written by the writer ``nonce``."""
     return f"{key}/chunk/{nonce.hex()}/{index}"
 
+
+def claim_key(key: str) -> str:
+    """The key of the claim on ``key``'s item (its value: the claiming host's id)."""
+    return f"{key}/claim"
+
+
+# KEYS: n item keys, then their n claim keys; ARGV: owner, ttl in ms, take (1 or 0).  For
+# each item key that holds no value: the claim's holder, after claiming it for the owner when
+# asked, nobody holds it and no key before it is held by another; "" for an item present, or
+# unclaimed.  Atomic, so two hosts never both take one claim, and no claim is taken on an
+# item already present.
+_CLAIM_SCRIPT = """
+local n = #KEYS / 2
+local holders = {}
+local blocked = false
+for i = 1, n do
+  local holder = ""
+  if redis.call("EXISTS", KEYS[i]) == 0 then
+    holder = redis.call("GET", KEYS[n + i]) or ""
+    if holder == "" then
+      if ARGV[3] == "1" and not blocked then
+        redis.call("SET", KEYS[n + i], ARGV[1], "PX", ARGV[2])
+        holder = ARGV[1]
+      end
+    elseif holder ~= ARGV[1] then
+      blocked = true
+    end
+  end
+  holders[i] = holder
+end
+return holders
+"""
+
+# KEYS: claim keys; ARGV[1]: owner.  Compare-and-delete: drops each claim the owner holds,
+# never one that lapsed and another host took since; how many it dropped.
+_RELEASE_SCRIPT = """
+local dropped = 0
+for i = 1, #KEYS do
+  if redis.call("GET", KEYS[i]) == ARGV[1] then
+    dropped = dropped + redis.call("DEL", KEYS[i])
+  end
+end
+return dropped
+"""
 
 _call_deadline = threading.local()
 
@@ -315,14 +368,29 @@ class RedisBackend:
 
     def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
         with _bounded_by(deadline):
-            return self._read(keys, deadline)
+            heads, _ = self._heads(keys)
+            return self._read(keys, heads, deadline)
 
-    def _read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
+    def read_claiming(
+        self, keys: Sequence[str], owner: str, take: bool, ttl_ms: int, deadline: float
+    ) -> tuple[list[Fetched], list[str | None]]:
+        with _bounded_by(deadline):
+            heads, holders = self._heads(keys, (owner, take, ttl_ms))
+            return self._read(keys, heads, deadline), holders
+
+    def release_claims(self, keys: Sequence[str], owner: str, deadline: float) -> int:
+        claims = [claim_key(key) for key in keys]
+        with _bounded_by(deadline):
+            return int(self._call(self._client.eval, _RELEASE_SCRIPT, len(claims), *claims, owner))
+
+    def _read(
+        self, keys: Sequence[str], heads: list[bytes | TooLarge | None], deadline: float
+    ) -> list[Fetched]:
         out: list[Fetched] = []
         # The chunked values: position -> (the value's buffer, chunk size, chunk digests).
         values: dict[int, tuple[np.ndarray[Any, Any], int, list[bytes]]] = {}
         wanted: list[tuple[int, str, memoryview]] = []  # (position, chunk key, where it goes)
-        for position, (key, head) in enumerate(zip(keys, self._heads(keys), strict=True)):
+        for position, (key, head) in enumerate(zip(keys, heads, strict=True)):
             out.append(head)
             if not isinstance(head, bytes) or not head.startswith(_MANIFEST_MAGIC):
                 continue
@@ -363,22 +431,36 @@ class RedisBackend:
             out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
         return out
 
-    def _heads(self, keys: Sequence[str]) -> list[bytes | TooLarge | None]:
+    def _heads(
+        self, keys: Sequence[str], claim: tuple[str, bool, int] | None = None
+    ) -> tuple[list[bytes | TooLarge | None], list[str | None]]:
         """Each key's value, or the start of it: a manifest, a plain value, ``None`` (absent,
         or not a string) or :data:`~.backend.TOO_LARGE` (at most one byte over the largest
-        plain value accepted was read)."""
+        plain value accepted was read); with ``claim`` (owner, take, ttl in ms), first, in the
+        same round trip, each absent key's claim holder (see :data:`_CLAIM_SCRIPT`)."""
         pipe = self._client.pipeline(transaction=False)
+        if claim is not None:
+            owner, take, ttl_ms = claim
+            claims = [claim_key(key) for key in keys]
+            pipe.eval(_CLAIM_SCRIPT, 2 * len(keys), *keys, *claims, owner, ttl_ms, int(take))
         for key in keys:
             pipe.getrange(key, 0, self._max_plain)
+        replies = self._call(pipe.execute, raise_on_error=False)
+        holders: list[str | None] = []
+        if claim is not None:
+            held = replies.pop(0)
+            if isinstance(held, Exception):  # e.g. a server with scripting disabled
+                raise held
+            holders = [h.decode(errors="replace") if h else None for h in held]
         heads: list[bytes | TooLarge | None] = []
-        for head in self._call(pipe.execute, raise_on_error=False):
+        for head in replies:
             if isinstance(head, redis.exceptions.ResponseError):
                 if not str(head).startswith("WRONGTYPE"):
                     raise head
                 head = None  # a key of another type holds no value of ours
             # GETRANGE reads an absent key as empty; no value of ours is.
             heads.append(TOO_LARGE if len(head or b"") > self._max_plain else head or None)
-        return heads
+        return heads, holders
 
     def _fetch(
         self, names: list[str], views: list[memoryview], deadline: float

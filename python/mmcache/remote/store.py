@@ -33,6 +33,7 @@ from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
 from mmcache.remote.backend import (
     Backend,
+    ClaimingBackend,
     Fetched,
     Incomplete,
     Received,
@@ -224,7 +225,7 @@ class RemoteStore(ClosesOnExit):
         self._counts: Counter[str] = Counter()
         self._logged: set[str] = set()
         self._latency: dict[str, deque[float]] = {
-            op: deque(maxlen=_LATENCY_SAMPLES) for op in ("contains", "get", "put")
+            op: deque(maxlen=_LATENCY_SAMPLES) for op in ("contains", "get", "put", "release")
         }
         self._closed = False
 
@@ -257,6 +258,62 @@ class RemoteStore(ClosesOnExit):
             for store_key, value in zip(unique, values, strict=True)
         }
         return [items[self._store_key(k)] for k in keys]
+
+    @property
+    def supports_claims(self) -> bool:
+        """Whether this store can hold claims (Redis/Valkey: yes; Mooncake Store: no - its
+        ``put`` cannot tell the caller whether it stored anything, and nothing in it expires,
+        so a claim whose host died would stay)."""
+        return isinstance(self._backend, ClaimingBackend)
+
+    def fetch_or_claim(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        *,
+        claim: bool = True,
+        claim_ttl_s: float = 5.0,
+    ) -> list[tuple[Item | None, str | None]]:
+        """:meth:`get_many` of ``keys`` and, in the same round trip, who claimed each key that
+        holds no value: ``(item, None)`` for a hit, ``(None, holder)`` for a miss, where
+        ``holder`` is the claimer's id, or ``None`` if nobody claimed it.  With ``claim``, a
+        miss nobody claimed is claimed for ``owner`` (its holder is then ``owner``) for
+        ``claim_ttl_s`` seconds, until :meth:`release_claims` or the expiry - in the order
+        of the store's keys, and none after a key another host holds (a miss left unclaimed
+        for that reason has no holder), so hosts that wait for each other's claims never
+        wait in a circle.  One call, under the deadline and the breaker like every other.
+        A store without claims (:attr:`supports_claims`) answers every holder ``None``; a
+        failure answers ``(None, None)`` for every key."""
+        if not isinstance(self._backend, ClaimingBackend):
+            return [(item, None) for item in self.get_many(keys)]
+        backend = self._backend
+        unique = sorted(self._unique(keys))  # one order for every host: see the backend
+        ttl_ms = max(1, int(claim_ttl_s * 1000))
+        found = self._call(
+            "get",
+            lambda deadline: backend.read_claiming(unique, owner, claim, ttl_ms, deadline),
+        )
+        if found is None:
+            return [(None, None)] * len(keys)
+        values, holders = found
+        results = {
+            store_key: (self._open(store_key, value), holder)
+            for store_key, value, holder in zip(unique, values, holders, strict=True)
+        }
+        return [results[self._store_key(k)] for k in keys]
+
+    def release_claims(self, keys: Sequence[str], owner: str) -> None:
+        """Drop the claims ``owner`` holds on ``keys`` (one round trip; a claim that lapsed
+        and another host took since stays theirs).  Never raises for the store's sake."""
+        if not keys or not isinstance(self._backend, ClaimingBackend):
+            return
+        backend = self._backend
+        unique = self._unique(keys)
+        released = self._call(
+            "release", lambda deadline: backend.release_claims(unique, owner, deadline)
+        )
+        if released is not None:
+            self._count(claims_released=released)
 
     def put(self, key: str, item: Item) -> None:
         """Store ``item`` under ``key`` unless the key holds a value already (items are
@@ -303,16 +360,16 @@ class RemoteStore(ClosesOnExit):
 
         ``hits`` / ``misses`` (gets), ``puts`` (values stored), ``put_present`` (already
         there), ``bytes_read`` / ``bytes_written`` (payloads), ``contains_keys`` /
-        ``contains_found``; failures: ``timeouts``, ``unreachable``, ``server_errors``,
-        ``corrupt``, ``incomplete`` (a chunk gone), ``too_large`` (a stored value over
-        ``max_value_mb``, not read), ``version_mismatch``, ``digest_mismatch``,
+        ``contains_found``, ``claims_released`` (claims :meth:`release_claims` dropped);
+        failures: ``timeouts``, ``unreachable``, ``server_errors``, ``corrupt``,
+        ``incomplete`` (a chunk gone), ``too_large`` (a stored value over ``max_value_mb``,
+        not read), ``version_mismatch``, ``digest_mismatch``,
         ``undecodable`` (verified, but decoding it raised), ``unencodable`` (an item the
         codec refused), ``oversize`` (an item over ``max_value_mb``, or over what the
         backend's client can put, not published), ``skipped`` (calls the open breaker
         refused) and ``errors`` (their sum, minus ``skipped``); ``breaker_opened``,
-        ``breaker_open`` (1 while open); ``{contains,get,put}_p50_ms`` / ``_p99_ms`` over the
-        latest calls that reached the store.
-        """
+        ``breaker_open`` (1 while open); ``{contains,get,put,release}_p50_ms`` / ``_p99_ms``
+        over the latest calls that reached the store (a claiming lookup is a ``get``)."""
         with self._lock:
             counts = dict(self._counts)
             samples = (
@@ -340,6 +397,7 @@ class RemoteStore(ClosesOnExit):
                 "bytes_written",
                 "contains_keys",
                 "contains_found",
+                "claims_released",
                 *failures,
                 "skipped",
             )
@@ -354,7 +412,8 @@ class RemoteStore(ClosesOnExit):
 
     def latencies(self) -> dict[str, list[float]]:
         """The durations, in seconds, of the latest calls that reached the store (at most
-        100,000 per operation): ``{"contains": [...], "get": [...], "put": [...]}``."""
+        100,000 per operation): ``{"contains": [...], "get": [...], "put": [...], "release":
+        [...]}``."""
         with self._lock:
             return {op: list(values) for op, values in self._latency.items()}
 

@@ -10,7 +10,9 @@ rejected before the engine sees it) and resubmits them, so the caches drift apar
 
 With a remote tier (``--remote``) P0's cache is a :class:`~mmcache.remote.TieredSenderCache`:
 ``is_cached`` also finds items another host (or this one, before an eviction) processed, and
-P0 skips processing them; what P0 does process is published for the other hosts.
+P0 skips processing them; what P0 does process is published for the other hosts.  P0 asks in
+single flight (``claim=True``, ``wait_s=``:data:`CLAIM_WAIT_S`): an item another host is
+processing at that moment is waited for rather than processed twice.
 
 P0 also keeps the truth: the digest of every tensor it produced for each hash, which every
 worker checks what it receives against.  For an item the remote tier supplied, P0 takes the
@@ -53,6 +55,8 @@ if TYPE_CHECKING:
 
 #: Request latencies kept for the percentiles (a uniform sample of all of them).
 LATENCY_SAMPLES = 100_000
+#: With a remote tier: how long P0 waits for items another host claimed (is processing).
+CLAIM_WAIT_S = 5.0
 
 
 @dataclass
@@ -211,7 +215,11 @@ class _Frontend:
             outputs = [self._process(h, i) for h, i in zip(hashes, pending.images, strict=True)]
         else:
             local = self.local.is_cached(hashes)
-            cached = self.cache.is_cached(hashes)  # with a remote tier: remote hits too
+            cached = (  # with a remote tier: remote hits too, in single flight
+                self.cache.is_cached(hashes)
+                if self.tiered is None
+                else self.tiered.is_cached(hashes, claim=True, wait_s=CLAIM_WAIT_S)
+            )
             self._note_remote_hits(hashes, local, cached)
             inputs = [
                 None if hit else self._process(h, i)
@@ -358,6 +366,9 @@ class _Frontend:
             report["remote"] = {
                 "puts": stats["remote_puts"],
                 "errors": stats["remote_errors"],
+                "claims": stats["remote_claims"],
+                "claim_waits": stats["remote_claim_waits"],
+                "claim_wait_hits": stats["remote_claim_wait_hits"],
                 "latencies_s": store.latencies(),
             }
         return report

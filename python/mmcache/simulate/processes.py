@@ -341,6 +341,9 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         remote_processing_s_saved=total("remote_hits") * mean_processing_s,
         remote_puts=sum(r["puts"] for r in remote),
         remote_errors=sum(r["errors"] for r in remote),
+        remote_claims=sum(r["claims"] for r in remote),
+        remote_claim_waits=sum(r["claim_waits"] for r in remote),
+        remote_claim_wait_hits=sum(r["claim_wait_hits"] for r in remote),
         **{
             f"remote_{op}_p{q}_ms": float(np.percentile(v, q)) if v.size else 0.0
             for op, v in remote_latency.items()
