@@ -15,7 +15,7 @@
 //! * [`store`] — the protocol: references, acknowledgements, leases, eviction; one file per
 //!   side (writer, reader, inspect).
 //! * [`codec`] — the payload format of one item (header + parts), encoded and parsed.
-//! * `python` (feature `python`) — the thin PyO3 module `mmcache._core`.
+//! * `python` (feature `python`) — the PyO3 module `mmcache._core`, one concern per file.
 //!
 //! # Where `unsafe` lives
 //!
