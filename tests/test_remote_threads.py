@@ -246,6 +246,81 @@ def test_close_ends_every_requests_claims(
     assert claim_of(raw, namespace, 1) is None and claim_of(raw, namespace, 2) is None
 
 
+def test_close_ends_the_claims_of_an_update_in_flight(
+    server: LocalServer, raw: redis.Redis, namespace: str, actors: tuple[Actor, Actor]
+) -> None:
+    """The update has let go of its claim but not released it yet when another thread
+    closes the cache: close releases it (once), and nothing the update processed after that
+    is published."""
+    a, _ = actors
+    local = PausingLocal(0.05)
+    p0 = open_p0(server.url, namespace, local)
+    try:
+        assert a(p0.is_cached, [key(1)], claim=True) == [False]
+        local.pause_in = a.ident
+        update = a.start(p0.get_and_update, [processed(1)], [key(1)])
+        assert local.entered.wait(HANG_S)
+        in_time(p0.close)
+        assert claim_of(raw, namespace, 1) is None
+        local.resume.set()
+        (data, updates), = update.result(timeout=HANG_S)
+        assert same(data, truth(1)) and updates == updates_of(1)
+        assert p0.flush() and p0.stats()["remote_claims_released"] == 1
+        with open_store(server.url, namespace) as store:
+            assert store.contains([key(1)]) == [False]
+    finally:
+        local.resume.set()
+        p0.close()
+
+
+def test_threads_go_on_calling_while_and_after_the_cache_closes(
+    server: LocalServer, namespace: str
+) -> None:
+    """8 threads serve requests (half the catalogue a remote hit, the rest processed and
+    published: the local cache holds nothing) while the cache is closed under them: no call
+    raises or hangs, every item is the truth, and nothing is left queued that no writer
+    thread will ever put."""
+    publish(server.url, namespace, *range(0, CATALOGUE, 2))
+    p0 = open_p0(server.url, namespace, ProcessorOnlyCache(0.0))
+    served = [0] * N_THREADS  # requests served before the cache was closed
+    after = [0] * N_THREADS  # ... and after
+    closed = threading.Event()
+
+    def frontend(t: int) -> None:
+        rng = random.Random(t)
+        while after[t] < 20:
+            ids = request_ids(rng, rng.sample(range(CATALOGUE), 4))
+            for (data, _), i in zip(serve(p0, ids, rng), ids):
+                assert same(data, truth(i))
+            if closed.is_set():
+                after[t] += 1
+            else:
+                served[t] += 1
+
+    def close_midway() -> None:
+        try:
+            if until(lambda: sum(served) >= 4 * N_THREADS):
+                p0.close()
+        finally:
+            closed.set()
+
+    closer = threading.Thread(target=close_midway, name="closer")
+    closer.start()
+    try:
+        run_threads(N_THREADS, frontend)
+        closer.join(HANG_S)
+        stats = p0.stats()  # published before the close; answered by a closed store after
+        assert stats["remote_published"] > 0 and stats["remote_skipped"] > 0
+        assert p0.flush(HANG_S)
+        with open_store(server.url, namespace) as store:
+            stored = store.get_many([key(i) for i in range(CATALOGUE)])
+        assert all(found is None or same(found, record(i)) for i, found in enumerate(stored))
+    finally:
+        closed.set()
+        closer.join(HANG_S)
+        p0.close()
+
+
 def test_the_request_bracket_reaches_the_local_cache(
     server: LocalServer, namespace: str, actors: tuple[Actor, Actor]
 ) -> None:

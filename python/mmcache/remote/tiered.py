@@ -28,9 +28,9 @@ gives up: an update without data for it, an update that raises, ``release_sender
 ``close`` (if a put of the item is pending then - another request processed it too - the
 claim ends once that put returns); the claimer drops only its own claim
 (compare-and-delete).  A claim ends too once another request of this host has stored the
-item (the claim has nothing left to guard).  Every claim call is
-one call of the store, under its deadline and circuit breaker: a failing store costs one
-deadline and ends the wait (everything is processed here).  Claims need a store that holds
+item (the claim has nothing left to guard).  Every claim call is one call of the store,
+under its deadline and circuit breaker: a failing store costs one deadline and ends the
+wait (everything is processed here).  Claims need a store that holds
 them (:attr:`RemoteStore.supports_claims <mmcache.remote.RemoteStore.supports_claims>`:
 Redis/Valkey); over Mooncake Store ``claim`` and ``wait_s`` change nothing.
 
@@ -46,6 +46,7 @@ another; and a claim belongs to the request that took it - only that request's u
 ``release_sender_touches`` (or ``close``) ends it.  Threads of one host share its
 :attr:`~TieredSenderCache.host_id`, so a request never waits on a claim another request of
 this host holds: it processes the item too, as a writer's threads do with its local claims.
+:meth:`~TieredSenderCache.close` may run while other threads call in.
 
 Both waiting rooms are bounded by count and by bytes (:func:`~mmcache.items.item_size`): the
 items waiting to be published (until their put returns) and the fetched items waiting for
@@ -111,6 +112,7 @@ class _Publisher:
         self._queued_bytes = 0
         self._releasing: set[str] = set()  # queued keys whose claim ends after their put
         self._capacity_bytes = capacity_bytes
+        self._closed = False
         self._lock = threading.Lock()
         self.dropped = 0
         self.failed = 0  # only the writer thread counts it
@@ -118,10 +120,10 @@ class _Publisher:
         self._thread.start()
 
     def submit(self, key: str, record: Item) -> bool:
-        """Queue ``record`` for ``key``; whether this call queued it."""
+        """Queue ``record`` for ``key``; whether this call queued it (never once closed)."""
         size = item_size(record)
         with self._lock:
-            if key in self._queued:
+            if self._closed or key in self._queued:
                 return False
             if self._queued_bytes + size > self._capacity_bytes:
                 self.dropped += 1
@@ -178,8 +180,14 @@ class _Publisher:
         return True
 
     def close(self, timeout_s: float) -> None:
+        """Put what is queued (waiting at most ``timeout_s``) and stop the writer thread;
+        nothing is queued after (:meth:`submit` answers ``False``).  Idempotent."""
         self.flush(timeout_s)
-        self._queue.put(None)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)  # behind what was queued before the flag: it is put too
         self._thread.join(timeout_s)
 
 
@@ -492,12 +500,12 @@ class TieredSenderCache(BaseSenderCache):
                 item if item is not None else self._prefetched.get(h)
                 for item, h in zip(items, mm_hashes, strict=True)
             ]
-            claimed = self._end_claims(mm_hashes)
+            ended = self._end_claims(mm_hashes)
         fresh = self._fresh(items, mm_hashes)
         try:
             result = update(inputs)
         except BaseException:  # the fetched items stay for the retry
-            self.remote.release_claims(claimed, self.host_id)
+            self._release_claims(ended)
             raise
         with self._lock:
             for item, h in zip(items, mm_hashes, strict=True):
@@ -513,23 +521,35 @@ class TieredSenderCache(BaseSenderCache):
             if self._publisher.submit(h, {"item": item, "prompt_updates": prompt_updates})
         ]
         with self._lock:  # a stored item needs no claim: another request's on it ends too
-            claimed += [
-                h for h in queued if h not in claimed and self._claims.pop(h, None) is not None
-            ]
-        self.remote.release_claims(self._publisher.release_after_put(claimed), self.host_id)
+            for h in queued:
+                if h not in ended and (claim := self._claims.get(h)) is not None:
+                    ended[h] = claim
+        self._release_claims(ended)
         return result
 
-    def _end_claims(self, mm_hashes: Iterable[str]) -> list[str]:
-        """End this thread's request's claims on ``mm_hashes`` here; those it held, for the
-        caller to release in the store (lock held)."""
+    def _end_claims(self, mm_hashes: Iterable[str]) -> dict[str, _Claim]:
+        """This thread's request lets go of its claims on ``mm_hashes``: those that are still
+        this host's claims, for the caller to :meth:`_release_claims` (lock held).  They stay
+        this host's until then, so no other request takes them for its own meanwhile, and
+        :meth:`close` releases them if it runs first."""
         mine = self._request.claims
-        ended: list[str] = []
+        ended: dict[str, _Claim] = {}
         for h in dict.fromkeys(mm_hashes):
             claim = mine.pop(h, None)
             if claim is not None and self._claims.get(h) is claim:
-                del self._claims[h]
-                ended.append(h)
+                ended[h] = claim
         return ended
+
+    def _release_claims(self, ended: Mapping[str, _Claim]) -> None:
+        """Release ``ended`` in the store (once the put of the item returned, where one is
+        pending), then forget those :meth:`close` has not taken meanwhile.  Lock not held."""
+        if not ended:
+            return
+        self.remote.release_claims(self._publisher.release_after_put(list(ended)), self.host_id)
+        with self._lock:
+            for h, claim in ended.items():
+                if self._claims.get(h) is claim:
+                    del self._claims[h]
 
     def _fresh(
         self, items: Sequence[SenderInput], mm_hashes: Sequence[str]
@@ -593,8 +613,8 @@ class TieredSenderCache(BaseSenderCache):
         self.local.release_sender_touches()
         with self._lock:
             self._waiting.give_all(self._request.holds)
-            claimed = self._end_claims(list(self._request.claims))
-        self.remote.release_claims(claimed, self.host_id)
+            ended = self._end_claims(list(self._request.claims))
+        self._release_claims(ended)
 
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` locally (the remote value stays: it is still that item)."""
@@ -621,8 +641,13 @@ class TieredSenderCache(BaseSenderCache):
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Publish what is queued (waiting at most ``timeout_s``), end the claims every
-        request of this host holds, then close the local cache and the remote store.
-        Idempotent."""
+        request of this host holds (an update in flight's included), then close the local
+        cache and the remote store.  Idempotent.
+
+        Other threads may still be calling in: from then on the store answers their lookups
+        misses, and nothing they process is published or claimed; the local cache answers
+        them as it does once closed.  A claim that a lookup still in flight takes in the store
+        after this lapses (``claim_ttl_s``), like a dead host's."""
         self._publisher.close(timeout_s)
         with self._lock:
             claimed = list(self._claims)
