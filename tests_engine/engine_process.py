@@ -11,6 +11,9 @@ Commands (``op``):
 * ``generate``: ``prompts`` (each ``text``, ``images`` and ``videos``, see :func:`media`) and
   ``max_tokens``; greedy decoding of all prompts in one ``LLM.generate`` call.  Answers
   ``token_ids``, one list per prompt.
+* ``reset_engine_cache``: clear the caches of the engine core and the workers, not the
+  frontend's (``reset_mm_cache`` of the engine-core client): the frontend's view of them
+  drifts.
 * ``cache``: the frontend's cache: its class, and its ``make_stats()`` since the start
   (``hits``, ``total``); ``class`` is ``None`` without a cache.
 * ``ring``: the name of the shared-memory ring the frontend's cache publishes (``None``
@@ -79,8 +82,12 @@ def main() -> None:
                     [media(p) for p in command["prompts"]], params, use_tqdm=False
                 )
                 reply: dict[str, Any] = {
-                    "token_ids": [list(o.outputs[0].token_ids) for o in outputs]
+                    "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+                    "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
                 }
+            elif op == "reset_engine_cache":
+                llm.llm_engine.engine_core.reset_mm_cache()
+                reply = {}
             elif op == "cache":
                 cache = llm.llm_engine.renderer.mm_processor_cache
                 reply = {"class": class_name(cache)}

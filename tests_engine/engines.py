@@ -115,12 +115,13 @@ class Engine:
         self.process.stdin.flush()
         return self._reply(COMMAND_DEADLINE_S)
 
-    def generate(self, prompts: list[Prompt], max_tokens: int) -> list[list[int]]:
-        """Greedy token ids of ``prompts``, all in one ``LLM.generate`` call."""
-        token_ids: list[list[int]] = self.ask(
-            "generate", prompts=prompts, max_tokens=max_tokens
-        )["token_ids"]
-        return token_ids
+    def generate(
+        self, prompts: list[Prompt], max_tokens: int
+    ) -> tuple[list[list[int]], list[str | None]]:
+        """Greedy token ids of ``prompts``, all in one ``LLM.generate`` call, and each one's
+        finish reason (``"error"``, with no tokens, for a request vLLM failed)."""
+        reply = self.ask("generate", prompts=prompts, max_tokens=max_tokens)
+        return reply["token_ids"], reply["finish_reasons"]
 
     def records(self) -> list[dict[str, Any]]:
         return probe.read_records(self.records_dir)
