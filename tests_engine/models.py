@@ -100,6 +100,16 @@ def _save_weights(
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
 
 
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image> {% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+)
+"""LLaVA 1.5's chat format: a user message of an image and ``w17 w23`` renders as
+``USER: <image> w17 w23 ASSISTANT:``."""
+
+
 def write_llava(directory: Path) -> Path:
     """LLaVA 1.5 in miniature, saved into ``directory`` (returned)."""
     config = LlavaConfig(
@@ -138,6 +148,7 @@ def write_llava(directory: Path) -> Path:
         vision_feature_select_strategy="default",
         image_token="<image>",
         num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
     ).save_pretrained(directory)
     return directory
 

@@ -3,7 +3,8 @@
 vLLM calls :func:`register` in every process it starts (the frontend, the engine core, each
 worker), as it calls mmcache's.  It wraps the factory each process builds its multimodal cache
 with, so that every cache built writes one JSON record into the directory named by
-``MMCACHE_ENGINE_PROBE_DIR``: the process's role and pid, and the cache's class.
+``MMCACHE_ENGINE_PROBE_DIR``: the process's role and pid, and the cache's class (and, for
+the frontend, the name of the ring it published).
 
 :func:`write_entry_point` makes the plugin visible to a Python whose ``PYTHONPATH`` holds
 the directory it is given (and this file's): a ``.dist-info`` with the entry point, which
@@ -34,10 +35,20 @@ _records = itertools.count()
 def _record(role: str, factory: str, cache: object) -> None:
     directory = Path(os.environ[PROBE_DIR_ENV])
     record = {"role": role, "pid": os.getpid(), "factory": factory, "cache": class_name(cache)}
+    if role == "frontend":
+        record["ring"] = published_ring()
     path = directory / f"{role}-{os.getpid()}-{next(_records)}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
     tmp.rename(path)
+
+
+def published_ring() -> str | None:
+    """The name of the ring this process's frontend cache published (``None``: none)."""
+    from mmcache.vllm import READER_HANDLE_ENV
+
+    published = os.environ.get(READER_HANDLE_ENV)
+    return str(json.loads(published)["name"]) if published else None
 
 
 def _wrap(module: ModuleType, factory: str, role: str) -> None:
