@@ -1,10 +1,13 @@
 """mmcache's plugin in a real vLLM engine, in every cache mode, against vLLM without a cache.
 
 For each model, one engine without mmcache and without a processor cache generates the
-expected tokens; then one engine per cache mode, with ``MMCACHE_VLLM=1``, runs the same
-rounds of requests.  The rounds repeat images within and across rounds (so every cache
-hits) and bring more items than the caches hold (so they evict; in ``shm`` mode some items
-are larger than ``mm_shm_cache_max_object_size_mb`` and travel without the ring).
+expected tokens (``conftest.expected_tokens``); then one engine per case, with
+``MMCACHE_VLLM=1``, runs the same rounds of requests.  The rounds repeat images within and
+across rounds (so every cache hits) and bring more items than the caches hold (so they evict;
+in ``shm`` mode some items are larger than ``mm_shm_cache_max_object_size_mb`` and travel
+without the ring).  Then each engine clears its engine-side caches alone and runs the first
+round again (a drift), is sent two requests vLLM rejects (``shm`` mode), and exits, or is
+killed with its whole process tree.
 """
 
 from __future__ import annotations
