@@ -122,7 +122,7 @@ def vllm_reader(handle: Any) -> Callable[[Any], Any]:
 
 def core_reader(handle: Any) -> Callable[[Any], Any]:
     reader = ShmObjectStore.attach(handle)
-    return lambda h: reader.get(h[0], h[1])
+    return lambda h: reader.resolve(h[0], h[1])
 
 
 def cache_reader(handle: Any, copy: bool = True) -> Callable[[Any], Any]:
@@ -202,7 +202,7 @@ def bench_resolves(nbytes: int, n: int, lock: Any) -> dict[str, float]:
     with ShmObjectStore.create(ring, max_object_size=2 * MiB) as store:
         read = core_reader(store.handle())
         store.put("x", [header, *buffers])
-        handles = iter([(store.get_cached("x"), "x") for _ in range(n)])
+        handles = iter([(store.issue("x"), "x") for _ in range(n)])
         out["core"] = per_op(lambda: read(next(handles)), n)
     for copy in (True, False):
         with ShmSenderCache(ring / GiB, max_object_size_mb=2) as sender:
@@ -229,7 +229,7 @@ def bench_hits_and_lookups(lock: Any) -> dict[str, float]:
     v.close()
     with ShmObjectStore.create(ring) as store:
         store.put("x", [header, *buffers])
-        out["hit core"] = micro("p(k); g(k); u(k)", {"p": store.pin, "g": store.get_cached,
+        out["hit core"] = micro("p(k); g(k); u(k)", {"p": store.pin, "g": store.issue,
                                                      "u": store.unpin, "k": "x"}, 20000)
         out["lookup core"] = micro("f(k)", {"f": store.is_cached, "k": "x"}, 50000)
     with ShmSenderCache(ring / GiB) as sender:

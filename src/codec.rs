@@ -1,5 +1,6 @@
 //! The item codec: how one cached item is laid out as a payload. No pyo3 here; the Python
-//! side (walking Python objects, building tensors and arrays) is `python/codec.rs`.
+//! side (walking Python objects, building tensors and arrays) is `python/encode.rs` and
+//! `python/decode.rs`.
 //!
 //! A payload is *parts*, each starting at the next multiple of [`ALIGN`](crate::layout::ALIGN)
 //! bytes from the payload start (the store's rule, [`part_offsets`]): part 0 is the header,
@@ -29,15 +30,18 @@
 //! 14 scalar u8 len, dtype descriptor, u32 len, the value's raw bytes (a numpy scalar)
 //! ```
 //!
-//! Part numbers count from 1 (part 0 is the header). Anything else — another magic or
-//! version, a count the remaining bytes cannot hold, a part number out of range, parts
+//! Part numbers count from 1 (part 0 is the header), and every part belongs to exactly one
+//! node: as the parts lie one after another inside the payload, the values a payload decodes
+//! into hold at most the payload's own bytes (plus one small object per node of the header),
+//! whatever its header says. Anything else — another magic or version, a count the remaining
+//! bytes cannot hold, a part number out of range, a part named by two nodes or by none, parts
 //! running past the payload, invalid UTF-8, trailing bytes — is a [`FormatError`]. Whether a
 //! tensor's or array's part holds exactly `numel * itemsize` bytes is checked by the Python
 //! side, which knows the item sizes.
 
 use std::fmt;
 
-use crate::store::part_offsets;
+use crate::layout::part_offsets;
 
 /// The first three bytes of every payload; the fourth is the format version digit.
 pub const MAGIC: &[u8; 3] = b"MMC";
@@ -296,7 +300,8 @@ pub fn header_len(prefix: &[u8; PREFIX_LEN]) -> Result<usize> {
             prefix[3] as char
         ));
     }
-    let header_len = u32::from_le_bytes(prefix[4..8].try_into().expect("4 bytes")) as usize;
+    let [_, _, _, _, l0, l1, l2, l3, ..] = *prefix;
+    let header_len = u32::from_le_bytes([l0, l1, l2, l3]) as usize;
     if header_len < PREFIX_LEN {
         return err(format!(
             "header length {header_len} is shorter than its prefix"
@@ -323,8 +328,9 @@ impl<'a> Header<'a> {
         if header_len(prefix)? != header.len() {
             return err("the header length does not match part 0");
         }
-        let n = u32::from_le_bytes(prefix[8..12].try_into().expect("4 bytes")) as usize;
-        if prefix[12..16] != [0; 4] {
+        let [.., n0, n1, n2, n3, f0, f1, f2, f3] = *prefix;
+        let n = u32::from_le_bytes([n0, n1, n2, n3]) as usize;
+        if [f0, f1, f2, f3] != [0; 4] {
             return err("unknown header flags");
         }
         let table_end = n
@@ -332,23 +338,30 @@ impl<'a> Header<'a> {
             .and_then(|t| t.checked_add(PREFIX_LEN))
             .filter(|&end| end <= header.len())
             .ok_or_else(|| FormatError(format!("the header cannot hold a table of {n} parts")))?;
-        let lens: Vec<u64> = header[PREFIX_LEN..table_end]
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
+        let lens: Vec<u64> = le_u64s(&header[PREFIX_LEN..table_end]).collect();
         let all = std::iter::once(header.len() as u64).chain(lens.iter().copied());
         let (offsets, _) = part_offsets(all)
             .filter(|(_, end)| *end <= payload_len)
             .ok_or_else(|| FormatError("the parts run past the end of the payload".into()))?;
         Ok(Header {
-            parts: offsets[1..].iter().copied().zip(lens).collect(),
+            parts: offsets.into_iter().skip(1).zip(lens).collect(),
             tree: &header[table_end..],
         })
     }
 
     /// Check the whole tree — a dict at the root, nesting at most [`MAX_DEPTH`] deep, every
-    /// node readable, nothing after the root — calling `visit` on every node, depth first.
+    /// node readable, every part named by exactly one node, nothing after the root — calling
+    /// `visit` on every node, depth first.
     pub fn walk(&self, mut visit: impl FnMut(&Node<'a>) -> Result<()>) -> Result<()> {
+        let mut named = vec![false; self.parts.len()];
+        let mut visit = |node: &Node<'a>| {
+            if let Some(part) = node.part() {
+                if std::mem::replace(&mut named[part], true) {
+                    return err(format!("part {} is named by two values", part + 1));
+                }
+            }
+            visit(node)
+        };
         let mut r = self.tree();
         let root = r.node()?;
         let Node::Dict(n) = root else {
@@ -381,7 +394,11 @@ impl<'a> Header<'a> {
                 open.push(children);
             }
         }
-        r.finish()
+        r.finish()?;
+        match named.iter().position(|&n| !n) {
+            Some(part) => err(format!("part {} is named by no value", part + 1)),
+            None => Ok(()),
+        }
     }
 
     /// A reader of the value tree, positioned at the root.
@@ -394,15 +411,20 @@ impl<'a> Header<'a> {
     }
 }
 
+/// The little-endian `u64`s in `bytes` (a trailing partial word is ignored).
+fn le_u64s(bytes: &[u8]) -> impl ExactSizeIterator<Item = u64> + '_ {
+    bytes
+        .chunks_exact(8)
+        .map(|word| word.iter().rev().fold(0, |n, &b| (n << 8) | u64::from(b)))
+}
+
 /// A tensor's or array's dimensions, as stored (little-endian `u64`s).
 #[derive(Debug, Clone, Copy)]
 pub struct Shape<'a>(&'a [u8]);
 
 impl<'a> Shape<'a> {
     pub fn dims(&self) -> impl ExactSizeIterator<Item = u64> + 'a {
-        self.0
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        le_u64s(self.0)
     }
 
     /// The number of elements, if it fits a `u64`.
@@ -442,6 +464,18 @@ pub enum Node<'a> {
     },
 }
 
+impl Node<'_> {
+    /// The index of the part this node's bytes are in, if they are in one.
+    pub fn part(&self) -> Option<usize> {
+        match *self {
+            Node::BytesPart(part) | Node::Tensor { part, .. } | Node::Array { part, .. } => {
+                Some(part)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Reads the tree node by node; every read is bounds-checked.
 #[derive(Debug)]
 pub struct TreeReader<'a> {
@@ -463,7 +497,9 @@ impl<'a> TreeReader<'a> {
     }
 
     fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
-        Ok(self.take(N)?.try_into().expect("N bytes"))
+        self.take(N)?
+            .try_into()
+            .or_else(|_| err("the value tree is truncated"))
     }
 
     fn u32(&mut self) -> Result<usize> {

@@ -1,4 +1,5 @@
-//! The one error type of the core. `python.rs` maps each variant to one Python exception.
+//! The one error type of the core (the payload codec has its own, `codec::FormatError`).
+//! `python/errors.rs` maps each variant to one Python exception.
 
 use std::fmt;
 use std::io;

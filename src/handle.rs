@@ -34,7 +34,8 @@ pub struct Handle {
 impl Handle {
     /// The number of the reader set this handle's references were issued to.
     pub fn reader_set(&self) -> u32 {
-        u32::from_le_bytes(self.signature[MAC_LEN..].try_into().expect("4 bytes"))
+        let [.., a, b, c, d] = self.signature;
+        u32::from_le_bytes([a, b, c, d])
     }
 }
 

@@ -1,4 +1,5 @@
-//! The bytes of a segment: where every field lives and how a segment is validated.
+//! The bytes of a segment: where every field lives (the store's counters in one table, the
+//! parts of a payload at aligned offsets) and how a segment is validated.
 //!
 //! ```text
 //! 0                      512            header_size                       total_len
@@ -15,7 +16,7 @@
 //! ```text
 //! +0  id          AtomicU64  monotonic id; 0 = dead. Published last (Release) by the
 //!                            writer, after every other header field and the payload;
-//!                            stored 0 before the bytes are reused (see store.rs).
+//!                            stored 0 before the bytes are reused (see `store`).
 //! +8  sig_lo      AtomicU64  the handle signature, so a reader can tell its chunk from
 //! +16 sig_hi      AtomicU64  payload bytes that later landed at the same address.
 //! +24 len         AtomicU64  payload length in bytes.
@@ -54,20 +55,73 @@ pub mod header {
     pub const WRITER_STATE: u64 = 80;
     /// const: how liveness is told, `LIVENESS_LOCKS` or `LIVENESS_PIDS` (see `Liveness`).
     pub const LIVENESS: u64 = 88;
-    // Counters published by the writer for `inspect` (Relaxed: statistics only).
-    pub const PUTS: u64 = 128;
-    pub const HITS: u64 = 136;
-    pub const EVICTIONS: u64 = 144;
-    pub const BYTES_IN_USE: u64 = 152;
-    pub const OBJECTS: u64 = 160;
-    pub const REFS_ISSUED: u64 = 168;
-    pub const LAST_ID: u64 = 176;
-    pub const READERS_RECLAIMED: u64 = 184;
-    pub const CLEARS: u64 = 192;
+    /// The writer's published counters, one word each in [`Counter`](super::Counter) order
+    /// (Relaxed: statistics only).
+    pub const COUNTERS: u64 = 128;
     /// First reader slot; slot `i` is at `READER_TABLE + i * READER_SLOT_SIZE`.
     pub const READER_TABLE: u64 = 512;
     pub const READER_SLOT_SIZE: u64 = 64;
 }
+
+/// Declares [`Counter`] from one table: each counter's variant, the name `stats()` and
+/// `inspect` report it under, and (by its position) its header word.
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])* $variant:ident => $name:literal,)*) => {
+        /// The store's counters: what the writer tallies, publishes in the segment header
+        /// (counter `c` at [`Counter::offset`]) and reports in `stats()`, and what `inspect`
+        /// reads back — all from this one table.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Counter {
+            $($(#[doc = $doc])* $variant,)*
+        }
+
+        impl Counter {
+            /// Every counter, in header order.
+            pub const ALL: &[Counter] = &[$(Counter::$variant,)*];
+
+            /// The name `stats()` and `inspect` report the counter under.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Counter::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Objects stored by `put`.
+    Puts => "puts",
+    /// References issued by `get_cached`.
+    Hits => "hits",
+    /// Stored objects evicted to make room.
+    Evictions => "evictions",
+    /// Bytes of the ring that chunks cover (the ring's own count).
+    BytesInUse => "bytes_in_use",
+    /// Keys stored (the index's own count).
+    Objects => "objects",
+    /// References issued by `put` and `get_cached`.
+    RefsIssued => "refs_issued",
+    /// The id of the newest chunk (ids keep counting across `clear`).
+    LastId => "last_id",
+    /// Reader slots freed because their occupant died.
+    ReadersReclaimed => "readers_reclaimed",
+    /// Calls of `clear`.
+    Clears => "clears",
+}
+
+impl Counter {
+    /// How many counters there are.
+    pub const COUNT: usize = Counter::ALL.len();
+
+    /// The header word the writer publishes the counter in.
+    pub const fn offset(self) -> u64 {
+        header::COUNTERS + 8 * self as u64
+    }
+}
+
+// Every counter's word lies in the header, before the reader table.
+const _: () = assert!(header::COUNTERS + 8 * Counter::COUNT as u64 <= header::READER_TABLE);
 
 pub const WRITER_LIVE: u64 = 1;
 pub const WRITER_CLOSED: u64 = 2;
@@ -139,6 +193,20 @@ pub const fn align_up(n: u64) -> Option<u64> {
         Some(v) => Some(v & !(ALIGN - 1)),
         None => None,
     }
+}
+
+/// Where each part of a payload starts (every part starts [`ALIGN`]ed, after the previous
+/// one) and where the last one ends; `None` if that overflows a `u64`. Writer and codec
+/// both place parts by this one rule.
+pub fn part_offsets(lengths: impl IntoIterator<Item = u64>) -> Option<(Vec<u64>, u64)> {
+    let mut offsets = Vec::new();
+    let mut end = 0u64;
+    for len in lengths {
+        let start = align_up(end)?;
+        offsets.push(start);
+        end = start.checked_add(len)?;
+    }
+    Some((offsets, end))
 }
 
 /// What a reader slot is doing.
@@ -362,9 +430,11 @@ impl Layout {
         Ok(())
     }
 
-    /// Read and validate a segment's header: every field is checked for consistency with
-    /// checked arithmetic, so a corrupt or foreign segment is an error, never a wild offset.
-    pub fn read(seg: &Segment) -> Result<Layout> {
+    /// Read and validate a segment's header: its geometry and its liveness mode. Every field
+    /// is loaded once and checked for consistency with checked arithmetic, so a corrupt or
+    /// foreign segment is an error, never a wild offset; callers use the values returned
+    /// here, never a second load of a word another process may change meanwhile.
+    pub fn read(seg: &Segment) -> Result<(Layout, Liveness)> {
         if (seg.len() as u64) < header::READER_TABLE {
             return Err(Error::Corrupt(format!(
                 "segment is {} bytes, smaller than a header",
@@ -387,10 +457,9 @@ impl Layout {
         if state != WRITER_LIVE && state != WRITER_CLOSED {
             return Err(Error::Corrupt(format!("bad writer state {state}")));
         }
-        let liveness = load(header::LIVENESS)?;
-        if Liveness::from_code(liveness).is_none() {
-            return Err(Error::Corrupt(format!("bad liveness mode {liveness}")));
-        }
+        let code = load(header::LIVENESS)?;
+        let liveness = Liveness::from_code(code)
+            .ok_or_else(|| Error::Corrupt(format!("bad liveness mode {code}")))?;
         let n_readers = u32::try_from(load(header::N_READERS)?)
             .map_err(|_| Error::Corrupt("n_readers out of range".into()))?;
         let max_object_size = load(header::MAX_OBJECT_SIZE)?;
@@ -411,7 +480,7 @@ impl Layout {
                 seg.len()
             )));
         }
-        Ok(expected)
+        Ok((expected, liveness))
     }
 }
 
@@ -472,7 +541,7 @@ mod tests {
             if keep_magic {
                 write_words(&seg, &[(header::MAGIC, MAGIC), (header::VERSION, LAYOUT_VERSION)]);
             }
-            if let Ok(l) = Layout::read(&seg) {
+            if let Ok((l, _)) = Layout::read(&seg) {
                 prop_assert_eq!(l.total_len(), seg.len() as u64);
                 prop_assert!(l.valid_payload(0, l.max_object_size));
                 prop_assert!(l.n_readers >= 1 && l.n_readers <= MAX_READERS);
@@ -496,7 +565,7 @@ mod tests {
             atomic.store(atomic.load(Ordering::Relaxed).wrapping_add(delta), Ordering::Relaxed);
             // MAX_OBJECT_SIZE may legitimately change to another valid value.
             match Layout::read(&seg) {
-                Ok(l) => prop_assert!(field == header::MAX_OBJECT_SIZE && l.max_object_size != 4000),
+                Ok((l, _)) => prop_assert!(field == header::MAX_OBJECT_SIZE && l.max_object_size != 4000),
                 Err(e) => prop_assert!(matches!(e, Error::Corrupt(_))),
             }
         }

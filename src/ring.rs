@@ -1,4 +1,4 @@
-//! The single writer's ring allocator (writer-private memory; no shared state, no unsafe).
+//! The single writer's ring allocator (writer-private memory; no shared state).
 //!
 //! Chunks are placed contiguously at a cursor that sweeps the ring like a clock hand. To
 //! place `size` bytes, the window `[cursor, cursor + size)` must be free or covered only by
@@ -32,11 +32,13 @@ pub struct Ring<T> {
     chunks: BTreeMap<u64, Entry<T>>,
 }
 
-/// A successful allocation: where the new chunk starts and what had to go.
+/// A successful allocation: where the new chunk starts, what had to go, and the new chunk's
+/// value (for filling in what depends on where it landed).
 #[derive(Debug)]
-pub struct Placement<T> {
+pub struct Placement<'a, T> {
     pub address: u64,
     pub evicted: Vec<(u64, T)>,
+    pub value: &'a mut T,
 }
 
 impl<T> Ring<T> {
@@ -111,7 +113,7 @@ impl<T> Ring<T> {
         size: u64,
         value: T,
         mut decide: impl FnMut(u64, &mut T) -> Verdict,
-    ) -> Option<Placement<T>> {
+    ) -> Option<Placement<'_, T>> {
         if size == 0 || size > self.capacity {
             return None;
         }
@@ -123,11 +125,13 @@ impl<T> Ring<T> {
                 self.cursor = 0;
                 continue;
             }
-            let start = self.cursor;
-            let in_way = self.overlapping(start, start + size);
+            let (start, end) = (self.cursor, self.cursor + size);
+            let in_way = self.overlapping(start, end);
+            // Chunks never overlap: those in the way are exactly the ones starting from the
+            // first of them up to `end`.
+            let first = in_way.first().copied().unwrap_or(end);
             let mut blocked_at = None;
-            for &address in &in_way {
-                let entry = self.chunks.get_mut(&address).expect("listed above");
+            for (&address, entry) in self.chunks.range_mut(first..end) {
                 if decide(address, &mut entry.value) == Verdict::Keep {
                     blocked_at = Some(address + entry.len);
                     break;
@@ -141,14 +145,19 @@ impl<T> Ring<T> {
                 None => {
                     let evicted = in_way
                         .into_iter()
-                        .map(|a| (a, self.remove(a).expect("listed above")))
+                        .filter_map(|a| Some((a, self.remove(a)?)))
                         .collect();
-                    self.chunks.insert(start, Entry { len: size, value });
                     self.used += size;
-                    self.cursor = start + size;
+                    self.cursor = end;
+                    // No chunk starts at `start` any more: the one that did was in the way.
+                    let placed = self
+                        .chunks
+                        .entry(start)
+                        .or_insert(Entry { len: size, value });
                     return Some(Placement {
                         address: start,
                         evicted,
+                        value: &mut placed.value,
                     });
                 }
             }

@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmcache import MmcacheError, SegmentCorruptError, serde
-from mmcache._core import ShmObjectStore
+from mmcache import SegmentCorruptError, serde
+from mmcache._core import ShmObjectStore, ShmReader, ShmWriter
 
 # torch warns whenever it makes a complex32 tensor (encoding a strided one makes a copy).
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -160,7 +160,7 @@ def payload_of(item: dict[str, Any]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def ring() -> Iterator[tuple[ShmObjectStore, ShmObjectStore]]:
+def ring() -> Iterator[tuple[ShmWriter, ShmReader]]:
     writer = ShmObjectStore.create(64 << 20, n_readers=1)
     reader = ShmObjectStore.attach(writer.handle())
     yield writer, reader
@@ -192,19 +192,19 @@ _keys = iter(range(10**9))
 @PROPERTY
 @given(item=items)
 def test_any_item_round_trips_bit_exact_through_the_ring(
-    ring: tuple[ShmObjectStore, ShmObjectStore], item: dict[str, Any]
+    ring: tuple[ShmWriter, ShmReader], item: dict[str, Any]
 ) -> None:
     writer, reader = ring
     key = f"item-{next(_keys)}"
     first = writer.put_item(key, item)
-    second = writer.get_cached(key)
+    second = writer.issue(key)
     want = expected(item)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert same(want, reader.get_item(first, key, copy=True))
-        view = reader.get_item(second, key, copy=False)
+        assert same(want, reader.resolve_item(first, key, copy=True))
+        view = reader.resolve_item(second, key, copy=False)
         assert same(want, view)
-    assert same(want, writer.get_item(writer.get_cached(key), key))  # the writer's own read
+    assert same(want, writer.get_item(writer.issue(key), key))  # the writer's own read
     del view
     writer.invalidate(key)
 
@@ -291,7 +291,7 @@ def in_mapping(t: torch.Tensor, mapping: tuple[int, int]) -> bool:
 
 
 def test_copies_own_torch_memory_and_release_the_ring(
-    ring: tuple[ShmObjectStore, ShmObjectStore],
+    ring: tuple[ShmWriter, ShmReader],
 ) -> None:
     writer, reader = ring
     item = {
@@ -300,24 +300,24 @@ def test_copies_own_torch_memory_and_release_the_ring(
         "arr": np.arange(7),
     }
     handle = writer.put_item("copied", item)
-    out = reader.get_item(handle, "copied", copy=True)
+    out = reader.resolve_item(handle, "copied", copy=True)
     mapping = reader.view_mapping()
     for name in ("a", "b"):
         assert not in_mapping(out[name], mapping)
     assert out["arr"].flags.writeable and out["arr"].flags.owndata
     assert writer.stats()["views"] == 0, "a copy holds no view of the ring"
     out["a"][0] = 42.0  # writable, and the ring is untouched
-    again = reader.get_item(writer.get_cached("copied"), "copied", copy=True)
+    again = reader.resolve_item(writer.issue("copied"), "copied", copy=True)
     assert again["a"][0] == 0.0 and same(item["b"], again["b"])
     writer.invalidate("copied")
 
 
 def test_zero_copy_views_point_into_the_read_only_mapping(
-    ring: tuple[ShmObjectStore, ShmObjectStore],
+    ring: tuple[ShmWriter, ShmReader],
 ) -> None:
     writer, reader = ring
     item = {"t": torch.arange(64, dtype=torch.int16), "a": np.arange(5.0)}
-    view = reader.get_item(writer.put_item("viewed", item), "viewed", copy=False)
+    view = reader.resolve_item(writer.put_item("viewed", item), "viewed", copy=False)
     assert in_mapping(view["t"], reader.view_mapping())
     assert not view["a"].flags.writeable
     assert writer.stats()["views"] == 1
@@ -331,7 +331,7 @@ def test_zero_copy_views_point_into_the_read_only_mapping(
     writer.invalidate("viewed")
 
 
-def test_large_items_copy_with_every_byte(ring: tuple[ShmObjectStore, ShmObjectStore]) -> None:
+def test_large_items_copy_with_every_byte(ring: tuple[ShmWriter, ShmReader]) -> None:
     """Above the GIL-release threshold, and several tensors in one copy buffer."""
     writer, reader = ring
     g = torch.Generator().manual_seed(7)
@@ -341,16 +341,16 @@ def test_large_items_copy_with_every_byte(ring: tuple[ShmObjectStore, ShmObjectS
         "mask": torch.rand(448, 448, generator=g) > 0.5,
         "raw": bytes(range(256)) * 1000,
     }
-    out = reader.get_item(writer.put_item("large", item), "large", copy=True)
+    out = reader.resolve_item(writer.put_item("large", item), "large", copy=True)
     assert same(item, out)
     writer.invalidate("large")
 
 
-def test_pin_memory_applies_to_copies_only(ring: tuple[ShmObjectStore, ShmObjectStore]) -> None:
+def test_pin_memory_applies_to_copies_only(ring: tuple[ShmWriter, ShmReader]) -> None:
     writer, reader = ring
     handle = writer.put_item("pinned", {"t": torch.ones(2)})
     with pytest.raises(ValueError, match="pins copies"):
-        reader.get_item(handle, "pinned", copy=False, pin_memory=True)
+        reader.resolve_item(handle, "pinned", copy=False, pin_memory=True)
     writer.release(handle)
     writer.invalidate("pinned")
 
@@ -358,26 +358,181 @@ def test_pin_memory_applies_to_copies_only(ring: tuple[ShmObjectStore, ShmObject
 # -- the store's hot-path helpers ----------------------------------------------------------
 
 
-def test_try_get_cached_and_try_pin_answer_instead_of_raising(
-    ring: tuple[ShmObjectStore, ShmObjectStore],
+def test_issue_if_present_and_pin_if_present_answer_instead_of_raising(
+    ring: tuple[ShmWriter, ShmReader],
 ) -> None:
     writer, reader = ring
-    assert writer.try_get_cached("absent") is None
-    assert writer.try_pin("absent") is False
+    assert writer.issue_if_present("absent") is None
+    assert writer.pin_if_present("absent") is False
     handle = writer.put_item("present", {"x": 1})
-    assert writer.try_pin("present") is True
-    hit = writer.try_get_cached("present")
+    assert writer.pin_if_present("present") is True
+    hit = writer.issue_if_present("present")
     assert hit == handle, "the same object, one more reference"
     for h in (handle, hit):
-        assert reader.get_item(h, "present") == {"x": 1}
+        assert reader.resolve_item(h, "present") == {"x": 1}
     writer.unpin("present")
     writer.invalidate("present")
 
 
 def test_view_mapping_is_the_readers() -> None:
     with ShmObjectStore.create(1 << 20) as writer:
-        with pytest.raises(MmcacheError, match="for readers"):
-            writer.view_mapping()
+        assert not hasattr(writer, "view_mapping")
         with ShmObjectStore.attach(writer.handle()) as reader:
             address, length = reader.view_mapping()
             assert address > 0 and length > writer.capacity
+
+
+
+# -- hostile payloads: no payload decodes into more memory than it holds -------------------
+
+
+def raw_payload(tree: bytes, part_lens: list[int]) -> bytes:
+    """A payload as a forger would write it: part 0 with this value tree and part table, then
+    zero-filled parts at their aligned offsets (the encoder never writes such trees)."""
+    header_len = 16 + 8 * len(part_lens) + len(tree)
+    header = (
+        b"MMC2"
+        + struct.pack("<III", header_len, len(part_lens), 0)
+        + struct.pack(f"<{len(part_lens)}Q", *part_lens)
+        + tree
+    )
+    end = serde.part_offsets([header_len, *part_lens])[-1] + part_lens[-1]
+    return header + bytes(end - header_len)
+
+
+def part_node(kind: str, part: int, nbytes: int) -> bytes:
+    """A node naming ``part`` (1-based) of ``nbytes`` bytes: a uint8 tensor, array or bytes."""
+    if kind == "tensor":
+        return b"\x0c\x05uint8\x01" + struct.pack("<QI", nbytes, part)
+    if kind == "array":
+        return b"\x0d\x03|u1\x01" + struct.pack("<QI", nbytes, part)
+    return b"\x08" + struct.pack("<I", part)
+
+
+def dict_tree(values: list[bytes]) -> bytes:
+    """A root dict of ``values`` under the keys ``"0"``, ``"1"``, ..."""
+    entries = b"".join(
+        struct.pack("<I", len(str(i))) + str(i).encode() + v for i, v in enumerate(values)
+    )
+    return b"\x0b" + struct.pack("<I", len(values)) + entries
+
+
+def list_tree(value: bytes, count: int) -> bytes:
+    """A root dict whose one entry is a list of ``count`` copies of ``value``."""
+    return dict_tree([b"\x09" + struct.pack("<I", count) + value * count])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "array", "bytes"])
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_part_named_by_two_values_is_corrupt(kind: str, copy: bool) -> None:
+    """64 values naming one 256 KiB part decoded into 16 MiB (each copied once)."""
+    size = 256 << 10
+    amplified = raw_payload(list_tree(part_node(kind, 1, size), 64), [size])
+    with pytest.raises(SegmentCorruptError, match="part 1 is named by two values"):
+        serde.decode(amplified, copy=copy)
+    mixed = raw_payload(dict_tree([part_node(kind, 1, size), part_node("tensor", 1, size)]), [size])
+    with pytest.raises(SegmentCorruptError, match="part 1 is named by two values"):
+        serde.decode(mixed, copy=copy)
+
+
+def test_a_part_named_by_no_value_is_corrupt() -> None:
+    payload = raw_payload(dict_tree([part_node("bytes", 2, 300)]), [300, 300])
+    with pytest.raises(SegmentCorruptError, match="part 1 is named by no value"):
+        serde.decode(payload)
+
+
+def run_python(code: str, stdin: bytes = b"") -> tuple[int, str, str]:
+    """``code`` in a fresh interpreter (what would crash this process crashes that one):
+    its exit status, stdout and stderr."""
+    out = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, timeout=300)
+    return out.returncode, out.stdout.decode(), out.stderr.decode(errors="replace")[-3000:]
+
+
+# Caps the child's address space a little above what it uses once its payload is read, so
+# that an allocation of the size a payload asks for fails at once (and never swaps).
+CAP_MEMORY = """
+import resource
+def cap_memory(extra):
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + extra, resource.RLIM_INFINITY))
+"""
+
+
+def test_a_small_payload_never_asks_for_a_huge_arena() -> None:
+    """196608 tensors naming one 8 MiB part: a 12 MiB payload that asked torch for a 1.5 TiB
+    copy arena, whose RuntimeError escaped."""
+    size = 8 << 20
+    payload = raw_payload(list_tree(part_node("tensor", 1, size), 196_608), [size])
+    code = CAP_MEMORY + """
+import sys, torch
+from mmcache import serde, SegmentCorruptError
+payload = sys.stdin.buffer.read()
+cap_memory(1 << 30)
+try:
+    serde.decode(payload, copy=True)
+except SegmentCorruptError as e:
+    print("corrupt:", e)
+"""
+    rc, stdout, stderr = run_python(code, payload)
+    assert rc == 0 and "named by two values" in stdout, stderr
+
+
+def test_a_failed_allocation_is_a_memory_error() -> None:
+    """Every allocation of the decoder (torch's copy arena, numpy, bytes) maps its failure to
+    a MemoryError, never a stray RuntimeError."""
+    code = CAP_MEMORY + """
+import numpy as np, torch
+from mmcache import serde
+payloads = [
+    serde.pack({"t": torch.zeros(32 << 20, dtype=torch.uint8)}),
+    serde.pack({"a": np.zeros(32 << 20, dtype=np.uint8)}),
+    serde.pack({"b": bytes(32 << 20)}),
+]
+cap_memory(16 << 20)
+for payload in payloads:
+    try:
+        serde.decode(payload, copy=True)
+    except MemoryError as e:
+        print(type(e).__name__, "(a MemoryError):", str(e)[:60].replace(chr(10), " "))
+"""
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0 and stdout.count("(a MemoryError)") == 3, (stdout, stderr)
+    assert "cannot allocate" in stdout.splitlines()[0], stdout
+
+
+def bytearray_exports(buffer: bytearray) -> int:
+    """How many buffer exports of ``buffer`` are open (CPython's ``ob_exports``, the last field
+    of a bytearray object), checked against a memoryview of our own."""
+    import ctypes
+
+    field = ctypes.c_ssize_t.from_address(id(buffer) + bytearray.__basicsize__ - 8)
+    before = field.value
+    with memoryview(buffer):
+        assert field.value == before + 1, "not CPython's bytearray layout"
+    return field.value
+
+
+def test_zero_copy_decoding_holds_the_one_export_its_pointer_came_from() -> None:
+    """Views hold exactly the export their bytes were read through: an exporter may return
+    other memory for every export (``__buffer__``, from Python 3.12)."""
+    item = {"t": torch.arange(16, dtype=torch.int32), "a": np.arange(4.0), "b": b"x" * 300}
+    payload = bytearray(serde.pack(item))
+    out = serde.decode(payload, copy=False)
+    assert bytearray_exports(payload) == 1
+    assert out["a"].flags.writeable, "a view of a writable payload is writable"
+    tensor, array = out.pop("t"), out.pop("a")
+    del out
+    gc.collect()
+    assert bytearray_exports(payload) == 1
+    del tensor
+    gc.collect()
+    assert bytearray_exports(payload) == 1, "the array holds the export"
+    with pytest.raises(BufferError):
+        payload.extend(b"x")  # which would move the memory the array views
+    array[0] = 7.0
+    assert serde.decode(payload)["a"][0] == 7.0, "the array views the payload"
+    del array
+    gc.collect()
+    assert bytearray_exports(payload) == 0
+    assert not serde.decode(serde.pack(item), copy=False)["a"].flags.writeable

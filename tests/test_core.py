@@ -17,10 +17,14 @@ from mmcache._core import (
     MmcacheError,
     NoReaderSlotError,
     ObjectTooLargeError,
+    ReferencesSaturatedError,
     RingFullError,
     SegmentCorruptError,
     ShmHandle,
     ShmObjectStore,
+    ShmReader,
+    ShmTooSmallError,
+    ShmWriter,
     StaleHandleError,
     WriterGoneError,
 )
@@ -56,7 +60,7 @@ def reader_proc(rh, inbox, outbox, copy):
     bad = read = 0
     while (msg := inbox.get()) is not None:
         i, handle = msg
-        data = reader.get(handle, f"k{i}", copy=copy)
+        data = reader.resolve(handle, f"k{i}", copy=copy)
         read += 1
         if bytes(data) != content(i, size_of(i)):
             bad += 1
@@ -169,12 +173,12 @@ def test_stale_after_eviction_and_after_clear():
     writer.close()
 
 
-def test_get_cached_issues_a_reference_and_release_gives_it_back():
+def test_issue_adds_a_reference_and_release_gives_it_back():
     writer = ShmObjectStore.create(2 * CHUNK)
     reader = ShmObjectStore.attach(writer.handle())
     h = writer.put("a", b"1" * PAYLOAD)
-    reader.get(h, "a")
-    again = writer.get_cached("a")
+    reader.resolve(h, "a")
+    again = writer.issue("a")
     assert again == h
     writer.put("b", b"2" * PAYLOAD)
     with pytest.raises(MemoryError):
@@ -183,8 +187,99 @@ def test_get_cached_issues_a_reference_and_release_gives_it_back():
     writer.put("c", b"3" * PAYLOAD)
     assert not writer.is_cached("a")
     with pytest.raises(KeyError):
-        writer.get_cached("a")
+        writer.issue("a")
     writer.close()
+
+
+# --- roles: the writer and reader classes, new names and their aliases ----------------------
+
+WRITER_ONLY = (
+    "put",
+    "put_item",
+    "is_cached",
+    "issue",
+    "issue_if_present",
+    "read_stored",
+    "pin",
+    "pin_if_present",
+    "unpin",
+    "release",
+    "verify",
+    "invalidate",
+    "clear",
+    "keys",
+    "get_cached",
+    "try_get_cached",
+    "get_stored",
+    "try_pin",
+)
+READER_ONLY = ("resolve", "resolve_item", "view_mapping", "reader_slot")
+BOTH = (
+    "name",
+    "capacity",
+    "n_readers",
+    "max_object_size",
+    "closed",
+    "is_writer",
+    "handle",
+    "get",
+    "get_item",
+    "stats",
+    "close",
+)
+
+
+def test_create_makes_a_writer_and_attach_a_reader(store):
+    reader = ShmObjectStore.attach(store.handle())
+    assert type(store) is ShmWriter and type(reader) is ShmReader
+    assert isinstance(store, ShmObjectStore) and isinstance(reader, ShmObjectStore)
+    assert store.is_writer and not reader.is_writer
+    assert repr(store).startswith("ShmWriter(") and repr(reader).startswith("ShmReader(")
+    with pytest.raises(TypeError):
+        ShmObjectStore()  # only create() and attach() make stores
+    with reader:
+        assert reader.name == store.name and reader.capacity == store.capacity
+    assert reader.closed and not store.closed
+
+
+def test_each_role_has_only_its_own_methods(store):
+    reader = ShmObjectStore.attach(store.handle())
+    for name in WRITER_ONLY:
+        assert hasattr(store, name) and not hasattr(reader, name), name
+    for name in READER_ONLY:
+        assert hasattr(reader, name) and not hasattr(store, name), name
+    for name in BOTH:
+        assert hasattr(store, name) and hasattr(reader, name), name
+    with pytest.raises(AttributeError):
+        reader.put("k", b"readers cannot write")  # type: ignore[attr-defined]
+    assert store.stats()["puts"] == 0
+    reader.close()
+
+
+def test_old_names_are_aliases_of_the_new_ones(store):
+    reader = ShmObjectStore.attach(store.handle())
+    h = store.put("k", b"payload")
+
+    def outstanding():
+        return _core.inspect_segment(store.name)["readers"][reader.reader_slot]["outstanding"]
+
+    assert store.get_cached("k") == h and outstanding() == 2  # issue()
+    assert store.try_get_cached("k") == h and outstanding() == 3  # issue_if_present()
+    assert store.try_get_cached("absent") is None
+    assert store.get_stored("k") == store.read_stored("k") == b"payload"
+    assert outstanding() == 3, "reading what is stored issues no reference"
+    assert store.try_pin("k") is True and store.try_pin("absent") is False
+    store.unpin("k")
+    for old in (store.get_cached, store.get_stored):
+        with pytest.raises(KeyError):
+            old("absent")
+    # A reader's get/get_item are its resolve/resolve_item: each consumes a reference.
+    assert reader.get(h, "k") == b"payload" and outstanding() == 2
+    assert bytes(reader.get(h, "k", False)) == b"payload" and outstanding() == 1
+    assert reader.resolve(h, "k") == b"payload" and outstanding() == 0
+    # The writer's get reads its own copy and consumes nothing.
+    assert store.get(h, "k") == b"payload" and bytes(store.get(h, "k", copy=False)) == b"payload"
+    reader.close()
 
 
 # --- protection ---------------------------------------------------------------------------
@@ -258,6 +353,10 @@ def test_multi_part_put_aligns_every_part():
     assert data[:3] == b"abc"
     assert np.frombuffer(data[64 : 64 + 40], dtype=np.int64).tolist() == [0, 1, 2, 3, 4]
     assert data[128:] == b"xy"
+    # The rule the store applied is the one it exports (serde's part_offsets/payload_size).
+    assert _core.part_offsets([3, arr.nbytes, 2]) == ([0, 64, 128], len(data))
+    with pytest.raises(OverflowError):
+        _core.part_offsets([2**64 - 1, 1])
     writer.close()
 
 
@@ -274,8 +373,6 @@ def test_reader_slots_are_exclusive_and_freed_on_close():
     r1.close()
     r3 = ShmObjectStore.attach(writer.handle())
     assert r3.reader_slot == 0
-    with pytest.raises(MmcacheError):
-        r3.put("k", b"readers cannot write")
     for r in (r2, r3):
         r.close()
     writer.close()
@@ -367,13 +464,27 @@ def test_corrupt_segment_header_is_refused(store):
 
 def test_more_than_dev_shm_holds_is_a_memory_error_and_the_process_lives():
     free = os.statvfs(SHM).f_bavail * os.statvfs(SHM).f_frsize
-    with pytest.raises(MemoryError, match="shm-size"):
+    with pytest.raises(ShmTooSmallError, match="shm-size") as too_small:
         ShmObjectStore.create(free + (1 << 30))
+    assert isinstance(too_small.value, MemoryError)
+    assert not isinstance(too_small.value, RingFullError)
     # Nothing was left behind and the process carries on.
     before = set(_core.list_segments())
     s = ShmObjectStore.create(1 << 16)
     assert set(_core.list_segments()) - before == {s.name}
     s.close()
+
+
+def test_each_memory_error_has_its_own_class_exported_by_the_package():
+    import mmcache
+    import mmcache.errors
+
+    kinds = (RingFullError, ReferencesSaturatedError, ShmTooSmallError)
+    for cls in kinds:
+        assert issubclass(cls, MemoryError) and not issubclass(cls, MmcacheError)
+        assert getattr(mmcache, cls.__name__) is cls is getattr(mmcache.errors, cls.__name__)
+        assert cls.__name__ in mmcache.__all__ and cls.__name__ in mmcache.errors.__all__
+        assert sum(issubclass(cls, other) for other in kinds) == 1, "told apart by type"
 
 
 def test_existing_name_and_bad_arguments():
@@ -389,14 +500,14 @@ def test_existing_name_and_bad_arguments():
 def test_inspect_reports_counters_and_reader_slots(store):
     reader = ShmObjectStore.attach(store.handle())
     h = store.put("k", b"x" * 100)
-    store.get_cached("k")
+    store.issue("k")
     info = _core.inspect_segment(store.name)
     assert info["creator_pid"] == os.getpid() and info["creator_alive"]
     assert info["puts"] == 1 and info["hits"] == 1 and info["objects"] == 1
     slot = info["readers"][reader.reader_slot]
     assert slot["claimed"] and slot["pid"] == os.getpid() and slot["outstanding"] == 2
-    reader.get(h, "k")
-    reader.get(h, "k")
+    reader.resolve(h, "k")
+    reader.resolve(h, "k")
     info = _core.inspect_segment(store.name)
     assert info["readers"][reader.reader_slot]["outstanding"] == 0
 

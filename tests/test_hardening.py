@@ -26,6 +26,7 @@ import torch
 
 from mmcache import (
     ClosedError,
+    ReferencesSaturatedError,
     ShmHandle,
     ShmReceiverCache,
     ShmSenderCache,
@@ -218,8 +219,11 @@ def test_every_writer_operation_raises_in_a_forked_child() -> None:
     def child_tries_everything() -> bool:
         operations = {
             "put": lambda: writer.put("c", pattern(3)),
+            "issue": lambda: writer.issue("a"),
+            "issue_if_present": lambda: writer.issue_if_present("a"),
             "get_cached": lambda: writer.get_cached("a"),
             "pin": lambda: writer.pin("a"),
+            "pin_if_present": lambda: writer.pin_if_present("a"),
             "unpin": lambda: writer.unpin("a"),
             "release": lambda: writer.release(h),
             "invalidate": lambda: writer.invalidate("b"),
@@ -227,6 +231,7 @@ def test_every_writer_operation_raises_in_a_forked_child() -> None:
             "is_cached": lambda: writer.is_cached("a"),
             "keys": writer.keys,
             "verify": lambda: writer.verify(h, "a"),
+            "read_stored": lambda: writer.read_stored("a"),
             "get_stored": lambda: writer.get_stored("a"),
             "get": lambda: writer.get(h, "a"),
             "stats": writer.stats,
@@ -336,6 +341,11 @@ def test_a_hot_item_and_a_stuck_reader_never_make_the_cache_raise(
                     break
                 hits += 1
         assert hits + 1 == MAX_OUTSTANDING, "every reference the slot can count was issued"
+        # The core says why, with a MemoryError of its own, and changes nothing.
+        with pytest.raises(ReferencesSaturatedError, match="not reading") as saturated:
+            p0._store.issue("hot")
+        assert isinstance(saturated.value, MemoryError)
+        assert p0._store.stats()["outstanding_refs"] == MAX_OUTSTANDING
         # P0 believed it cached: served uncached, from a copy of what the ring holds.
         assert updates == "pu" and data.keys() == truth.keys()
         assert torch.equal(data["pixel_values"], truth["pixel_values"]) and data["n"] == 7
@@ -454,7 +464,7 @@ def test_liveness_holds_across_pid_namespaces() -> None:
         assert writer.name not in prune(dry_run=True)
     finally:
         proc.kill()
-        proc.wait(TIMEOUT)
+        proc.communicate(timeout=TIMEOUT)  # reaps it and closes the pipes
     # Once it is gone (whatever namespace it was in), its slot is reclaimed.
 
     def put_once_reclaimed() -> bool:
@@ -480,6 +490,13 @@ NAMESPACED_WRITER = textwrap.dedent(
 )
 
 
+def gone_or_not_live(name: str) -> bool:
+    try:
+        return _core.segment_status(name)[0] != "live"
+    except FileNotFoundError:
+        return True
+
+
 def test_prune_in_another_namespace_never_removes_a_live_writers_segment() -> None:
     reason = _unshare_available()
     if reason is not None:
@@ -499,10 +516,11 @@ def test_prune_in_another_namespace_never_removes_a_live_writers_segment() -> No
         assert name in _core.list_segments()
     finally:
         proc.kill()
-        proc.wait(TIMEOUT)
+        proc.communicate(timeout=TIMEOUT)  # reaps it and closes the pipes
     # Its init is killed as unshare dies, not before.
-    wait_until(lambda: _core.segment_status(name)[0] != "live", "the writer never died")
-    assert name in prune(), "the segment of a writer that died is orphaned"
+    wait_until(lambda: gone_or_not_live(name), "the writer never died")
+    # (Any store's creation on this host may remove the orphan before this prune does.)
+    assert name in prune() or not os.path.exists(f"{SHM}/{name}"), "its orphan was left"
 
 
 # -- 8. damaged segments ---------------------------------------------------------------------------
@@ -533,12 +551,18 @@ def test_prune_removes_truncated_and_garbage_segments_of_dead_writers() -> None:
     fresh = f"mmc_fresh_{os.getpid()}"
     open(f"{SHM}/{fresh}", "wb").close()  # empty and new: may be a segment being created
     try:
-        status, why = _core.segment_status(name)
-        assert status == "orphaned" and "bytes" in why, why
+        # Any store's creation on this host removes orphans: another test run may take these
+        # before this test's prune does.
+        try:
+            status, why = _core.segment_status(name)
+            assert status == "orphaned" and "bytes" in why, why
+        except FileNotFoundError:
+            pass
         removed = prune()
-        assert name in removed and garbage in removed and fresh not in removed
         assert not os.path.exists(f"{SHM}/{name}") and not os.path.exists(f"{SHM}/{garbage}")
-        assert _core.segment_status(fresh)[0] == "undecided"
+        assert fresh not in removed
+        with ShmObjectStore.create(1 << 16):  # nor does a creation touch it
+            assert _core.segment_status(fresh)[0] == "undecided"
     finally:
         for leftover in (garbage, fresh):
             if os.path.exists(f"{SHM}/{leftover}"):

@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
         bytes[..word.len()].copy_from_slice(word);
         seg.atomic(i as u64 * 8).unwrap().store(u64::from_le_bytes(bytes), Ordering::Relaxed);
     }
-    if let Ok(layout) = Layout::read(&seg) {
+    if let Ok((layout, _)) = Layout::read(&seg) {
         assert_eq!(layout.total_len(), seg.len() as u64);
         assert!(layout.valid_payload(0, layout.max_object_size));
     }

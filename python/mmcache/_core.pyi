@@ -4,7 +4,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, final
 
-from typing_extensions import Buffer, Self
+from typing_extensions import Buffer, Self, disjoint_base
 
 __version__: str
 LAYOUT_VERSION: int
@@ -40,12 +40,23 @@ class WrongProcessError(MmcacheError):
     """A writer or reader used in a process other than the one that created or attached it
     (after ``fork()``: create a new writer, or attach a new reader, in the child)."""
 
+class ItemNotEncodableError(TypeError, ValueError):
+    """An item the codec cannot hold: an unsupported value, one past a limit of the format,
+    or a tensor without memory of its own. The message names the field."""
+
 class ObjectTooLargeError(ValueError):
     """An object larger than the store's ``max_object_size``."""
 
 class RingFullError(MemoryError):
     """No room in the ring: every chunk that could hold the object is still unread, pinned or
     viewed."""
+
+class ReferencesSaturatedError(MemoryError):
+    """One more reference would overflow a reader's count: that reader already holds the most
+    unread references to the object it can count (nothing changed)."""
+
+class ShmTooSmallError(MemoryError):
+    """The host's ``/dev/shm`` cannot hold the segment (the message says how to enlarge it)."""
 
 @final
 class ShmHandle:
@@ -58,7 +69,7 @@ class ShmHandle:
     def monotonic_id(self) -> int: ...
     @property
     def signature(self) -> bytes: ...
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
 
@@ -111,9 +122,11 @@ class PartView:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
-@final
+@disjoint_base
 class ShmObjectStore:
-    """One named shared-memory ring: created by its single writer, attached by readers."""
+    """One named shared-memory ring. Never instantiated itself: :meth:`create` makes its single
+    writer (a :class:`ShmWriter`), :meth:`attach` a reader (a :class:`ShmReader`). What both
+    roles have is here; each subclass has only its own role's methods."""
 
     @staticmethod
     def create(
@@ -122,9 +135,12 @@ class ShmObjectStore:
         n_readers: int = 1,
         max_object_size: int | None = None,
         name: str | None = None,
-    ) -> ShmObjectStore: ...
+    ) -> ShmWriter:
+        """The single writer of a new segment (``ShmTooSmallError`` if ``/dev/shm`` cannot
+        hold it)."""
     @staticmethod
-    def attach(handle: ReaderHandle) -> ShmObjectStore: ...
+    def attach(handle: ReaderHandle) -> ShmReader:
+        """A reader of ``handle``'s segment, in a reader slot of its own."""
     @property
     def name(self) -> str: ...
     @property
@@ -136,42 +152,20 @@ class ShmObjectStore:
     @property
     def is_writer(self) -> bool: ...
     @property
-    def reader_slot(self) -> int | None: ...
-    @property
     def closed(self) -> bool: ...
     def handle(self) -> ReaderHandle: ...
-    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ShmHandle: ...
-    def is_cached(self, key: str) -> bool: ...
-    def get_cached(self, key: str) -> ShmHandle:
-        """One more reference to ``key``'s object (``KeyError`` if absent; ``MemoryError``,
-        nothing changed, if a reader already holds as many unread references as it counts)."""
-    def get_stored(self, key: str) -> bytes:
-        """The writer's copy of ``key``'s payload, issuing no reference (``KeyError`` if absent)."""
-    def pin(self, key: str) -> None: ...
-    def unpin(self, key: str) -> None: ...
-    def release(self, handle: ShmHandle) -> None: ...
-    def verify(self, handle: ShmHandle, key: str) -> bool:
-        """Whether ``handle`` is ``key``'s current entry (no reference, hit or recency change)."""
-    def invalidate(self, key: str) -> None: ...
-    def clear(self) -> None: ...
-    def keys(self) -> list[str]: ...
-    def get(self, handle: ShmHandle, key: str, copy: bool = True) -> bytes | ShmView: ...
-    def put_item(self, key: str, item: Mapping[str, Any]) -> ShmHandle:
-        """Encode ``item`` and store it under ``key`` in one pass (``put``'s errors, and
-        ``TypeError`` naming the field of a value the format cannot hold)."""
+    def get(self, handle: ShmHandle, key: str, copy: bool = True) -> bytes | ShmView:
+        """A reader's :meth:`ShmReader.resolve` (it consumes a reference), or the writer's own
+        verified copy (``copy=False``: a :class:`ShmView` of it)."""
     def get_item(
         self, handle: ShmHandle, key: str, *, copy: bool = True, pin_memory: bool = False
     ) -> dict[str, Any]:
-        """``get`` and decode: read-only zero-copy views (``copy=False``), or one copy per
-        value, tensors in torch memory (pinned with ``pin_memory=True``, copies only)."""
-    def try_get_cached(self, key: str) -> ShmHandle | None:
-        """``get_cached``, or ``None`` for an absent key."""
-    def try_pin(self, key: str) -> bool:
-        """``pin``; whether ``key`` was there to pin (no ``KeyError``)."""
-    def view_mapping(self) -> tuple[int, int]:
-        """``(address, length)`` of a reader's read-only mapping, which views point into."""
+        """A reader's :meth:`ShmReader.resolve_item` (it consumes a reference), or the item
+        decoded from the writer's own verified copy."""
     def stats(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close the writer (the segment is unlinked) or detach the reader (its slot drains:
+        freed now, or with its last zero-copy view); idempotent."""
     def __enter__(self) -> Self: ...
     def __exit__(
         self,
@@ -180,12 +174,82 @@ class ShmObjectStore:
         tb: TracebackType | None,
     ) -> None: ...
 
+@final
+class ShmWriter(ShmObjectStore):
+    """The single writer of a ring (made by :meth:`ShmObjectStore.create`)."""
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ShmHandle:
+        """Store ``data`` under ``key``, part by part, and issue one reference
+        (``ValueError`` for a duplicate key, ``ObjectTooLargeError``, ``RingFullError``)."""
+    def put_item(self, key: str, item: Mapping[str, Any]) -> ShmHandle:
+        """Encode ``item`` and store it under ``key`` in one pass (``put``'s errors, and
+        ``TypeError`` naming the field of a value the format cannot hold)."""
+    def is_cached(self, key: str) -> bool:
+        """Whether ``key`` is stored (no reference, hit or recency change)."""
+    def issue(self, key: str) -> ShmHandle:
+        """One more reference to ``key``'s object, as a handle (``KeyError`` if absent;
+        ``ReferencesSaturatedError``, nothing changed, if a reader already holds as many
+        unread references as it counts)."""
+    def issue_if_present(self, key: str) -> ShmHandle | None:
+        """:meth:`issue`, or ``None`` for an absent key."""
+    def read_stored(self, key: str) -> bytes:
+        """A copy of ``key``'s payload, issuing no reference (``KeyError`` if absent)."""
+    def pin(self, key: str) -> None:
+        """Protect ``key``'s object from eviction until a matching :meth:`unpin` (pins are
+        counted; ``KeyError`` if absent)."""
+    def pin_if_present(self, key: str) -> bool:
+        """:meth:`pin`; whether ``key`` was there to pin (no ``KeyError``)."""
+    def unpin(self, key: str) -> None: ...
+    def release(self, handle: ShmHandle) -> None:
+        """Give back the references of a handle that will never reach the readers."""
+    def verify(self, handle: ShmHandle, key: str) -> bool:
+        """Whether ``handle`` is ``key``'s current entry (no reference, hit or recency change)."""
+    def invalidate(self, key: str) -> None: ...
+    def clear(self) -> None: ...
+    def keys(self) -> list[str]: ...
+    def get_cached(self, key: str) -> ShmHandle:
+        """Alias of :meth:`issue` (SPEC.md's name)."""
+    def try_get_cached(self, key: str) -> ShmHandle | None:
+        """Alias of :meth:`issue_if_present`."""
+    def get_stored(self, key: str) -> bytes:
+        """Alias of :meth:`read_stored`."""
+    def try_pin(self, key: str) -> bool:
+        """Alias of :meth:`pin_if_present`."""
+
+@final
+class ShmReader(ShmObjectStore):
+    """One reader of a ring, in a reader slot of its own (made by
+    :meth:`ShmObjectStore.attach`)."""
+
+    @property
+    def reader_slot(self) -> int: ...
+    def resolve(self, handle: ShmHandle, key: str, *, copy: bool = True) -> bytes | ShmView:
+        """Verify ``handle`` for ``key`` (signature, bounds, id) before reading and again
+        after, consume one of this reader's references, and return the bytes or
+        (``copy=False``) a read-only zero-copy view that keeps the object alive."""
+    def resolve_item(
+        self, handle: ShmHandle, key: str, *, copy: bool = True, pin_memory: bool = False
+    ) -> dict[str, Any]:
+        """:meth:`resolve` and decode: read-only zero-copy views (``copy=False``), or one copy
+        per value, tensors in torch memory (pinned with ``pin_memory=True``, copies only)."""
+    def view_mapping(self) -> tuple[int, int]:
+        """``(address, length)`` of this reader's read-only mapping, which views point into."""
+
 def encode_item(item: Mapping[str, Any]) -> tuple[bytes, list[memoryview]]:
     """An item as ``(part 0, [part 1, ...])``: the header and read-only views of the item's
     own tensor, array and long ``bytes`` memory."""
 
+def pack_item(item: Mapping[str, Any]) -> bytes:
+    """An item's whole payload (part 0, then each part at its aligned offset), encoded and
+    copied in one call."""
+
 def decode_item(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
     """The item in a payload: copies, or (``copy=False``) views of ``payload``'s memory."""
+
+def part_offsets(lengths: Sequence[int]) -> tuple[list[int], int]:
+    """Where each part of a payload starts, given every part's length (part 0 included), and
+    the payload's length: every part starts at the next multiple of :data:`PART_ALIGNMENT`
+    (``OverflowError`` past 64 bits)."""
 
 def inspect_segment(name: str) -> dict[str, Any]:
     """Read a live segment's header without attaching as a reader (never writes to it)."""
@@ -198,3 +262,8 @@ def list_segments() -> list[str]:
 
 def unlink_segment(name: str) -> None:
     """Remove a segment's name (its memory is freed once every process unmaps it)."""
+
+def generate_segment_name() -> str:
+    """A fresh name of the kind :meth:`ShmObjectStore.create` generates, for a store another
+    process is to create with it: this one then knows the name even if that process dies
+    while creating it, and can remove what it left."""

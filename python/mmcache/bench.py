@@ -37,7 +37,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from mmcache._core import ReaderHandle, ShmHandle, ShmObjectStore
+from mmcache._core import ReaderHandle, ShmHandle, ShmObjectStore, ShmReader, ShmWriter
 from mmcache.shm import ShmReceiverCache, ShmSenderCache
 
 __all__ = ["SIZES", "BenchResult", "render", "run_benchmarks", "three_tensor_item"]
@@ -87,7 +87,7 @@ def _timings(op: Callable[[int], object], budget_s: float, limit: int = 100_000)
     return times
 
 
-def _store_for(size: int, n_readers: int, objects: int) -> ShmObjectStore:
+def _store_for(size: int, n_readers: int, objects: int) -> ShmWriter:
     """A store with room for ``objects`` objects of ``size`` bytes."""
     slot = size + 64 * KiB  # the object plus its chunk header, generously
     return ShmObjectStore.create(objects * slot + MiB, n_readers=n_readers, max_object_size=slot)
@@ -172,7 +172,7 @@ def _reader_process(conn: Connection) -> None:
     while (task := conn.recv()) is not None:
         reader_handle, copy, through_cache = task
         read: Callable[[ShmHandle], object]
-        reader: ShmReceiverCache | ShmObjectStore
+        reader: ShmReceiverCache | ShmReader
         if through_cache:
             import torch  # decoding imports it on first use: not on the clock
 
@@ -180,7 +180,7 @@ def _reader_process(conn: Connection) -> None:
             read = partial(cache.get_and_update_item, mm_hash=_KEY)
         else:
             reader = store = ShmObjectStore.attach(reader_handle)
-            read = partial(store.get, key=_KEY, copy=copy)
+            read = partial(store.resolve, key=_KEY, copy=copy)
         with reader:
             conn.send("attached")
             handles = conn.recv()
@@ -251,7 +251,7 @@ def _get(
     with _store_for(size, readers, 2) as store:
         store.release(store.put(_KEY, payload.data))
         times, wall = pool.read(
-            store.handle(), lambda: store.get_cached(_KEY), count, readers, copy
+            store.handle(), lambda: store.issue(_KEY), count, readers, copy
         )
     op = "get (copy)" if copy else "get (zero-copy)"
     return BenchResult(

@@ -2,7 +2,12 @@
 
 Everything the package raises on its own account derives from :class:`MmcacheError`;
 where a user already expects a builtin (``ValueError``, ``KeyError``, ``MemoryError``, ...)
-that builtin is raised instead.
+that builtin is raised instead, or a subclass of it where callers must tell cases apart:
+``ObjectTooLargeError`` (a ``ValueError``), ``ItemNotEncodableError`` (a ``TypeError`` and a
+``ValueError``: an item the codec cannot hold), and three ``MemoryError`` s:
+``RingFullError`` (no reclaimable room in the ring), ``ReferencesSaturatedError`` (a reader
+holds the most unread references to an object it can count) and ``ShmTooSmallError``
+(``/dev/shm`` cannot hold the ring).
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ from collections.abc import Iterable
 from mmcache._core import (
     ClosedError,
     InvalidHandleError,
+    ItemNotEncodableError,
     MmcacheError,
     NoReaderSlotError,
     ObjectTooLargeError,
+    ReferencesSaturatedError,
     RingFullError,
     SegmentCorruptError,
+    ShmTooSmallError,
     StaleHandleError,
     WriterGoneError,
     WrongProcessError,
@@ -26,11 +34,14 @@ __all__ = [
     "CacheMissError",
     "ClosedError",
     "InvalidHandleError",
+    "ItemNotEncodableError",
     "MmcacheError",
     "NoReaderSlotError",
     "ObjectTooLargeError",
+    "ReferencesSaturatedError",
     "RingFullError",
     "SegmentCorruptError",
+    "ShmTooSmallError",
     "StaleHandleError",
     "WriterGoneError",
     "WrongProcessError",

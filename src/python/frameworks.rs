@@ -1,0 +1,266 @@
+//! numpy and torch, looked up once per process: the functions and types the codec calls,
+//! the table of torch dtypes an item may hold (with the DLPack type each travels as), and
+//! bounded caches of numpy dtypes by descriptor.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyType};
+
+use super::dlpack::{
+    DL_BFLOAT, DL_BOOL, DL_COMPLEX, DL_FLOAT, DL_FLOAT4_E2M1FN, DL_FLOAT8_E4M3FN,
+    DL_FLOAT8_E4M3FNUZ, DL_FLOAT8_E5M2, DL_FLOAT8_E5M2FNUZ, DL_FLOAT8_E8M0FNU, DL_INT, DL_UINT,
+    DlType,
+};
+use crate::codec::FormatError;
+
+/// The parts of numpy the codec calls.
+pub(super) struct Numpy {
+    pub(super) ndarray: Py<PyType>,
+    pub(super) generic: Py<PyType>,
+    dtype: Py<PyAny>,
+    pub(super) empty: Py<PyAny>,
+    pub(super) frombuffer: Py<PyAny>,
+    pub(super) ascontiguousarray: Py<PyAny>,
+}
+
+static NUMPY: PyOnceLock<Numpy> = PyOnceLock::new();
+
+pub(super) fn numpy(py: Python<'_>) -> PyResult<&'static Numpy> {
+    NUMPY.get_or_try_init(py, || {
+        let np = py.import("numpy")?;
+        Ok(Numpy {
+            ndarray: np.getattr("ndarray")?.cast_into()?.unbind(),
+            generic: np.getattr("generic")?.cast_into()?.unbind(),
+            dtype: np.getattr("dtype")?.unbind(),
+            empty: np.getattr("empty")?.unbind(),
+            frombuffer: np.getattr("frombuffer")?.unbind(),
+            ascontiguousarray: np.getattr("ascontiguousarray")?.unbind(),
+        })
+    })
+}
+
+/// Entries kept in each of the dtype caches below (descriptors come from payloads, so the
+/// caches are bounded; a miss only costs a Python call).
+const DTYPE_CACHE_ENTRIES: usize = 256;
+
+/// numpy dtype objects (held, so their addresses stay theirs) to their `dtype.str`.
+static ARRAY_DESCRS: Mutex<Vec<(Py<PyAny>, String)>> = Mutex::new(Vec::new());
+/// `dtype.str` to the dtype object and its item size, for decoding.
+static ARRAY_DTYPES: Mutex<Option<DtypesByDescr>> = Mutex::new(None);
+type DtypesByDescr = HashMap<String, (Py<PyAny>, u64)>;
+
+/// Why a numpy dtype cannot travel as raw bytes, if it cannot.
+fn array_dtype_problem(dtype: &Bound<'_, PyAny>) -> PyResult<Option<&'static str>> {
+    let py = dtype.py();
+    Ok(if dtype.getattr(intern!(py, "hasobject"))?.is_truthy()? {
+        Some("holds Python objects")
+    } else if !dtype.getattr(intern!(py, "fields"))?.is_none() {
+        Some("is a structured dtype")
+    } else if !dtype.getattr(intern!(py, "subdtype"))?.is_none() {
+        Some("is a sub-array dtype")
+    } else {
+        None
+    })
+}
+
+/// An array dtype's descriptor (`dtype.str`), or why it is refused.
+pub(super) fn array_descr(dtype: &Bound<'_, PyAny>) -> PyResult<Result<String, String>> {
+    // Never call Python while holding a cache lock (the callee may release the GIL).
+    let cached = lock(&ARRAY_DESCRS)
+        .iter()
+        .find(|(d, _)| d.as_ptr() == dtype.as_ptr())
+        .map(|(_, s)| s.clone());
+    if let Some(descr) = cached {
+        return Ok(Ok(descr));
+    }
+    if let Some(problem) = array_dtype_problem(dtype)? {
+        return Ok(Err(format!("array dtype {dtype} {problem}")));
+    }
+    let descr: String = dtype.getattr(intern!(dtype.py(), "str"))?.extract()?;
+    let mut cache = lock(&ARRAY_DESCRS);
+    if cache.len() < DTYPE_CACHE_ENTRIES {
+        cache.push((dtype.clone().unbind(), descr.clone()));
+    }
+    Ok(Ok(descr))
+}
+
+/// The numpy dtype of a stored descriptor and its item size.
+pub(super) fn array_dtype<'py>(py: Python<'py>, descr: &str) -> PyResult<(Bound<'py, PyAny>, u64)> {
+    if let Some((dtype, itemsize)) = lock(&ARRAY_DTYPES).as_ref().and_then(|m| m.get(descr)) {
+        return Ok((dtype.bind(py).clone(), *itemsize));
+    }
+    let corrupt = |why: String| FormatError(format!("array dtype {descr:?} {why}"));
+    let dtype = numpy(py)?
+        .dtype
+        .bind(py)
+        .call1((descr,))
+        .map_err(|e| corrupt(format!("is not a numpy dtype ({e})")))?;
+    if let Some(problem) = array_dtype_problem(&dtype)? {
+        return Err(corrupt(problem.into()).into());
+    }
+    let itemsize: u64 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+    let mut cache = lock(&ARRAY_DTYPES);
+    let map = cache.get_or_insert_with(HashMap::new);
+    if map.len() < DTYPE_CACHE_ENTRIES {
+        map.insert(descr.to_owned(), (dtype.clone().unbind(), itemsize));
+    }
+    Ok((dtype, itemsize))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Every torch dtype an item may hold, by torch's name, with the DLPack type torch exports
+/// it as and imports back as the same dtype. Dtypes without one (sub-byte integers, bit
+/// types) travel as bytes and are re-viewed on decode. Names the running torch lacks are
+/// skipped; quantized dtypes are absent on purpose (their scale is not in the bytes).
+const TORCH_DTYPES: &[(&str, Option<DlType>)] = &[
+    ("float32", Some(DlType::new(DL_FLOAT, 32, 1))),
+    ("float16", Some(DlType::new(DL_FLOAT, 16, 1))),
+    ("bfloat16", Some(DlType::new(DL_BFLOAT, 16, 1))),
+    ("float64", Some(DlType::new(DL_FLOAT, 64, 1))),
+    ("int64", Some(DlType::new(DL_INT, 64, 1))),
+    ("int32", Some(DlType::new(DL_INT, 32, 1))),
+    ("int16", Some(DlType::new(DL_INT, 16, 1))),
+    ("int8", Some(DlType::new(DL_INT, 8, 1))),
+    ("uint8", Some(DlType::new(DL_UINT, 8, 1))),
+    ("uint16", Some(DlType::new(DL_UINT, 16, 1))),
+    ("uint32", Some(DlType::new(DL_UINT, 32, 1))),
+    ("uint64", Some(DlType::new(DL_UINT, 64, 1))),
+    ("bool", Some(DlType::new(DL_BOOL, 8, 1))),
+    ("complex32", Some(DlType::new(DL_COMPLEX, 32, 1))),
+    ("complex64", Some(DlType::new(DL_COMPLEX, 64, 1))),
+    ("complex128", Some(DlType::new(DL_COMPLEX, 128, 1))),
+    ("float8_e4m3fn", Some(DlType::new(DL_FLOAT8_E4M3FN, 8, 1))),
+    (
+        "float8_e4m3fnuz",
+        Some(DlType::new(DL_FLOAT8_E4M3FNUZ, 8, 1)),
+    ),
+    ("float8_e5m2", Some(DlType::new(DL_FLOAT8_E5M2, 8, 1))),
+    (
+        "float8_e5m2fnuz",
+        Some(DlType::new(DL_FLOAT8_E5M2FNUZ, 8, 1)),
+    ),
+    ("float8_e8m0fnu", Some(DlType::new(DL_FLOAT8_E8M0FNU, 8, 1))),
+    (
+        "float4_e2m1fn_x2",
+        Some(DlType::new(DL_FLOAT4_E2M1FN, 4, 2)),
+    ),
+    ("int1", None),
+    ("int2", None),
+    ("int3", None),
+    ("int4", None),
+    ("int5", None),
+    ("int6", None),
+    ("int7", None),
+    ("uint1", None),
+    ("uint2", None),
+    ("uint3", None),
+    ("uint4", None),
+    ("uint5", None),
+    ("uint6", None),
+    ("uint7", None),
+    ("bits1x8", None),
+    ("bits2x4", None),
+    ("bits4x2", None),
+    ("bits8", None),
+    ("bits16", None),
+];
+
+/// One torch dtype of the table, as the running torch has it.
+pub(super) struct TorchDtype {
+    pub(super) name: &'static str,
+    pub(super) obj: Py<PyAny>,
+    pub(super) itemsize: u64,
+    pub(super) complex: bool,
+    /// The DLPack type torch exports it as and imports back as this dtype, if any.
+    pub(super) dlpack: Option<DlType>,
+}
+
+/// The parts of torch the codec calls.
+pub(super) struct Torch {
+    pub(super) tensor: Py<PyType>,
+    pub(super) strided: Py<PyAny>,
+    pub(super) from_dlpack: Py<PyAny>,
+    /// `torch.UntypedStorage`: plain copy buffers (the cheapest torch allocation to call), and
+    /// the type of every tensor's storage whose bytes the encoder reads.
+    pub(super) storage: Py<PyAny>,
+    pub(super) empty: Py<PyAny>,
+    /// `torch.empty` keyword arguments for a pinned byte buffer.
+    pub(super) pinned_kwargs: Py<PyDict>,
+    pub(super) dtypes: Vec<TorchDtype>,
+    /// Address of each dtype object (held in `dtypes`) to its index.
+    pub(super) by_object: HashMap<usize, usize>,
+    pub(super) by_name: HashMap<&'static str, usize>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+fn load_torch(torch: &Bound<'_, PyModule>) -> PyResult<Torch> {
+    let py = torch.py();
+    let mut dtypes = Vec::new();
+    for &(name, dlpack) in TORCH_DTYPES {
+        let Ok(obj) = torch.getattr(name) else {
+            continue; // an older torch
+        };
+        dtypes.push(TorchDtype {
+            name,
+            itemsize: obj.getattr("itemsize")?.extract()?,
+            complex: obj.getattr("is_complex")?.is_truthy()?,
+            obj: obj.unbind(),
+            dlpack,
+        });
+    }
+    let pinned_kwargs = PyDict::new(py);
+    pinned_kwargs.set_item("dtype", torch.getattr("uint8")?)?;
+    pinned_kwargs.set_item("pin_memory", true)?;
+    Ok(Torch {
+        tensor: torch.getattr("Tensor")?.cast_into()?.unbind(),
+        strided: torch.getattr("strided")?.unbind(),
+        // The C function behind `torch.from_dlpack`, which only adds a Python frame of
+        // checks for objects with `__dlpack__` (a fifth of the cost of a small tensor).
+        from_dlpack: match torch.getattr("_C")?.getattr("_from_dlpack") {
+            Ok(f) => f,
+            Err(_) => torch.getattr("from_dlpack")?,
+        }
+        .unbind(),
+        storage: torch.getattr("UntypedStorage")?.unbind(),
+        empty: torch.getattr("empty")?.unbind(),
+        pinned_kwargs: pinned_kwargs.unbind(),
+        by_object: dtypes
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.obj.as_ptr() as usize, i))
+            .collect(),
+        by_name: dtypes
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.name, i))
+            .collect(),
+        dtypes,
+    })
+}
+
+/// torch, importing it (decoding a tensor needs it).
+pub(super) fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
+    TORCH.get_or_try_init(py, || load_torch(&py.import("torch")?))
+}
+
+/// torch if the process has imported it: a value can only be a tensor then, and encoding
+/// never imports torch itself.
+pub(super) fn torch_if_loaded(py: Python<'_>) -> PyResult<Option<&'static Torch>> {
+    if let Some(t) = TORCH.get(py) {
+        return Ok(Some(t));
+    }
+    static MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
+    let modules = MODULES.import(py, "sys", "modules")?;
+    match modules.get_item("torch")? {
+        Some(_) => torch(py).map(Some),
+        None => Ok(None),
+    }
+}

@@ -1,0 +1,228 @@
+//! The two picklable handles: `ShmHandle` (one object in the ring, what P0 sends instead of
+//! data) and `ReaderHandle` (everything a reader process needs to attach).
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use super::errors::InvalidHandleError;
+use crate::handle::{Handle, SIGNATURE_LEN};
+use crate::store::ReaderInfo;
+
+/// Where one object lives: ring address, monotonic id and a keyed signature.
+#[pyclass(frozen, eq, hash, module = "mmcache._core")]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub(crate) struct ShmHandle {
+    #[pyo3(get)]
+    address: u64,
+    #[pyo3(get)]
+    monotonic_id: u64,
+    signature: Vec<u8>,
+}
+
+fn u64_field(name: &str, value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    value
+        .extract::<u64>()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be an integer in [0, 2**64)")))
+}
+
+impl ShmHandle {
+    /// The core's handle; a signature of the wrong length cannot verify.
+    pub(super) fn to_handle(&self) -> PyResult<Handle> {
+        let signature: [u8; SIGNATURE_LEN] = self.signature.as_slice().try_into().map_err(|_| {
+            InvalidHandleError::new_err(format!(
+                "invalid handle: signature has {} bytes, expected {SIGNATURE_LEN} (truncated or \
+                 forged) — nothing was read",
+                self.signature.len()
+            ))
+        })?;
+        Ok(Handle {
+            address: self.address,
+            monotonic_id: self.monotonic_id,
+            signature,
+        })
+    }
+
+    pub(super) fn from_handle(h: Handle) -> Self {
+        ShmHandle {
+            address: h.address,
+            monotonic_id: h.monotonic_id,
+            signature: h.signature.to_vec(),
+        }
+    }
+}
+
+#[pymethods]
+impl ShmHandle {
+    #[new]
+    #[pyo3(signature = (*, address, monotonic_id, signature))]
+    fn new(
+        address: &Bound<'_, PyAny>,
+        monotonic_id: &Bound<'_, PyAny>,
+        signature: Vec<u8>,
+    ) -> PyResult<Self> {
+        Ok(ShmHandle {
+            address: u64_field("address", address)?,
+            monotonic_id: u64_field("monotonic_id", monotonic_id)?,
+            signature,
+        })
+    }
+
+    #[getter]
+    fn signature<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.signature)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ShmHandle(address={}, monotonic_id={})",
+            self.address, self.monotonic_id
+        )
+    }
+
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let rebuild = py.import("mmcache._core")?.getattr("_shm_handle")?;
+        (
+            rebuild,
+            (
+                self.address,
+                self.monotonic_id,
+                PyBytes::new(py, &self.signature),
+            ),
+        )
+            .into_pyobject(py)
+    }
+}
+
+/// Unpickle a `ShmHandle` (positional, unlike its keyword-only constructor).
+#[pyfunction]
+pub(super) fn _shm_handle(address: u64, monotonic_id: u64, signature: Vec<u8>) -> ShmHandle {
+    ShmHandle {
+        address,
+        monotonic_id,
+        signature,
+    }
+}
+
+/// Everything a reader process needs to attach: segment name, layout and signing key.
+#[pyclass(frozen, eq, module = "mmcache._core")]
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct ReaderHandle {
+    info: ReaderInfo,
+}
+
+impl ReaderHandle {
+    pub(super) fn from_info(info: ReaderInfo) -> Self {
+        ReaderHandle { info }
+    }
+
+    pub(super) fn info(&self) -> &ReaderInfo {
+        &self.info
+    }
+}
+
+#[pymethods]
+impl ReaderHandle {
+    #[new]
+    #[pyo3(signature = (*, name, capacity, n_readers, max_object_size, layout_version, secret))]
+    fn new(
+        name: String,
+        capacity: u64,
+        n_readers: u32,
+        max_object_size: u64,
+        layout_version: u64,
+        secret: Vec<u8>,
+    ) -> PyResult<Self> {
+        let secret: [u8; 32] = secret
+            .try_into()
+            .map_err(|_| PyValueError::new_err("secret must be 32 bytes"))?;
+        Ok(ReaderHandle {
+            info: ReaderInfo {
+                name,
+                capacity,
+                n_readers,
+                max_object_size,
+                layout_version,
+                secret,
+            },
+        })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.info.name
+    }
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.info.capacity
+    }
+    #[getter]
+    fn n_readers(&self) -> u32 {
+        self.info.n_readers
+    }
+    #[getter]
+    fn max_object_size(&self) -> u64 {
+        self.info.max_object_size
+    }
+    #[getter]
+    fn layout_version(&self) -> u64 {
+        self.info.layout_version
+    }
+    #[getter]
+    fn secret<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.info.secret)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReaderHandle(name={:?}, capacity={}, n_readers={})",
+            self.info.name, self.info.capacity, self.info.n_readers
+        )
+    }
+
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let rebuild = py.import("mmcache._core")?.getattr("_reader_handle")?;
+        let i = &self.info;
+        (
+            rebuild,
+            (
+                i.name.clone(),
+                i.capacity,
+                i.n_readers,
+                i.max_object_size,
+                i.layout_version,
+                PyBytes::new(py, &i.secret),
+            ),
+        )
+            .into_pyobject(py)
+    }
+}
+
+/// Unpickle a `ReaderHandle` (positional, unlike its keyword-only constructor).
+#[pyfunction]
+pub(super) fn _reader_handle(
+    name: String,
+    capacity: u64,
+    n_readers: u32,
+    max_object_size: u64,
+    layout_version: u64,
+    secret: Vec<u8>,
+) -> PyResult<ReaderHandle> {
+    ReaderHandle::new(
+        name,
+        capacity,
+        n_readers,
+        max_object_size,
+        layout_version,
+        secret,
+    )
+}
+
+/// Add the handle classes (and their unpicklers) to `mmcache._core`.
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ShmHandle>()?;
+    m.add_class::<ReaderHandle>()?;
+    m.add_function(wrap_pyfunction!(_shm_handle, m)?)?;
+    m.add_function(wrap_pyfunction!(_reader_handle, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! Maintenance without attaching: a live segment's counters (`mmcache inspect`), whether a
+//! segment's writer is alive (what `mmcache prune` acts on), listing, naming and unlinking.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::layout::{Liveness, SlotState};
+use crate::store;
+
+/// Read a live segment's header without attaching as a reader (never writes to it).
+#[pyfunction]
+pub(super) fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
+    let info = store::inspect(name)?;
+    let d = PyDict::new(py);
+    d.set_item("name", &info.name)?;
+    d.set_item("capacity", info.layout.capacity)?;
+    d.set_item("total_len", info.total_len)?;
+    d.set_item("n_readers", info.layout.n_readers)?;
+    d.set_item("max_object_size", info.layout.max_object_size)?;
+    d.set_item("creator_pid", info.creator_pid)?;
+    d.set_item("creator_alive", info.creator_alive)?;
+    d.set_item("writer_closed", info.writer_closed)?;
+    d.set_item(
+        "liveness",
+        match info.liveness {
+            Liveness::Locks => "locks",
+            Liveness::Pids => "pids",
+        },
+    )?;
+    for (k, v) in &info.counters {
+        d.set_item(*k, *v)?;
+    }
+    let readers = PyList::empty(py);
+    for s in &info.readers {
+        let r = PyDict::new(py);
+        r.set_item("slot", s.index)?;
+        r.set_item(
+            "state",
+            match s.state {
+                SlotState::Free => "free",
+                SlotState::Claimed => "claimed",
+                SlotState::Draining => "draining",
+            },
+        )?;
+        r.set_item("claimed", s.state == SlotState::Claimed)?;
+        r.set_item("pid", s.pid)?;
+        r.set_item("alive", s.alive)?;
+        r.set_item("refs", s.refs)?;
+        r.set_item("acks", s.acks)?;
+        r.set_item("outstanding", s.refs.saturating_sub(s.acks))?;
+        r.set_item("stale", s.stale)?;
+        readers.append(r)?;
+    }
+    d.set_item("readers", readers)?;
+    Ok(d)
+}
+
+/// Whether segment `name` is `"live"` (its writer runs, in any PID namespace), `"orphaned"`
+/// (safe to remove) or `"undecided"` (leave it for now), and why.
+#[pyfunction]
+pub(super) fn segment_status(name: &str) -> PyResult<(&'static str, String)> {
+    Ok(match store::status(name)? {
+        store::Status::Live => ("live", "its writer is alive".to_owned()),
+        store::Status::Orphaned(why) => ("orphaned", why),
+        store::Status::Undecided(why) => ("undecided", why),
+    })
+}
+
+/// Names of the segments this package created on this host (live or orphaned).
+#[pyfunction]
+pub(super) fn list_segments() -> Vec<String> {
+    store::list_segments()
+}
+
+/// Remove a segment's name (its memory is freed once every process unmaps it).
+#[pyfunction]
+pub(super) fn unlink_segment(name: &str) -> PyResult<()> {
+    Ok(crate::segment::unlink(name)?)
+}
+
+/// A fresh name of the kind `ShmObjectStore.create` generates (`mmc_<this process's
+/// pid>_<random>`), for a store another process is to create with it: this one then knows
+/// the name even if that process dies while creating it, and can remove what it left.
+#[pyfunction]
+pub(super) fn generate_segment_name() -> PyResult<String> {
+    Ok(crate::segment::generate_name()?)
+}
+
+/// Add the maintenance functions to `mmcache._core`.
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(generate_segment_name, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect_segment, m)?)?;
+    m.add_function(wrap_pyfunction!(list_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(segment_status, m)?)?;
+    m.add_function(wrap_pyfunction!(unlink_segment, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,43 @@
+//! `mmcache._core`: the thin PyO3 layer over the core. Argument conversion, the buffer
+//! protocol (in and out), releasing the GIL around large copies, and mapping errors to Python
+//! exceptions — one concern per file:
+//!
+//! * `errors` — the exceptions, and the one mapping of the core's `Error` to them;
+//! * `handles` — `ShmHandle`, `ReaderHandle`;
+//! * `store` — `ShmObjectStore` and its two roles, `ShmWriter` and `ShmReader`;
+//! * `buffer` — what keeps exported bytes alive (`Keeper`), `ShmView`, `PartView`, imports;
+//! * `dlpack` — the DLPack FFI that hands bytes to torch without a copy;
+//! * `frameworks` — numpy and torch, their dtype tables;
+//! * `encode`, `decode` — the item codec's Python side (the format is `crate::codec`);
+//! * `inspect` — maintenance functions (inspect, status, list, unlink).
+//!
+//! Besides `segment`, only this module has `unsafe` code, in `buffer` and `dlpack` (and one
+//! copy in `decode`): the crossings PyO3 cannot express safely.
+
+use pyo3::prelude::*;
+
+mod buffer;
+mod decode;
+mod dlpack;
+mod encode;
+mod errors;
+mod frameworks;
+mod handles;
+mod inspect;
+mod store;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("LAYOUT_VERSION", crate::layout::LAYOUT_VERSION)?;
+    m.add("PART_ALIGNMENT", crate::layout::ALIGN)?;
+    m.add("OUT_OF_BAND_BYTES", crate::codec::OUT_OF_BAND_BYTES)?;
+    m.add("PAYLOAD_FORMAT_VERSION", crate::codec::FORMAT_VERSION)?;
+    errors::register(m)?;
+    handles::register(m)?;
+    store::register(m)?;
+    encode::register(m)?;
+    decode::register(m)?;
+    inspect::register(m)?;
+    Ok(())
+}

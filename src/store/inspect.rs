@@ -1,0 +1,191 @@
+//! Reading a segment without attaching: `inspect` (its header, counters and reader slots),
+//! `list_segments` (what this package left in `/dev/shm`) and `status` (whether a segment's
+//! writer lives: what `prune` decides).
+
+use std::sync::atomic::Ordering;
+
+use super::open_shared;
+use crate::error::{Error, Result};
+use crate::layout::{
+    self, Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, WRITER_CLOSED, WRITER_LOCK, header,
+    slot,
+};
+use crate::segment::{self, Access};
+
+/// One reader slot as `inspect` sees it.
+#[derive(Debug, Clone)]
+pub struct SlotInfo {
+    pub index: u32,
+    pub state: SlotState,
+    pub epoch: u32,
+    /// The occupant's pid in its own PID namespace (0 when free).
+    pub pid: u32,
+    pub alive: bool,
+    pub refs: u64,
+    pub acks: u64,
+    pub stale: u64,
+}
+
+/// A segment's header, read through a read-only mapping (no slot claimed, nothing written).
+#[derive(Debug, Clone)]
+pub struct SegmentInfo {
+    pub name: String,
+    pub layout: Layout,
+    pub liveness: Liveness,
+    pub total_len: u64,
+    pub creator_pid: u64,
+    pub creator_alive: bool,
+    pub writer_closed: bool,
+    /// Every [`Counter`] the writer published, by name, in the table's order.
+    pub counters: Vec<(&'static str, u64)>,
+    pub readers: Vec<SlotInfo>,
+}
+
+/// Read the header, counters and reader slots of the segment `name` (see [`SegmentInfo`]).
+pub fn inspect(name: &str) -> Result<SegmentInfo> {
+    let sh = open_shared(name, Access::ReadOnly)?;
+    let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
+    let writer_closed = load(header::WRITER_STATE)? == WRITER_CLOSED;
+    let mut readers = Vec::new();
+    for s in 0..sh.layout.n_readers {
+        let (_, claim) = sh.claim(s)?;
+        readers.push(SlotInfo {
+            index: s,
+            state: claim.state,
+            epoch: claim.epoch,
+            pid: claim.pid,
+            alive: claim.is_occupied() && sh.occupant_alive(s, claim)?,
+            refs: sh.slot(s, slot::REFS)?.load(Ordering::Relaxed),
+            acks: sh.slot(s, slot::ACKS)?.load(Ordering::Relaxed),
+            stale: sh.slot(s, slot::STALE)?.load(Ordering::Relaxed),
+        });
+    }
+    let counters = Counter::ALL
+        .iter()
+        .map(|&c| Ok((c.name(), load(c.offset())?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(SegmentInfo {
+        name: sh.seg.name().to_owned(),
+        total_len: sh.layout.total_len(),
+        layout: sh.layout,
+        liveness: sh.liveness,
+        creator_pid: load(header::CREATOR_PID)?,
+        creator_alive: sh.writer_alive()?,
+        writer_closed,
+        counters,
+        readers,
+    })
+}
+
+/// Names in `/dev/shm` that this package made: generated names (`mmc_…`, whatever their
+/// content: a truncated or half-made segment has lost or not yet got its magic) and any
+/// regular file that starts with this package's magic (segments created with a chosen name).
+pub fn list_segments() -> Vec<String> {
+    segment::list_names()
+        .into_iter()
+        .filter(|name| {
+            name.starts_with(segment::NAME_PREFIX)
+                || segment::read_prefix::<8>(name)
+                    .is_ok_and(|m| u64::from_le_bytes(m) == layout::MAGIC)
+        })
+        .collect()
+}
+
+/// Seconds a file that holds no writer lock and is not (yet) a valid segment is given to
+/// become one where its creator cannot be seen: the instant between `shm_open` and the
+/// creator's lock (the file is still empty then: the creator locks before it sizes the file),
+/// or, where the kernel has no OFD locks, the whole creation.
+const CREATION_GRACE_SECS: u64 = 10;
+
+/// Whether a segment's writer lives, as `prune` must decide it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Status {
+    /// Its writer is alive (in any PID namespace): never remove it.
+    Live,
+    /// Nobody will use it again: safe to remove. Says why.
+    Orphaned(String),
+    /// Cannot be decided now (being created, or made by another version whose creator may
+    /// run): leave it. Says why.
+    Undecided(String),
+}
+
+/// Decide whether the segment `name` is left behind. A writer's lock, held in any PID
+/// namespace, always means `Live`. The creator takes it before it gives the file a size, so
+/// a file that had a size while the lock was free is orphaned at once, valid or half-made;
+/// only an empty one is given [`CREATION_GRACE_SECS`]. A segment of the pid fallback, or of
+/// another layout version, is judged by its creator's pid.
+pub fn status(name: &str) -> Result<Status> {
+    // The size is read before the lock is tested (see `probe_file`).
+    let probe = segment::probe_file(name, WRITER_LOCK)?;
+    if probe.creator_lock_held {
+        return Ok(Status::Live);
+    }
+    let err = match open_shared(name, Access::ReadOnly) {
+        Ok(sh) => {
+            return Ok(match sh.liveness {
+                // A creator that finished creating after the probe holds its lock now.
+                Liveness::Locks if sh.seg.lock_held(WRITER_LOCK)? => Status::Live,
+                Liveness::Locks => Status::Orphaned("its writer is gone".into()),
+                Liveness::Pids if sh.writer_alive()? => Status::Live,
+                Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
+            });
+        }
+        Err(Error::NotFound(n)) => return Err(Error::NotFound(n)),
+        Err(err) => err,
+    };
+    // Not a valid segment of this build: another version's, damaged, or half-made.
+    let ours = header_words(name).filter(|words| words.first() == Some(&layout::MAGIC));
+    if let Some(words) = ours {
+        let word = |offset: u64| words.get((offset / 8) as usize).copied().unwrap_or(0);
+        if word(header::VERSION) != LAYOUT_VERSION {
+            // Made by another version, which may not take locks: trust its name's pid.
+            return Ok(match segment::pid_in_name(name) {
+                Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
+                    "made by another mmcache version; its creator (pid {pid}) may still run"
+                )),
+                _ => Status::Orphaned("made by another mmcache version, creator gone".into()),
+            });
+        }
+        // Its liveness word may be what is damaged: the pid fallback's rule still holds.
+        let pid = word(header::CREATOR_PID);
+        let start = word(header::CREATOR_START);
+        if u32::try_from(pid).is_ok_and(|pid| segment::process_alive(pid, start)) {
+            return Ok(Status::Undecided(format!(
+                "{err}; its creator (pid {pid}) still runs"
+            )));
+        }
+    }
+    // Empty or garbage: a creator that died half-way, unless it may still be creating it.
+    if probe.age_secs < CREATION_GRACE_SECS && (probe.size == 0 || !probe.locks_supported) {
+        return Ok(Status::Undecided("new: it may be being created".into()));
+    }
+    Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+}
+
+/// Bytes of a header up to its creator's start time, the last word `status` reads.
+const HEADER_PREFIX: usize = (header::CREATOR_START + 8) as usize;
+
+/// The first header words of the file `name` (`layout::header`: magic, layout version, ...,
+/// creator pid, creator start time), read as plain bytes since it may be no valid segment;
+/// `None` if it is shorter.
+fn header_words(name: &str) -> Option<Vec<u64>> {
+    let bytes = segment::read_prefix::<HEADER_PREFIX>(name).ok()?;
+    bytes
+        .chunks_exact(8)
+        .map(|word| Some(u64::from_le_bytes(word.try_into().ok()?)))
+        .collect()
+}
+
+/// Unlink every segment [`status`] finds orphaned, and return their names: what every new
+/// store's creation does first, so that no segment outlives the processes that used it for
+/// longer than it takes the host to make its next store. Cheap enough for that: one
+/// directory listing, then a lock probe (a few system calls) per segment; only segments
+/// without a writer lock are mapped. Never fails: a segment it cannot judge or unlink is
+/// left for `prune` to report.
+pub fn remove_orphans() -> Vec<String> {
+    list_segments()
+        .into_iter()
+        .filter(|name| matches!(status(name), Ok(Status::Orphaned(_))))
+        .filter(|name| segment::unlink(name).is_ok())
+        .collect()
+}
