@@ -11,6 +11,12 @@ Commands (``op``):
 * ``generate``: ``prompts`` (each ``text``, ``images`` and ``videos``, see :func:`media`) and
   ``max_tokens``; greedy decoding of all prompts in one ``LLM.generate`` call.  Answers
   ``token_ids``, one list per prompt.
+* ``generate_invalidating``: ``generate``, but once the frontend's cache has looked up a
+  request's items and found some cached, another thread invalidates those before the
+  request's items are updated, as vLLM 0.32's output handler does (it invalidates what the
+  engine core reported missing, from the event loop, while the renderer's thread may be
+  processing a request).  Also answers ``invalidated`` (those hashes) and ``still_cached``
+  (whether the frontend's cache held each after the call).
 * ``reset_engine_cache``: clear the caches of the engine core and the workers, not the
   frontend's (``reset_mm_cache`` of the engine-core client): the frontend's view of them
   drifts.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -58,6 +65,27 @@ def media(prompt: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": prompt["text"], "multi_modal_data": data}
 
 
+def invalidating_after_first_lookup(cache: Any) -> list[str]:
+    """Make ``cache``'s next lookup that finds items cached invalidate them from another
+    thread before it returns (once); the list it returns fills with their hashes."""
+    invalidated: list[str] = []
+    lookup = cache.is_cached
+
+    def is_cached(mm_hashes: list[str]) -> list[bool]:
+        found = lookup(mm_hashes)
+        cached = [h for h, hit in zip(mm_hashes, found) if hit]
+        if cached and not invalidated:
+            invalidated.extend(cached)
+            for mm_hash in cached:
+                other = threading.Thread(target=cache.invalidate, args=(mm_hash,))
+                other.start()
+                other.join()
+        return found
+
+    cache.is_cached = is_cached
+    return invalidated
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
     replies = os.fdopen(os.dup(1), "w", buffering=1)
@@ -75,15 +103,24 @@ def main() -> None:
         try:
             if op == "exit":
                 break
-            if op == "generate":
+            if op in ("generate", "generate_invalidating"):
+                cache = llm.llm_engine.renderer.mm_processor_cache
+                if op == "generate_invalidating":
+                    invalidated = invalidating_after_first_lookup(cache)
                 params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"])
-                outputs = llm.generate(
-                    [media(p) for p in command["prompts"]], params, use_tqdm=False
-                )
+                try:
+                    outputs = llm.generate(
+                        [media(p) for p in command["prompts"]], params, use_tqdm=False
+                    )
+                finally:
+                    vars(cache).pop("is_cached", None)
                 reply: dict[str, Any] = {
                     "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
                     "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
                 }
+                if op == "generate_invalidating":
+                    reply["invalidated"] = invalidated
+                    reply["still_cached"] = [cache.is_cached_item(h) for h in invalidated]
             elif op == "reset_engine_cache":
                 llm.llm_engine.engine_core.reset_mm_cache()
                 reply = {}

@@ -7,7 +7,12 @@ across rounds (so every cache hits) and bring more items than the caches hold (s
 in ``shm`` mode some items are larger than ``mm_shm_cache_max_object_size_mb`` and travel
 without the ring).  Then each engine clears its engine-side caches alone and runs the first
 round again (a drift), is sent two requests vLLM rejects (``shm`` mode), and exits, or is
-killed with its whole process tree.
+killed with its whole process tree.  The frontend's cache is also made to see an
+invalidation arrive from another thread in the middle of a request, as vLLM 0.32's frontend
+makes it.
+
+Every test runs on the engines it applies to: the cases are parametrized per test (module
+scoped, so each engine starts once), and none is skipped.
 """
 
 from __future__ import annotations
@@ -82,6 +87,9 @@ class Run:
     """The first round again, after the engine-side caches alone were cleared."""
     resent: int
     """How many requests of that round failed on a drift and were sent again."""
+    invalidating: dict[str, Any]
+    """The first request again, its cached items invalidated from another thread between
+    the lookup and the updates (``generate_invalidating``)."""
 
 
 def generate_resending(engine: Engine, prompts: list[Prompt]) -> tuple[list[list[int]], int]:
@@ -126,7 +134,18 @@ def ending_by_sigkill(engine: Engine, ring_name: str | None) -> dict[str, Any]:
     return left
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+ALL_CASES = list(CASES)
+RING_CASES = [name for name, case in CASES.items() if case.mode == "shm"]
+EXITING_CASES = [name for name, case in CASES.items() if not case.killed]
+KILLED_CASES = [name for name, case in CASES.items() if case.killed]
+
+
+def on(cases: list[str]) -> pytest.MarkDecorator:
+    """Run a test on the engines of ``cases`` (the module-scoped ``case`` fixture)."""
+    return pytest.mark.parametrize("case", cases, indirect=True)
+
+
+@pytest.fixture(scope="module")
 def case(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -153,6 +172,9 @@ def run(
         tokens = run_rounds(engine, model)
         engine.ask("reset_engine_cache")
         drift_tokens, resent = generate_resending(engine, model.rounds[0])
+        invalidating = engine.ask(
+            "generate_invalidating", prompts=model.rounds[0][:1], max_tokens=MAX_TOKENS
+        )
         cache = engine.ask("cache")
         ring_name = engine.ask("ring")["name"]
         ring = None
@@ -181,6 +203,7 @@ def run(
         left_behind=left_behind,
         drift_tokens=drift_tokens,
         resent=resent,
+        invalidating=invalidating,
     )
 
 
@@ -197,12 +220,14 @@ def test_the_expected_tokens_depend_on_the_images(
     assert len({tuple(tokens) for tokens in first_round}) == len(first_round)
 
 
+@on(ALL_CASES)
 def test_tokens_are_those_of_vllm_without_a_cache(
     run: Run, expected_tokens: Callable[[str], list[list[list[int]]]]
 ) -> None:
     assert run.tokens == expected_tokens(run.case.model)
 
 
+@on(ALL_CASES)
 def test_a_drift_is_resent_and_recovers(
     run: Run, expected_tokens: Callable[[str], list[list[list[int]]]]
 ) -> None:
@@ -218,16 +243,33 @@ def test_a_drift_is_resent_and_recovers(
         assert run.resent == 0
 
 
+@on(ALL_CASES)
+def test_an_invalidation_inside_a_request_waits_for_its_end(
+    run: Run, expected_tokens: Callable[[str], list[list[list[int]]]]
+) -> None:
+    """vLLM 0.32's frontend invalidates what the engine core reported missing from its
+    output handler, while its renderer may be between a request's lookup (which found the
+    items cached) and their updates; vLLM 0.33 queues them itself.  The request still
+    completes with vLLM's tokens (the invalidation did not turn its cached items into a
+    miss), and the items are forgotten once it is done."""
+    assert run.invalidating["invalidated"], "the first request found nothing cached"
+    assert run.invalidating["token_ids"] == expected_tokens(run.case.model)[0][:1]
+    assert run.invalidating["still_cached"] == [False] * len(run.invalidating["invalidated"])
+
+
+@on(ALL_CASES)
 def test_every_process_built_mmcaches_cache(run: Run) -> None:
     check_every_process_built(run.records, run.case.mode, run.case.world_size, run.frontend_pid)
 
 
+@on(ALL_CASES)
 def test_the_frontend_cache_hit(run: Run) -> None:
     """The rounds repeat images: the frontend's cache (mmcache's) served some from cache."""
     assert is_mmcache_class(run.cache["class"], EXPECTED_CACHES[run.case.mode]["frontend"])
     assert 0 < run.cache["hits"] < run.cache["total"]
 
 
+@on(ALL_CASES)
 def test_the_ring(run: Run) -> None:
     """In ``shm`` mode the ring (one reader slot per worker) took items, served hits and
     evicted, and after the last round every handle the workers were given had been read;
@@ -245,43 +287,35 @@ def test_the_ring(run: Run) -> None:
         assert reader["outstanding"] == 0, reader
 
 
+@on(RING_CASES)
 def test_vllm_rejects_requests_in_the_frontend(run: Run) -> None:
     """The requests of :func:`rejected_requests` fail as vLLM fails them, the engine lives."""
-    if run.ring_name is None:
-        pytest.skip("sent in shm mode only")
     assert len(run.rejections) == 2
     assert "longer than the maximum model length" in run.rejections[0]
     assert "Failed to apply prompt replacement" in run.rejections[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mmcache.vllm: a request vLLM rejects after the frontend's cache issued its "
-    "handles (prompt updates or the length check fail after release_sender_touches) keeps "
-    "its references in the ring for good",
-)
+@on(RING_CASES)
 def test_rejected_requests_give_their_references_back(run: Run) -> None:
     """Requests vLLM rejects in the frontend after their images were processed (and put in
-    the ring) never reach a worker; the ring must not keep references for them."""
-    if run.ring_after_rejections is None:
-        pytest.skip("no ring in this mode")
+    the ring) never reach a worker: the plugin gives their references back (the prompt's
+    replacements fail in the render; the length check in ``process_inputs``)."""
+    assert run.ring_after_rejections is not None
     outstanding = [reader["outstanding"] for reader in run.ring_after_rejections["readers"]]
     assert outstanding == [0] * run.case.world_size
 
 
+@on(EXITING_CASES)
 def test_a_clean_exit_leaves_nothing(run: Run) -> None:
-    if run.case.killed:
-        pytest.skip("this engine is killed")
     assert run.exit_status == 0
     if run.ring_name is not None:
         assert not (Path("/dev/shm") / run.ring_name).exists()
 
 
+@on(KILLED_CASES)
 def test_a_killed_engine_leaves_its_ring_to_prune(run: Run) -> None:
     """SIGKILL of the whole process tree: the ring is left behind, its writer gone, and
     ``mmcache prune`` finds it; unlinking it frees it."""
-    if not run.case.killed:
-        pytest.skip("this engine exits")
     assert run.left_behind == {
         "existed": True,
         "status": "orphaned",
