@@ -113,7 +113,8 @@ def main() -> None:
                         [media(p) for p in command["prompts"]], params, use_tqdm=False
                     )
                 finally:
-                    vars(cache).pop("is_cached", None)
+                    if op == "generate_invalidating":
+                        del cache.is_cached  # the class's again
                 reply: dict[str, Any] = {
                     "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
                     "finish_reasons": [o.outputs[0].finish_reason for o in outputs],

@@ -122,6 +122,11 @@ class ProcessTree:
             except ProcessLookupError:
                 pass
         self.process.wait()
+        if self.process.stdin is not None:
+            try:
+                self.process.stdin.close()
+            except BrokenPipeError:  # what it flushes, nobody reads any more
+                pass
 
 
 class Engine(ProcessTree):
@@ -152,8 +157,9 @@ class Engine(ProcessTree):
 
     def _read_replies(self) -> None:
         assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._replies.put(line)
+        with self.process.stdout:  # closed at its end: the whole tree is gone
+            for line in self.process.stdout:
+                self._replies.put(line)
         self._replies.put(None)
 
     def _reply(self, deadline_s: float) -> dict[str, Any]:

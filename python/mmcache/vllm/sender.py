@@ -116,7 +116,8 @@ class _SenderAdapter:
         return data
 
     def _abandon(self, issued: list[Any]) -> None:
-        """A request failed part-way: give back what its outputs hold."""
+        """A request failed part-way, or was rejected after it: give back what its outputs
+        hold."""
 
     def is_cached_item(self, mm_hash: str) -> bool:
         return self._sender.is_cached_item(mm_hash)
