@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from item_checks import same_item
+
+import mmcache
 from mmcache import (
     CacheInfo,
     CacheMissError,
@@ -150,7 +152,15 @@ def test_full_ring_of_unread_objects_serves_uncached(
     assert sender.stats()["uncached_full"] == 2
     assert len([r for r in caplog.records if r.name == "mmcache"]) == 1
     # The request carrying a and b was aborted: giving their references back frees room.
+    def outstanding() -> int:
+        (slot,) = mmcache.inspect(sender.name)["readers"]
+        return int(slot["outstanding"])
+
+    assert outstanding() == 3
     sender.release_handles([handles[0], None, d, handles[1]])
+    assert outstanding() == 1, "inspect still counts the references given back"
+    sender.release_handles([handles[0]])  # given back already: nothing more
+    assert outstanding() == 1
     assert isinstance(put(sender, "d"), ShmHandle)
     assert cached(sender, "abcd") in ({"b", "c", "d"}, {"a", "c", "d"})
 
