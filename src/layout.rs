@@ -174,7 +174,7 @@ pub mod slot {
     /// is the claim's.
     pub const START: u64 = 16;
     pub const REFS: u64 = 24; // references issued to this slot (writer, Relaxed)
-    pub const ACKS: u64 = 32; // references acknowledged by this slot (reader, Relaxed)
+    pub const ACKS: u64 = 32; // references acknowledged by this slot (reader; writer for released ones, Relaxed)
     pub const STALE: u64 = 40; // handles this slot found stale (reader, Relaxed)
 }
 
