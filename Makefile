@@ -6,8 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
-.PHONY: build simulate test test-rust test-python test-vllm test-wheel wheel lint typecheck bench \
-	bench-vllm clean
+.PHONY: build simulate test test-rust test-python test-vllm test-wheel wheel lint format typecheck \
+	bench bench-vllm clean
 
 # vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
 # their own, with vLLM installed without its dependencies plus exactly what its cache
@@ -30,13 +30,21 @@ build: $(STAMP)
 simulate: build
 	$(VENV)/bin/mmcache simulate
 
-lint:
+# ruff (pinned in the `test` extra) checks and formats every Python file; its rules, and why
+# each ignored one is ignored, are in pyproject.toml. `make format` applies both formatters.
+lint: build
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python --lib -- -D warnings
 	# The libFuzzer targets must keep compiling against the core (running them needs
 	# nightly: `cd fuzz && cargo +nightly fuzz run store_ops`).
 	cargo check --manifest-path fuzz/Cargo.toml --bins
+
+format: build
+	$(VENV)/bin/ruff format
+	cargo fmt
 
 test-rust:
 	cargo test
