@@ -141,8 +141,17 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     assert all((row["bytes_per_s"] is None) == (row["op"] in no_bytes) for row in rows)
     # Each size's rows: every cache row right after its core rows (1 and 2 readers).
     assert [row["op"] for row in rows if row["size"] == 4 << 10] == [
-        "memcpy (numpy)", "put", "cache put", "lookup", "cache lookup", "cache hit",
-        "get (copy)", "get (copy)", "cache get (copy)",
-        "get (zero-copy)", "get (zero-copy)", "cache get (zero-copy)",
+        "memcpy (numpy)",
+        "put",
+        "cache put",
+        "lookup",
+        "cache lookup",
+        "cache hit",
+        "get (copy)",
+        "get (copy)",
+        "cache get (copy)",
+        "get (zero-copy)",
+        "get (zero-copy)",
+        "cache get (zero-copy)",
     ]
     assert all(s in result.stdout for s in ("x memcpy", "16 MiB", "cache put"))

@@ -184,9 +184,7 @@ TestLruDrift.settings = PROFILE
 TestShmDrift = ShmDrift.TestCase
 TestShmDrift.settings = PROFILE
 TestProcessorOnlyDrift = ProcessorOnlyDrift.TestCase
-TestProcessorOnlyDrift.settings = settings(
-    PROFILE, max_examples=max(1, PROFILE.max_examples // 3)
-)
+TestProcessorOnlyDrift.settings = settings(PROFILE, max_examples=max(1, PROFILE.max_examples // 3))
 
 
 # -- the fuzzer exercises what it claims, and its oracle bites ------------------------------
@@ -279,7 +277,9 @@ def test_each_lru_drift_fault_is_recovered_with_exactly_one_retry(fault: str) ->
         assert not model.drifted and model.stats.retries == 1
 
 
-@pytest.mark.parametrize("fault", ["p0_clear_inflight", "invalidate_inflight", "worker_restart_inflight"])
+@pytest.mark.parametrize(
+    "fault", ["p0_clear_inflight", "invalidate_inflight", "worker_restart_inflight"]
+)
 def test_shm_handles_disturbed_in_flight_resolve_right_or_miss_once(fault: str) -> None:
     with make_model(
         "shm", seed=1, capacity=256 * KiB, n_ids=8, n_workers=2, copies=[True, False]

@@ -302,8 +302,7 @@ def test_a_handle_delivered_twice_gives_the_same_data_or_a_miss_and_spares_other
     with ShmSenderCache(ring / GiB, max_object_size_mb=1, n_readers=2) as p0:
         pipes = [ctx.Pipe() for _ in range(2)]
         procs = [
-            ctx.Process(target=_duplicating_worker, args=(p0.handle(), child))
-            for _, child in pipes
+            ctx.Process(target=_duplicating_worker, args=(p0.handle(), child)) for _, child in pipes
         ]
         for p in procs:
             p.start()
@@ -358,8 +357,9 @@ def test_a_handle_delivered_twice_gives_the_same_data_or_a_miss_and_spares_other
 N_FORGED = 4000
 
 
-def _forge(rng: random.Random, genuine: list[tuple[str, ShmHandle]], foreign: ShmHandle,
-           capacity: int) -> tuple[str, ShmHandle | None, str]:
+def _forge(
+    rng: random.Random, genuine: list[tuple[str, ShmHandle]], foreign: ShmHandle, capacity: int
+) -> tuple[str, ShmHandle | None, str]:
     """One forged (key, handle, kind); handle is None when ShmHandle refuses the fields."""
     i, j = rng.sample(range(len(genuine)), 2)
     (key, h), (other_key, other) = genuine[i], genuine[j]
@@ -463,8 +463,18 @@ def test_a_forged_handle_stream_is_rejected_before_shared_memory_is_read() -> No
         assert proc.exitcode == 0, "the worker died"
         rejected = sum(v for k, v in counts.items() if k != "refused_at_construction")
         assert rejected >= 3000, counts
-        assert {"sig", "sig_len", "addr", "addr_far", "id", "key", "swap", "foreign",
-                "random", "flip"} <= counts.keys(), counts
+        assert {
+            "sig",
+            "sig_len",
+            "addr",
+            "addr_far",
+            "id",
+            "key",
+            "swap",
+            "foreign",
+            "random",
+            "flip",
+        } <= counts.keys(), counts
         # Nothing was acknowledged or leased by the forgeries: the reader's counters did not
         # move until the genuine handles were read.
         assert [(r["refs"], r["acks"]) for r in before] == [(r["refs"], r["acks"]) for r in after]

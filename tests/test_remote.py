@@ -1233,7 +1233,9 @@ def test_items_fetched_for_the_coming_update_are_bounded_by_bytes(
     with open_store(server.url, namespace) as writer:
         for i in range(3):
             writer.put(key(i), {"item": make_item(i, 400_000), "prompt_updates": ["<image>", i]})
-    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace), prefetch_limit_mb=1)
+    p0 = TieredSenderCache(
+        SenderCache(0.05), open_store(server.url, namespace), prefetch_limit_mb=1
+    )
     try:
         # The oldest goes first: what is left is what the coming update can use.
         assert p0.is_cached([key(0), key(1), key(2)]) == [False, True, True]

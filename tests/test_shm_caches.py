@@ -76,8 +76,9 @@ def test_verify_is_side_effect_free_and_tracks_the_current_entry(
     before = sender.stats()
     assert sender.verify(handle, "a")
     assert not sender.verify(handle, "b"), "signed for another key"
-    forged = ShmHandle(address=handle.address, monotonic_id=handle.monotonic_id + 1,
-                       signature=handle.signature)
+    forged = ShmHandle(
+        address=handle.address, monotonic_id=handle.monotonic_id + 1, signature=handle.signature
+    )
     assert not sender.verify(forged, "a")
     assert not sender.verify({"pixel_values": 1}, "a")
     after = sender.stats()
@@ -292,7 +293,7 @@ def test_round_trip_through_the_lru_pair_is_bit_exact() -> None:
     sender, receiver = make_caches("lru", capacity_gb=0.01)
     assert sender is not None and isinstance(receiver, ReceiverCache)
     for _ in range(2):  # a miss (data sent), then a hit (None sent)
-        (data, _), = sender.get_and_update([(item, [])], ["item"])
+        ((data, _),) = sender.get_and_update([(item, [])], ["item"])
         features = receiver.get_and_update_features([Feature(data, mm_hash="item")])
         assert _bits(features[0].data) == _bits(item)
     assert data is None
@@ -442,9 +443,7 @@ def test_clear_and_close_are_safe_to_repeat(sender: ShmSenderCache) -> None:
 # -- several processes -----------------------------------------------------------------------
 
 
-def _worker(
-    handle: Any, requests: list[list[tuple[str, Any]]], copy: bool, out: Any
-) -> None:
+def _worker(handle: Any, requests: list[list[tuple[str, Any]]], copy: bool, out: Any) -> None:
     """A worker process: resolve every request's features, report their content hashes."""
     with ShmReceiverCache(handle, copy=copy) as receiver:
         hashes = []

@@ -339,8 +339,9 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
     worker.get_and_update_features(features)
     assert features[0].data is item and features[1].data is None
     with pytest.raises(ValueError, match="SHM handle signature"):
-        p0.validate_input_item(mv.handle_as_item(ShmHandle(address=0, monotonic_id=0,
-                                                           signature=bytes(16))), "a")
+        p0.validate_input_item(
+            mv.handle_as_item(ShmHandle(address=0, monotonic_id=0, signature=bytes(16))), "a"
+        )
     p0.close()
 
 

@@ -250,9 +250,7 @@ def _get(
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     with _store_for(size, readers, 2) as store:
         store.release(store.put(_KEY, payload.data))
-        times, wall = pool.read(
-            store.handle(), lambda: store.issue(_KEY), count, readers, copy
-        )
+        times, wall = pool.read(store.handle(), lambda: store.issue(_KEY), count, readers, copy)
     op = "get (copy)" if copy else "get (zero-copy)"
     return BenchResult(
         op, size, readers, statistics.median(times), readers * count * size / wall, memcpy_s

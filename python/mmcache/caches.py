@@ -428,15 +428,11 @@ class _LruSenderCache(BaseSenderCache):
     receiver it mirrors must use the same function.
     """
 
-    def __init__(
-        self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size
-    ) -> None:
+    def __init__(self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size) -> None:
         super().__init__()
         self._item_size = getsizeof
         # Only ever used under the cache's lock.
-        self._lru = UnsynchronizedLRUCache(
-            capacity_bytes(capacity_gb), getsizeof=self._entry_size
-        )
+        self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=self._entry_size)
         self._protection = _ProtectedLRU(self._lru, self._request)
 
     @abstractmethod
@@ -570,9 +566,7 @@ class ReceiverCache(BaseReceiverCache):
     every item's data cannot miss).
     """
 
-    def __init__(
-        self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size
-    ) -> None:
+    def __init__(self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size) -> None:
         super().__init__()
         # Only ever used under the cache's lock.
         self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=getsizeof)

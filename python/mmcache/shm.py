@@ -92,9 +92,7 @@ class ShmSenderCache(BaseSenderCache):
         # limit is no error).
         capacity = capacity_bytes(capacity_gb)
         if capacity >= 2**64:
-            raise ValueError(
-                f"capacity_gb={capacity_gb!r} is more shared memory than any host has"
-            )
+            raise ValueError(f"capacity_gb={capacity_gb!r} is more shared memory than any host has")
         self._store: ShmWriter = ShmObjectStore.create(
             capacity,
             n_readers=n_readers,
