@@ -104,7 +104,7 @@ def main() -> int:
     print(f"{'resolved as':<48} {'is_pinned':>9} {'H2D µs':>9} {'GB/s':>7} {'vs baseline':>12}")
     for name, pinned, seconds in rows:
         print(
-            f"{name:<48} {str(pinned):>9} {seconds * 1e6:>9.1f} "
+            f"{name:<48} {pinned!s:>9} {seconds * 1e6:>9.1f} "
             f"{nbytes / seconds / 1e9:>7.1f} {baseline / seconds:>11.2f}x"
         )
     for failure in failures:

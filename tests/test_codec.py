@@ -153,7 +153,7 @@ def payload_of(item: dict[str, Any]) -> bytes:
     header, buffers = serde.encode(item)
     parts = [header, *(bytes(b) for b in buffers)]
     out = bytearray()
-    for offset, part in zip(serde.part_offsets([len(p) for p in parts]), parts):
+    for offset, part in zip(serde.part_offsets([len(p) for p in parts]), parts, strict=True):
         out += bytes(offset - len(out)) + part
     assert len(out) == serde.payload_size(header, buffers)
     return bytes(out)

@@ -162,7 +162,7 @@ class ShmDrift(_DriftMachine):
         )
 
     @rule()
-    def drop_views(self) -> None:  # noqa: D102
+    def drop_views(self) -> None:
         assert self.model is not None
         self.model.drop_views()
 
@@ -357,13 +357,13 @@ class _LruPair:
         flags = [False] * len(keys) if attach_all else self.p0.is_cached(keys)
         for k in keys:
             self.p0.touch_sender_cache_item(k)
-        inputs = [None if f else (self.items[k], None) for f, k in zip(flags, keys)]
+        inputs = [None if f else (self.items[k], None) for f, k in zip(flags, keys, strict=True)]
         return self.p0.get_and_update(inputs, keys)
 
     def deliver(self, keys: list[str], outputs: list[Any]) -> None:
-        features = [Feature(data=d, mm_hash=k) for (d, _), k in zip(outputs, keys)]
+        features = [Feature(data=d, mm_hash=k) for (d, _), k in zip(outputs, keys, strict=True)]
         self.p1.get_and_update_features(features)
-        for f, k in zip(features, keys):
+        for f, k in zip(features, keys, strict=True):
             assert f.data["x"].tobytes() == self.items[k]["x"].tobytes()
 
     def finish(self, keys: list[str], outputs: list[Any]) -> int:
@@ -461,34 +461,35 @@ def test_a_stale_is_cached_answer_makes_p0_raise_before_applying_anything() -> N
 
 
 def test_clear_reclaims_the_references_of_abandoned_handles() -> None:
-    with ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0:
-        with ShmReceiverCache(p0.handle()):
-            data, _ = p0.get_and_update_item((_sized("a", 40 * KiB), None), "a")
-            assert isinstance(data, ShmHandle)  # the request carrying it is abandoned
-            p0.clear_cache()
-            stats = p0.stats()
-            assert stats["store_objects"] == 0
-            assert stats["store_outstanding_refs"] == 0
-            assert stats["store_bytes_in_use"] == 0
+    with ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0, ShmReceiverCache(p0.handle()):
+        data, _ = p0.get_and_update_item((_sized("a", 40 * KiB), None), "a")
+        assert isinstance(data, ShmHandle)  # the request carrying it is abandoned
+        p0.clear_cache()
+        stats = p0.stats()
+        assert stats["store_objects"] == 0
+        assert stats["store_outstanding_refs"] == 0
+        assert stats["store_bytes_in_use"] == 0
 
 
 def test_a_batch_that_misses_part_way_leaves_no_reference_behind() -> None:
     # Fixed bug: the handles issued for the items before the missing one were lost with the
     # exception, so the engine could not release_handles them.
-    with ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0:
-        with ShmReceiverCache(p0.handle()) as worker:
-            h, _ = p0.get_and_update_item((_sized("a", 1 * KiB), None), "a")
-            worker.get_and_update_features([Feature(data=h, mm_hash="a")])
-            assert p0.is_cached(["b", "a"]) == [False, True]
-            p0.invalidate("a")  # 'a' goes away between is_cached and the update
-            for k in ("b", "a"):
-                p0.touch_sender_cache_item(k)
-            with pytest.raises(CacheMissError):
-                p0.get_and_update([(_sized("b", 1 * KiB), None), None], ["b", "a"])
-            p0.release_sender_touches()
-            stats = p0.stats()
-            assert stats["store_pinned"] == 0
-            assert stats["store_outstanding_refs"] == 0, "b's handle was issued and lost"
+    with (
+        ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0,
+        ShmReceiverCache(p0.handle()) as worker,
+    ):
+        h, _ = p0.get_and_update_item((_sized("a", 1 * KiB), None), "a")
+        worker.get_and_update_features([Feature(data=h, mm_hash="a")])
+        assert p0.is_cached(["b", "a"]) == [False, True]
+        p0.invalidate("a")  # 'a' goes away between is_cached and the update
+        for k in ("b", "a"):
+            p0.touch_sender_cache_item(k)
+        with pytest.raises(CacheMissError):
+            p0.get_and_update([(_sized("b", 1 * KiB), None), None], ["b", "a"])
+        p0.release_sender_touches()
+        stats = p0.stats()
+        assert stats["store_pinned"] == 0
+        assert stats["store_outstanding_refs"] == 0, "b's handle was issued and lost"
 
 
 def test_torch_items_survive_the_shm_model_bit_for_bit() -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -126,7 +127,7 @@ def _worker_killed_while_holding(reader_handle: Any, conn: Any) -> None:
         batch = conn.recv()
         features = resolve(cache, batch)
         held.extend(features)  # zero-copy views, kept alive until the process dies
-        conn.send([same(f.data, k) for f, (k, _) in zip(features, batch)])
+        conn.send([same(f.data, k) for f, (k, _) in zip(features, batch, strict=True)])
 
 
 def test_a_sigkilled_worker_holding_views_and_unread_handles_is_reclaimed() -> None:
@@ -229,7 +230,9 @@ def test_a_worker_writing_into_its_zero_copy_tensor_cannot_change_what_anyone_re
 def _writer_killed(conn: Any, keys: list[str]) -> None:
     p0 = ShmSenderCache(1 * MiB / GiB, n_readers=1)
     outputs = p0.get_and_update([(make_item(k), f"pu-{k}") for k in keys], keys)
-    conn.send((p0.handle(), p0.name, [(k, wire(h)) for k, (h, _) in zip(keys, outputs)]))
+    conn.send(
+        (p0.handle(), p0.name, [(k, wire(h)) for k, (h, _) in zip(keys, outputs, strict=True)])
+    )
     conn.recv()  # wait to be killed (never unlinks its segment)
 
 
@@ -253,10 +256,8 @@ def test_a_sigkilled_writer_gives_a_clear_error_and_its_segment_is_pruned() -> N
         assert not isinstance(WriterGoneError("x"), CacheMissError)  # retrying cannot help
         # Any store's creation on this host removes an orphan: another test run may take
         # this one first, so each check below allows for it being gone already.
-        try:
+        with contextlib.suppress(FileNotFoundError):
             assert _core.inspect_segment(name)["creator_alive"] is False
-        except FileNotFoundError:
-            pass
         listed = prune(dry_run=True)
         assert name in listed or name not in _core.list_segments()
         assert bystander.name not in listed
@@ -288,7 +289,7 @@ def _duplicating_worker(reader_handle: Any, conn: Any) -> None:
         except CacheMissError as miss:
             missing = miss.mm_hashes
         report = []
-        for f, (k, _) in zip(features, batch):
+        for f, (k, _) in zip(features, batch, strict=True):
             if isinstance(f.data, ShmHandle):
                 report.append("miss" if k in missing else "UNREPORTED")
             else:

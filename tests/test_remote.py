@@ -32,8 +32,13 @@ from mmcache import (
     serde,
 )
 from mmcache._core import ShmObjectStore
-from mmcache.remote import CircuitBreaker, RemoteStore, TieredSenderCache, is_shareable_key
-from mmcache.remote import redis_backend
+from mmcache.remote import (
+    CircuitBreaker,
+    RemoteStore,
+    TieredSenderCache,
+    is_shareable_key,
+    redis_backend,
+)
 from mmcache.remote.backend import RemoteUnreachable, ValueTooLarge
 from mmcache.remote.envelope import (
     HEADER_SIZE,
@@ -47,9 +52,9 @@ from mmcache.remote.envelope import (
     part_hasher,
     seal,
 )
+from mmcache.remote.local_server import LocalServer, start_valkey
 from mmcache.remote.redis_backend import CHUNK_BYTES
 from tests.servers import kill, resume, stall
-from mmcache.remote.local_server import LocalServer, start_valkey
 
 MiB = 1 << 20
 HANG_S = 30  # a call that has not returned by then is a hang (the test fails, CI goes on)
@@ -878,7 +883,7 @@ def test_credentials_in_the_url_never_reach_logs_repr_or_errors(
     ],
 )
 def test_a_bad_url_with_credentials_is_an_error_that_does_not_repeat_them(url: str) -> None:
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError) as error:  # noqa: PT011 - its message is checked below
         RemoteStore(url, namespace="m@1")
     assert PASSWORD not in str(error.value) and "127.0.0.1" in str(error.value)
 

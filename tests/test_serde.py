@@ -25,7 +25,7 @@ def store_like_core(item: dict) -> np.ndarray:
     parts = [header, *(bytes(b) for b in buffers)]
     offsets = part_offsets([len(p) for p in parts])
     payload = bytearray()
-    for offset, part in zip(offsets, parts):
+    for offset, part in zip(offsets, parts, strict=True):
         payload += bytes(offset - len(payload)) + part
     assert len(payload) == payload_size(header, buffers)
     out = np.frombuffer(payload, dtype=np.uint8).copy()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import warnings
@@ -63,7 +64,7 @@ def put(sender: ShmSenderCache, key: str, item: dict[str, Any] | None = None) ->
 
 
 def cached(sender: ShmSenderCache, keys: str) -> set[str]:
-    return {k for k, c in zip(keys, sender.is_cached(list(keys))) if c}
+    return {k for k, c in zip(keys, sender.is_cached(list(keys)), strict=True) if c}
 
 
 # -- the sender ------------------------------------------------------------------------------
@@ -322,7 +323,9 @@ def test_gone_objects_are_misses_listed_in_order(
     put(sender, "d")  # ... so new items reclaim them; "b" is still held by its handle
     put(sender, "e")
     assert cached(sender, "abcde") == set("bde")
-    features = [Feature(h, mm_hash=k, identifier=k) for h, k in zip((ha, hb, hc), "abc")]
+    features = [
+        Feature(h, mm_hash=k, identifier=k) for h, k in zip((ha, hb, hc), "abc", strict=True)
+    ]
     with pytest.raises(CacheMissError) as info:
         reader.get_and_update_features(features)
     assert info.value.mm_hashes == ["a", "c"]
@@ -390,7 +393,9 @@ def test_a_forged_handle_does_not_leave_the_rest_of_its_request_unread(
 ) -> None:
     ha, hb, hc = (put(sender, k) for k in "abc")
     forged = ShmHandle(address=ha.address, monotonic_id=ha.monotonic_id, signature=bytes(16))
-    features = [Feature(h, mm_hash=k, identifier=k) for h, k in zip((forged, hb, hc), "abc")]
+    features = [
+        Feature(h, mm_hash=k, identifier=k) for h, k in zip((forged, hb, hc), "abc", strict=True)
+    ]
     with pytest.raises(InvalidHandleError):
         reader.get_and_update_features(features)
     # b and c were still read (their references given back) and resolved.
@@ -421,10 +426,8 @@ def test_invalidate_forgets_a_key(sender: ShmSenderCache, reader: ShmReceiverCac
     sender.invalidate("never-seen")
     assert not sender.is_cached_item("a")
     # The handle already in flight still reads the right data (or misses), never other data.
-    try:
+    with contextlib.suppress(CacheMissError):
         assert same_item(reader.get_and_update_item(handle, "a"), make_item("a"))
-    except CacheMissError:
-        pass
     assert isinstance(put(sender, "a", make_item("a2")), ShmHandle)
     handle2, updates = sender.get_and_update_item(None, "a")
     assert updates == ["pu-a"]
@@ -466,11 +469,11 @@ def test_two_spawned_workers_resolve_identical_tensors() -> None:
         for keys in (["img", "bf16"], ["np", "img"], ["bf16", "np", "img"]):
             outputs = sender.get_and_update([(truth[k], []) for k in keys], keys)
             assert all(isinstance(d, ShmHandle) for d, _ in outputs)
-            requests.append([(k, d) for k, (d, _) in zip(keys, outputs)])
+            requests.append([(k, d) for k, (d, _) in zip(keys, outputs, strict=True)])
         queues = [ctx.Queue(), ctx.Queue()]
         workers = [
             ctx.Process(target=_worker, args=(sender.handle(), requests, copy, q))
-            for copy, q in zip((True, False), queues)
+            for copy, q in zip((True, False), queues, strict=True)
         ]
         for w in workers:
             w.start()

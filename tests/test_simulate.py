@@ -20,9 +20,10 @@ from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
 
-import mmcache.simulate as simulate_package
 import numpy as np
 import pytest
+
+import mmcache.simulate as simulate_package
 from mmcache import Feature, _core
 from mmcache.cli import main
 from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, wire
@@ -35,7 +36,6 @@ from mmcache.simulate.workload import (
     request_stream,
     tensor_digests,
 )
-
 from tests.segment_watcher import creator_in_name
 
 # A workload small enough for seconds per mode, big enough to hit, miss and evict: its 23

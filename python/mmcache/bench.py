@@ -174,7 +174,9 @@ def _reader_process(conn: Connection) -> None:
         read: Callable[[ShmHandle], object]
         reader: ShmReceiverCache | ShmReader
         if through_cache:
-            import torch  # decoding imports it on first use: not on the clock
+            # Imported for its side effect: decoding imports it on first use, which must not
+            # be on the clock.
+            import torch  # noqa: F401
 
             reader = cache = ShmReceiverCache(reader_handle, copy=copy)
             read = partial(cache.get_and_update_item, mm_hash=_KEY)

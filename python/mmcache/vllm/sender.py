@@ -105,7 +105,8 @@ class _SenderAdapter:
             self._updates += len(outputs)
             self._issued += [data for data, _ in outputs]
         return [
-            (self._to_vllm(data, item), updates) for (data, updates), item in zip(outputs, mm_items)
+            (self._to_vllm(data, item), updates)
+            for (data, updates), item in zip(outputs, mm_items, strict=True)
         ]
 
     def release_sender_touches(self) -> None:
