@@ -298,6 +298,17 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+# Ctrl-C is SIGINT, which a process started in the background by a non-interactive shell
+# (`make test &`, nohup) inherits as ignored, and Python keeps it ignored. A user at a terminal
+# runs simulate with the default disposition: these runs start with it, whoever started pytest.
+WITH_DEFAULT_SIGINT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+]
+
+
 def _ring_of(driver: int, deadline: float) -> tuple[str, int]:
     """The name of the simulation's shared-memory ring and the pid of its creator, P0."""
     while time.monotonic() < deadline:
@@ -312,7 +323,7 @@ def _ring_of(driver: int, deadline: float) -> tuple[str, int]:
 def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
     proc = subprocess.Popen(
         [
-            sys.executable,
+            *WITH_DEFAULT_SIGINT,
             "-m",
             "mmcache",
             "simulate",
@@ -438,7 +449,7 @@ def test_a_huge_request_count_is_generated_lazily_with_progress_and_bounded_memo
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [
-            sys.executable,
+            *WITH_DEFAULT_SIGINT,
             "-m",
             "mmcache",
             "simulate",
