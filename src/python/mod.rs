@@ -3,8 +3,9 @@
 //! exceptions — one concern per file:
 //!
 //! * `errors` — the exceptions, and the one mapping of the core's `Error` to them;
-//! * `handles` — `ShmHandle`, `ReaderHandle`;
-//! * `store` — `ShmObjectStore` and its two roles, `ShmWriter` and `ShmReader`;
+//! * `handles` — `ShmHandle`, `ReaderHandle`, `WriterHandle`;
+//! * `store` — `ShmObjectStore` and its reader role, `ShmReader`;
+//! * `writer` — its writer role, `ShmWriter`;
 //! * `buffer` — what keeps exported bytes alive (`Keeper`), `ShmView`, `PartView`, imports;
 //! * `dlpack` — the DLPack FFI that hands bytes to torch without a copy;
 //! * `frameworks` — numpy and torch, their dtype tables;
@@ -25,6 +26,7 @@ mod frameworks;
 mod handles;
 mod inspect;
 mod store;
+mod writer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {

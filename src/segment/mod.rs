@@ -15,8 +15,8 @@
 //! read-write, is `!Send`, and has not been released since 2022 (see ARCHITECTURE.md).
 //!
 //! Liveness is told by **open-file-description locks** (`F_OFD_SETLK`) on byte ranges of
-//! the segment's file: the creator holds one for the segment's life and each reader one on
-//! its slot. The kernel drops them when the holder's last descriptor goes, however it dies,
+//! the segment's file: every live writer holds a shared one on the first word and an
+//! exclusive one on its writer slot, each reader one on its slot. The kernel drops them when the holder's last descriptor goes, however it dies,
 //! and any process that can open the file can test them, whatever its PID namespace. Locks
 //! are taken through a second open file description that is never mapped: a mapping holds
 //! its file description open, so a forked child that keeps its parent's mappings would
@@ -32,6 +32,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 
@@ -44,7 +45,7 @@ pub use fork::{Process, Registration, register_view};
 use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};
 pub use os::{
-    FileProbe, SHM_DIR, current_pid, list_names, pid_exists, probe_file, process_alive,
+    FileProbe, SHM_DIR, current_pid, kill_self, list_names, pid_exists, probe_file, process_alive,
     process_start_time, random_bytes, read_prefix, shm_free_bytes, unlink,
 };
 use os::{flock, lock_held, locks_unsupported, ofd_fcntl, open_error, open_regular};
@@ -68,9 +69,13 @@ pub struct Segment {
     view_base: Option<NonNull<u8>>,
     len: usize,
     access: Access,
-    /// The pid that created (and alone may unlink) the segment; `None` for openers.
-    creator_pid: Option<u32>,
+    /// The pid that may unlink the segment (its creator, or a writer that opened it);
+    /// `None` for readers and inspectors.
+    owner_pid: Option<u32>,
     unlinked: AtomicBool,
+    /// Whether dropping the segment unlinks it (a segment being created; its writer takes
+    /// the decision over once the store is made).
+    unlink_on_drop: AtomicBool,
     /// The descriptor the mappings were made from (a mapping keeps its open file
     /// description alive, in a forked child too, so it never holds a lock).
     fd: OwnedFd,
@@ -169,10 +174,12 @@ impl Segment {
     /// reserved and mapped now, so that a host without enough shared memory fails here with
     /// `ShmTooSmall` and never with a SIGBUS at first touch.
     ///
-    /// The creator takes the OFD lock `creator_lock` right after creating the name, before
-    /// the file has a size, and holds it for the segment's life: whoever finds the name can
-    /// tell a segment being made or used from one left behind. [`Segment::holds_locks`] says
-    /// whether it got it (false only where the kernel has no OFD locks).
+    /// The creator takes a shared OFD lock on `creator_lock` right after creating the name,
+    /// before the file has a size, and holds it until it gives it back: whoever finds the
+    /// name can tell a segment being made or used from one left behind (other writers take
+    /// the same shared lock). [`Segment::holds_locks`] says whether it got it (false only
+    /// where the kernel has no OFD locks). Until [`Segment::keep_on_drop`], dropping the
+    /// segment unlinks it.
     pub fn create(name: &str, len: usize, creator_lock: LockRange) -> Result<Segment> {
         if len == 0 {
             return Err(Error::InvalidArgument(
@@ -210,7 +217,7 @@ impl Segment {
         let creator_locked = match ofd_fcntl(
             &lock_fd,
             libc::F_OFD_SETLK,
-            &mut flock(libc::F_WRLCK as _, creator_lock),
+            &mut flock(libc::F_RDLCK as _, creator_lock),
         ) {
             Ok(()) => true,
             Err(e) if locks_unsupported(&e) => false,
@@ -246,8 +253,9 @@ impl Segment {
             view_base: None,
             len,
             access: Access::ReadWrite,
-            creator_pid: Some(current_pid()),
+            owner_pid: Some(current_pid()),
             unlinked: AtomicBool::new(false),
+            unlink_on_drop: AtomicBool::new(true),
             fault_registrations: vec![fault::register(base.as_ptr(), len, fault::Mapping::Shared)],
             fd,
             lock_fd: Some((registration, lock_fd)),
@@ -258,6 +266,16 @@ impl Segment {
     /// Open an existing segment by name. Only a regular file in `/dev/shm` is opened (never
     /// through a symbolic link, never blocking on a FIFO), and it is mapped only if it is one.
     pub fn open(name: &str, access: Access) -> Result<Segment> {
+        Segment::open_as(name, access, None)
+    }
+
+    /// [`Segment::open`] read-write for a writer that joins the store: in this process (not
+    /// a forked child) it may unlink the segment, should it be the last writer to leave.
+    pub fn open_writer(name: &str) -> Result<Segment> {
+        Segment::open_as(name, Access::ReadWrite, Some(current_pid()))
+    }
+
+    fn open_as(name: &str, access: Access, owner_pid: Option<u32>) -> Result<Segment> {
         let (fd, len) = open_regular(name, access)?;
         if len == 0 {
             return Err(Error::Corrupt(format!("segment {name:?} is empty")));
@@ -286,8 +304,9 @@ impl Segment {
             view_base,
             len,
             access,
-            creator_pid: None,
+            owner_pid,
             unlinked: AtomicBool::new(false),
+            unlink_on_drop: AtomicBool::new(false),
             fd,
             lock_fd,
             creator_locked: false,
@@ -326,7 +345,41 @@ impl Segment {
         }
     }
 
-    /// Give back a lock taken with [`Segment::try_lock`] (closing the segment does too).
+    /// Take a shared OFD lock on `range` unless another open file description holds an
+    /// exclusive one there: `Ok(true)` when taken.
+    pub fn try_lock_shared(&self, range: LockRange) -> Result<bool> {
+        match ofd_fcntl(
+            self.lock_fd()?,
+            libc::F_OFD_SETLK,
+            &mut flock(libc::F_RDLCK as _, range),
+        ) {
+            Ok(()) => Ok(true),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
+                Ok(false)
+            }
+            Err(e) => Err(Error::os("taking a shared liveness lock", e)),
+        }
+    }
+
+    /// Take the exclusive OFD lock on `range`, waiting while another open file description
+    /// holds one there (the kernel gives it up when its holder dies). For short critical
+    /// sections only: joining and leaving a store.
+    pub fn lock_wait(&self, range: LockRange) -> Result<()> {
+        loop {
+            match ofd_fcntl(
+                self.lock_fd()?,
+                libc::F_OFD_SETLKW,
+                &mut flock(libc::F_WRLCK as _, range),
+            ) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(Error::os("waiting for the membership lock", e)),
+            }
+        }
+    }
+
+    /// Give back a lock taken with [`Segment::try_lock`], [`Segment::try_lock_shared`] or
+    /// [`Segment::lock_wait`] (closing the segment does too).
     pub fn unlock(&self, range: LockRange) -> Result<()> {
         ofd_fcntl(
             self.lock_fd()?,
@@ -481,13 +534,83 @@ impl Segment {
             .map(|base| (base.as_ptr() as usize, self.len))
     }
 
-    /// Whether this handle is the creator's, in the creating process.
-    pub fn is_owner(&self) -> bool {
-        self.creator_pid == Some(current_pid())
+    /// Sleep while the 32-bit word at `offset` (the low half of an aligned `u64` field, on a
+    /// little-endian host) holds `expected`, at most `timeout` (`FUTEX_WAIT` on a shared
+    /// mapping: a wake from any process mapping the file ends it). Returns on a wake, a
+    /// timeout, a signal, or at once if the word differs: callers re-check the word.
+    pub fn futex_wait(&self, offset: u64, expected: u32, timeout: Duration) -> Result<()> {
+        let word = self.atomic(offset)?;
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `word` is an aligned, in-bounds word of our shared mapping (checked by
+        // `atomic`), valid for the duration of the call; its low 32 bits are the futex word
+        // (little-endian, asserted in lib.rs). FUTEX_WAIT only reads it and sleeps; `ts` is a
+        // valid relative timeout living on our stack for the call. The unused arguments are
+        // null/0 as FUTEX_WAIT requires.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr().cast::<u32>(),
+                libc::FUTEX_WAIT,
+                expected,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0u32,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::ETIMEDOUT) | Some(libc::EINTR) => Ok(()),
+            _ => Err(Error::os("waiting on the store lock", err)),
+        }
     }
 
-    /// Remove the segment's name: only by its creator, only in the creating process (never
-    /// by a forked child, whose copy of this struct has the parent's pid), at most once.
+    /// Wake up to `count` processes sleeping in [`Segment::futex_wait`] on the word at
+    /// `offset`.
+    pub fn futex_wake(&self, offset: u64, count: i32) -> Result<()> {
+        let word = self.atomic(offset)?;
+        // SAFETY: as in `futex_wait`; FUTEX_WAKE does not touch the word, only the kernel's
+        // wait queue keyed by it.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr().cast::<u32>(),
+                libc::FUTEX_WAKE,
+                count,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0u32,
+            )
+        };
+        if rc < 0 {
+            return Err(Error::os(
+                "waking the store lock",
+                io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether this handle may unlink the segment: its creator's or a joined writer's, in
+    /// the process that made it.
+    pub fn is_owner(&self) -> bool {
+        self.owner_pid == Some(current_pid())
+    }
+
+    /// From now on dropping the segment leaves its name alone: the store decides when it
+    /// goes (its last writer unlinks it).
+    pub fn keep_on_drop(&self) {
+        self.unlink_on_drop.store(false, Ordering::Relaxed);
+    }
+
+    /// Remove the segment's name: only by its creator or a joined writer, only in its own
+    /// process (never by a forked child, whose copy of this struct has the parent's pid), at
+    /// most once.
     pub fn unlink(&self) -> Result<()> {
         if !self.is_owner()
             || self
@@ -510,7 +633,9 @@ fn out_of_range(offset: u64, len: usize) -> Error {
 impl Drop for Segment {
     fn drop(&mut self) {
         self.fault_registrations.clear(); // before the ranges are unmapped
-        let _ = self.unlink();
+        if self.unlink_on_drop.load(Ordering::Relaxed) {
+            let _ = self.unlink();
+        }
         // SAFETY: `base..base+len` is the mapping created in `create`/`open`; it is unmapped
         // exactly once, here, when the last owner (every view holds an `Arc<Segment>`) is gone.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
