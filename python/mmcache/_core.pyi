@@ -14,6 +14,9 @@ OUT_OF_BAND_BYTES: int
 """``bytes`` values at least this long travel as their own part instead of in the header."""
 PAYLOAD_FORMAT_VERSION: int
 """The item payload format this build writes and reads (the digit after ``b"MMC"``)."""
+CRASH_POINTS: tuple[str, ...]
+"""Where a test can have a writer process killed (``MMCACHE_CRASH_POINT=<name>``, read when
+the process makes its first writer; ``MMCACHE_CRASH_AFTER=<n>``: at the n-th pass)."""
 
 class MmcacheError(Exception):
     """Base class of every error the shared-memory core raises on its own account."""

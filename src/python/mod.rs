@@ -35,6 +35,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PART_ALIGNMENT", crate::layout::ALIGN)?;
     m.add("OUT_OF_BAND_BYTES", crate::codec::OUT_OF_BAND_BYTES)?;
     m.add("PAYLOAD_FORMAT_VERSION", crate::codec::FORMAT_VERSION)?;
+    m.add(
+        "CRASH_POINTS",
+        pyo3::types::PyTuple::new(m.py(), crate::store::CRASH_POINTS)?,
+    )?;
     errors::register(m)?;
     handles::register(m)?;
     store::register(m)?;

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::segment;
 
 /// Every crash point, in the order a put meets them (and then the others).
-pub(super) const POINTS: &[&str] = &[
+pub const POINTS: &[&str] = &[
     "alloc.locked",
     "alloc.marked",
     "alloc.evicted",

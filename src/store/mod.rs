@@ -104,6 +104,7 @@ mod reader;
 mod ring;
 mod writer;
 
+pub use crash::POINTS as CRASH_POINTS;
 pub use inspect::{SegmentInfo, SlotInfo, Status, WriterSlotInfo, inspect, list_segments, status};
 pub use reader::{Lease, Reader, View};
 pub use writer::Writer;

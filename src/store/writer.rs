@@ -330,14 +330,20 @@ impl Writer {
         )
     }
 
-    /// Find `key`'s chunk and protect it: `None` if the key is not stored.
+    /// Find `key`'s chunk and protect it: `None` if the key is not stored. A chunk found
+    /// mid-eviction is settled first: the store lock is taken (and given back) once, which
+    /// waits for the writer deciding about it, or takes over from one that died and repairs
+    /// what it left (so a chunk it was only judging is live again, and found so).
     fn find_protected(&self, query: &Query<'_>) -> Result<Option<(Entry, Protected<'_>)>> {
-        for _ in 0..ATTEMPTS {
+        for attempt in 0..ATTEMPTS {
             let Some(entry) = self.shared.lookup(query)? else {
                 return Ok(None);
             };
             if let Some(protected) = self.protect(&entry)? {
                 return Ok(Some((entry, protected)));
+            }
+            if attempt > 0 {
+                drop(self.lock()?);
             }
         }
         Ok(None)
