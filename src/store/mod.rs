@@ -394,6 +394,8 @@ fn shared_over(seg: Segment) -> Result<Shared> {
 }
 
 #[cfg(test)]
+mod ring_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod writers_tests;

@@ -7,6 +7,7 @@
 //! A `Writer` may be used from many threads at once: everything shared lives in the segment
 //! (lock-free, or under the store lock), and its private bookkeeping is behind a mutex held
 //! for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
+//! Lock order: the store lock before the private mutex, never the other way round.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -290,7 +291,7 @@ impl Writer {
         Ok(guard)
     }
 
-    fn query<'k>(&self, key: &'k str) -> Query<'k> {
+    pub(super) fn query<'k>(&self, key: &'k str) -> Query<'k> {
         Query::new(&self.hasher, key)
     }
 
@@ -330,20 +331,26 @@ impl Writer {
         )
     }
 
-    /// Find `key`'s chunk and protect it: `None` if the key is not stored. A chunk found
-    /// mid-eviction is settled first: the store lock is taken (and given back) once, which
-    /// waits for the writer deciding about it, or takes over from one that died and repairs
-    /// what it left (so a chunk it was only judging is live again, and found so).
+    /// [`Writer::protect`], and if that fails because the chunk is mid-eviction, settle it
+    /// and try once more: the store lock is taken (and given back), which waits for the
+    /// writer deciding about it, or takes over from one that died and repairs what it left,
+    /// so a chunk that was only being judged is live again. `None`: gone.
+    fn protect_settled(&self, entry: &Entry) -> Result<Option<Protected<'_>>> {
+        if let Some(protected) = self.protect(entry)? {
+            return Ok(Some(protected));
+        }
+        drop(self.lock()?);
+        self.protect(entry)
+    }
+
+    /// Find `key`'s chunk and protect it: `None` if the key is not stored.
     fn find_protected(&self, query: &Query<'_>) -> Result<Option<(Entry, Protected<'_>)>> {
-        for attempt in 0..ATTEMPTS {
+        for _ in 0..ATTEMPTS {
             let Some(entry) = self.shared.lookup(query)? else {
                 return Ok(None);
             };
-            if let Some(protected) = self.protect(&entry)? {
+            if let Some(protected) = self.protect_settled(&entry)? {
                 return Ok(Some((entry, protected)));
-            }
-            if attempt > 0 {
-                drop(self.lock()?);
             }
         }
         Ok(None)
@@ -500,8 +507,9 @@ impl Writer {
         if !self.shared.layout.valid_chunk_address(handle.address) {
             return Ok(());
         }
-        let mut private = self.private();
-        let reader_set = match private.release(handle) {
+        // The private mutex is never held while waiting for the store lock (`clear` takes
+        // them the other way round).
+        let reader_set = match self.private().release(handle) {
             Release::Credit(set) => set,
             Release::Nothing => return Ok(()),
             Release::Mismatch => {
@@ -510,8 +518,8 @@ impl Writer {
                 ));
             }
         };
-        let Some(_protected) = self.protect(&entry)? else {
-            private.forget(handle.address, handle.monotonic_id);
+        let Some(_protected) = self.protect_settled(&entry)? else {
+            self.private().forget(handle.address, handle.monotonic_id);
             return Ok(()); // gone: its references no longer matter
         };
         let sig_tag = self
@@ -588,7 +596,7 @@ impl Writer {
             address: handle.address,
             id: handle.monotonic_id,
         };
-        let Some(_protected) = self.protect(&entry)? else {
+        let Some(_protected) = self.protect_settled(&entry)? else {
             return Err(Error::Stale);
         };
         self.copy_out(handle.address, 0, self.payload_len(handle.address)?)

@@ -44,6 +44,7 @@ impl Writer {
         let sh = &self.shared;
         let mut census = Census::new(sh, self.me)?;
         let mut cleared = 0;
+        let mut forgotten = Vec::new();
         for block in sh.blocks(&lock)? {
             if !matches!(block.state.kind, BlockKind::Live | BlockKind::Evicting) {
                 continue;
@@ -73,7 +74,7 @@ impl Writer {
                     })
                 });
             }
-            self.private().forget(address, id);
+            forgotten.push((address, id));
             if sh.evict_if_unheld(&lock, address, block.size, &mut census)? {
                 cleared += 1;
                 if cleared == 1 {
@@ -83,7 +84,14 @@ impl Writer {
         }
         // P2 for every chunk freed above.
         fence(Ordering::Release);
-        sh.adjust(&lock, Counter::Clears, 1)
+        sh.adjust(&lock, Counter::Clears, 1)?;
+        drop(lock);
+        // After the store lock: the private mutex is never taken while holding it.
+        let mut private = self.private();
+        for (address, id) in forgotten {
+            private.forget(address, id);
+        }
+        Ok(())
     }
 
     /// The store's counters and what the ring holds now (claims of writers that died are
