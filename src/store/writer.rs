@@ -510,8 +510,8 @@ impl Writer {
         // The private mutex is never held while waiting for the store lock (`clear` takes
         // them the other way round).
         let reader_set = match self.private().release(handle) {
-            Release::Credit(set) => set,
-            Release::Nothing => return Ok(()),
+            Release::Credit(set) if !set.members.is_empty() => set,
+            Release::Credit(_) | Release::Nothing => return Ok(()), // nothing to give back
             Release::Mismatch => {
                 return Err(Error::InvalidHandle(
                     "signature does not match the object".into(),
