@@ -472,11 +472,15 @@ impl Layout {
 
     /// Whether a payload of `len` bytes at `address` fits inside the ring.
     pub fn valid_payload(&self, address: u64, len: u64) -> bool {
-        len <= self.max_object_size
-            && address
-                .checked_add(self.chunk_header_size)
-                .and_then(|p| p.checked_add(len))
-                .is_some_and(|end| end <= self.capacity)
+        len <= self.max_object_size && self.fits(address, len)
+    }
+
+    /// Whether `len` bytes after the header of a chunk at `address` lie inside the ring.
+    pub fn fits(&self, address: u64, len: u64) -> bool {
+        address
+            .checked_add(self.chunk_header_size)
+            .and_then(|p| p.checked_add(len))
+            .is_some_and(|end| end <= self.capacity)
     }
 
     /// Write the const fields of a fresh segment and its ring as one free block (creator

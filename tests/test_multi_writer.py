@@ -308,9 +308,11 @@ def test_single_flight_across_processes_and_a_dead_claimant(store: ShmWriter) ->
 
 
 def test_writer_processes_with_threads_race_and_every_handle_reads_its_own_bytes() -> None:
-    # A small ring (constant eviction) shared by this process (the reader, and a writer)
-    # and two joined writer processes of three threads each.
-    store = ShmObjectStore.create(256 * KiB, n_readers=1, max_writers=3)
+    # A small ring (the 24 keys' bytes need about twice its room: constant eviction) shared
+    # by this process (the reader, and a writer) and two joined writer processes of three
+    # threads each.
+    assert sum(len(content(f"k{i}")) for i in range(24)) > 64 * KiB
+    store = ShmObjectStore.create(48 * KiB, n_readers=1, max_writers=3)
     reader: ShmReader = ShmObjectStore.attach(store.handle())
     out: Any = ctx.Queue()
     children = [

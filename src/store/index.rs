@@ -340,9 +340,7 @@ impl Shared {
             let len = self.chunk(address, chunk::LEN)?.load(Ordering::Relaxed);
             let key_len = extra & 0xffff_ffff;
             if key_len as usize > crate::layout::MAX_KEY_LEN
-                || !self
-                    .layout
-                    .valid_payload(address, len.saturating_add(key_len))
+                || !self.layout.fits(address, len.saturating_add(key_len))
             {
                 return Ok(None);
             }

@@ -549,11 +549,9 @@ impl Writer {
     /// Copy `len` bytes at `offset` into the payload of a protected chunk (its length comes
     /// from shared memory, so it is checked before anything is allocated).
     fn copy_out(&self, address: u64, offset: u64, len: u64) -> Result<Vec<u8>> {
-        let fits = address
-            .checked_add(self.shared.layout.chunk_header_size)
-            .and_then(|p| p.checked_add(offset))
-            .and_then(|p| p.checked_add(len))
-            .is_some_and(|end| end <= self.shared.layout.capacity);
+        let fits = offset
+            .checked_add(len)
+            .is_some_and(|n| self.shared.layout.fits(address, n));
         if !fits {
             return Err(Error::Corrupt(format!(
                 "chunk at {address} claims {len} bytes at {offset}, more than fit"
