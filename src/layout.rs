@@ -3,8 +3,8 @@
 //! how a segment is validated. The packed words themselves are in [`words`].
 //!
 //! ```text
-//! 0        512            +64·n_readers  +64·max_writers                header_size        total_len
-//! | header | reader table | writer table | index heads | index key slots | ring: blocks ... |
+//! 0        512            +64·n_readers  +128·max_writers                 header_size        total_len
+//! | header | reader table | writer table | index heads, hashes, key slots | ring: blocks ... |
 //! ```
 //!
 //! Every field is a little-endian `u64` at a fixed offset, read and written only as an
@@ -30,7 +30,7 @@
 //!                            when the key fits its index key slot). Writers only.
 //! +56 bucket      AtomicU64  the index bucket that names this chunk, plus one. Writers only.
 //! +64 words[n]    AtomicU64  one `SlotWord` per reader slot.
-//! +64+8n pins[w]  AtomicU64  one `PinWord` per writer slot. Writers only.
+//! +64+8n pins[w]  AtomicU64  one `PinWord` per writer slot (its pins). Writers only.
 //! +chunk_header_size         payload (64-byte aligned), then the long key, then metadata
 //! ```
 
@@ -88,6 +88,10 @@ pub mod header {
     /// const: two words, a keyed MAC of a constant under the store's secret: a writer handle
     /// joins only if its secret gives the same (the secret itself is never stored).
     pub const VERIFIER: u64 = 128;
+    /// The key index's move count (a seqlock, on a cache line of its own): odd while the
+    /// store lock's holder moves entries back to close the gap a removed one left; a lookup
+    /// that misses checks it did not miss because of a move.
+    pub const INDEX_MOVES: u64 = 320;
     /// The store lock (`words::LockWord`), on one cache line with the hand, the journal and
     /// the gauges it guards (the first counters).
     pub const LOCK: u64 = 384;
@@ -102,9 +106,11 @@ pub mod header {
     /// statistics and gauges).
     pub const COUNTERS: u64 = 416;
     /// First reader slot; slot `i` is at `READER_TABLE + i * SLOT_SIZE`. The writer table
-    /// follows the reader table (`Layout::writer_slot_offset`).
+    /// (slots of `WRITER_SLOT_SIZE`) follows the reader table (`Layout::writer_slot_offset`).
     pub const READER_TABLE: u64 = 512;
     pub const SLOT_SIZE: u64 = 64;
+    /// A writer slot: its claim and counters, then its hazard words (a second cache line).
+    pub const WRITER_SLOT_SIZE: u64 = 128;
 }
 
 /// Declares [`Counter`] from one table: each counter's variant, the name `stats()` and
@@ -249,6 +255,12 @@ pub mod slot {
     pub const PUTS: u64 = 24;
     pub const HITS: u64 = 32;
     pub const REFS_ISSUED: u64 = 40;
+    /// (writers) `HAZARDS` hazard words: the id of a chunk one of the occupant's operations
+    /// holds (a hit adding references, a pin, a copy), 0 when unused. Taken with a SeqCst
+    /// CAS before the chunk is checked; the evictor reads them (SeqCst) after marking a chunk
+    /// EVICTING (S1/S2 in `store`).
+    pub const HAZARD: u64 = 64;
+    pub const HAZARDS: u64 = 8;
 }
 
 /// Chunk (block) header field offsets (relative to the block).
@@ -335,8 +347,8 @@ impl Layout {
     /// The index is sized for `max_objects`, by default one per 16 KiB of ring but at least
     /// 4096, and never more than the ring could ever hold (`capacity / chunk_header_size`):
     /// items of tensors are far larger than 16 KiB, and a ring of small objects evicts the
-    /// oldest (CLOCK) to stay within it. It costs 80 bytes a bucket (a 16-byte head and a
-    /// 64-byte key slot), two buckets an object: 10 MiB for a 1 GiB ring, 640 KiB for 4096.
+    /// oldest (CLOCK) to stay within it. It costs 88 bytes a bucket (head and version, hash,
+    /// a 64-byte key slot), two buckets an object: 11 MiB for a 1 GiB ring, 704 KiB for 4096.
     pub fn new(config: &Config) -> Result<Layout> {
         let Config {
             capacity,
@@ -431,25 +443,30 @@ impl Layout {
     }
 
     pub fn writer_slot_offset(&self, slot: u32) -> u64 {
-        self.slot_offset(self.n_readers + slot)
+        self.slot_offset(self.n_readers) + header::WRITER_SLOT_SIZE * slot as u64
     }
 
     /// The byte range a writer keeps locked while it occupies writer slot `slot`.
     pub fn writer_slot_lock(&self, slot: u32) -> LockRange {
         LockRange {
             start: self.writer_slot_offset(slot),
-            len: header::SLOT_SIZE,
+            len: header::WRITER_SLOT_SIZE,
         }
     }
 
-    /// The head word of index bucket `bucket` (its second word follows it).
+    /// The head word of index bucket `bucket` (its version word follows it).
     pub fn bucket_offset(&self, bucket: u64) -> u64 {
-        self.slot_offset(self.n_readers + self.max_writers) + 16 * bucket
+        self.writer_slot_offset(self.max_writers) + 16 * bucket
+    }
+
+    /// The hash word of index bucket `bucket` (the key's hash, for moving it).
+    pub fn bucket_hash_offset(&self, bucket: u64) -> u64 {
+        self.bucket_offset(self.index_buckets) + 8 * bucket
     }
 
     /// The key slot of index bucket `bucket`.
     pub fn key_slot_offset(&self, bucket: u64) -> u64 {
-        self.bucket_offset(self.index_buckets) + KEY_SLOT_SIZE * bucket
+        self.bucket_hash_offset(self.index_buckets) + KEY_SLOT_SIZE * bucket
     }
 
     /// Segment offset of the chunk at ring address `address`.
@@ -629,9 +646,11 @@ mod tests {
         let l = Layout::new(&config).unwrap();
         assert_eq!(l.chunk_header_size, 128, "64 + 8 * (2 readers + 4 writers)");
         assert_eq!(l.writer_slot_offset(0), l.slot_offset(2));
+        assert_eq!(l.writer_slot_offset(1), l.slot_offset(2) + 128);
         assert_eq!(l.bucket_offset(0), l.writer_slot_offset(4));
         assert_eq!((l.max_objects, l.index_buckets), (1000, 2048));
-        assert_eq!(l.key_slot_offset(0), l.bucket_offset(2048));
+        assert_eq!(l.bucket_hash_offset(0), l.bucket_offset(2048));
+        assert_eq!(l.key_slot_offset(0), l.bucket_hash_offset(2048));
         assert!(l.key_slot_offset(2048) <= l.header_size && l.header_size % 4096 == 0);
         assert_eq!(l.pin_word(3), chunk::WORDS + 8 * 5);
         let big = Layout::new(&Config::new(1 << 30, 1, None)).unwrap();

@@ -5,7 +5,7 @@
 //! * [`SlotWord`]: one reader slot's references and views on one chunk;
 //! * [`BlockState`]: what a block of the ring is (free, reserved by a writer, live, being
 //!   evicted) and its CLOCK bits;
-//! * [`PinWord`]: one writer slot's pins and transient protections on one chunk;
+//! * [`PinWord`]: one writer slot's pins on one chunk;
 //! * [`Bucket`]: the head word of one key-index bucket;
 //! * [`LockWord`]: the store lock, naming its holder.
 
@@ -188,62 +188,48 @@ impl BlockState {
     }
 }
 
-/// One writer slot's word on one chunk: `epoch (32) | pins (16) | protections (16)`.
-///
-/// * `pins`: how often this writer pinned the chunk's key (`pin`/`unpin`, saturating at
-///   [`PinWord::MAX`]); they count only while the chunk is keyed (invalidating or clearing a
-///   key drops its pins without touching the word).
-/// * `protections`: operations of this writer in progress on the chunk (a hit issuing
-///   references, a copy): a chunk is never evicted under one.
-///
-/// Both count only while `epoch` is the slot's current, live occupant's: a dead writer's
-/// pins and protections are void without anyone touching the word.
+/// One writer slot's word on one chunk: `epoch (32) | pins (32)`: how often this writer pinned
+/// the chunk's key (`pin`/`unpin`, saturating). They count only while the chunk is keyed
+/// (invalidating or clearing a key drops its pins without touching the word) and while
+/// `epoch` is the slot's current, live occupant's: a dead writer's pins are void without
+/// anyone touching the word. Changed only by its writer, while it holds the chunk (a hazard),
+/// so the word is always that chunk's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PinWord {
     pub epoch: u32,
-    pub pins: u16,
-    pub protections: u16,
+    pub pins: u32,
 }
 
 impl PinWord {
-    pub const MAX: u16 = u16::MAX;
-
     pub fn pack(self) -> u64 {
-        ((self.epoch as u64) << 32) | ((self.pins as u64) << 16) | self.protections as u64
+        ((self.epoch as u64) << 32) | self.pins as u64
     }
 
     pub fn unpack(word: u64) -> PinWord {
         PinWord {
             epoch: (word >> 32) as u32,
-            pins: (word >> 16) as u16,
-            protections: word as u16,
+            pins: word as u32,
         }
     }
 
-    /// The word as `epoch` sees it: counts stamped with another epoch are void (zero).
+    /// The word as `epoch` sees it: pins stamped with another epoch are void (zero).
     pub fn for_epoch(self, epoch: u32) -> PinWord {
         if self.epoch == epoch {
             self
         } else {
-            PinWord {
-                epoch,
-                pins: 0,
-                protections: 0,
-            }
+            PinWord { epoch, pins: 0 }
         }
     }
 }
 
 /// The head word of one bucket of the key index: `kind (2) | key length (7) | tag (17) |
-/// payload (38)`. The bucket's second word is the chunk id (live) or the key's full hash
-/// (claim); its key slot holds the key (inline, up to [`Bucket::INLINE_KEY`] bytes) or, for a
-/// longer key, the key's BLAKE3 digest.
+/// payload (38)`. The bucket's version word is the entry's unique id (the chunk's id, or the
+/// claim's ticket); its hash word the key's hash; its key slot the key (inline, up to
+/// [`Bucket::INLINE_KEY`] bytes) or, for a longer key, the key's BLAKE3 digest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bucket {
-    /// Never used: a probe stops here.
+    /// Holds nothing: a probe stops here.
     Empty,
-    /// Held a key that was removed: a probe goes on.
-    Tomb,
     /// The key is stored in the chunk at `address`.
     Live { key: KeyRef, address: u64 },
     /// The key is claimed by `owner` (single flight): it computes the item.
@@ -296,7 +282,6 @@ impl Bucket {
                 key,
                 ((owner.epoch as u64) << 6) | (owner.slot as u64 & 63),
             ),
-            Bucket::Tomb => (3, KeyRef { tag: 0, len: 0 }, 0),
         };
         kind | ((key.len as u64 & 127) << 2)
             | ((key.tag as u64 & ((1 << Self::TAG_BITS) - 1)) << 9)
@@ -322,7 +307,8 @@ impl Bucket {
                     epoch: (payload >> 6) as u32,
                 },
             },
-            _ => Bucket::Tomb,
+            // Kind 3 is no bucket this build writes (a corrupt head): nothing is filed there.
+            _ => Bucket::Empty,
         }
     }
 }
@@ -403,8 +389,8 @@ mod tests {
         }
 
         #[test]
-        fn pin_words_round_trip(epoch: u32, pins: u16, protections: u16) {
-            let w = PinWord { epoch, pins, protections };
+        fn pin_words_round_trip(epoch: u32, pins: u32) {
+            let w = PinWord { epoch, pins };
             prop_assert_eq!(PinWord::unpack(w.pack()), w);
         }
 
@@ -414,14 +400,13 @@ mod tests {
             len in prop_oneof![0u8..=Bucket::INLINE_KEY, Just(Bucket::LONG_KEY)],
             address in (0..=Bucket::MAX_ADDRESS).prop_map(|a| a & !63),
             owner in writer(),
-            kind in 0u8..4,
+            kind in 0u8..3,
         ) {
             let key = KeyRef { tag, len };
             let bucket = match kind {
                 0 => Bucket::Empty,
                 1 => Bucket::Live { key, address },
-                2 => Bucket::Claim { key, owner },
-                _ => Bucket::Tomb,
+                _ => Bucket::Claim { key, owner },
             };
             prop_assert_eq!(Bucket::unpack(bucket.pack()), bucket);
         }

@@ -3,20 +3,25 @@
 //! without a lock.
 //!
 //! A bucket is a head word (`layout::Bucket`: kind, key length, a tag of the key's hash, the
-//! chunk address or the claimant), a version word (the entry's unique id, 0 while it changes)
-//! and a 64-byte key slot holding the key itself (keys of at most 64 bytes, content hashes as
-//! hex among them) or, for a longer key, its BLAKE3 digest (the key itself is then stored in
-//! the chunk, after the payload, for [`Shared::keys`]). So a lookup compares real keys and
-//! touches no chunk: a hit is a hash, one or two buckets and a key compare.
+//! chunk address or the claimant), a version word (the entry's unique id, 0 while it
+//! changes), a hash word (the key's hash: where its probe starts) and a 64-byte key slot
+//! holding the key itself (keys of at most 64 bytes, content hashes as hex among them) or,
+//! for a longer key, its BLAKE3 digest (the key itself is then stored in the chunk, after the
+//! payload, for [`Shared::keys`]). So a lookup compares real keys and touches no chunk: a hit
+//! is a hash, one or two buckets and a key compare.
 //!
-//! Lookups are a seqlock read on the version word (I1/I2 in the protocol of
+//! Lookups read each bucket under a seqlock on its version word (I1/I2 in the protocol of
 //! [`store`](super)). Every change is made under the store lock: filing an entry or a claim,
-//! turning a claim into an entry in place, and removing one, which leaves a tombstone (a
-//! probe goes on past it) that becomes empty again as soon as the bucket after it is empty
-//! (then no probe can need to pass it). The table has at least twice as many buckets as it
-//! may hold entries and claims (`Layout::max_objects`); beyond that a put first evicts (the
-//! allocator's CLOCK), so probes stay short and a free bucket always exists. A probe visits
-//! each bucket at most once: even a corrupt table cannot make it loop.
+//! turning a claim into an entry in place, and removing one. A removal leaves no tombstone:
+//! the entries after it in its cluster whose probe would pass the gap are moved back into it
+//! (backward shift), so the table never silts up with deleted entries and probes stay as
+//! short as the load allows. A move copies the entry before its old place is reused, so an
+//! entry is always somewhere; a lookup that probed past a moving entry could still miss it,
+//! so a miss is confirmed by a second probe under the index's move count (a seqlock: odd
+//! while entries move). The table has at least twice as many buckets as it may hold entries
+//! and claims (`Layout::max_objects`); beyond that a put first evicts (the allocator's CLOCK),
+//! so an empty bucket always exists. A probe visits each bucket at most once: even a corrupt
+//! table cannot make it loop.
 
 use std::hint::spin_loop;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
@@ -25,7 +30,7 @@ use super::Shared;
 use super::lock::LockGuard;
 use crate::error::{Error, Result};
 use crate::keyhash::KeyHasher;
-use crate::layout::{Bucket, KeyRef, WriterId, chunk};
+use crate::layout::{Bucket, KEY_SLOT_SIZE, KeyRef, WriterId, chunk, header};
 use crate::segment::RawBytes;
 
 /// A key as the index looks for it: hashed once per operation.
@@ -100,6 +105,10 @@ pub(super) struct Filed {
     pub(super) version: u64,
 }
 
+/// Lookups that found a move in progress try again this often before answering with what
+/// they saw (a holder that died moving leaves the count odd until the lock is taken over).
+const SEEK_ATTEMPTS: usize = 64;
+
 impl Shared {
     fn bucket_head(&self, bucket: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.bucket_offset(bucket))
@@ -107,6 +116,21 @@ impl Shared {
 
     fn bucket_version(&self, bucket: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.bucket_offset(bucket) + 8)
+    }
+
+    fn bucket_hash(&self, bucket: u64) -> Result<&AtomicU64> {
+        self.seg.atomic(self.layout.bucket_hash_offset(bucket))
+    }
+
+    fn moves(&self) -> Result<&AtomicU64> {
+        self.header(header::INDEX_MOVES)
+    }
+
+    /// What bucket `bucket` holds now (the store lock's holder: it does not change meanwhile).
+    pub(super) fn bucket(&self, bucket: u64) -> Result<Bucket> {
+        Ok(Bucket::unpack(
+            self.bucket_head(bucket)?.load(Ordering::Relaxed),
+        ))
     }
 
     fn key_slot_matches(&self, bucket: u64, query: &Query<'_>) -> Result<bool> {
@@ -120,9 +144,36 @@ impl Shared {
         (0..n).map(move |i| (start + i) & (n - 1))
     }
 
-    /// Where `query`'s key is stored or claimed, without a lock (a seqlock read per bucket,
-    /// I1/I2 in the protocol).
+    /// Where `query`'s key is stored or claimed, without a lock. A hit is always true (each
+    /// bucket is read whole under its seqlock); a miss is confirmed by a second probe that no
+    /// move overlapped (the move count, read with Acquire before and, after an Acquire fence,
+    /// again: pairs with `remove_bucket`'s Release stores of it).
     pub(super) fn seek(&self, query: &Query<'_>) -> Result<Seen> {
+        let mut seen = self.probe_for(query)?;
+        if matches!(seen, Seen::Stored(_) | Seen::Claimed(_)) {
+            return Ok(seen);
+        }
+        let moves = self.moves()?;
+        for _ in 0..SEEK_ATTEMPTS {
+            let before = moves.load(Ordering::Acquire);
+            if before % 2 == 1 {
+                spin_loop();
+                continue;
+            }
+            seen = self.probe_for(query)?;
+            if matches!(seen, Seen::Stored(_) | Seen::Claimed(_)) {
+                return Ok(seen);
+            }
+            fence(Ordering::Acquire);
+            if moves.load(Ordering::Relaxed) == before {
+                return Ok(seen);
+            }
+        }
+        Ok(seen)
+    }
+
+    /// One probe for `query` (a seqlock read per bucket, I1/I2 in the protocol).
+    fn probe_for(&self, query: &Query<'_>) -> Result<Seen> {
         for bucket in self.probe(query.hash) {
             let mut spins = 0;
             loop {
@@ -131,7 +182,6 @@ impl Shared {
                 let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
                 let (kref, found) = match head {
                     Bucket::Empty => return Ok(Seen::Absent),
-                    Bucket::Tomb => break,
                     Bucket::Live { key, address } => (
                         key,
                         Seen::Stored(Entry {
@@ -177,18 +227,10 @@ impl Shared {
     /// Where `query`'s key is stored, claimed, or would be filed (the store lock's holder:
     /// nothing changes meanwhile, so plain reads suffice).
     pub(super) fn find(&self, _lock: &LockGuard<'_>, query: &Query<'_>) -> Result<Found> {
-        let mut free = None;
         for bucket in self.probe(query.hash) {
             let version = self.bucket_version(bucket)?.load(Ordering::Acquire);
             match Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed)) {
-                Bucket::Empty => {
-                    return Ok(Found::Vacant {
-                        bucket: free.unwrap_or(bucket),
-                    });
-                }
-                Bucket::Tomb => {
-                    free.get_or_insert(bucket);
-                }
+                Bucket::Empty => return Ok(Found::Vacant { bucket }),
                 Bucket::Live { key, address }
                     if key == query.kref && self.key_slot_matches(bucket, query)? =>
                 {
@@ -206,22 +248,22 @@ impl Shared {
                 _ => {}
             }
         }
-        free.map(|bucket| Found::Vacant { bucket }).ok_or_else(|| {
-            Error::Corrupt("the key index has no free bucket (it is never filled past half)".into())
-        })
+        Err(Error::Corrupt(
+            "the key index has no empty bucket (it is never filled past half)".into(),
+        ))
     }
 
-    /// Make `bucket` hold `head` for `query`'s key, with version `version` (the store lock's
-    /// holder; `bucket` is vacant, or holds `query`'s claim). I2 then I1.
-    fn file(&self, bucket: u64, query: &Query<'_>, head: Bucket, version: u64) -> Result<()> {
+    /// Make `bucket` hold `head` for a key of hash `hash` whose key slot is `slot`, with
+    /// version `version` (the store lock's holder; `bucket` is empty, holds that key's claim,
+    /// or is the gap of a move). I2 then I1.
+    fn file(&self, bucket: u64, head: Bucket, hash: u64, slot: &[u8], version: u64) -> Result<()> {
         let version_word = self.bucket_version(bucket)?;
         version_word.store(0, Ordering::Relaxed);
         // I2: a lookup that reads any byte written below sees version 0 or the new one.
         fence(Ordering::Release);
-        self.seg.write_from(
-            self.layout.key_slot_offset(bucket),
-            RawBytes::from(query.slot_bytes()),
-        )?;
+        self.seg
+            .write_from(self.layout.key_slot_offset(bucket), RawBytes::from(slot))?;
+        self.bucket_hash(bucket)?.store(hash, Ordering::Relaxed);
         self.bucket_head(bucket)?
             .store(head.pack(), Ordering::Relaxed);
         // I1: the head and key slot are visible to whoever loads this version with Acquire.
@@ -229,7 +271,7 @@ impl Shared {
         Ok(())
     }
 
-    /// File `query`'s key as stored in the chunk `(address, id)`, in `bucket` (vacant, or
+    /// File `query`'s key as stored in the chunk `(address, id)`, in `bucket` (empty, or
     /// holding the key's claim, which the entry replaces).
     pub(super) fn file_entry(
         &self,
@@ -243,10 +285,10 @@ impl Shared {
             key: query.kref,
             address,
         };
-        self.file(bucket, query, head, id)
+        self.file(bucket, head, query.hash, query.slot_bytes(), id)
     }
 
-    /// File `owner`'s claim of `query`'s key in `bucket` (vacant, or holding a claim of the
+    /// File `owner`'s claim of `query`'s key in `bucket` (empty, or holding a claim of the
     /// same key, which `owner` takes over), with the unique `ticket` as its version.
     pub(super) fn file_claim(
         &self,
@@ -260,29 +302,68 @@ impl Shared {
             key: query.kref,
             owner,
         };
-        self.file(bucket, query, head, ticket)
+        self.file(bucket, head, query.hash, query.slot_bytes(), ticket)
     }
 
-    /// Empty `bucket` (it leaves a tombstone, which becomes empty again once nothing can need
-    /// to probe past it).
-    pub(super) fn remove_bucket(&self, _lock: &LockGuard<'_>, bucket: u64) -> Result<()> {
-        self.bucket_version(bucket)?.store(0, Ordering::Relaxed);
-        self.bucket_head(bucket)?
-            .store(Bucket::Tomb.pack(), Ordering::Release);
-        let n = self.layout.index_buckets;
-        let next = (bucket + 1) & (n - 1);
-        if Bucket::unpack(self.bucket_head(next)?.load(Ordering::Relaxed)) != Bucket::Empty {
-            return Ok(());
+    /// Copy the entry in bucket `from` into bucket `to` (the gap of a removal), telling its
+    /// chunk where it is filed now.
+    fn move_entry(&self, from: u64, to: u64) -> Result<()> {
+        let head = Bucket::unpack(self.bucket_head(from)?.load(Ordering::Relaxed));
+        let version = self.bucket_version(from)?.load(Ordering::Relaxed);
+        let hash = self.bucket_hash(from)?.load(Ordering::Relaxed);
+        let mut slot = [0u8; KEY_SLOT_SIZE as usize];
+        self.seg
+            .read_into(self.layout.key_slot_offset(from), &mut slot)?;
+        self.file(to, head, hash, &slot, version)?;
+        if let Bucket::Live { address, .. } = head {
+            if self.layout.valid_chunk_address(address) {
+                self.chunk(address, chunk::BUCKET)?
+                    .store(to + 1, Ordering::Relaxed);
+            }
         }
-        // A tombstone followed by an empty bucket ends every probe that reaches it: empty.
-        let mut b = bucket;
+        Ok(())
+    }
+
+    /// Empty `bucket`, moving back into the gap every later entry of its cluster whose probe
+    /// would otherwise have to pass it (backward shift): no tombstone is left. While entries
+    /// move the move count is odd, so lock-free misses retry.
+    pub(super) fn remove_bucket(&self, _lock: &LockGuard<'_>, bucket: u64) -> Result<()> {
+        let n = self.layout.index_buckets;
+        let mask = n - 1;
+        let moves = self.moves()?;
+        let mut moving = false;
+        let mut gap = bucket;
+        let mut next = (gap + 1) & mask;
         for _ in 0..n {
-            let head = self.bucket_head(b)?;
-            if Bucket::unpack(head.load(Ordering::Relaxed)) != Bucket::Tomb {
+            if Bucket::unpack(self.bucket_head(next)?.load(Ordering::Relaxed)) == Bucket::Empty {
                 break;
             }
-            head.store(Bucket::Empty.pack(), Ordering::Release);
-            b = (b + n - 1) & (n - 1);
+            let home = self.bucket_hash(next)?.load(Ordering::Relaxed) & mask;
+            // `next` may move into the gap unless its home lies cyclically in (gap, next].
+            let stays = if gap <= next {
+                gap < home && home <= next
+            } else {
+                gap < home || home <= next
+            };
+            if !stays {
+                if !moving {
+                    moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+                    // A lookup that reads any bucket changed below sees the count odd.
+                    fence(Ordering::Release);
+                    moving = true;
+                }
+                self.move_entry(next, gap)?;
+                gap = next;
+            }
+            next = (next + 1) & mask;
+        }
+        self.bucket_version(gap)?.store(0, Ordering::Relaxed);
+        self.bucket_head(gap)?
+            .store(Bucket::Empty.pack(), Ordering::Release);
+        if moving {
+            // Pairs with `seek`'s Acquire load: every move above is visible to a lookup that
+            // sees the count even again.
+            moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Release);
         }
         Ok(())
     }
@@ -377,21 +458,56 @@ impl Shared {
         Ok(keys)
     }
 
-    /// After taking the lock over from a holder that died: remove any bucket it left half
-    /// changed (version 0 under a live or claim head), and count entries and claims.
-    pub(super) fn repair_index(&self, lock: &LockGuard<'_>) -> Result<(u64, u64)> {
-        let (mut objects, mut claims) = (0, 0);
+    /// After taking the lock over from a holder that died: rebuild the index from what it
+    /// holds (it may have died filing, removing or moving entries: a bucket half written, an
+    /// entry twice, a gap a lookup would stop at), and count entries and claims. Lookups
+    /// meanwhile see an odd move count and confirm their misses after.
+    pub(super) fn repair_index(&self, _lock: &LockGuard<'_>) -> Result<(u64, u64)> {
+        let moves = self.moves()?;
+        moves.store(moves.load(Ordering::Relaxed) | 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        let mut entries = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for bucket in 0..self.layout.index_buckets {
             let version = self.bucket_version(bucket)?.load(Ordering::Relaxed);
-            match Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed)) {
-                Bucket::Live { .. } | Bucket::Claim { .. } if version == 0 => {
-                    self.remove_bucket(lock, bucket)?;
+            let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
+            if head != Bucket::Empty && version != 0 && seen.insert(version) {
+                let hash = self.bucket_hash(bucket)?.load(Ordering::Relaxed);
+                let mut slot = [0u8; KEY_SLOT_SIZE as usize];
+                self.seg
+                    .read_into(self.layout.key_slot_offset(bucket), &mut slot)?;
+                entries.push((head, version, hash, slot));
+            }
+            self.bucket_version(bucket)?.store(0, Ordering::Relaxed);
+            self.bucket_head(bucket)?
+                .store(Bucket::Empty.pack(), Ordering::Relaxed);
+        }
+        let (mut objects, mut claims) = (0, 0);
+        for (head, version, hash, slot) in entries {
+            let mut empty = None;
+            for bucket in self.probe(hash) {
+                if Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed))
+                    == Bucket::Empty
+                {
+                    empty = Some(bucket);
+                    break;
                 }
-                Bucket::Live { .. } => objects += 1,
+            }
+            let bucket = empty.ok_or_else(|| Error::Corrupt("the key index is full".into()))?;
+            self.file(bucket, head, hash, &slot, version)?;
+            match head {
+                Bucket::Live { address, .. } => {
+                    objects += 1;
+                    if self.layout.valid_chunk_address(address) {
+                        self.chunk(address, chunk::BUCKET)?
+                            .store(bucket + 1, Ordering::Relaxed);
+                    }
+                }
                 Bucket::Claim { .. } => claims += 1,
-                Bucket::Empty | Bucket::Tomb => {}
+                Bucket::Empty => {}
             }
         }
+        moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Release);
         Ok((objects, claims))
     }
 }

@@ -34,15 +34,17 @@
 //! the fence pairing with I2 would show it 0 or a newer id). So lookups take no lock.
 //!
 //! **Protection (S1, S2).** A writer that adds anything to a chunk it found through the
-//! index (references, a pin, a private copy) first raises the protection count in its own pin
-//! word of that chunk (**SeqCst** RMW, S1), then checks that the chunk is still LIVE with the
-//! id the index gave (**SeqCst** loads). The evictor first marks the chunk EVICTING (**SeqCst**
-//! CAS, S2), then loads every pin word (**SeqCst**). In the single order of SeqCst operations
-//! one comes first: the writer sees EVICTING and backs off, or the evictor sees the
-//! protection and keeps the chunk. While protected, a chunk's words are that chunk's (it
-//! cannot be reused), so writers may add references and pins to it. A protection is dropped
-//! with a **Release** RMW after the references it covered were added, so an evictor that sees
-//! it gone (Acquire) also sees them.
+//! index (references, a pin, a private copy) first names the chunk's id in one of its own
+//! hazard words (`layout::slot::HAZARD`, a **SeqCst** CAS of a free word, S1), then checks that
+//! the chunk is still LIVE with that id (**SeqCst** loads). The evictor first marks the chunk
+//! EVICTING (**SeqCst** CAS, S2), then loads every live writer's hazard words (**SeqCst**). In
+//! the single order of SeqCst operations one comes first: the writer sees EVICTING and backs
+//! off, or the evictor sees the hazard and keeps the chunk. While protected, a chunk's words
+//! are that chunk's (it cannot be reused), so writers may add references and pins to it; no
+//! writer ever modifies a chunk word it has not checked under protection (a stale index entry
+//! may name an address that now lies inside another block). A hazard is cleared with a
+//! **Release** store after the references it covered were added, so an evictor that sees it
+//! clear (SeqCst) also sees them.
 //!
 //! **References.** Every handle a writer issues adds one `outstanding` reference to the word
 //! of every *claimed* reader slot (`layout::SlotWord`), under protection; the handle records
@@ -57,7 +59,7 @@
 //! is full reads a verified copy.
 //!
 //! **Reclaim (P2, P3).** Under the lock, the evictor evicts a chunk only when, after marking
-//! it EVICTING (S2), no live writer protects it or (while it is keyed) pins it, and for every
+//! it EVICTING (S2), no live writer's hazard names it nor (while it is keyed) pins it, and for every
 //! occupied reader slot the word is stamped for an earlier occupant or holds no view and (for
 //! a claimed, not draining, slot) no reference. It takes the chunk out of the index, stores
 //! `id = 0`, and issues a **Release fence** (P2) before any of its bytes change. A writer that
@@ -74,7 +76,7 @@
 //! to `(epoch + 1, pid, CLAIMED)` (AcqRel, pairs with the previous occupant's freeing CAS): a
 //! live occupant always holds the lock, so liveness is never judged from an earlier
 //! occupant's pid, and a claim whose holder died is reclaimable at once (the kernel dropped
-//! its lock). A writer's stamps (reservations, pins, protections, claims, lock ownership)
+//! its lock). A writer's stamps (reservations, pins, hazards, claims, lock ownership)
 //! carry its epoch, so they are void the moment its lock is gone or its slot's epoch moves
 //! on. A reader's `close()` with live views makes its slot `DRAINING`; the last view frees it;
 //! a writer frees the slot of a reader whose lock is gone (or, in the pid fallback, whose

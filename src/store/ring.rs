@@ -6,7 +6,7 @@
 //! where the next one starts and whose `STATE` says what it is (`layout::BlockState`). To
 //! place `size` bytes, CLOCK's hand looks at the window `[hand, hand + size)`: every block in
 //! it must be free or evictable; a chunk hit since the hand last passed is kept once (second
-//! chance), one still held (a live writer's reservation, protection or pin; a reader's
+//! chance), one still held (a live writer's reservation, hazard or pin; a reader's
 //! reference or view) is stepped over, so one live chunk never blocks the reclaimable space
 //! around it. A window never wraps: one that would run past the end restarts at 0. The sweep
 //! gives up after two full laps, so allocation always terminates.
@@ -194,22 +194,27 @@ impl Shared {
         Ok(())
     }
 
-    /// Whether a live writer protects the chunk (or, while it is keyed, pins it), or a
-    /// reader holds a view or (a claimed slot) a reference on it. Readers whose lock is gone
-    /// are reaped on the way. The pin words are loaded with SeqCst (S2's other half).
+    /// Whether a live writer holds the chunk (a hazard word names it) or, while it is keyed,
+    /// pins it, or a reader holds a view or (a claimed slot) a reference on it. Readers whose
+    /// lock is gone are reaped on the way. Hazards are loaded with SeqCst (S2's other half).
     fn held(&self, address: u64, state: BlockState, census: &mut Census) -> Result<bool> {
+        let id = self.chunk(address, chunk::ID)?.load(Ordering::Relaxed);
         for w in 0..self.layout.max_writers {
-            let pin = PinWord::unpack(self.pin_word(address, w)?.load(Ordering::SeqCst));
-            let holds = pin.protections > 0 || (state.keyed && pin.pins > 0);
-            if holds
-                && census.writer_alive(
-                    self,
-                    WriterId {
-                        slot: w,
-                        epoch: pin.epoch,
-                    },
-                )?
-            {
+            let (_, claim) = self.writer_claim(w)?;
+            if !claim.is_occupied() {
+                continue;
+            }
+            let writer = WriterId {
+                slot: w,
+                epoch: claim.epoch,
+            };
+            let pin = PinWord::unpack(self.pin_word(address, w)?.load(Ordering::Acquire));
+            let mut holds = state.keyed && pin.epoch == claim.epoch && pin.pins > 0;
+            for h in 0..slot::HAZARDS {
+                let hazard = self.writer_slot(w, slot::HAZARD + 8 * h)?;
+                holds |= id != 0 && hazard.load(Ordering::SeqCst) == id;
+            }
+            if holds && census.writer_alive(self, writer)? {
                 return Ok(true);
             }
         }

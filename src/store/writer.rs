@@ -9,7 +9,7 @@
 //! for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
 //! Lock order: the store lock before the private mutex, never the other way round.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -43,34 +43,22 @@ pub struct Writer {
     hasher: KeyHasher,
     pub(super) me: WriterId,
     process: Process,
-    /// Set by `close`: no operation may take a protection or a reservation after it (each
+    /// Set by `close`: no operation may take a hazard or a reservation after it (each
     /// checks after taking one; `close` waits for those taken before).
     pub(super) closing: AtomicBool,
     private: Mutex<Private>,
 }
 
-/// This writer's protection of one chunk (S1 in the protocol): while it lives the chunk is
-/// not evicted, so its words are that chunk's. Dropped with a Release RMW.
+/// One of this writer's hazard words, naming the chunk an operation holds (S1 in the
+/// protocol): while it names it, the chunk is not evicted, so its words are that chunk's.
+/// Given back with a Release store.
 pub(super) struct Protected<'a> {
-    word: &'a std::sync::atomic::AtomicU64,
-    epoch: u32,
+    hazard: &'a AtomicU64,
 }
 
 impl Drop for Protected<'_> {
     fn drop(&mut self) {
-        let epoch = self.epoch;
-        let _ = self
-            .word
-            .fetch_update(Ordering::Release, Ordering::Relaxed, |w| {
-                let pin = PinWord::unpack(w);
-                (pin.epoch == epoch && pin.protections > 0).then(|| {
-                    PinWord {
-                        protections: pin.protections - 1,
-                        ..pin
-                    }
-                    .pack()
-                })
-            });
+        self.hazard.store(0, Ordering::Release);
     }
 }
 
@@ -295,25 +283,31 @@ impl Writer {
         Query::new(&self.hasher, key)
     }
 
-    /// Protect the chunk `entry` names (S1), if it is still LIVE with that id.
+    /// Protect the chunk `entry` names (S1), if it is still LIVE with that id: name it in a
+    /// free hazard word of this writer (SeqCst CAS), then check it. With every hazard word in
+    /// use (that many of this writer's threads in the middle of an operation), wait for one.
     pub(super) fn protect(&self, entry: &Entry) -> Result<Option<Protected<'_>>> {
-        let word = self.shared.pin_word(entry.address, self.me.slot)?;
-        let epoch = self.me.epoch;
-        let raised = word.fetch_update(Ordering::SeqCst, Ordering::Relaxed, |w| {
-            let pin = PinWord::unpack(w).for_epoch(epoch);
-            (pin.protections < PinWord::MAX).then(|| {
-                PinWord {
-                    protections: pin.protections + 1,
-                    ..pin
+        let hazard = loop {
+            let mut taken = None;
+            for h in 0..slot::HAZARDS {
+                let word = self
+                    .shared
+                    .writer_slot(self.me.slot, slot::HAZARD + 8 * h)?;
+                if word
+                    .compare_exchange(0, entry.id, Ordering::SeqCst, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    taken = Some(word);
+                    break;
                 }
-                .pack()
-            })
-        });
-        if raised.is_err() {
-            return Ok(None);
-        }
-        let protected = Protected { word, epoch };
-        // SeqCst, after the SeqCst RMW: `close` sets the flag, then looks for protections.
+            }
+            match taken {
+                Some(word) => break word,
+                None => std::thread::yield_now(),
+            }
+        };
+        let protected = Protected { hazard };
+        // SeqCst, after the SeqCst CAS: `close` sets the flag, then looks for hazards.
         if self.closing.load(Ordering::SeqCst) {
             return Err(Error::Closed);
         }
@@ -452,22 +446,21 @@ impl Writer {
         Ok(())
     }
 
-    /// Change this writer's pin count on `key`'s chunk by `f` (under protection). Whether
-    /// the key was stored.
-    fn change_pins(&self, key: &str, f: impl Fn(u16) -> u16) -> Result<bool> {
+    /// Change this writer's pin count on `key`'s chunk by `f` (under protection: the word is
+    /// that chunk's). Whether the key was stored.
+    fn change_pins(&self, key: &str, f: impl Fn(u32) -> u32) -> Result<bool> {
         self.check_open()?;
-        let Some((_, protected)) = self.find_protected(&self.query(key))? else {
+        let Some((entry, _protected)) = self.find_protected(&self.query(key))? else {
             return Ok(false);
         };
-        // One RMW changes the pins and drops the protection (Release, as `Protected` does).
-        let (word, epoch) = (protected.word, protected.epoch);
-        std::mem::forget(protected);
-        let _ = word.fetch_update(Ordering::Release, Ordering::Relaxed, |w| {
+        let epoch = self.me.epoch;
+        let word = self.shared.pin_word(entry.address, self.me.slot)?;
+        // Only this writer changes its word (its threads one CAS at a time).
+        let _ = word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
             let pin = PinWord::unpack(w).for_epoch(epoch);
             Some(
                 PinWord {
                     pins: f(pin.pins),
-                    protections: pin.protections.saturating_sub(1),
                     ..pin
                 }
                 .pack(),
@@ -477,7 +470,7 @@ impl Writer {
     }
 
     /// Protect a stored object from eviction until a matching `unpin` (pins are counted per
-    /// writer, up to 65,535; a writer's pins end with it, and with the key's invalidation).
+    /// writer; a writer's pins end with it, and with the key's invalidation).
     pub fn pin(&self, key: &str) -> Result<()> {
         if self.change_pins(key, |pins| pins.saturating_add(1))? {
             Ok(())
@@ -634,7 +627,7 @@ impl Writer {
 
     /// Leave the store: give back this writer's claims and slot; the last writer to leave
     /// marks the store closed for readers and removes its name. Operations other threads have
-    /// in progress finish first (those that hold a protection or a reservation: no new one
+    /// in progress finish first (those that hold a hazard or a reservation: no new one
     /// starts). Only the process that made the writer does this: in a forked child it does
     /// nothing (the copy just stops working).
     pub fn close(&self) -> Result<()> {
@@ -654,17 +647,20 @@ impl Writer {
         Ok(())
     }
 
-    /// Whether one of this writer's operations holds a chunk (a protection) or a block (a
+    /// Whether one of this writer's operations holds a chunk (a hazard) or a block (a
     /// reservation) right now.
     fn holds_anything(&self, lock: &LockGuard<'_>) -> Result<bool> {
-        for block in self.shared.blocks(lock)? {
-            if block.state.kind == (BlockKind::Reserved { owner: self.me }) {
+        for h in 0..slot::HAZARDS {
+            let hazard = self
+                .shared
+                .writer_slot(self.me.slot, slot::HAZARD + 8 * h)?;
+            // SeqCst: the other half of the test in `protect`.
+            if hazard.load(Ordering::SeqCst) != 0 {
                 return Ok(true);
             }
-            let pin = self.shared.pin_word(block.address, self.me.slot)?;
-            // SeqCst: the other half of the test in `protect`.
-            let pin = PinWord::unpack(pin.load(Ordering::SeqCst));
-            if pin.epoch == self.me.epoch && pin.protections > 0 {
+        }
+        for block in self.shared.blocks(lock)? {
+            if block.state.kind == (BlockKind::Reserved { owner: self.me }) {
                 return Ok(true);
             }
         }

@@ -286,7 +286,7 @@ fn a_full_index_evicts_with_clock_or_refuses() {
 }
 
 #[test]
-fn a_dead_writers_reservation_pins_and_protections_are_void() {
+fn a_dead_writers_reservation_pins_and_hazards_are_void() {
     // A ring of four 1 KiB chunks and no reader: only writers hold anything.
     let a = store(4096, 1, 2);
     let b = join(&a);
@@ -741,7 +741,7 @@ fn content(k: u64) -> Vec<u8> {
 fn writers_and_threads_race_on_the_same_keys_and_readers_only_see_their_bytes() {
     const THREADS_PER_WRITER: usize = 2;
     const KEYS: u64 = 24;
-    const ROUNDS: usize = 400;
+    const ROUNDS: usize = 3000;
     let first = store(64 * 1024, 2, WRITERS as u32);
     let info = first.writer_info();
     let reader_info = first.reader_info();

@@ -152,13 +152,18 @@ impl Writer {
         lock: &LockGuard<'_>,
         mut void: impl FnMut(WriterId) -> Result<bool>,
     ) -> Result<()> {
-        for filed in self.shared.filed()? {
-            if let Bucket::Claim { owner, .. } = filed.head {
+        // A removal moves later entries back into the gap, so the bucket just emptied is
+        // looked at again, and the scan goes forward from there (nothing moves behind it).
+        let mut bucket = 0;
+        while bucket < self.shared.layout.index_buckets {
+            if let Bucket::Claim { owner, .. } = self.shared.bucket(bucket)? {
                 if void(owner)? {
-                    self.shared.remove_bucket(lock, filed.bucket)?;
+                    self.shared.remove_bucket(lock, bucket)?;
                     self.shared.adjust(lock, Counter::Claims, -1)?;
+                    continue;
                 }
             }
+            bucket += 1;
         }
         Ok(())
     }

@@ -112,7 +112,10 @@ impl Writer {
         for (address, id) in evicted {
             private.forget(address, id);
         }
-        private.record(&handle, reader_set);
+        if !reader_set.members.is_empty() {
+            // A handle with references to give back (`release`); one without has none.
+            private.record(&handle, reader_set);
+        }
         let shared = &self.shared;
         private.prune(|address, id| {
             shared
