@@ -6,7 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
-.PHONY: build simulate test test-rust test-python test-vllm lint typecheck bench bench-vllm clean
+.PHONY: build simulate test test-rust test-python test-vllm test-wheel wheel lint typecheck bench \
+	bench-vllm clean mooncake-libs
 
 # vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
 # their own, with vLLM installed without its dependencies plus exactly what its cache
@@ -15,18 +16,44 @@ VENV_VLLM  := .venv-vllm
 VLLM_STAMP := $(VENV_VLLM)/.deps-installed
 VLLM_ENV   := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1
 
+# Mooncake's wheel (extras `mooncake`, `test`) links libibverbs (which needs libnl-3 and
+# libnl-route-3) and libnuma from the OS; most machines, CI's among them, lack the first three.
+# Where apt exists, `mooncake-libs` fetches the Debian/Ubuntu packages with `apt-get download`
+# and unpacks them with `dpkg -x` under .venv/ (no root; nothing installed, the system
+# untouched); the targets that run Mooncake put them on LD_LIBRARY_PATH, and the Mooncake
+# tests must then run (MMCACHE_REQUIRE_MOONCAKE=1: a library still missing fails them rather
+# than skips them). Without apt they skip, naming the library (README: what to install).
+HAVE_APT       := $(shell command -v apt-get >/dev/null && command -v dpkg >/dev/null && echo 1)
+MOONCAKE_DEBS  := libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1
+MOONCAKE_LIBS  := $(VENV)/mooncake-libs
+MOONCAKE_STAMP := $(MOONCAKE_LIBS)/.unpacked
+MMCACHE_REQUIRE_MOONCAKE ?= $(if $(HAVE_APT),1,0)
+MOONCAKE_ENV   := MMCACHE_REQUIRE_MOONCAKE=$(MMCACHE_REQUIRE_MOONCAKE) \
+	LD_LIBRARY_PATH="$(abspath $(MOONCAKE_LIBS))/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"
+
+mooncake-libs: $(if $(HAVE_APT),$(MOONCAKE_STAMP))
+
+$(MOONCAKE_STAMP):
+	rm -rf $(MOONCAKE_LIBS)
+	mkdir -p $(MOONCAKE_LIBS)/debs $(MOONCAKE_LIBS)/lib
+	cd $(MOONCAKE_LIBS)/debs && apt-get download $(MOONCAKE_DEBS)
+	for deb in $(MOONCAKE_LIBS)/debs/*.deb; do dpkg -x "$$deb" $(MOONCAKE_LIBS)/root || exit 1; done
+	find $(MOONCAKE_LIBS)/root -name '*.so*' -exec cp -P {} $(MOONCAKE_LIBS)/lib/ \;
+	touch $@
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "maturin>=1.9,<2"
 	touch $@
 
-# Builds the Rust core (release) and installs the package, editable, with its test extras.
+# Builds the Rust core (release) and installs the package, editable, with its test extras
+# and the command line's.
 build: $(STAMP)
-	$(VENV)/bin/maturin develop --release --quiet --extras test,plot
+	$(VENV)/bin/maturin develop --release --quiet --extras test,plot,cli
 
-simulate: build
-	$(VENV)/bin/mmcache simulate
+simulate: build mooncake-libs
+	$(MOONCAKE_ENV) $(VENV)/bin/mmcache simulate
 
 lint:
 	cargo fmt --check
@@ -39,13 +66,14 @@ lint:
 test-rust:
 	cargo test
 
-# The hand-written stub of the Rust module must match it; the package must type-check.
+# The hand-written stub of the Rust module must match it (stubtest finds it through the
+# package's py.typed marker); the package must type-check.
 typecheck: build
-	$(PY) -m mypy.stubtest mmcache._core
+	$(PY) -m mypy.stubtest mmcache._core --allowlist tests/stubtest-allowlist.txt
 	$(PY) -m mypy --strict python/mmcache
 
-test-python: build
-	$(PY) -m pytest -q
+test-python: build mooncake-libs
+	$(MOONCAKE_ENV) $(PY) -m pytest -q
 
 $(VLLM_STAMP): tests_vllm/requirements.txt
 	$(PYTHON) -m venv $(VENV_VLLM)
@@ -61,9 +89,35 @@ test-vllm: build $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python tests_vllm/upstream/fetch.py $(VENV_VLLM)/upstream $(VENV_VLLM)
 	cd $(VENV_VLLM)/upstream && $(VLLM_ENV) ../bin/python -m pytest -q -p no:cacheprovider \
 		tests/multimodal/test_cache.py
-	$(VLLM_ENV) $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider tests_vllm
+	# pytest-asyncio (a vLLM test dependency) warns at start-up, and warnings are errors here;
+	# no test of ours is asynchronous.
+	$(VLLM_ENV) $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider -p no:asyncio tests_vllm
 
-test: lint test-rust typecheck test-python test-vllm
+test: lint test-rust typecheck test-python test-vllm test-wheel
+
+# Release artefacts without Docker: maturin links the core against glibc 2.17 through zig (the
+# ziglang wheel; maturin finds it through the venv's python on PATH), so the wheel is
+# manylinux2014. tests_wheel/check_dist.py checks its tags and `auditwheel show`'s verdict.
+VENV_WHEEL  := .venv-wheel
+WHEEL_STAMP := $(VENV_WHEEL)/.deps-installed
+DIST        := dist
+
+$(WHEEL_STAMP): tests_wheel/requirements.txt
+	$(PYTHON) -m venv $(VENV_WHEEL)
+	$(VENV_WHEEL)/bin/python -m pip install --quiet -r tests_wheel/requirements.txt
+	touch $@
+
+wheel: $(WHEEL_STAMP)
+	rm -f $(DIST)/mmcache-*
+	PATH="$(abspath $(VENV_WHEEL))/bin:$$PATH" maturin build --profile wheel --locked --zig \
+		--compatibility manylinux2014 --out $(DIST)
+	$(VENV_WHEEL)/bin/maturin sdist --out $(DIST)
+	$(VENV_WHEEL)/bin/python tests_wheel/check_dist.py $(DIST)
+
+# That wheel in a fresh venv with no Rust toolchain on PATH: the README's engine example and
+# `mmcache simulate` (installs torch into the venv: a few minutes).
+test-wheel: wheel
+	$(VENV_WHEEL)/bin/python -m pytest -q -p no:cacheprovider tests_wheel
 
 bench: build
 	$(VENV)/bin/mmcache bench
@@ -71,7 +125,7 @@ bench: build
 
 # The cache API and the core against vLLM 0.33's own store, in vLLM's venv (a few minutes).
 bench-vllm: build $(VLLM_STAMP)
-	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet
+	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet --extras cli
 	$(VLLM_ENV) $(VENV_VLLM)/bin/python benches/bench_vllm.py
 
 clean:

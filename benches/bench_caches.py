@@ -7,6 +7,11 @@ the item pickled through a ``multiprocessing`` pipe to a child that unpickles it
 (one round trip per item).  In ``lru`` mode a miss still ships the item by the engine's own
 IPC (the baseline's cost) on top of the cache work shown.
 
+A second table gives the cost of the calls themselves on the hot paths (a 1 KiB item, so
+no payload work): ns per call in thread CPU time (steadier than wall time on a shared
+machine), the minimum of 15 repeats.  It is where the caches' locks and per-thread request
+state show.
+
 Run: ``python benches/bench_caches.py [--iterations N]``.
 """
 
@@ -17,6 +22,7 @@ import multiprocessing as mp
 import pickle
 import statistics
 import time
+import timeit
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -118,6 +124,45 @@ def run(iterations: int = 200) -> list[dict[str, Any]]:
     return rows
 
 
+def call_ns(call: Callable[[], object], number: int) -> float:
+    """ns per ``call()`` in thread CPU time, the minimum of 15 repeats."""
+    runs = timeit.repeat(call, number=number, repeat=15, timer=time.thread_time)
+    return min(runs) / number * 1e9
+
+
+def run_calls(number: int = 20_000) -> dict[str, float]:
+    """ns per call of the hot paths: a pure query, a writer hit (touch, then update with
+    ``None``) and a receiver hit, in ``lru`` and ``shm`` mode."""
+    item = {"x": torch.zeros(256, dtype=torch.float32)}
+    sender, receiver = SenderCache(1), ReceiverCache(1)
+    sender.get_and_update_item((item, UPDATES), "h")
+    receiver.get_and_update_item(item, "h")
+
+    def lru_writer_hit() -> None:
+        sender.touch_sender_cache_item("h")
+        sender.get_and_update_item(None, "h")
+
+    rows = {
+        "lru is_cached_item": call_ns(lambda: sender.is_cached_item("h"), number),
+        "lru writer hit (touch + update)": call_ns(lru_writer_hit, number),
+        "lru receiver hit": call_ns(lambda: receiver.get_and_update_item(None, "h"), number),
+    }
+    with ShmSenderCache(0.01) as shm, ShmReceiverCache(shm.handle()) as worker:
+        shm.get_and_update_item((item, UPDATES), "h")
+        n = number // 10  # each issued handle is read once: keep the unread ones few
+        handles = iter([shm.get_and_update_item(None, "h")[0] for _ in range(15 * n)])
+
+        def shm_writer_hit() -> None:
+            shm.touch_sender_cache_item("h")
+            worker.get_and_update_item(shm.get_and_update_item(None, "h")[0], "h")
+
+        rows["shm is_cached_item"] = call_ns(lambda: shm.is_cached_item("h"), number)
+        resolve = call_ns(lambda: worker.get_and_update_item(next(handles), "h"), n)
+        rows["shm writer hit (touch + update)"] = call_ns(shm_writer_hit, n) - resolve
+        rows["shm receiver hit (resolve, copy)"] = resolve
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=200)
@@ -132,6 +177,9 @@ def main() -> None:
         p1 = "" if row["p1"] is None else f"{row['p1']:.1f}"
         ratio = baseline / row["total"]
         print(f"{row['case']:<54} {p0:>9} {p1:>10} {row['total']:>9.1f} {ratio:>8.1f}x")
+    print(f"\n{'hot path, 1 KiB item':<54} {'ns/call':>9}")
+    for case, ns in run_calls().items():
+        print(f"{case:<54} {ns:>9.0f}")
 
 
 if __name__ == "__main__":

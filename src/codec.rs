@@ -30,8 +30,11 @@
 //! 14 scalar u8 len, dtype descriptor, u32 len, the value's raw bytes (a numpy scalar)
 //! ```
 //!
-//! Part numbers count from 1 (part 0 is the header). Anything else — another magic or
-//! version, a count the remaining bytes cannot hold, a part number out of range, parts
+//! Part numbers count from 1 (part 0 is the header), and every part belongs to exactly one
+//! node: as the parts lie one after another inside the payload, the values a payload decodes
+//! into hold at most the payload's own bytes (plus one small object per node of the header),
+//! whatever its header says. Anything else — another magic or version, a count the remaining
+//! bytes cannot hold, a part number out of range, a part named by two nodes or by none, parts
 //! running past the payload, invalid UTF-8, trailing bytes — is a [`FormatError`]. Whether a
 //! tensor's or array's part holds exactly `numel * itemsize` bytes is checked by the Python
 //! side, which knows the item sizes.
@@ -347,8 +350,18 @@ impl<'a> Header<'a> {
     }
 
     /// Check the whole tree — a dict at the root, nesting at most [`MAX_DEPTH`] deep, every
-    /// node readable, nothing after the root — calling `visit` on every node, depth first.
+    /// node readable, every part named by exactly one node, nothing after the root — calling
+    /// `visit` on every node, depth first.
     pub fn walk(&self, mut visit: impl FnMut(&Node<'a>) -> Result<()>) -> Result<()> {
+        let mut named = vec![false; self.parts.len()];
+        let mut visit = |node: &Node<'a>| {
+            if let Some(part) = node.part() {
+                if std::mem::replace(&mut named[part], true) {
+                    return err(format!("part {} is named by two values", part + 1));
+                }
+            }
+            visit(node)
+        };
         let mut r = self.tree();
         let root = r.node()?;
         let Node::Dict(n) = root else {
@@ -381,7 +394,11 @@ impl<'a> Header<'a> {
                 open.push(children);
             }
         }
-        r.finish()
+        r.finish()?;
+        match named.iter().position(|&n| !n) {
+            Some(part) => err(format!("part {} is named by no value", part + 1)),
+            None => Ok(()),
+        }
     }
 
     /// A reader of the value tree, positioned at the root.
@@ -445,6 +462,18 @@ pub enum Node<'a> {
         descr: &'a str,
         raw: &'a [u8],
     },
+}
+
+impl Node<'_> {
+    /// The index of the part this node's bytes are in, if they are in one.
+    pub fn part(&self) -> Option<usize> {
+        match *self {
+            Node::BytesPart(part) | Node::Tensor { part, .. } | Node::Array { part, .. } => {
+                Some(part)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Reads the tree node by node; every read is bounds-checked.

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mmcache.cli import main
+from mmcache.cli import CLI_EXTRA_MODULES, main
 
 
 def mmcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -68,6 +68,53 @@ def test_bad_input_is_one_line_and_exit_status_2(args: list[str], message: str) 
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def _without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter in which ``modules`` cannot be imported (as if
+    the ``cli`` extra were not installed)."""
+    block = "import sys\nfor name in %r:\n    sys.modules[name] = None\n" % (modules,)
+    return subprocess.run(
+        [sys.executable, "-c", block + code], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("missing", CLI_EXTRA_MODULES)
+@pytest.mark.parametrize("args", [["simulate", "--requests", "1"], ["prune"], ["--help"]])
+def test_without_the_cli_extra_the_command_names_it_in_one_line(
+    missing: str, args: list[str]
+) -> None:
+    run_cli = f"import runpy; sys.argv = ['mmcache', *{args!r}]\n"
+    result = _without((missing,), run_cli + "runpy.run_module('mmcache', run_name='__main__')")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"mmcache: error: the command needs {missing}, which is not installed: "
+        "pip install 'mmcache[cli]'"
+    ]
+    assert result.stdout == ""
+
+
+def test_the_library_imports_without_the_cli_extra() -> None:
+    # Every module but the command's own (and the vLLM adapter, which needs vLLM).
+    code = """
+import importlib, pathlib
+import mmcache
+root = pathlib.Path(mmcache.__file__).parent
+skip = ("mmcache.simulate", "mmcache.bench", "mmcache.vllm", "mmcache.__main__")
+names = [
+    ".".join(("mmcache", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+    for path in sorted(root.rglob("*.py"))
+]
+for name in names:
+    if not name.startswith(skip):
+        importlib.import_module(name)
+loaded = [m for m, module in sys.modules.items() if module and m.split(".")[0] in %r]
+print(len(names), loaded)
+""" % (CLI_EXTRA_MODULES,)
+    result = _without(CLI_EXTRA_MODULES, code)
+    assert result.returncode == 0, result.stderr
+    count, loaded = result.stdout.split(" ", 1)
+    assert int(count) > 10 and loaded.strip() == "[]"
 
 
 def test_main_returns_the_exit_status_in_process(capsys: pytest.CaptureFixture[str]) -> None:

@@ -380,3 +380,159 @@ def test_view_mapping_is_the_readers() -> None:
         with ShmObjectStore.attach(writer.handle()) as reader:
             address, length = reader.view_mapping()
             assert address > 0 and length > writer.capacity
+
+
+
+# -- hostile payloads: no payload decodes into more memory than it holds -------------------
+
+
+def raw_payload(tree: bytes, part_lens: list[int]) -> bytes:
+    """A payload as a forger would write it: part 0 with this value tree and part table, then
+    zero-filled parts at their aligned offsets (the encoder never writes such trees)."""
+    header_len = 16 + 8 * len(part_lens) + len(tree)
+    header = (
+        b"MMC2"
+        + struct.pack("<III", header_len, len(part_lens), 0)
+        + struct.pack(f"<{len(part_lens)}Q", *part_lens)
+        + tree
+    )
+    end = serde.part_offsets([header_len, *part_lens])[-1] + part_lens[-1]
+    return header + bytes(end - header_len)
+
+
+def part_node(kind: str, part: int, nbytes: int) -> bytes:
+    """A node naming ``part`` (1-based) of ``nbytes`` bytes: a uint8 tensor, array or bytes."""
+    if kind == "tensor":
+        return b"\x0c\x05uint8\x01" + struct.pack("<QI", nbytes, part)
+    if kind == "array":
+        return b"\x0d\x03|u1\x01" + struct.pack("<QI", nbytes, part)
+    return b"\x08" + struct.pack("<I", part)
+
+
+def dict_tree(values: list[bytes]) -> bytes:
+    """A root dict of ``values`` under the keys ``"0"``, ``"1"``, ..."""
+    entries = b"".join(
+        struct.pack("<I", len(str(i))) + str(i).encode() + v for i, v in enumerate(values)
+    )
+    return b"\x0b" + struct.pack("<I", len(values)) + entries
+
+
+def list_tree(value: bytes, count: int) -> bytes:
+    """A root dict whose one entry is a list of ``count`` copies of ``value``."""
+    return dict_tree([b"\x09" + struct.pack("<I", count) + value * count])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "array", "bytes"])
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_part_named_by_two_values_is_corrupt(kind: str, copy: bool) -> None:
+    """64 values naming one 256 KiB part decoded into 16 MiB (each copied once)."""
+    size = 256 << 10
+    amplified = raw_payload(list_tree(part_node(kind, 1, size), 64), [size])
+    with pytest.raises(SegmentCorruptError, match="part 1 is named by two values"):
+        serde.decode(amplified, copy=copy)
+    mixed = raw_payload(dict_tree([part_node(kind, 1, size), part_node("tensor", 1, size)]), [size])
+    with pytest.raises(SegmentCorruptError, match="part 1 is named by two values"):
+        serde.decode(mixed, copy=copy)
+
+
+def test_a_part_named_by_no_value_is_corrupt() -> None:
+    payload = raw_payload(dict_tree([part_node("bytes", 2, 300)]), [300, 300])
+    with pytest.raises(SegmentCorruptError, match="part 1 is named by no value"):
+        serde.decode(payload)
+
+
+def run_python(code: str, stdin: bytes = b"") -> tuple[int, str, str]:
+    """``code`` in a fresh interpreter (what would crash this process crashes that one):
+    its exit status, stdout and stderr."""
+    out = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, timeout=300)
+    return out.returncode, out.stdout.decode(), out.stderr.decode(errors="replace")[-3000:]
+
+
+# Caps the child's address space a little above what it uses once its payload is read, so
+# that an allocation of the size a payload asks for fails at once (and never swaps).
+CAP_MEMORY = """
+import resource
+def cap_memory(extra):
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + extra, resource.RLIM_INFINITY))
+"""
+
+
+def test_a_small_payload_never_asks_for_a_huge_arena() -> None:
+    """196608 tensors naming one 8 MiB part: a 12 MiB payload that asked torch for a 1.5 TiB
+    copy arena, whose RuntimeError escaped."""
+    size = 8 << 20
+    payload = raw_payload(list_tree(part_node("tensor", 1, size), 196_608), [size])
+    code = CAP_MEMORY + """
+import sys, torch
+from mmcache import serde, SegmentCorruptError
+payload = sys.stdin.buffer.read()
+cap_memory(1 << 30)
+try:
+    serde.decode(payload, copy=True)
+except SegmentCorruptError as e:
+    print("corrupt:", e)
+"""
+    rc, stdout, stderr = run_python(code, payload)
+    assert rc == 0 and "named by two values" in stdout, stderr
+
+
+def test_a_failed_allocation_is_a_memory_error() -> None:
+    """Every allocation of the decoder (torch's copy arena, numpy, bytes) maps its failure to
+    a MemoryError, never a stray RuntimeError."""
+    code = CAP_MEMORY + """
+import numpy as np, torch
+from mmcache import serde
+payloads = [
+    serde.pack({"t": torch.zeros(32 << 20, dtype=torch.uint8)}),
+    serde.pack({"a": np.zeros(32 << 20, dtype=np.uint8)}),
+    serde.pack({"b": bytes(32 << 20)}),
+]
+cap_memory(16 << 20)
+for payload in payloads:
+    try:
+        serde.decode(payload, copy=True)
+    except MemoryError as e:
+        print(type(e).__name__, "(a MemoryError):", str(e)[:60].replace(chr(10), " "))
+"""
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0 and stdout.count("(a MemoryError)") == 3, (stdout, stderr)
+    assert "cannot allocate" in stdout.splitlines()[0], stdout
+
+
+def bytearray_exports(buffer: bytearray) -> int:
+    """How many buffer exports of ``buffer`` are open (CPython's ``ob_exports``, the last field
+    of a bytearray object), checked against a memoryview of our own."""
+    import ctypes
+
+    field = ctypes.c_ssize_t.from_address(id(buffer) + bytearray.__basicsize__ - 8)
+    before = field.value
+    with memoryview(buffer):
+        assert field.value == before + 1, "not CPython's bytearray layout"
+    return field.value
+
+
+def test_zero_copy_decoding_holds_the_one_export_its_pointer_came_from() -> None:
+    """Views hold exactly the export their bytes were read through: an exporter may return
+    other memory for every export (``__buffer__``, from Python 3.12)."""
+    item = {"t": torch.arange(16, dtype=torch.int32), "a": np.arange(4.0), "b": b"x" * 300}
+    payload = bytearray(serde.pack(item))
+    out = serde.decode(payload, copy=False)
+    assert bytearray_exports(payload) == 1
+    assert out["a"].flags.writeable, "a view of a writable payload is writable"
+    tensor, array = out.pop("t"), out.pop("a")
+    del out
+    gc.collect()
+    assert bytearray_exports(payload) == 1
+    del tensor
+    gc.collect()
+    assert bytearray_exports(payload) == 1, "the array holds the export"
+    with pytest.raises(BufferError):
+        payload.extend(b"x")  # which would move the memory the array views
+    array[0] = 7.0
+    assert serde.decode(payload)["a"][0] == 7.0, "the array views the payload"
+    del array
+    gc.collect()
+    assert bytearray_exports(payload) == 0
+    assert not serde.decode(serde.pack(item), copy=False)["a"].flags.writeable

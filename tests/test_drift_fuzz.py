@@ -1,4 +1,4 @@
-"""Drift fuzzing: hypothesis drives the engine model of :mod:`mmcache.fuzz` (P0, P1 and the
+"""Drift fuzzing: hypothesis drives the engine models of :mod:`tests.drift` (P0, P1 and the
 workers around the real caches) through random request streams and faults, and the model
 checks its oracle after every step: (a) every resolved tensor is the truth for its hash, bit
 for bit; (b) every request succeeds on its first or second attempt; (c) with no fault, P0
@@ -8,7 +8,7 @@ fault could cause it.
 The hypothesis budget is a settings profile: ``mmcache-drift-ci`` (the default; fixed
 example and step counts, derandomized, about a minute on two cores) or
 ``mmcache-drift-long`` (``MMCACHE_DRIFT_PROFILE=mmcache-drift-long``).  Longer runs:
-``python -m mmcache.fuzz --seconds 600``.
+``python -m tests.drift --seconds 600`` (from the repository root).
 
 The last section keeps each bug the fuzzer found as a small regression example.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,9 +36,15 @@ from mmcache import (
     ShmHandle,
     ShmReceiverCache,
     ShmSenderCache,
-    fuzz,
 )
-from mmcache.fuzz import FAULTS, FuzzStats, OracleFailure, make_model, run_episode
+from tests.drift import (
+    FAULTS,
+    EngineModel,
+    FuzzStats,
+    OracleFailure,
+    make_model,
+    run_episode,
+)
 
 KiB = 1024
 GiB = 1 << 30
@@ -75,7 +82,7 @@ class _DriftMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.model: fuzz.Model | None = None
+        self.model: EngineModel | None = None
 
     def _start(self, **config: Any) -> None:
         self.model = make_model(self.mode, stats=MACHINE_STATS, **config)
@@ -222,6 +229,8 @@ def test_the_oracle_catches_a_remote_tier_that_serves_unverified_values(
     from mmcache.remote.envelope import HEADER_SIZE
 
     with make_model("remote", seed=4, capacity=64 * KiB, n_ids=6) as model:
+        for host in model._tiered():  # the fuzzer's 50 ms: a loaded machine times out
+            host.remote.timeout_s = 10.0
         small = [i for i in range(6) if model.universe.size(i) * 4 <= model.capacity][:2]
         model.request(small)  # host A processes both and publishes them
         _swap_values_in_the_store(model, small[0], small[1])
@@ -318,7 +327,8 @@ def test_the_oracle_catches_an_unexplained_miss() -> None:
 
 def test_the_fuzz_entry_point_runs_and_reports_what_it_exercised() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "mmcache.fuzz", "--seconds", "1", "--seed", "5", "--steps", "60"],
+        [sys.executable, "-m", "tests.drift", "--seconds", "1", "--seed", "5", "--steps", "60"],
+        cwd=Path(__file__).parent.parent,  # the repository root
         capture_output=True,
         text=True,
         timeout=120,

@@ -464,7 +464,7 @@ def test_liveness_holds_across_pid_namespaces() -> None:
         assert writer.name not in prune(dry_run=True)
     finally:
         proc.kill()
-        proc.wait(TIMEOUT)
+        proc.communicate(timeout=TIMEOUT)  # reaps it and closes the pipes
     # Once it is gone (whatever namespace it was in), its slot is reclaimed.
 
     def put_once_reclaimed() -> bool:
@@ -490,6 +490,13 @@ NAMESPACED_WRITER = textwrap.dedent(
 )
 
 
+def gone_or_not_live(name: str) -> bool:
+    try:
+        return _core.segment_status(name)[0] != "live"
+    except FileNotFoundError:
+        return True
+
+
 def test_prune_in_another_namespace_never_removes_a_live_writers_segment() -> None:
     reason = _unshare_available()
     if reason is not None:
@@ -509,10 +516,11 @@ def test_prune_in_another_namespace_never_removes_a_live_writers_segment() -> No
         assert name in _core.list_segments()
     finally:
         proc.kill()
-        proc.wait(TIMEOUT)
+        proc.communicate(timeout=TIMEOUT)  # reaps it and closes the pipes
     # Its init is killed as unshare dies, not before.
-    wait_until(lambda: _core.segment_status(name)[0] != "live", "the writer never died")
-    assert name in prune(), "the segment of a writer that died is orphaned"
+    wait_until(lambda: gone_or_not_live(name), "the writer never died")
+    # (Any store's creation on this host may remove the orphan before this prune does.)
+    assert name in prune() or not os.path.exists(f"{SHM}/{name}"), "its orphan was left"
 
 
 # -- 8. damaged segments ---------------------------------------------------------------------------
@@ -543,12 +551,18 @@ def test_prune_removes_truncated_and_garbage_segments_of_dead_writers() -> None:
     fresh = f"mmc_fresh_{os.getpid()}"
     open(f"{SHM}/{fresh}", "wb").close()  # empty and new: may be a segment being created
     try:
-        status, why = _core.segment_status(name)
-        assert status == "orphaned" and "bytes" in why, why
+        # Any store's creation on this host removes orphans: another test run may take these
+        # before this test's prune does.
+        try:
+            status, why = _core.segment_status(name)
+            assert status == "orphaned" and "bytes" in why, why
+        except FileNotFoundError:
+            pass
         removed = prune()
-        assert name in removed and garbage in removed and fresh not in removed
         assert not os.path.exists(f"{SHM}/{name}") and not os.path.exists(f"{SHM}/{garbage}")
-        assert _core.segment_status(fresh)[0] == "undecided"
+        assert fresh not in removed
+        with ShmObjectStore.create(1 << 16):  # nor does a creation touch it
+            assert _core.segment_status(fresh)[0] == "undecided"
     finally:
         for leftover in (garbage, fresh):
             if os.path.exists(f"{SHM}/{leftover}"):

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
 from mmcache import _core, inspect, prune
 
 MiB = 1 << 20
+SHM = "/dev/shm"
+TIMEOUT = 120
+#: The core's test hook: a creation waits this long once its segment is locked and sized but
+#: has no header yet (``segment::pause_in_creation_for_tests``).
+PAUSE_IN_CREATION = "MMCACHE_TEST_PAUSE_IN_CREATION_S"
 
 
 def mmcache(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,9 +54,9 @@ def orphan() -> Iterator[str]:
     assert creator.stdout is not None
     name = creator.stdout.readline().strip()
     os.kill(creator.pid, signal.SIGKILL)
-    creator.wait()
+    creator.communicate()  # reaps it and closes the pipe
     yield name
-    if name in _core.list_segments():
+    with contextlib.suppress(FileNotFoundError):  # normally pruned already
         _core.unlink_segment(name)
 
 
@@ -89,23 +96,137 @@ def test_inspect_of_a_missing_segment_fails_clearly() -> None:
         inspect("mmc_no_such_segment")
 
 
+def gone(name: str) -> bool:
+    """Whether the segment ``name`` no longer exists: any store's creation on this host
+    removes orphans, so another test run may take a test's orphan before its prune does."""
+    return name not in _core.list_segments()
+
+
+@pytest.fixture
+def unlinked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names this process unlinks from now on (``prune`` unlinks through
+    ``_core.unlink_segment``), whatever other processes remove meanwhile."""
+    names: list[str] = []
+    unlink = _core.unlink_segment
+
+    def recording(name: str) -> None:
+        names.append(name)
+        unlink(name)
+
+    monkeypatch.setattr(_core, "unlink_segment", recording)
+    return names
+
+
+# The live store first: its creation would remove an orphan made before it.
 def test_prune_removes_a_segment_whose_creator_was_killed(
-    orphan: str, live_store: _core.ShmObjectStore
+    live_store: _core.ShmObjectStore, orphan: str, unlinked: list[str]
 ) -> None:
-    assert orphan in _core.list_segments()
     listed = prune(dry_run=True)
-    assert orphan in listed and live_store.name not in listed
-    assert orphan in _core.list_segments()  # a dry run removes nothing
-    result = mmcache("prune")
-    assert result.returncode == 0, result.stderr
-    assert f"removed {orphan}" in result.stdout
-    assert orphan not in _core.list_segments()
+    assert unlinked == [], "a dry run removed something"
+    assert orphan in listed or gone(orphan)
+    assert live_store.name not in listed
+    removed = prune()
+    assert orphan in removed or gone(orphan)
+    assert unlinked == removed and live_store.name not in removed
+    assert gone(orphan)
     assert live_store.name in _core.list_segments()  # a live creator's segment stays
     assert orphan not in prune()
 
 
-def test_prune_dry_run_command_lists_without_removing(orphan: str) -> None:
-    result = mmcache("prune", "--dry-run")
-    assert result.returncode == 0
-    assert f"would remove {orphan}" in result.stdout
-    assert orphan in _core.list_segments()
+def test_prune_commands_list_and_remove_orphans_and_leave_live_segments(
+    live_store: _core.ShmObjectStore, orphan: str
+) -> None:
+    dry = mmcache("prune", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f"would remove {orphan}" in dry.stdout or gone(orphan)
+    result = mmcache("prune")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    removed = [line.removeprefix("removed ") for line in lines if line.startswith("removed ")]
+    assert removed or lines == ["no segment left behind by a dead process"]
+    assert gone(orphan) and all(gone(name) for name in removed)
+    assert live_store.name not in dry.stdout + result.stdout
+    assert live_store.name in _core.list_segments()
+
+
+# --------------------------------------------------------------------------------------------
+# Creation prunes: a segment outlives no creator, and never one that still makes or uses it
+
+
+def creating(name: str, pause_s: float) -> subprocess.Popen[str]:
+    """A process that creates the segment ``name`` and stops ``pause_s`` half-way through
+    (locked and sized, no header yet), then prints ``created`` and keeps the store until its
+    standard input closes."""
+    code = (
+        "import sys; from mmcache import _core\n"
+        "store = _core.ShmObjectStore.create(1 << 20, name=sys.argv[1])\n"
+        "print('created', flush=True); sys.stdin.read(); store.close()\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, PAUSE_IN_CREATION: str(pause_s)},
+    )
+
+
+def wait_until_half_made(name: str) -> None:
+    """Wait until the segment ``name`` exists with its size: its creator is in the pause."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            if os.stat(f"{SHM}/{name}").st_size > 0:
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01)
+    pytest.fail(f"{name} was never created")
+
+
+def half_made_name() -> str:
+    return f"mmc_halfmade_{os.getpid()}_{time.monotonic_ns()}"
+
+
+def test_the_next_creation_removes_a_half_made_segment_whose_creator_was_killed() -> None:
+    name = half_made_name()
+    creator = creating(name, pause_s=TIMEOUT)
+    try:
+        wait_until_half_made(name)
+        assert _core.segment_status(name)[0] == "live", "its creator holds it while making it"
+        creator.kill()
+        creator.communicate(timeout=TIMEOUT)
+        assert creator.returncode == -signal.SIGKILL
+        try:
+            # Decided at once, whatever its age: its creator's lock is gone.
+            assert _core.segment_status(name)[0] == "orphaned"
+        except FileNotFoundError:
+            pass  # another creation on this host removed it first
+        with _core.ShmObjectStore.create(1 << 16) as store:
+            assert not os.path.exists(f"{SHM}/{name}"), "a half-made segment outlived its creator"
+            assert store.name in _core.list_segments()
+    finally:
+        creator.kill()
+        creator.communicate()
+        if os.path.exists(f"{SHM}/{name}"):
+            _core.unlink_segment(name)
+
+
+def test_a_creation_never_removes_a_segment_another_process_is_still_creating() -> None:
+    name = half_made_name()
+    creator = creating(name, pause_s=3.0)
+    assert creator.stdout is not None
+    try:
+        wait_until_half_made(name)
+        # Another store's creation (and prune) run while the first is half-made and young.
+        with _core.ShmObjectStore.create(1 << 16):
+            assert os.path.exists(f"{SHM}/{name}"), "a creation removed a segment being made"
+        assert name not in prune()
+        assert creator.stdout.readline() == "created\n"
+        info = inspect(name)
+        assert info["creator_alive"] is True and info["capacity"] == 1 << 20
+    finally:
+        creator.communicate("", timeout=TIMEOUT)  # told to go, it closes its store
+        if os.path.exists(f"{SHM}/{name}"):
+            _core.unlink_segment(name)
+    assert creator.returncode == 0

@@ -146,6 +146,8 @@ def test_pinned_copies_ask_torch_for_pinned_memory(
             out = receiver.get_and_update_item(handle, "k")
             assert same_item(data, out) and out["pixel_values"].is_pinned()
         else:
-            # torch's pinned allocator refuses without a device: the request reached it.
-            with pytest.raises(RuntimeError):
+            # torch's pinned allocator refuses without a device: the request reached it (its
+            # RuntimeError is the cause of the decoder's MemoryError).
+            with pytest.raises(MemoryError, match="pinned memory") as refused:
                 receiver.get_and_update_item(handle, "k")
+            assert isinstance(refused.value.__cause__, RuntimeError)

@@ -10,8 +10,10 @@ generous join timeout; no duration is asserted).
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +34,7 @@ from mmcache import (
 from mmcache._core import ShmObjectStore
 from mmcache.remote import CircuitBreaker, RemoteStore, TieredSenderCache, is_shareable_key
 from mmcache.remote import redis_backend
+from mmcache.remote.backend import RemoteUnreachable, ValueTooLarge
 from mmcache.remote.envelope import (
     HEADER_SIZE,
     MIN_PART_BYTES,
@@ -45,7 +48,8 @@ from mmcache.remote.envelope import (
     seal,
 )
 from mmcache.remote.redis_backend import CHUNK_BYTES
-from mmcache.remote.servers import LocalServer, start_valkey
+from tests.servers import kill, resume, stall
+from mmcache.remote.local_server import LocalServer, start_valkey
 
 MiB = 1 << 20
 HANG_S = 30  # a call that has not returned by then is a hang (the test fails, CI goes on)
@@ -87,13 +91,24 @@ def key(name: object) -> str:
     return content_hash(str(name))
 
 
-def in_time(call: Callable[[], Any]) -> Any:
-    """``call()`` on a thread; fails the test if it has not returned after ``HANG_S``."""
+def in_time(call: Callable[[], Any], limit_s: float = HANG_S) -> Any:
+    """``call()`` on a thread (what it returns, or the exception it raised, raised here);
+    fails the test if it has not returned after ``limit_s``."""
     result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join(HANG_S)
+    thread.join(limit_s)
     assert not thread.is_alive(), "the call hung instead of returning a miss"
+    if errors:
+        raise errors[0]
     return result[0]
 
 
@@ -517,7 +532,7 @@ DAMAGE: dict[str, tuple[int, Callable[[redis.Redis, str], None], str]] = {
     "manifest announcing a value past max_value_mb": (
         3 * MiB,
         lambda r, ns: _rewrite_manifest(r, ns, count=1 << 20, total=1 << 40),
-        "incomplete",
+        "too_large",
     ),
 }
 
@@ -577,6 +592,138 @@ def test_two_hosts_putting_one_key_at_once_leave_one_whole_item(
 
 
 # --------------------------------------------------------------------------------------------
+# Values that verify but do not decode, and values too large to read
+
+
+def _shared_part_payload(tensors: int, part_bytes: int) -> bytes:
+    """A codec payload (ARCHITECTURE.md: "The item payload") whose ``tensors`` bool tensors
+    all name part 1 of ``part_bytes`` bytes: ``{"t": [tensor, tensor, ...]}``.  Decoding it
+    with copies asks for ``tensors * part_bytes`` bytes at once."""
+    node = b"\x0c\x04bool\x01" + struct.pack("<QI", part_bytes, 1)
+    tree = b"\x0b" + struct.pack("<I", 1) + struct.pack("<I", 1) + b"t"
+    tree += b"\x09" + struct.pack("<I", tensors) + node * tensors
+    header = b"MMC2" + struct.pack("<IIIQ", 24 + len(tree), 1, 0, part_bytes) + tree
+    return header + bytes(-len(header) % serde.ALIGNMENT) + bytes(part_bytes)
+
+
+def _plant(raw: redis.Redis, namespace: str, name: object, payload: bytes) -> None:
+    """``payload`` sealed without a secret, as one plain value under item ``name``'s key."""
+    store_key = _value_key(namespace, name)
+    raw.set(store_key, seal(store_key, payload, None, CHUNK_BYTES) + payload)
+
+
+def test_a_value_whose_decoding_raises_is_a_counted_miss_everywhere(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    # The builder writes exactly what the codec does for one tensor; 400,000 tensors that
+    # share one 4 MiB part ask torch for 1.6 TB: an 11 MiB value whose decoding raises.
+    assert _shared_part_payload(1, 64) == serde.pack({"t": [torch.zeros(64, dtype=torch.bool)]})
+    tensors, part_bytes = 400_000, 4 * MiB
+    try:
+        torch.UntypedStorage(tensors * part_bytes)  # never touched: costs no memory
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip("this machine grants a 1.6 TB allocation (overcommit): nothing to refuse")
+    _plant(raw, namespace, 1, _shared_part_payload(tensors, part_bytes))
+    with RemoteStore(server.url, namespace=namespace) as store:  # no secret: it verifies
+        assert in_time(lambda: store.get(key(1))) is None
+        assert in_time(lambda: store.get_many([key(2), key(1)])) == [None, None]
+        stats = store.stats()
+        # A decoder that refuses parts named twice calls it corrupt instead: a miss either way.
+        assert stats["undecodable"] + stats["corrupt"] == 2 and stats["misses"] == 3
+    p0 = TieredSenderCache(SenderCache(0.05), RemoteStore(server.url, namespace=namespace))
+    try:
+        assert in_time(lambda: p0.is_cached([key(1)])) == [False]
+        stats = p0.stats()
+        assert stats["remote_undecodable"] + stats["remote_corrupt"] == 1
+        assert stats["remote_errors"] == 1
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("allocator says no"), MemoryError(), OverflowError("shape"), KeyError("x")],
+    ids=lambda e: type(e).__name__,
+)
+def test_any_exception_from_decoding_is_a_counted_miss_logged_once(
+    server: LocalServer,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    error: Exception,
+) -> None:
+    with open_store(server.url, namespace) as writer:
+        writer.put(key(1), make_item(1, 1000))
+        writer.put(key(2), make_item(2, 3 * MiB))
+
+    def fail(payload: Any, *, copy: bool = True) -> Any:
+        raise error
+
+    monkeypatch.setattr(serde, "decode", fail)
+    with open_store(server.url, namespace) as store, caplog.at_level(logging.WARNING):
+        assert store.get(key(1)) is None
+        assert store.get_many([key(1), key(2)]) == [None, None]
+        stats = store.stats()
+        assert stats["undecodable"] == 3 and stats["misses"] == 3 and stats["errors"] == 3
+    assert len([r for r in caplog.records if "undecodable" in r.getMessage()]) == 1
+    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace))
+    try:
+        assert p0.is_cached([key(1), key(2)]) == [False, False]
+        assert p0.stats()["remote_undecodable"] == 2
+    finally:
+        p0.close()
+
+
+def test_a_plain_value_past_max_value_mb_is_a_miss_never_read_whole(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    item = make_item(8, 8 * MiB)
+    # A writer whose chunks are 16 MiB stores the item as one plain 8 MiB value.
+    with RemoteStore(server.url + "?chunk_kb=16384", namespace=namespace) as writer:
+        writer.put(key(8), item)
+    assert raw.strlen(_value_key(namespace, 8)) > 8 * MiB and not _chunks_of(raw, namespace, 8)
+    with RemoteStore(server.url, namespace=namespace, max_value_mb=1) as reader:
+        assert reader.get(key(9)) is None  # connected, so the next get is the value alone
+        tracemalloc.start()
+        try:
+            got = reader.get(key(8))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert got is None and reader.stats()["too_large"] == 1
+        assert peak < 4 * MiB, f"the reader allocated {peak / MiB:.1f} MiB for a refused value"
+    with RemoteStore(server.url, namespace=namespace) as default:  # 256 MiB: it reads
+        assert same(default.get(key(8)), item)
+
+
+def _nested(depth: int) -> list[Any]:
+    inner: list[Any] = []
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"t": torch.zeros([1] * 65)},
+        {"deep": _nested(70)},
+    ],
+    ids=["65 dimensions", "nested 70 deep"],
+)
+def test_an_item_past_a_codec_limit_is_counted_and_skipped_not_raised(
+    server: LocalServer, namespace: str, item: dict[str, Any]
+) -> None:
+    with open_store(server.url, namespace) as store:
+        store.put(key(1), item)
+        assert store.stats()["unencodable"] == 1 and store.contains([key(1)]) == [False]
+        store.put(key(2), make_item(2, 100))  # the tier goes on
+        assert same(store.get(key(2)), make_item(2, 100))
+
+
+# --------------------------------------------------------------------------------------------
 # A server that dies, stalls and comes back
 
 
@@ -592,7 +739,7 @@ def test_a_dead_server_costs_misses_then_the_breaker_and_recovers_by_itself(
 ) -> None:
     store = open_store(own_server.url, namespace, timeout_s=0.2, breaker_cooldown_s=0.2)
     store.put(key(1), make_item(1, 100))
-    own_server.kill()
+    kill(own_server)
     for _ in range(10):
         assert in_time(lambda: store.get(key(1))) is None
         assert in_time(lambda: store.contains([key(1)])) == [False]
@@ -618,7 +765,7 @@ def test_a_stalled_server_costs_each_call_its_deadline_not_a_hang(
     store = open_store(own_server.url, namespace, timeout_s=0.3, breaker_failures=100)
     item = make_item(1, 2 * MiB)
     store.put(key(1), item)
-    own_server.stall()
+    stall(own_server)
     try:
         for call in (
             lambda: store.get(key(1)),
@@ -629,7 +776,7 @@ def test_a_stalled_server_costs_each_call_its_deadline_not_a_hang(
             assert in_time(call) in (None, [False], [None, None])
         assert store.stats()["timeouts"] == 4
     finally:
-        own_server.resume()
+        resume(own_server)
     assert same(in_time(lambda: store.get(key(1))), item)
     store.close()
 
@@ -645,7 +792,7 @@ def test_a_server_that_stalls_mid_value_costs_the_deadline_then_reads_again(
     real_into = redis_backend._ReplyReader.into
 
     def stall_first(reader: Any, view: memoryview) -> bytes:
-        own_server.stall()  # once the value has begun to arrive
+        stall(own_server)  # once the value has begun to arrive
         return real_into(reader, view)
 
     monkeypatch.setattr(redis_backend._ReplyReader, "into", stall_first)
@@ -653,7 +800,7 @@ def test_a_server_that_stalls_mid_value_costs_the_deadline_then_reads_again(
         assert in_time(lambda: store.get(key(1))) is None
         assert store.stats()["timeouts"] == 1 and store.stats()["hits"] == 0
     finally:
-        own_server.resume()
+        resume(own_server)
     monkeypatch.undo()
     # The connection left mid-reply is closed, never reused: the next get reads whole.
     assert same(in_time(lambda: store.get(key(1))), item)
@@ -681,6 +828,233 @@ def test_the_breaker_opens_probes_once_and_backs_off() -> None:
     assert breaker.state == "open"
     threading.Event().wait(0.11)
     assert breaker.allow() and breaker.success() and breaker.state == "closed"
+
+
+# --------------------------------------------------------------------------------------------
+# Credentials stay out of logs, reprs and errors
+
+PASSWORD = "hunter2-do-not-log"
+
+
+def test_credentials_in_the_url_never_reach_logs_repr_or_errors(
+    caplog: pytest.LogCaptureFixture, namespace: str
+) -> None:
+    acl = ["--user", "alice", "on", f">{PASSWORD}", "~*", "&*", "+@all"]
+    with start_valkey(extra=acl) as srv:
+        url = srv.url.replace("redis://", f"redis://alice:{PASSWORD}@")
+        store = open_store(
+            url, namespace, timeout_s=0.2, breaker_failures=2, breaker_cooldown_s=0.2
+        )
+        assert PASSWORD not in repr(store) and PASSWORD not in store.url
+        store.put(key(1), make_item(1, 100))
+        assert same(store.get(key(1)), make_item(1, 100))  # the credentials do work
+        with caplog.at_level(logging.WARNING):
+            kill(srv)  # an outage: every kind of failure is logged once
+            for _ in range(4):
+                in_time(lambda: store.get(key(1)))
+                in_time(lambda: store.contains([key(1)]))
+                in_time(lambda: store.put(key(2), make_item(2, 100)))
+                threading.Event().wait(0.5)  # past the breaker's cooldown: it probes again
+            srv.start()  # back: the probe that succeeds is logged too
+            for _ in range(100):
+                in_time(lambda: store.contains([key(1)]))
+                if "answers again" in caplog.text:
+                    break
+                threading.Event().wait(0.1)
+        store.close()
+    logged = [r.getMessage() for r in caplog.records] + [caplog.text]
+    assert any("unreachable" in m for m in logged) and any("failed 2 times" in m for m in logged)
+    assert any("answers again" in m for m in logged)
+    assert all(PASSWORD not in m for m in logged)
+    assert "127.0.0.1" in store.url and "alice" not in store.url
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{PASSWORD}@127.0.0.1:1?chunk_kb=none",
+        f"redis://127.0.0.1:1?password={PASSWORD}&chunk_kb=none",
+        f"http://user:{PASSWORD}@127.0.0.1:1",
+    ],
+)
+def test_a_bad_url_with_credentials_is_an_error_that_does_not_repeat_them(url: str) -> None:
+    with pytest.raises(ValueError) as error:
+        RemoteStore(url, namespace="m@1")
+    assert PASSWORD not in str(error.value) and "127.0.0.1" in str(error.value)
+
+
+def test_a_password_in_the_query_is_redacted_too(namespace: str) -> None:
+    with RemoteStore(
+        f"redis://127.0.0.1:1/0?password={PASSWORD}&chunk_kb=64", namespace=namespace
+    ) as store:
+        assert PASSWORD not in repr(store) and "chunk_kb=64" in store.url
+
+
+# --------------------------------------------------------------------------------------------
+# The breaker: every outcome of a probe settles it
+
+
+def test_a_probe_that_ends_without_a_verdict_lets_the_next_call_probe() -> None:
+    breaker = CircuitBreaker(failures=1, cooldown_s=0.05)
+    assert breaker.failure() and breaker.state == "open"
+    threading.Event().wait(0.06)
+    assert breaker.allow() and not breaker.allow()  # this thread probes
+    other = threading.Thread(target=breaker.release)  # not its probe: nothing to release
+    other.start()
+    other.join()
+    assert not breaker.allow()
+    breaker.release()  # the probe never reached the store (refused, interrupted)
+    assert breaker.state == "half-open" and breaker.opened == 1
+    assert breaker.allow() and not breaker.allow()  # the next call probes instead
+    assert breaker.success() and breaker.state == "closed"
+    breaker.release()  # after a verdict: nothing to release
+    assert breaker.state == "closed" and breaker.allow()
+
+
+class _Interrupted(BaseException):
+    """Something that is not an error ends a call (a KeyboardInterrupt, a cancellation)."""
+
+
+@pytest.mark.parametrize("outcome", ["refused", "interrupted", "failed", "succeeded"])
+def test_every_outcome_of_a_probe_settles_the_breaker(
+    own_server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    store = open_store(
+        own_server.url, namespace, timeout_s=0.3, breaker_failures=1, breaker_cooldown_s=0.2
+    )
+    store.put(key(1), make_item(1, 100))
+    kill(own_server)
+    assert store.get(key(1)) is None and store.stats()["breaker_opened"] == 1
+    threading.Event().wait(0.3)  # the cooldown: the next call probes
+    backend = store._backend
+
+    def probe(store_key: str, header: bytes, payload: Any, deadline: float) -> bool:
+        if outcome == "refused":
+            raise ValueTooLarge("more than the client's buffer")
+        if outcome == "interrupted":
+            raise _Interrupted
+        if outcome == "failed":
+            raise RemoteUnreachable("refused")
+        return True
+
+    monkeypatch.setattr(backend, "write", probe)
+    if outcome == "interrupted":
+        with pytest.raises(_Interrupted):
+            store.put(key(2), make_item(2, 100))
+    else:
+        store.put(key(2), make_item(2, 100))
+    monkeypatch.undo()
+    if outcome == "failed":  # the probe failed: the breaker waits twice as long, then probes
+        threading.Event().wait(0.5)
+    own_server.start()
+    before = store.stats()
+    assert same(in_time(lambda: store.get(key(1))), None)  # a fresh, empty server: a miss
+    after = store.stats()
+    assert after["skipped"] == before["skipped"], "the breaker stayed shut"
+    assert after["misses"] == before["misses"] + 1 and after["breaker_open"] == 0
+    store.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Deadlines: a call ends by its deadline, whole, whatever the server does
+
+
+def _resp_command(buffer: bytearray) -> list[bytes] | None:
+    """Take the next whole RESP command (an array of bulk strings) off ``buffer``."""
+    if not buffer.startswith(b"*") or (end := buffer.find(b"\r\n")) < 0:
+        return None
+    count, at, words = int(buffer[1:end]), end + 2, []
+    for _ in range(count):
+        if (end := buffer.find(b"\r\n", at)) < 0:
+            return None
+        length = int(buffer[at + 1 : end])
+        if len(buffer) < end + 2 + length + 2:
+            return None
+        words.append(bytes(buffer[end + 2 : end + 2 + length]))
+        at = end + 2 + length + 2
+    del buffer[:at]
+    return words
+
+
+class DribblingServer:
+    """A RESP server on loopback that answers the connection handshake (``CLIENT ...``) at
+    once, unless ``handshake_too``, and every other command with a long error reply sent one
+    byte at a time (about 30 s for the whole of it)."""
+
+    def __init__(self, *, handshake_too: bool = False) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._handshake_too = handshake_too
+        self._stop = threading.Event()
+        self.commands: list[bytes] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        pending = bytearray()
+        with conn:
+            while not self._stop.is_set():
+                while (command := _resp_command(pending)) is not None:
+                    name = command[0].upper()
+                    self.commands.append(name)
+                    if name == b"CLIENT" and not self._handshake_too:
+                        conn.sendall(b"+OK\r\n")
+                    elif not self._dribble(conn, b"-ERR " + b"." * 300 + b"\r\n"):
+                        return
+                try:
+                    data = conn.recv(1 << 16)
+                except OSError:
+                    return
+                if not data:
+                    return
+                pending += data
+
+    def _dribble(self, conn: socket.socket, reply: bytes) -> bool:
+        for i in range(len(reply)):
+            try:
+                conn.sendall(reply[i : i + 1])
+            except OSError:
+                return False  # the client gave up
+            if self._stop.wait(0.1):
+                return False
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+
+@pytest.mark.parametrize("dribbled", ["reply", "handshake"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.get(key(1)),
+        lambda s: s.get_many([key(1), key(2)]),
+        lambda s: s.contains([key(1)]),
+        lambda s: s.put(key(1), make_item(1, 100)),
+        lambda s: s.put(key(1), make_item(1, 3 * MiB)),
+    ],
+    ids=["get", "get_many", "contains", "put", "put chunked"],
+)
+def test_a_server_dribbling_its_reply_costs_a_call_its_deadline_not_more(
+    call: Callable[[RemoteStore], Any], dribbled: str
+) -> None:
+    server = DribblingServer(handshake_too=dribbled == "handshake")
+    timeout_s = 0.5
+    try:
+        with RemoteStore(server.url, namespace="dribble@1", timeout_s=timeout_s) as store:
+            assert in_time(lambda: call(store), 5 * timeout_s) in (None, [None, None], [False])
+            assert store.stats()["timeouts"] == 1 and store.stats()["errors"] == 1
+    finally:
+        server.close()
+    assert server.commands  # it did reach the server
 
 
 # --------------------------------------------------------------------------------------------
@@ -758,7 +1132,7 @@ def test_with_the_server_gone_every_request_is_still_served_by_processing(
     host.p0.remote.timeout_s = 0.2
     try:
         host.serve([1])
-        own_server.kill()
+        kill(own_server)
         for ids in ([2, 3], [4], [2, 5]):
             for f, i in zip(in_time(lambda ids=ids: host.serve(ids)), ids, strict=True):
                 assert same(f.data, make_item(i, 40_000))
@@ -816,5 +1190,55 @@ def test_the_readme_example_runs_against_a_real_server(
     try:
         assert isinstance(p0, TieredSenderCache) and isinstance(p0.local, ShmSenderCache)
         assert p0.is_cached([key("readme")]) == [False] and p0.remote.stats()["errors"] == 0
+    finally:
+        p0.close()
+
+
+def test_items_waiting_to_be_published_are_bounded_by_bytes(
+    server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(server.url, namespace)
+    release = threading.Event()
+    real_put = store.put
+
+    def slow_put(k: str, item: Any) -> None:
+        release.wait(HANG_S)
+        real_put(k, item)
+
+    monkeypatch.setattr(store, "put", slow_put)
+    p0 = TieredSenderCache(SenderCache(0.05), store, publish_queue=64, publish_queue_mb=1)
+
+    def serve(i: int) -> None:
+        assert p0.is_cached([key(i)]) == [False]
+        p0.get_and_update([(make_item(i, 400_000), ["<image>", i])], [key(i)])
+
+    try:
+        for i in range(4):  # 0.4 MB each: two fit in 1 MiB, the writer is held up
+            serve(i)
+        assert p0.stats()["remote_publish_dropped"] == 2
+        release.set()
+        assert p0.flush()
+        assert store.contains([key(i) for i in range(4)]) == [True, True, False, False]
+        serve(4)  # the queue is empty again: the next item is queued
+        assert p0.flush() and store.contains([key(4)]) == [True]
+        assert p0.stats()["remote_publish_dropped"] == 2
+    finally:
+        release.set()
+        p0.close()
+
+
+def test_items_fetched_for_the_coming_update_are_bounded_by_bytes(
+    server: LocalServer, namespace: str
+) -> None:
+    with open_store(server.url, namespace) as writer:
+        for i in range(3):
+            writer.put(key(i), {"item": make_item(i, 400_000), "prompt_updates": ["<image>", i]})
+    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace), prefetch_limit_mb=1)
+    try:
+        # The oldest goes first: what is left is what the coming update can use.
+        assert p0.is_cached([key(0), key(1), key(2)]) == [False, True, True]
+        assert p0.stats()["remote_prefetch_dropped"] == 1 and p0.fetched(key(0)) is None
+        fetched = p0.fetched(key(2))
+        assert fetched is not None and same(fetched[0], make_item(2, 400_000))
     finally:
         p0.close()

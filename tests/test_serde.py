@@ -235,3 +235,219 @@ def test_numpy_only_items_never_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- what the encoder refuses --------------------------------------------------------------
+
+
+def self_containing() -> list:
+    loop: list = []
+    loop.append(loop)
+    return loop
+
+
+@pytest.mark.parametrize(
+    ("item", "field"),
+    [
+        ({"deep": self_containing()}, "deep"),
+        ({"meta": {"t": torch.zeros((1,) * 65)}}, "t"),
+        ({"huge": 2**64}, "huge"),
+        ({"negative": -(2**63) - 1}, "negative"),
+    ],
+    ids=["nesting", "ndim", "int-above", "int-below"],
+)
+def test_codec_limits_are_one_exception_type(item: dict, field: str) -> None:
+    """Every limit of the format raises ItemNotEncodableError naming the field: a TypeError and
+    a ValueError, so callers that caught either before still do."""
+    from mmcache._core import ShmObjectStore
+    from mmcache.errors import ItemNotEncodableError
+
+    assert issubclass(ItemNotEncodableError, TypeError)
+    assert issubclass(ItemNotEncodableError, ValueError)
+    with pytest.raises(ItemNotEncodableError, match=field):
+        encode(item)
+    with ShmObjectStore.create(1 << 20) as writer, pytest.raises(ItemNotEncodableError, match=field):
+        writer.put_item("k", item)
+
+
+def test_numpy_scalars_keep_their_type() -> None:
+    """np.float64, np.str_ and np.bytes_ subclass float, str and bytes: still numpy scalars."""
+    item = {
+        "f8": np.float64(0.1),
+        "str": np.str_("naïve"),
+        "bytes": np.bytes_(b"ab"),
+        "c16": np.complex128(1 - 2j),
+        "f4": np.float32(2.5),
+        "float": 0.5,
+    }
+    out = decode(store_like_core(item))
+    for name, value in item.items():
+        assert type(out[name]) is type(value), name
+        assert out[name] == value, name
+
+
+# -- tensors whose memory the encoder must not trust ----------------------------------------
+
+
+def run_python(code: str) -> tuple[int, str, str]:
+    """``code`` in a fresh interpreter (a crash kills it, not the test run)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    return out.returncode, out.stdout, out.stderr[-3000:]
+
+
+# Every way to encode an item: the codec's views, the packed payload, the ring.
+ENCODERS = """
+import gc, torch
+from mmcache import serde
+from mmcache._core import ShmObjectStore
+writer = ShmObjectStore.create(256 << 20)
+reader = ShmObjectStore.attach(writer.handle())
+def round_trips(item):
+    header, buffers = serde.encode(item)
+    viewed = [bytes(b) for b in buffers]
+    packed = serde.decode(serde.pack(item))
+    key = f"k{id(item)}"
+    ringed = reader.resolve_item(writer.put_item(key, item), key)
+    writer.invalidate(key)
+    return viewed, packed, ringed
+def refusals(item):
+    out = []
+    for name, encode in [("encode", serde.encode), ("pack", serde.pack),
+                         ("put_item", lambda i: writer.put_item("refused", i))]:
+        try:
+            encode(item)
+            out.append(f"{name}: accepted")
+        except TypeError as e:
+            out.append(f"{name}: {e}")
+    return out
+"""
+
+
+def test_a_wrapper_subclass_is_refused_not_read_at_address_zero() -> None:
+    """The _make_wrapper_subclass pattern (DTensor, FakeTensor, torchao): CPU, strided,
+    contiguous, data_ptr() 0. It killed the process with SIGSEGV."""
+    code = ENCODERS + """
+class Wrapper(torch.Tensor):
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+    def __init__(self, inner):
+        self.inner = inner
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, Wrapper) else x
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+wrapped = Wrapper(torch.arange(1 << 20, dtype=torch.float32))
+assert wrapped.data_ptr() == 0 and wrapped.is_contiguous() and wrapped.is_cpu
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode():
+    fake = torch.empty(1 << 20)
+for item in ({"pixels": [wrapped]}, {"pixels": [fake]}):
+    print(*refusals(item), sep="\\n")
+"""
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0, stderr
+    lines = stdout.splitlines()
+    assert len(lines) == 6, stdout
+    for line in lines:
+        assert "item['pixels'][0]" in line and "no memory of its own" in line, line
+
+
+def test_a_lying_data_ptr_is_never_read() -> None:
+    """A subclass's data_ptr() is not where its bytes are: the encoder reads them from the
+    tensor's storage. One whose storage cannot hold it is refused."""
+    code = ENCODERS + """
+class Liar(torch.Tensor):
+    def data_ptr(self):
+        return 16
+class ShortStorage(torch.Tensor):
+    def untyped_storage(self):
+        return torch.UntypedStorage(8)
+class FarOffset(torch.Tensor):
+    def storage_offset(self):
+        return 1 << 40
+values = torch.arange(1 << 20, dtype=torch.float32)
+viewed, packed, ringed = round_trips({"t": values.as_subclass(Liar)})
+assert viewed == [values.numpy().tobytes()]
+assert torch.equal(packed["t"], values) and torch.equal(ringed["t"], values)
+print(*refusals({"t": values.as_subclass(ShortStorage)}), sep="\\n")
+print(*refusals({"t": values.as_subclass(FarOffset)}), sep="\\n")
+"""
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0, stderr
+    lines = stdout.splitlines()
+    assert len(lines) == 6, stdout
+    for line in lines:
+        assert "item['t']" in line and "storage of" in line, line
+
+
+def test_encoded_views_hold_the_storage_not_the_tensor() -> None:
+    """serde.encode's views stay readable after the tensor is re-pointed with set_(): they
+    read freed memory when they held the tensor."""
+    code = """
+import gc, torch
+from mmcache import serde
+t = torch.full((1 << 22,), 3.0)  # 16 MiB: unmapped as soon as it is freed
+header, buffers = serde.encode({"t": t})
+t.set_(torch.zeros(1))
+gc.collect()
+assert bytes(buffers[0]) == torch.full((1 << 22,), 3.0).numpy().tobytes()
+print("ok")
+"""
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0 and stdout.strip() == "ok", stderr
+
+
+@pytest.mark.parametrize("encoder", ["pack", "put_item"])
+@pytest.mark.parametrize("mutation", ["set_", "resize_"])
+def test_another_thread_repointing_or_freeing_the_storage(encoder: str, mutation: str) -> None:
+    """A thread re-points the tensor at fresh storages (``set_``) or frees its storage
+    (``untyped_storage().resize_(0)``) in a loop while this one encodes it: every decoded
+    tensor is the old or the new content, or the encoder refuses a storage too small for
+    the tensor, never garbage and never a crash."""
+    code = ENCODERS + f"""
+import collections, itertools, sys, threading
+from mmcache.errors import ItemNotEncodableError
+sys.setswitchinterval(1e-5)  # hand the GIL over as often as the interpreter can
+N = 1 << 22
+old, new = torch.full((N,), 1.0), torch.full((N,), 2.0)
+t = old.clone()
+stop = False
+def mutate():
+    for i in itertools.count():
+        if stop:
+            return
+        if {mutation == "resize_"}:
+            t.untyped_storage().resize_(0)  # frees the memory being encoded, if it is
+        # Most likely where memory was just freed (by resize_ or the last set_): 7s are what
+        # a read of freed memory would see.
+        junk = torch.full((N,), 7.0)
+        t.set_((old, new)[i % 2].clone())  # frees the storage t had, unless it is held
+def encode(i):
+    if "{encoder}" == "pack":
+        return serde.decode(serde.pack({{"t": t}}))["t"]
+    key = f"k{{i}}"
+    out = reader.resolve_item(writer.put_item(key, {{"t": t}}), key)["t"]
+    writer.invalidate(key)
+    return out
+thread = threading.Thread(target=mutate)
+thread.start()
+seen = collections.Counter()
+try:
+    for i in range(150):
+        try:
+            out = encode(i)
+        except ItemNotEncodableError as e:
+            assert "storage of 0 bytes" in str(e), e
+            seen["refused"] += 1
+            continue
+        assert torch.equal(out, old) or torch.equal(out, new), "garbage"
+        seen["old" if torch.equal(out, old) else "new"] += 1
+finally:
+    stop = True
+    thread.join()
+print(dict(seen))
+"""
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0, stderr
+    assert stdout.strip().startswith("{"), stdout

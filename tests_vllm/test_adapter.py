@@ -22,10 +22,12 @@ from vllm.multimodal.cache.base import MultiModalCache
 from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache, LruKeyReplicatedSenderCache
 from vllm.multimodal.cache.shm import ShmObjectStoreReceiverCache, ShmObjectStoreSenderCache
 from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
+from vllm.platforms import current_platform
+from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 import mmcache.vllm as mv
-from mmcache import ShmHandle
+from mmcache import ReferencesSaturatedError, ShmHandle, pinning
 from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
 
 LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
@@ -247,29 +249,48 @@ def test_a_stale_handle_is_a_miss_that_is_also_a_value_error(shm_pair: Pair) -> 
     assert "modified or is invalid" in str(info.value)
 
 
+def churn(p0: Any, worker: Any) -> None:
+    """Enough other objects, each read by ``worker``, to wrap ``shm_pair``'s ring several
+    times; each is larger than what a worker keeps for replays (a quarter of the ring), so
+    none displaces an object the worker keeps."""
+    for i in range(1, 16):
+        other, _ = p0.get_and_update_item((kwargs_item(i, n_bytes=600_000), []), f"o{i}")
+        assert "address" in other
+        worker.get_and_update_item(other, f"o{i}")
+        p0.invalidate(f"o{i}")
+
+
 def test_a_replayed_handle_reads_its_own_data_after_the_ring_moved_on(shm_pair: Pair) -> None:
     # vLLM resends a preempted request with the same handles, after the first read gave
     # their references back.
     p0, worker = shm_pair
-
-    def churn() -> None:
-        # Enough other objects, read, to wrap the ring several times; each is larger than
-        # what a worker keeps for replays (a quarter of the ring), so none displaces "a".
-        for i in range(1, 16):
-            other, _ = p0.get_and_update_item((kwargs_item(i, n_bytes=600_000), []), f"o{i}")
-            assert "address" in other
-            worker.get_and_update_item(other, f"o{i}")
-            p0.invalidate(f"o{i}")
-
     handle, _ = p0.get_and_update_item((kwargs_item(0), []), "a")
     assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
     p0.invalidate("a")
-    churn()
+    churn(p0, worker)
     assert same_item(kwargs_item(0), worker.get_and_update_item(handle, "a"))
     worker.clear_cache()  # the worker lets its recent objects go: now the ring may too
-    churn()
+    churn(p0, worker)
     with pytest.raises(MultiModalCacheMissError):
         worker.get_and_update_item(handle, "a")
+
+
+def test_a_request_preempted_again_and_again_reads_its_own_data_every_time(
+    shm_pair: Pair,
+) -> None:
+    # Each replay reads a private copy (the worker owes the handle nothing any more); the
+    # lease the first read took must keep the object in the ring through all of them.
+    p0, worker = shm_pair
+    handle, _ = p0.get_and_update_item((kwargs_item(0), []), "a")
+    features = [feature(handle, "a")]
+    worker.get_and_update_features(features)
+    assert same_item(kwargs_item(0), features[0].data)
+    p0.invalidate("a")
+    for replay in range(3):
+        churn(p0, worker)
+        features = [feature(handle, "a")]
+        worker.get_and_update_features(features)  # vLLM 0.33: a miss here fails the step
+        assert same_item(kwargs_item(0), features[0].data), f"replay {replay}"
 
 
 def test_a_saturated_hit_is_served_as_vllms_own_item(shm_pair: Pair) -> None:
@@ -280,8 +301,8 @@ def test_a_saturated_hit_is_served_as_vllms_own_item(shm_pair: Pair) -> None:
     store = p0.ring._store
     while True:
         try:
-            store.get_cached("hot")
-        except MemoryError:
+            store.issue("hot")
+        except ReferencesSaturatedError:
             break
     served, updates = p0.get_and_update_item(None, "hot")
     assert type(served) is MultiModalKwargsItem and updates == ["pu"]
@@ -326,6 +347,39 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
 def test_workers_refuse_to_start_when_no_ring_was_published() -> None:
     with pytest.raises(RuntimeError, match=mv.READER_HANDLE_ENV):
         worker_receiver_cache_from_config(vllm_config("shm", MiB), LOCK)
+
+
+def test_workers_resolve_into_unpinned_memory_where_pinning_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vLLM says "pin" (a CUDA platform) but this process cannot: CUDA torch, no driver.
+    if pinning.pinning_unavailable() is None:
+        pytest.skip("this host can pin memory")
+    monkeypatch.setattr(current_platform, "is_pin_memory_available", lambda: True)
+    is_pin_memory_available.cache_clear()
+    assert is_pin_memory_available()
+    config = vllm_config("shm", 2 * MiB, max_object_mb=1)
+    p0 = processor_cache_from_config(config)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            worker = worker_receiver_cache_from_config(config, LOCK)
+            try:
+                for i in range(3):
+                    handle, _ = p0.get_and_update_item((kwargs_item(i), []), mm_hash(i))
+                    features = [feature(handle, mm_hash(i))]
+                    worker.get_and_update_features(features)
+                    assert same_item(kwargs_item(i), features[0].data)
+            finally:
+                worker._shm_cache.close()
+        warnings = [
+            r
+            for r in caplog.records
+            if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
+        ]
+        assert len(warnings) == 1 and "unpinned" in warnings[0].getMessage()
+    finally:
+        is_pin_memory_available.cache_clear()
+        p0.close()
 
 
 def test_decoded_tensors_are_ordinary_writable_tensors_on_cpu(shm_pair: Pair) -> None:

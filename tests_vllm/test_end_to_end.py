@@ -5,12 +5,8 @@ carried by vLLM's IPC encoder, every resolved item checked against what P0 produ
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -22,7 +18,10 @@ from processes import digest, serve
 from test_adapter import vllm_p0_request
 from vllm_helpers import MiB, feature, kwargs_item
 
-RECEIVER = "mmcache.vllm.MmcacheShmReceiverCache"
+
+def qualified(cls: type) -> str:
+    """The name a spawned process reports for its cache's class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class Peer:
@@ -35,13 +34,14 @@ class Peer:
         )
         self.process.start()
         child.close()
-        if not self.conn.poll(300):
+        # Hang guards only: a spawned vLLM process imports slowly on a loaded machine.
+        if not self.conn.poll(900):
             raise TimeoutError(f"the {role} process did not start")
         self.cache_class = self.conn.recv()
 
     def ask(self, message: Any) -> Any:
         self.conn.send(message)
-        if not self.conn.poll(120):
+        if not self.conn.poll(600):
             raise TimeoutError("no answer")
         return self.conn.recv()
 
@@ -75,7 +75,8 @@ def test_shm_mode_two_workers_read_every_item_through_vllms_ipc(plugin_enabled: 
     sent: list[tuple[list[bytes], list[str | None]]] = []
     replays = {"same": 0, "miss": 0}
     try:
-        assert [w.cache_class for w in workers] == [RECEIVER, RECEIVER]
+        receiver = qualified(mv.MmcacheShmReceiverCache)
+        assert [w.cache_class for w in workers] == [receiver, receiver]
         for n in range(60):
             hashes = [rng.choice(list(truth)) for _ in range(rng.randint(1, 4))]
             data = vllm_p0_request(p0, hashes, truth)
@@ -118,7 +119,7 @@ def test_lru_mode_drift_is_recovered_with_one_retry(plugin_enabled: None) -> Non
     engine = Peer("engine", config)
     retries = drifted = 0
     try:
-        assert engine.cache_class == "mmcache.vllm.MmcacheLruReceiverCache"
+        assert engine.cache_class == qualified(mv.MmcacheLruReceiverCache)
         for n in range(40):
             if n % 10 == 5:  # the engine's cache is reset without P0's (drift)
                 assert engine.ask("clear") == "cleared"
@@ -138,22 +139,3 @@ def test_lru_mode_drift_is_recovered_with_one_retry(plugin_enabled: None) -> Non
     finally:
         engine.stop()
     assert engine.process.exitcode == 0
-
-
-def test_the_plugin_changes_nothing_without_mmcache_vllm() -> None:
-    check = (
-        "from vllm.plugins import load_general_plugins\n"
-        "load_general_plugins()\n"
-        "from vllm.multimodal.cache import factories\n"
-        "print(factories.LruKeyReplicatedSenderCache.__module__)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != mv.ENABLE_ENV}
-    off = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
-    assert off.stdout.split() == ["vllm.multimodal.cache.lru"], off.stderr[-2000:]
-    on = subprocess.run(
-        [sys.executable, "-c", check],
-        env={**env, mv.ENABLE_ENV: "1"},
-        capture_output=True,
-        text=True,
-    )
-    assert on.stdout.split() == ["mmcache.vllm"], on.stderr[-2000:]

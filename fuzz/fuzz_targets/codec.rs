@@ -1,6 +1,7 @@
 //! A valid item payload with the input's bytes written over it: parsing and walking the
-//! header must refuse the result or accept a tree whose every part lies inside the payload —
-//! never panic, never read outside.
+//! header must refuse the result or accept a tree whose every part lies inside the payload
+//! and is named by exactly one node, so that the values hold at most the payload's bytes —
+//! never panic, never read outside, never decode into more than the payload holds.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -64,11 +65,23 @@ fuzz_target!(|data: &[u8]| {
                 .is_some_and(|end| end <= payload.len() as u64)
         );
     }
-    let _ = parsed.walk(|node| {
-        if let Node::Tensor { part, .. } | Node::Array { part, .. } | Node::BytesPart(part) = *node
-        {
-            assert!(part < parsed.parts.len());
+    let mut named = vec![0u32; parsed.parts.len()];
+    // Bytes of the values: their parts, and what the header holds inline.
+    let mut data = 0u64;
+    let walked = parsed.walk(|node| {
+        match *node {
+            Node::Str(s) => data += s.len() as u64,
+            Node::Bytes(b) | Node::Scalar { raw: b, .. } => data += b.len() as u64,
+            _ => {}
+        }
+        if let Some(part) = node.part() {
+            named[part] += 1;
+            data += parsed.parts[part].1;
         }
         Ok(())
     });
+    if walked.is_ok() {
+        assert!(named.iter().all(|&n| n == 1));
+        assert!(data <= payload.len() as u64);
+    }
 });

@@ -4,7 +4,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, final
 
-from typing_extensions import Buffer, Self
+from typing_extensions import Buffer, Self, disjoint_base
 
 __version__: str
 LAYOUT_VERSION: int
@@ -46,6 +46,10 @@ class WrongProcessError(MmcacheError):
     """A writer or reader used in a process other than the one that created or attached it
     (after ``fork()``: create a new writer, or attach a new reader, in the child)."""
 
+class ItemNotEncodableError(TypeError, ValueError):
+    """An item the codec cannot hold: an unsupported value, one past a limit of the format,
+    or a tensor without memory of its own. The message names the field."""
+
 class ObjectTooLargeError(ValueError):
     """An object larger than the store's ``max_object_size``."""
 
@@ -71,7 +75,7 @@ class ShmHandle:
     def monotonic_id(self) -> int: ...
     @property
     def signature(self) -> bytes: ...
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
 
@@ -156,6 +160,7 @@ class PartView:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+@disjoint_base
 class ShmObjectStore:
     """One named shared-memory ring. Never instantiated itself: :meth:`create` makes its first
     writer (a :class:`ShmWriter`), :meth:`join` another writer, :meth:`attach` a reader (a
@@ -315,6 +320,10 @@ def encode_item(item: Mapping[str, Any]) -> tuple[bytes, list[memoryview]]:
     """An item as ``(part 0, [part 1, ...])``: the header and read-only views of the item's
     own tensor, array and long ``bytes`` memory."""
 
+def pack_item(item: Mapping[str, Any]) -> bytes:
+    """An item's whole payload (part 0, then each part at its aligned offset), encoded and
+    copied in one call."""
+
 def decode_item(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
     """The item in a payload: copies, or (``copy=False``) views of ``payload``'s memory."""
 
@@ -334,3 +343,8 @@ def list_segments() -> list[str]:
 
 def unlink_segment(name: str) -> None:
     """Remove a segment's name (its memory is freed once every process unmaps it)."""
+
+def generate_segment_name() -> str:
+    """A fresh name of the kind :meth:`ShmObjectStore.create` generates, for a store another
+    process is to create with it: this one then knows the name even if that process dies
+    while creating it, and can remove what it left."""

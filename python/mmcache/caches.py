@@ -19,21 +19,34 @@ item that would fit only by evicting a protected one is served uncached (counted
 decisions and the mirror holds.  An engine that updates a request's items one call at a
 time brackets them with :meth:`BaseCache.begin_request` / :meth:`BaseCache.end_request` so
 the protection lasts the whole request, as it does on the receiver.
+
+Threads: every cache may be called from several threads at once.  Each cache has one
+re-entrant lock, held across each public call that reads or changes its state (a batched
+call is one atomic step); a pure query of a structure that is atomic by itself (the LRU
+caches' ``is_cached_item``: one lookup in a dict) takes no lock.  A request is the calling
+thread's: the request a thread opened (:meth:`BaseCache.begin_request`) and the items it
+touched are its own, and an item several requests touched stays protected until the last
+of them is done.  In ``lru`` mode the mirror holds per request order: requests that reach
+P1 in another order than P0's threads applied them are a drift, reported by P1's
+:class:`CacheMissError` like any other; a retry that carries every item's data to P1
+recovers it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 from mmcache.closing import ClosesOnExit
 from mmcache.errors import CacheMissError
 from mmcache.items import CachedItem, Item, ItemMetadata, ShmHandle, item_size
-from mmcache.lru import CacheInfo, LRUCache
+from mmcache.lru import CacheInfo, UnsynchronizedLRUCache
+from mmcache.protection import Holds, RequestState
 
 __all__ = [
     "BaseCache",
@@ -83,13 +96,30 @@ def capacity_bytes(capacity_gb: float) -> int:
 
 
 class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
-    """What every cache has: per-item and batched updates, clearing, closing, and the
-    accounting of items served uncached (counted, logged once per reason)."""
+    """What every cache has: per-item and batched updates, clearing, closing, the request
+    bracket (per thread), and the accounting of items served uncached (counted, logged once
+    per reason).
+
+    ``_lock`` (re-entrant) guards the cache's state: every public method that reads or
+    changes it holds the lock, and a batched call holds it throughout.
+    """
 
     def __init__(self) -> None:
+        self._lock: AbstractContextManager[Any] = threading.RLock()
+        self._request = RequestState()  # the calling thread's request
         self._uncached = {"oversize": 0, "full": 0, "saturated": 0}
         self._warned: set[str] = set()
-        self._request_open = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock (a copy gets its own) and without requests in flight
+        (each thread's, in this process)."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     @abstractmethod
     def get_and_update_item(self, item: InT, mm_hash: str) -> OutT:
@@ -103,7 +133,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         outputs: list[OutT] = []
-        with self._request_scope(mm_hashes):
+        with self._lock, self._request_scope(mm_hashes):
             try:
                 self._check_request(items, mm_hashes)
                 for item, h in zip(items, mm_hashes):
@@ -115,22 +145,23 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
 
     @contextmanager
     def _request_scope(self, keys: Sequence[str]) -> Iterator[None]:
-        """One batched call is one request, unless it runs inside a request the caller
-        opened with :meth:`begin_request` (which then ends the protection)."""
-        opened_here = not self._request_open
+        """One batched call is one request, unless it runs inside a request the calling
+        thread opened with :meth:`begin_request` (which then ends the protection)."""
+        opened_here = not self._request.open
         if opened_here:
             self.begin_request()
         try:
             yield
         finally:
             if opened_here:
-                self._request_open = False
+                self._request.open = False
                 self._end_request(keys)
 
     @property
     def in_request(self) -> bool:
-        """Whether a request is open (between :meth:`begin_request` and :meth:`end_request`)."""
-        return self._request_open
+        """Whether the calling thread has a request open (between :meth:`begin_request` and
+        :meth:`end_request`)."""
+        return self._request.open
 
     def begin_request(self) -> None:
         """Open a request whose items are updated one by one: until :meth:`end_request`,
@@ -140,34 +171,39 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         For engines that touch every item of a request, then update the items one call at
         a time, then end the request (vLLM's P0 does): the protection then lasts as long
         as on the receiver, which resolves the request in one call, so a request larger
-        than the cache keeps the two sides mirrored.  ``RuntimeError`` if a request is
-        already open.
+        than the cache keeps the two sides mirrored.
+
+        The request is the calling thread's: several threads may each have one open at once,
+        and each thread's touches, updates and :meth:`end_request` are its own request's.
+        ``RuntimeError`` if this thread has a request open already.
         """
-        if self._request_open:
+        if self._request.open:
             raise RuntimeError(
-                f"{type(self).__name__}: a request is already open; call end_request() "
-                "before beginning the next one"
+                f"{type(self).__name__}: a request is already open in this thread; call "
+                "end_request() before beginning the next one"
             )
-        self._request_open = True
-        self._begin_request()
+        with self._lock:
+            self._request.open = True
+            self._begin_request()
 
     def end_request(self) -> None:
-        """Close the open request: the items it touched may be evicted again (a pin of a
-        touched item whose update never came is dropped too).  A no-op when no request is
-        open."""
-        if self._request_open:
-            self._request_open = False
-            self._end_request(None)
+        """Close the calling thread's open request: the items it touched may be evicted again
+        (unless another open request touched them too; a pin of a touched item whose update
+        never came is dropped too).  A no-op when this thread has no request open."""
+        if self._request.open:
+            with self._lock:
+                self._request.open = False
+                self._end_request(None)
 
     def _check_request(self, items: Sequence[InT], mm_hashes: Sequence[str]) -> None:
         """Raise before any item of the request is applied, if it cannot succeed."""
 
     def _begin_request(self) -> None:
-        """The updates of one request start (protection now lasts until its end)."""
+        """The calling thread's request starts (protection now lasts until its end)."""
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
-        """The request of ``keys`` is done (or failed): drop what protects its items
-        (``None``: everything the open request protects)."""
+        """The calling thread's request of ``keys`` is done (or failed): drop what protects
+        its items (``None``: everything the request protects)."""
 
     def _abandon(self, outputs: Sequence[OutT]) -> None:
         """A request failed after producing ``outputs``: give back what they hold."""
@@ -183,10 +219,11 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         """Counters; ``uncached_oversize`` / ``uncached_full`` / ``uncached_saturated`` count
         items served uncached (too large; no room beside protected items; a reader holding
         the most unread references to it that the ring can count)."""
-        return {f"uncached_{reason}": n for reason, n in self._uncached.items()}
+        with self._lock:
+            return {f"uncached_{reason}": n for reason, n in self._uncached.items()}
 
     def _serve_uncached(self, reason: str, message: str) -> None:
-        """Count an item served uncached; log the first one of each reason."""
+        """Count an item served uncached; log the first one of each reason (lock held)."""
         self._uncached[reason] += 1
         if reason not in self._warned:
             self._warned.add(reason)
@@ -197,18 +234,19 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
                 reason,
             )
 
-    def _cache_if_fits(self, lru: LRUCache, key: str, value: Any) -> None:
+    def _cache_if_fits(self, store: _ProtectedLRU, key: str, value: Any) -> None:
         """Store ``value`` under ``key``, or serve it uncached: when it exceeds the capacity
-        (``oversize``), or when it fits only by evicting items that the current request
-        protects (``full``).
+        (``oversize``), or when it fits only by evicting items that requests in flight
+        protect (``full``).
 
         A value served uncached also drops what was stored under ``key``, so the stale entry
         can never be returned in place of the fresh data (a no-op when the sides are
         mirrored: both missed ``key``).
         """
+        lru = store.lru
         if lru.put_if_fits(key, value):
             return
-        lru.pop(key)
+        store.pop(key)
         size, capacity = lru.getsizeof(value), lru.maxsize
         if size > capacity:
             self._serve_uncached(
@@ -220,48 +258,65 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
             self._serve_uncached(
                 "full",
                 f"item {key} ({_gib(size)} GiB) does not fit beside the "
-                f"{_gib(lru.protected_bytes)} GiB of items its request still uses "
+                f"{_gib(lru.protected_bytes)} GiB of items the requests in flight still use "
                 f"(capacity_gb={_gib(capacity)}; raise it to cache requests this large)",
             )
 
 
-class _RequestProtection:
-    """Keeps the items one request touched in an :class:`LRUCache` from being evicted by the
-    request's own insertions: the same rule on P0 and P1, so the mirror holds.
+class _ProtectedLRU:
+    """An LRU whose entries the requests in flight keep from being evicted by their own
+    insertions (nor by other requests'): the same rule on P0 and P1, so the mirror holds.
 
-    A touched item (one present when touched) is protected until the request is done when
-    the request is updated in one call, or until its own update when items are updated one
-    by one; an item updated in the request without a touch is not protected.
+    An item a request touched (one present when touched) is protected until the request is
+    done when the request is updated in one call, or until its own update when items are
+    updated one by one; an item updated in the request without a touch is not protected.
+    ``request`` is the owning cache's per-thread state, so "the request" is always the
+    calling thread's.  The caller holds the cache's lock around every method.
     """
 
-    def __init__(self, lru: LRUCache) -> None:
-        self._lru = lru
-        self.in_request = False
+    def __init__(self, lru: UnsynchronizedLRUCache, request: RequestState) -> None:
+        self.lru = lru
+        self._request = request
+        self._holds = Holds(lru.protect, lru.unprotect)
+        lru.unprotect_all()  # no request holds anything yet (in a pickled copy too)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A pickled copy starts with no request in flight, so with nothing protected.
+        return _ProtectedLRU, (self.lru, self._request)
 
     def touch(self, key: str) -> None:
-        """Make ``key`` most recent and protect it; a no-op when it is absent."""
-        self._lru.touch(key)
-        self._lru.protect(key)
+        """Make ``key`` most recent and protect it for this request; a no-op when absent."""
+        self.lru.touch(key)
+        self._holds.take(self._request.holds, key)
 
     def updated(self, key: str) -> None:
-        """``key`` was updated: outside a request, its protection ends now."""
-        if not self.in_request:
-            self._lru.unprotect(key)
-
-    def begin(self) -> None:
-        self.in_request = True
+        """``key`` was updated: outside a request, this thread's protection of it ends now."""
+        request = self._request
+        if not request.open and request.holds:
+            self._holds.give(request.holds, key)
 
     def end(self, keys: Sequence[str] | None) -> None:
-        """The request is over: unprotect ``keys`` (``None``: every protected key)."""
-        self.in_request = False
+        """This thread's request is over: let go of ``keys`` (``None``: of every key it
+        protects)."""
         if keys is None:
             self.release_all()
             return
         for key in keys:
-            self._lru.unprotect(key)
+            self._holds.give(self._request.holds, key)
 
     def release_all(self) -> None:
-        self._lru.unprotect_all()
+        """This thread's request lets go of every key it protects."""
+        self._holds.give_all(self._request.holds)
+
+    def pop(self, key: str) -> None:
+        """Remove ``key``, protected or not."""
+        self.lru.pop(key)
+        self._holds.forget(key)
+
+    def clear(self) -> None:
+        """Remove every entry and every protection, and reset the statistics."""
+        self.lru.clear()
+        self._holds.forget_all()
 
 
 class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
@@ -321,11 +376,15 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         other error (a forged handle, say) does not stop the others either — resolving a
         handle is what gives its reference back, so skipping the rest would pin them in the
         ring — and the first such error is raised once all are resolved.
+
+        The request is one atomic step for the cache (other threads' calls wait for it),
+        except in caches that hold no state of their own to guard
+        (:class:`~mmcache.shm.ShmReceiverCache`, whose threads resolve in parallel).
         """
         keys = [f.mm_hash or f.identifier for f in features]
         missed: list[bool] = []
         failure: Exception | None = None
-        with self._request_scope(keys):
+        with self._lock, self._request_scope(keys):
             for feature, key in zip(features, keys):
                 self.touch_receiver_cache_item(key, feature.data)
             for feature, key in zip(features, keys):
@@ -363,7 +422,7 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
 
 
 class _LruSenderCache(BaseSenderCache):
-    """A P0 cache over an :class:`LRUCache`; subclasses choose what an entry keeps.
+    """A P0 cache over an LRU; subclasses choose what an entry keeps.
 
     ``getsizeof(item)`` is the size an item counts for (default :func:`item_size`); the
     receiver it mirrors must use the same function.
@@ -374,8 +433,11 @@ class _LruSenderCache(BaseSenderCache):
     ) -> None:
         super().__init__()
         self._item_size = getsizeof
-        self._lru = LRUCache(capacity_bytes(capacity_gb), getsizeof=self._entry_size)
-        self._protection = _RequestProtection(self._lru)
+        # Only ever used under the cache's lock.
+        self._lru = UnsynchronizedLRUCache(
+            capacity_bytes(capacity_gb), getsizeof=self._entry_size
+        )
+        self._protection = _ProtectedLRU(self._lru, self._request)
 
     @abstractmethod
     def _entry(self, item: Item, prompt_updates: Any) -> Any:
@@ -393,53 +455,60 @@ class _LruSenderCache(BaseSenderCache):
         """A hit returns the stored entry's output; a miss stores the item if it fits (see
         the module's docstring) and returns it as given.  ``CacheMissError`` for a miss
         without data."""
-        entry = self._lru.get(mm_hash)
-        if entry is not None:
+        with self._lock:
+            entry = self._lru.get(mm_hash)
+            if entry is not None:
+                self._protection.updated(mm_hash)
+                return self._hit(entry)
+            data, prompt_updates = split_sender_input(item, mm_hash)
+            self._cache_if_fits(self._protection, mm_hash, self._entry(data, prompt_updates))
             self._protection.updated(mm_hash)
-            return self._hit(entry)
-        data, prompt_updates = split_sender_input(item, mm_hash)
-        self._cache_if_fits(self._lru, mm_hash, self._entry(data, prompt_updates))
-        self._protection.updated(mm_hash)
-        return data, prompt_updates
+            return data, prompt_updates
 
     def is_cached_item(self, mm_hash: str) -> bool:
+        # No lock: one lookup in the LRU's dict, atomic by itself.
         return mm_hash in self._lru
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the receiver's touch does."""
-        self._protection.touch(mm_hash)
+        with self._lock:
+            self._protection.touch(mm_hash)
 
     def release_sender_touches(self) -> None:
-        """Drop the protection of every touched item (the request was abandoned)."""
-        self._protection.release_all()
-
-    def _begin_request(self) -> None:
-        self._protection.begin()
+        """Drop this thread's protection of every item it touched (its request was
+        abandoned)."""
+        with self._lock:
+            self._protection.release_all()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
         self._protection.end(keys)
 
     def invalidate(self, mm_hash: str) -> None:
-        self._lru.pop(mm_hash)
+        with self._lock:
+            self._protection.pop(mm_hash)
 
     def clear_cache(self) -> None:
         """Forget every item and reset the statistics."""
-        self._lru.clear()
+        with self._lock:
+            self._protection.clear()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        return self._lru.stat(delta)
+        with self._lock:
+            return self._lru.stat(delta)
 
     def stats(self) -> dict[str, int]:
-        hits, total = self._lru.stat()
-        return {**_lru_stats(self._lru), "hits": hits, "total": total, **super().stats()}
+        with self._lock:
+            hits, total = self._lru.stat()
+            return {**_lru_stats(self._lru), "hits": hits, "total": total, **super().stats()}
 
     def keys(self) -> list[Hashable]:
         """Cached hashes, least recently used first."""
-        return self._lru.recency_order()
+        with self._lock:
+            return self._lru.recency_order()
 
 
-def _lru_stats(lru: LRUCache) -> dict[str, int]:
+def _lru_stats(lru: UnsynchronizedLRUCache) -> dict[str, int]:
     return {
         "entries": len(lru),
         "evictions": lru.evictions,
@@ -496,35 +565,39 @@ class ReceiverCache(BaseReceiverCache):
     cache does not hold afterwards (items it could not keep).  Once the sender has
     invalidated them, every hash of the request that the sender still holds is held here
     too, and stays (touched, so protected) while the retry is resolved: the retry cannot
-    miss.
+    miss, unless requests resolved between the miss and the retry reached this cache in
+    another order than the sender's threads applied them (a new drift; a retry that carries
+    every item's data cannot miss).
     """
 
     def __init__(
         self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size
     ) -> None:
         super().__init__()
-        self._lru = LRUCache(capacity_bytes(capacity_gb), getsizeof=getsizeof)
-        self._protection = _RequestProtection(self._lru)
-        self._carried: dict[str, Item] = {}  # data the current request carried, by hash
+        # Only ever used under the cache's lock.
+        self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=getsizeof)
+        self._protection = _ProtectedLRU(self._lru, self._request)
 
     def get_and_update_item(self, item: Item | None, mm_hash: str) -> Item:
-        if item is None:
-            cached: Item | None = self._lru.get(mm_hash)
-            if cached is None:
-                cached = self._carried.get(mm_hash)
+        with self._lock:
+            if item is None:
+                cached: Item | None = self._lru.get(mm_hash)
                 if cached is None:
-                    raise CacheMissError([mm_hash])
+                    # The data this thread's request carried for mm_hash (by hash).
+                    cached = self._request.carried.get(mm_hash)
+                    if cached is None:
+                        raise CacheMissError([mm_hash])
+                self._protection.updated(mm_hash)
+                return cached
+            if not isinstance(item, Mapping):
+                raise TypeError(f"ReceiverCache got a {type(item).__qualname__} for {mm_hash}")
+            self._cache_if_fits(self._protection, mm_hash, item)
             self._protection.updated(mm_hash)
-            return cached
-        if not isinstance(item, Mapping):
-            raise TypeError(f"ReceiverCache got a {type(item).__qualname__} for {mm_hash}")
-        self._cache_if_fits(self._lru, mm_hash, item)
-        self._protection.updated(mm_hash)
-        if self._protection.in_request:
-            # The sender may send None for a later feature with this hash (it kept the item
-            # while this cache could not): resolve it from this payload.
-            self._carried[mm_hash] = item
-        return item
+            if self._request.open:
+                # The sender may send None for a later feature with this hash (it kept the
+                # item while this cache could not): resolve it from this payload.
+                self._request.carried[mm_hash] = item
+            return item
 
     def _not_held(self, key: str) -> bool:
         return key not in self._lru
@@ -532,23 +605,26 @@ class ReceiverCache(BaseReceiverCache):
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the sender's touch does."""
-        self._protection.touch(mm_hash)
+        with self._lock:
+            self._protection.touch(mm_hash)
 
     def _begin_request(self) -> None:
-        self._protection.begin()
-        self._carried.clear()
+        self._request.carried.clear()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
         self._protection.end(keys)
-        self._carried.clear()
+        self._request.carried.clear()
 
     def clear_cache(self) -> None:
         """Forget every item (P0's sender must be cleared too, or it will drift)."""
-        self._lru.clear()
+        with self._lock:
+            self._protection.clear()
 
     def stats(self) -> dict[str, int]:
-        return {**_lru_stats(self._lru), **super().stats()}
+        with self._lock:
+            return {**_lru_stats(self._lru), **super().stats()}
 
     def keys(self) -> list[Hashable]:
         """Cached hashes, least recently used first."""
-        return self._lru.recency_order()
+        with self._lock:
+            return self._lru.recency_order()

@@ -1,13 +1,18 @@
 """The ``mmcache`` command: ``simulate`` (the main job), ``bench``, ``inspect`` and ``prune``.
 
+It needs the ``cli`` extra (``pip install 'mmcache[cli]'``: rich for its tables, msgpack for
+simulate's messages); this module imports neither until :func:`main` has checked them.
+
 Exit status: 0 on success; 1 when a run failed (wrong tensors, an unrecovered drift, a
-process that died, a segment that cannot be read); 2 for invalid flags or a configuration
-that cannot run, with one line on stderr saying why; 130 after Ctrl-C.
+process that died, a segment that cannot be read); 2 for invalid flags, a configuration
+that cannot run or a missing ``cli`` extra, with one line on stderr saying why; 130 after
+Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import sys
@@ -17,11 +22,10 @@ from pathlib import Path
 from textwrap import fill
 from typing import Any, NoReturn
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+CLI_EXTRA_MODULES = ("rich", "msgpack")
+"""What the ``cli`` extra installs and the commands import."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -236,6 +240,14 @@ def _parser() -> _Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mmcache`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit
     status."""
+    missing = _missing_cli_module()
+    if missing is not None:
+        print(
+            f"mmcache: error: the command needs {missing}, which is not installed: "
+            "pip install 'mmcache[cli]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     parser = _parser()
     args = parser.parse_args(argv)
     prog = f"mmcache {args.command}"
@@ -249,6 +261,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _missing_cli_module() -> str | None:
+    """The first module of the ``cli`` extra that cannot be imported, or ``None``."""
+    for name in CLI_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return name
+    return None
+
+
 def _check_output(path: Path | None, flag: str) -> None:
     if path is not None and not path.parent.is_dir():
         raise _UsageError(f"{flag} {path}: directory {path.parent} does not exist")
@@ -259,6 +281,15 @@ def _check_output(path: Path | None, flag: str) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     from mmcache.simulate import MODES, ConfigError, SimulationConfig, SimulationError, run_configs
     from mmcache.simulate.report import render, write_json, write_plot
 
@@ -334,6 +365,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from mmcache.bench import render, run_benchmarks
 
     _check_output(args.json, "--json")
@@ -354,6 +387,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from mmcache import MmcacheError
     from mmcache.maintenance import inspect
 

@@ -3,10 +3,11 @@
 Everything the package raises on its own account derives from :class:`MmcacheError`;
 where a user already expects a builtin (``ValueError``, ``KeyError``, ``MemoryError``, ...)
 that builtin is raised instead, or a subclass of it where callers must tell cases apart:
-``ObjectTooLargeError`` (a ``ValueError``), and three ``MemoryError`` s: ``RingFullError`` (no
-reclaimable room in the ring), ``ReferencesSaturatedError`` (a reader holds the most unread
-references to an object it can count) and ``ShmTooSmallError`` (``/dev/shm`` cannot hold the
-ring).
+``ObjectTooLargeError`` (a ``ValueError``), ``ItemNotEncodableError`` (a ``TypeError`` and a
+``ValueError``: an item the codec cannot hold), and three ``MemoryError`` s:
+``RingFullError`` (no reclaimable room in the ring), ``ReferencesSaturatedError`` (a reader
+holds the most unread references to an object it can count) and ``ShmTooSmallError``
+(``/dev/shm`` cannot hold the ring).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 from mmcache._core import (
     ClosedError,
     InvalidHandleError,
+    ItemNotEncodableError,
     MmcacheError,
     NoReaderSlotError,
     NoWriterSlotError,
@@ -33,6 +35,7 @@ __all__ = [
     "CacheMissError",
     "ClosedError",
     "InvalidHandleError",
+    "ItemNotEncodableError",
     "MmcacheError",
     "NoReaderSlotError",
     "NoWriterSlotError",

@@ -27,6 +27,7 @@ def make_caches(
     max_object_size_mb: float = 128,
     getsizeof: Callable[[Item], int] = item_size,
     remote: RemoteStore | None = None,
+    name: str | None = None,
 ) -> tuple[BaseSenderCache | None, ReceiverCache | ReaderHandle | None]:
     """The P0 cache of ``mode`` and what P1/workers need, as ``(p0_cache, downstream)``:
 
@@ -40,12 +41,17 @@ def make_caches(
                                                   calls ``ShmReceiverCache(downstream)``
     ================== ========================== ===============================================
 
-    ``n_readers`` (the number of workers) and ``max_object_size_mb`` apply to ``shm`` only;
+    ``n_readers`` (the number of workers), ``max_object_size_mb`` and ``name`` (the ring's
+    segment name; default: a fresh one) apply to ``shm`` only;
     ``getsizeof`` (the size an item counts for) to ``processor_only`` and ``lru`` (the ring
     counts bytes).  With ``remote`` (a :class:`~mmcache.remote.RemoteStore`), ``p0_cache`` is that mode's P0
     cache behind the shared remote tier (a :class:`~mmcache.remote.TieredSenderCache`; it
     closes the store with itself); mode ``none`` has no P0 cache to put it in
     (``ValueError``).  ``ValueError`` for an unknown mode.
+
+    Safe to call from several threads, and every cache it returns may be shared by threads
+    (see "Threads" in :mod:`mmcache.caches`), except, for now, the
+    :class:`~mmcache.remote.TieredSenderCache` of ``remote``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown cache mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -62,7 +68,7 @@ def make_caches(
         downstream = ReceiverCache(capacity_gb, getsizeof=getsizeof)
     else:
         shm = ShmSenderCache(
-            capacity_gb, max_object_size_mb=max_object_size_mb, n_readers=n_readers
+            capacity_gb, max_object_size_mb=max_object_size_mb, n_readers=n_readers, name=name
         )
         sender, downstream = shm, shm.handle()
     if remote is not None and sender is not None:

@@ -1,16 +1,23 @@
-"""A size-aware LRU with hit statistics and protected entries, on top of ``cachetools.Cache``."""
+"""A size-aware LRU with hit statistics and protected entries, on top of ``cachetools.Cache``.
+
+:class:`LRUCache` is thread-safe: every method holds its lock.  The caches keep their LRU
+under a lock of their own, held across each of their calls, so they use the same LRU without
+one (:class:`UnsynchronizedLRUCache`): taking a lock once per call, not once per LRU step,
+keeps their hot paths cheap.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, NamedTuple
 
 import cachetools
 
 from mmcache.items import item_size
 
-__all__ = ["CacheInfo", "LRUCache"]
+__all__ = ["CacheInfo", "HitCounter", "LRUCache", "UnsynchronizedLRUCache"]
 
 
 class CacheInfo(NamedTuple):
@@ -28,8 +35,33 @@ class CacheInfo(NamedTuple):
         return CacheInfo(self.hits - other.hits, self.total - other.total)
 
 
-class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
-    """Least-recently-used cache bounded by the total size of its values.
+class HitCounter:
+    """Counts lookups (``total``) and ``hits``; :meth:`info` reads them cumulatively or, with
+    ``delta=True``, as the change since the previous delta read (the ``delta`` of the
+    caches' ``make_stats``)."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.total = 0
+        self._last = CacheInfo(0, 0)
+
+    def info(self, *, delta: bool = False) -> CacheInfo:
+        info = CacheInfo(self.hits, self.total)
+        if not delta:
+            return info
+        change, self._last = info - self._last, info
+        return change
+
+    def reset(self) -> None:
+        """Back to zero, the last delta read included."""
+        self.hits = self.total = 0
+        self._last = CacheInfo(0, 0)
+
+
+class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
+    """:class:`LRUCache` for an owner that serialises every call itself (not thread-safe).
+
+    Least-recently-used cache bounded by the total size of its values.
 
     ``capacity_bytes`` bounds the sum of ``getsizeof(value)`` (by default :func:`item_size`).
     Only :meth:`get` counts towards the statistics; ``key in cache`` neither counts nor
@@ -50,9 +82,7 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
         self._protected_bytes: float = 0
         self.evictions = 0
         """Entries evicted to make room (not those popped or cleared)."""
-        self._hits = 0
-        self._total = 0
-        self._last = CacheInfo(0, 0)
+        self._lookups = HitCounter()
 
     # -- the mapping, kept in recency order -------------------------------------------------
 
@@ -85,9 +115,9 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         """The value for ``key`` (made most recent) or ``default``; counts one lookup."""
-        self._total += 1
+        self._lookups.total += 1
         if key in self:
-            self._hits += 1
+            self._lookups.hits += 1
             return self[key]
         return default
 
@@ -115,13 +145,17 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
         if key in self:
             self._order.move_to_end(key)
 
-    def protect(self, key: Hashable) -> None:
+    def protect(self, key: Hashable) -> bool:
         """Keep ``key`` from being evicted until :meth:`unprotect` (or until it is popped or
-        cleared); a no-op when it is absent.  Protecting does not change recency."""
-        if key in self and key not in self._protected:
+        cleared); a no-op when it is absent.  Protecting does not change recency.  Returns
+        whether ``key`` is present (so now protected)."""
+        if key not in self:
+            return False
+        if key not in self._protected:
             size = self.getsizeof(super().__getitem__(key))
             self._protected[key] = size
             self._protected_bytes += size
+        return True
 
     def unprotect(self, key: Hashable) -> None:
         """Let ``key`` be evicted again; a no-op when it is not protected."""
@@ -171,18 +205,12 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
         self._order.clear()
         self.unprotect_all()
         self.evictions = 0
-        self._hits = 0
-        self._total = 0
-        self._last = CacheInfo(0, 0)
+        self._lookups.reset()
 
     def stat(self, delta: bool = False) -> CacheInfo:
         """Cumulative statistics, or with ``delta=True`` the change since the previous
         delta call."""
-        info = CacheInfo(self._hits, self._total)
-        if not delta:
-            return info
-        change, self._last = info - self._last, info
-        return change
+        return self._lookups.info(delta=delta)
 
     def recency_order(self) -> list[Hashable]:
         """Keys from least to most recently used (the order eviction follows); O(n)."""
@@ -191,3 +219,101 @@ class LRUCache(cachetools.Cache):  # type: ignore[type-arg]
     def _room_taken_by_others(self, key: Hashable) -> float:
         """Bytes of the protected entries other than ``key``."""
         return self._protected_bytes - self._protected.get(key, 0)
+
+
+class LRUCache(UnsynchronizedLRUCache):
+    """Least-recently-used cache bounded by the total size of its values (see
+    :class:`UnsynchronizedLRUCache` for the semantics), safe to call from several threads.
+
+    Every method holds :attr:`lock` (re-entrant: hold it to make several calls one atomic
+    step), except ``key in cache`` and ``len(cache)``: one operation on the underlying dict,
+    atomic by itself (under the GIL, and under free-threaded CPython, whose dicts lock
+    themselves).
+    """
+
+    def __init__(
+        self, capacity_bytes: float, getsizeof: Callable[[Any], int] = item_size
+    ) -> None:
+        super().__init__(capacity_bytes, getsizeof)
+        self.lock = threading.RLock()
+        """Held by every method."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock (a copy gets its own)."""
+        with self.lock:
+            state = self.__dict__.copy()
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
+    def __getitem__(self, key: Hashable) -> Any:
+        with self.lock:
+            return super().__getitem__(key)
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        with self.lock:
+            super().__setitem__(key, value)
+
+    def __delitem__(self, key: Hashable) -> None:
+        with self.lock:
+            super().__delitem__(key)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """The keys (in insertion order) as they were when iteration began."""
+        with self.lock:
+            return iter(list(super().__iter__()))
+
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        with self.lock:
+            return super().get(key, default)
+
+    def setdefault(self, key: Hashable, default: Any = None) -> Any:
+        with self.lock:
+            return super().setdefault(key, default)
+
+    def fits(self, key: Hashable, size: float) -> bool:
+        with self.lock:
+            return super().fits(key, size)
+
+    def put_if_fits(self, key: Hashable, value: Any) -> bool:
+        with self.lock:
+            return super().put_if_fits(key, value)
+
+    def touch(self, key: Hashable) -> None:
+        with self.lock:
+            super().touch(key)
+
+    def protect(self, key: Hashable) -> bool:
+        with self.lock:
+            return super().protect(key)
+
+    def unprotect(self, key: Hashable) -> None:
+        with self.lock:
+            super().unprotect(key)
+
+    def unprotect_all(self) -> None:
+        with self.lock:
+            super().unprotect_all()
+
+    def popitem(self) -> tuple[Hashable, Any]:
+        with self.lock:
+            return super().popitem()
+
+    def pop(self, key: Hashable, default: Any = None) -> Any:
+        with self.lock:
+            return super().pop(key, default)
+
+    def clear(self) -> None:
+        with self.lock:
+            super().clear()
+
+    def stat(self, delta: bool = False) -> CacheInfo:
+        with self.lock:
+            return super().stat(delta)
+
+    def recency_order(self) -> list[Hashable]:
+        with self.lock:
+            return super().recency_order()

@@ -3,7 +3,8 @@
 A segment outlives its creator only when the creator was killed before it could unlink it
 (SIGKILL, an out-of-memory kill, a power cut of the container). :func:`prune` finds such
 segments among those this package created on this host and removes them — judging liveness
-by the writer's lock on the segment, so it is right across PID namespaces; :func:`inspect`
+by the writer's lock on the segment, so it is right across PID namespaces; every store's
+creation does the same first, so they do not wait for someone to run it. :func:`inspect`
 reads a live segment's header, never writing to it and without taking a reader slot.
 """
 

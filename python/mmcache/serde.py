@@ -61,7 +61,17 @@ def encode(item: Mapping[str, Any]) -> tuple[bytes, list[memoryview]]:
     The buffers are read-only byte views of the item's own tensors, arrays and long
     ``bytes`` values (a copy is made only of tensors whose bytes are not their values as they
     stand: non-contiguous, on another device, or lazily conjugated/negated); they keep their
-    source alive.  Unsupported values raise ``TypeError`` naming the field.
+    source alive: a tensor's view holds the tensor's storage, so re-pointing the tensor
+    (``set_()``) or dropping it leaves the view intact.  Resizing that storage or moving it
+    to shared memory (``untyped_storage().resize_()``, ``share_memory_()``) frees the memory
+    a view reads, as it does under ``Tensor.numpy()``: where another thread may do that
+    while the views are read, use :func:`pack`.
+
+    A value the codec cannot hold raises :class:`~mmcache.errors.ItemNotEncodableError` (a
+    ``TypeError`` and a ``ValueError``) naming the field: an unsupported type, a limit of the
+    format (nesting or dimensions over 64, an int outside 64 bits, a str, bytes or key over
+    4 GiB), or a tensor without memory of its own (a wrapper subclass such as DTensor or
+    FakeTensor).
     """
     return _core.encode_item(item)
 
@@ -71,8 +81,11 @@ def decode(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
 
     With ``copy=True`` tensors and arrays own their memory.  With ``copy=False`` they are
     views of ``payload`` (read-only where ``payload`` is: numpy arrays say so, torch tensors
-    cannot), each keeping ``payload`` alive; torch gives no warning for them.  A payload that
-    is not a valid encoding raises :class:`~mmcache.errors.SegmentCorruptError`.
+    cannot), all through one buffer export of it, which each keeps open (so ``payload``
+    cannot be resized or freed under them); torch gives no warning for them.  A payload that
+    is not a valid encoding raises :class:`~mmcache.errors.SegmentCorruptError`: every part
+    belongs to exactly one value, so nothing decodes into more memory than the payload
+    holds.  An allocation that fails anyway raises ``MemoryError``.
     """
     return _core.decode_item(payload, copy=copy)
 
@@ -80,12 +93,10 @@ def decode(payload: Buffer, *, copy: bool = True) -> dict[str, Any]:
 def pack(item: Mapping[str, Any]) -> bytes:
     """The whole payload of ``item`` as one ``bytes`` object: exactly what the shared-memory
     ring stores for it (part 0, then each buffer at its aligned offset, zero padding between),
-    so ``decode(pack(item))`` rebuilds it.  For stores that keep one value per key."""
-    header, buffers = encode(item)
-    offsets = part_offsets([len(header), *(b.nbytes for b in buffers)])
-    pieces: list[bytes | memoryview] = [header]
-    end = len(header)
-    for offset, buffer in zip(offsets[1:], buffers, strict=True):
-        pieces += [bytes(offset - end), buffer]
-        end = offset + buffer.nbytes
-    return b"".join(pieces)
+    so ``decode(pack(item))`` rebuilds it.  For stores that keep one value per key.
+
+    Encoded and copied in one native call, holding the GIL while it copies out of tensor
+    storages: safe while other threads re-point, resize or share the item's tensors (each
+    copy is the tensor's bytes before or after, or ``ItemNotEncodableError`` for a storage
+    too small for its tensor).  Errors as for :func:`encode`."""
+    return _core.pack_item(item)

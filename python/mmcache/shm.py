@@ -11,10 +11,22 @@ memory and never enter shared memory.
 Items go into the ring and come out of it through the native codec (``serde``'s format):
 ``put_item`` encodes straight into the object's chunk and ``resolve_item`` decodes straight
 out of it, so the cache API costs little more than the store itself.
+
+Threads: the core's writer and reader are thread-safe (each writer operation is atomic under
+the core's own mutex; references are issued there, so a handle is only ever issued for an
+object the ring still holds).  :class:`ShmSenderCache` adds its lock for its own state
+(prompt updates, pins, statistics), held across each call (a batched call checks and issues
+as one step no other thread's eviction can split), and takes it for every call into the
+core's writer, so that a thread waits on the lock, which releases the GIL, rather than on
+the core's mutex, which a put copying a large item holds.  Pins are counted across threads:
+two requests touching one item keep it pinned until both have updated it.
+:class:`ShmReceiverCache` keeps no shared state in Python and takes no lock: worker threads
+resolve (and copy) in parallel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,7 +49,8 @@ from mmcache.errors import (
     RingFullError,
 )
 from mmcache.items import Item, ShmHandle
-from mmcache.lru import CacheInfo
+from mmcache.lru import CacheInfo, HitCounter
+from mmcache.protection import Holds
 
 __all__ = ["ShmReceiverCache", "ShmSenderCache"]
 
@@ -92,10 +105,9 @@ class ShmSenderCache(BaseSenderCache):
         self._max_object_size = self._store.max_object_size
         self._prompt_updates: dict[str, Any] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
-        self._pinned: set[str] = set()
-        self._hits = 0
-        self._total = 0
-        self._last = CacheInfo(0, 0)
+        # One core pin per item touched by any request in flight, until the last one's update.
+        self._pins = Holds(self._store.pin_if_present, self._store.unpin)
+        self._lookups = HitCounter()
 
     @property
     def name(self) -> str:
@@ -107,21 +119,24 @@ class ShmSenderCache(BaseSenderCache):
         return self._store.handle()
 
     def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
-        self._total += 1
-        try:
+        with self._lock:
+            self._lookups.total += 1
             try:
-                handle = self._store.issue_if_present(mm_hash)
-            except ReferencesSaturatedError:
-                self._hits += 1
-                return self._serve_saturated(item, mm_hash)
-            if handle is None:
-                data, prompt_updates = split_sender_input(item, mm_hash)
-                return self._put(mm_hash, data, prompt_updates), prompt_updates
-            self._hits += 1
-            return handle, self._prompt_updates[mm_hash]
-        finally:
-            # The handle's reference now protects the object; the touch's pin is not needed.
-            self._unpin(mm_hash)
+                try:
+                    handle = self._store.issue_if_present(mm_hash)
+                except ReferencesSaturatedError:
+                    self._lookups.hits += 1
+                    return self._serve_saturated(item, mm_hash)
+                if handle is None:
+                    data, prompt_updates = split_sender_input(item, mm_hash)
+                    return self._put(mm_hash, data, prompt_updates), prompt_updates
+                self._lookups.hits += 1
+                return handle, self._prompt_updates[mm_hash]
+            finally:
+                # The handle's reference now protects the object; this thread's pin from the
+                # touch is not needed.
+                if holds := self._request.holds:
+                    self._pins.give(holds, mm_hash)
 
     def _serve_saturated(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         """``mm_hash`` is cached, but a reader already holds as many unread references to it
@@ -167,40 +182,42 @@ class ShmSenderCache(BaseSenderCache):
         self._prune_at = max(64, 2 * len(self._prompt_updates))
 
     def is_cached_item(self, mm_hash: str) -> bool:
-        return self._store.is_cached(mm_hash)
+        # The core answers atomically under its own mutex, but a thread blocked on that
+        # mutex (while another thread's put copies without the GIL) blocks holding the GIL,
+        # stalling every thread of the process; waiting for this lock releases it.
+        with self._lock:
+            return self._store.is_cached(mm_hash)
 
     def verify(self, handle: object, mm_hash: str) -> bool:
         """Whether ``handle`` is ``mm_hash``'s current entry in the ring: an
         :class:`ShmHandle` signed for ``mm_hash`` by this cache and naming the object stored
         under it now.  Side-effect free (no hit counted, no reference issued, no recency
         change), for validating a handle a client sent back."""
-        return isinstance(handle, ShmHandle) and self._store.verify(handle, mm_hash)
+        if not isinstance(handle, ShmHandle):
+            return False
+        with self._lock:  # as in is_cached_item: wait here, not on the core's mutex
+            return self._store.verify(handle, mm_hash)
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
-        """Pin ``mm_hash`` (if cached) until its :meth:`get_and_update_item`, so writing the
-        request's other items cannot evict it."""
-        if mm_hash not in self._pinned and self._store.pin_if_present(mm_hash):
-            self._pinned.add(mm_hash)
+        """Pin ``mm_hash`` (if cached) until this thread's :meth:`get_and_update_item` of it,
+        so writing the request's other items (or other threads' items) cannot evict it."""
+        with self._lock:
+            self._pins.take(self._request.holds, mm_hash)
 
     def release_sender_touches(self) -> None:
-        """Unpin every touched item whose update never came (an abandoned request)."""
-        for mm_hash in self._pinned:
-            self._store.unpin(mm_hash)
-        self._pinned.clear()
-
-    def _unpin(self, mm_hash: str) -> None:
-        if mm_hash in self._pinned:
-            self._pinned.discard(mm_hash)
-            self._store.unpin(mm_hash)
+        """Unpin every item this thread touched whose update never came (an abandoned
+        request)."""
+        with self._lock:
+            self._pins.give_all(self._request.holds)
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
         # Every item of a request that succeeded was unpinned by its update; those of a
         # request that raised will never get one.
         if keys is None:
-            self.release_sender_touches()
+            self._pins.give_all(self._request.holds)
             return
         for mm_hash in keys:
-            self._unpin(mm_hash)
+            self._pins.give(self._request.holds, mm_hash)
 
     def _abandon(self, outputs: Sequence[SenderOutput]) -> None:
         # The request raised: the engine never sees these handles, so it cannot release them.
@@ -210,17 +227,19 @@ class ShmSenderCache(BaseSenderCache):
         """Give back the references of handles that will never reach the readers (their
         request was aborted or rejected).  Anything that is not a handle is skipped, so the
         data of a request's features can be passed as is."""
-        for handle in handles:
-            if isinstance(handle, ShmHandle):
-                self._store.release(handle)
+        with self._lock:  # as in is_cached_item: wait here, not on the core's mutex
+            for handle in handles:
+                if isinstance(handle, ShmHandle):
+                    self._store.release(handle)
 
     def invalidate(self, mm_hash: str) -> None:
         """Drop ``mm_hash`` from the ring.  Handles to it that are already in flight either
         still read their own data (their unread references protect it) or are a miss, never
         another item's data; the next update of ``mm_hash`` writes it anew."""
-        self._unpin(mm_hash)
-        self._store.invalidate(mm_hash)
-        self._prompt_updates.pop(mm_hash, None)
+        with self._lock:
+            self._store.invalidate(mm_hash)  # drops its pins too
+            self._pins.forget(mm_hash)
+            self._prompt_updates.pop(mm_hash, None)
 
     def clear_cache(self, *, keep_in_flight: bool = False) -> None:
         """Drop every object and reset the hit statistics.  Handles issued before either
@@ -233,34 +252,37 @@ class ShmSenderCache(BaseSenderCache):
         a handle in flight still reads its own data, and each object is reclaimed once it
         has been read (an abandoned reference keeps pinning its object).
         """
-        self._pinned.clear()
-        if keep_in_flight:
-            for key in self._store.keys():
-                self._store.invalidate(key)
-        else:
-            self._store.clear()
-        self._prompt_updates.clear()
-        self._hits = self._total = 0
-        self._last = CacheInfo(0, 0)
+        with self._lock:
+            if keep_in_flight:
+                for key in self._store.keys():
+                    self._store.invalidate(key)
+            else:
+                self._store.clear()
+            self._pins.forget_all()  # the store dropped every pin
+            self._prompt_updates.clear()
+            self._lookups.reset()
 
     def close(self) -> None:
         """Close the ring (the creator unlinks the segment); idempotent."""
-        if not self._store.closed:
-            self._pinned.clear()
-            self._store.close()
+        with self._lock:
+            if not self._store.closed:
+                self._pins.forget_all()
+                self._store.close()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        info = CacheInfo(self._hits, self._total)
-        if not delta:
-            return info
-        change, self._last = info - self._last, info
-        return change
+        with self._lock:
+            return self._lookups.info(delta=delta)
 
     def stats(self) -> dict[str, int]:
         """Hit counters, items served uncached, and the store's counters (``store_*``)."""
-        store = {f"store_{k}": v for k, v in self._store.stats().items()}
-        own = {"hits": self._hits, "total": self._total, "max_object_size": self._max_object_size}
-        return {**own, **super().stats(), **store}
+        with self._lock:
+            store = {f"store_{k}": v for k, v in self._store.stats().items()}
+            own = {
+                "hits": self._lookups.hits,
+                "total": self._lookups.total,
+                "max_object_size": self._max_object_size,
+            }
+            return {**own, **super().stats(), **store}
 
 
 class ShmReceiverCache(BaseReceiverCache):
@@ -289,6 +311,9 @@ class ShmReceiverCache(BaseReceiverCache):
         self, handle: ReaderHandle, *, copy: bool = True, pin_memory: bool = False
     ) -> None:
         super().__init__()
+        # Nothing in Python to guard (a request's state is per thread; the core reader is
+        # thread-safe): no lock, so worker threads resolve and copy in parallel.
+        self._lock = contextlib.nullcontext()
         self._store: ShmReader = ShmObjectStore.attach(handle)
         self._copy = copy
         self._pin_copies = False

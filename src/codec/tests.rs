@@ -151,6 +151,49 @@ fn decode(payload: &[u8]) -> Result<Value> {
     Ok(root)
 }
 
+/// The bytes of every value in a decoded tree: parts' and those inline in the header.
+fn data_len(v: &Value) -> usize {
+    match v {
+        Value::Str(s) => s.len(),
+        Value::Bytes(b) | Value::Tensor(_, _, b) | Value::Array(_, _, b) | Value::Scalar(_, b) => {
+            b.len()
+        }
+        Value::List(xs) | Value::Tuple(xs) => xs.iter().map(data_len).sum(),
+        Value::Dict(entries) => entries.iter().map(|(k, x)| k.len() + data_len(x)).sum(),
+        _ => 0,
+    }
+}
+
+/// A payload whose root dict holds one `u8` tensor per entry of `named`, naming that part
+/// (1-based) of the `lens` parts: trees the encoder never writes, as a forger would.
+fn naming(lens: &[u64], named: &[u32]) -> Vec<u8> {
+    let mut tree = vec![DICT];
+    tree.extend_from_slice(&(named.len() as u32).to_le_bytes());
+    for &part in named {
+        let len = lens
+            .get(part.wrapping_sub(1) as usize)
+            .copied()
+            .unwrap_or(0);
+        tree.extend_from_slice(&0u32.to_le_bytes()); // an empty key
+        tree.extend_from_slice(&[TENSOR, 2, b'u', b'8', 1]);
+        tree.extend_from_slice(&len.to_le_bytes());
+        tree.extend_from_slice(&part.to_le_bytes());
+    }
+    let header_len = PREFIX_LEN + 8 * lens.len() + tree.len();
+    let mut out = Vec::new();
+    out.extend_from_slice(MAGIC);
+    out.push(b'0' + FORMAT_VERSION);
+    out.extend_from_slice(&(header_len as u32).to_le_bytes());
+    out.extend_from_slice(&(lens.len() as u32).to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    for len in lens {
+        out.extend_from_slice(&len.to_le_bytes());
+    }
+    out.extend_from_slice(&tree);
+    out.resize(payload_len(header_len as u64, lens).unwrap() as usize, 0xab);
+    out
+}
+
 fn leaf() -> impl Strategy<Value = Value> {
     let shape = prop::collection::vec(0u64..4, 0..4);
     prop_oneof![
@@ -223,9 +266,31 @@ proptest! {
             let i = at.index(bytes.len());
             bytes[i] = byte;
         }
-        let _ = decode(&bytes);
-        let keep = cut.index(bytes.len() + 1);
-        let _ = decode(&bytes[..keep]);
+        for bytes in [&bytes[..], &bytes[..cut.index(bytes.len() + 1)]] {
+            if let Ok(root) = decode(bytes) {
+                prop_assert!(data_len(&root) <= bytes.len());
+            }
+        }
+    }
+
+    /// However the nodes name the parts, a payload decodes only if each part is named by
+    /// exactly one node, and never into more bytes than it holds.
+    #[test]
+    fn a_payload_decodes_only_if_each_part_is_named_once(
+        lens in prop::collection::vec(0u64..200, 1..5),
+        named in prop::collection::vec(1u32..6, 0..8),
+    ) {
+        let bytes = naming(&lens, &named);
+        let mut sorted = named.clone();
+        sorted.sort_unstable();
+        let once = sorted == (1..=lens.len() as u32).collect::<Vec<_>>();
+        match decode(&bytes) {
+            Ok(root) => {
+                prop_assert!(once, "{named:?} of {} parts decoded", lens.len());
+                prop_assert!(data_len(&root) <= bytes.len());
+            }
+            Err(e) => prop_assert!(!once, "{e}"),
+        }
     }
 
     #[test]
@@ -346,4 +411,20 @@ fn walk_refuses_bytes_after_the_root() {
     b.none();
     let e = decode(&b.finish().unwrap()).unwrap_err();
     assert!(e.0.contains("after the value tree"), "{e}");
+}
+
+#[test]
+fn a_part_named_by_two_nodes_is_refused() {
+    let e = decode(&naming(&[1 << 20], &[1, 1])).unwrap_err();
+    assert!(e.0.contains("part 1 is named by two values"), "{e}");
+    // Two values can never share the bytes of one, so 64 of them decode into nothing more.
+    let e = decode(&naming(&[1 << 20], &[1; 64])).unwrap_err();
+    assert!(e.0.contains("named by two"), "{e}");
+}
+
+#[test]
+fn a_part_named_by_no_node_is_refused() {
+    assert!(decode(&naming(&[8, 8], &[2, 1])).is_ok());
+    let e = decode(&naming(&[8, 8], &[2])).unwrap_err();
+    assert!(e.0.contains("part 1 is named by no value"), "{e}");
 }

@@ -1,11 +1,12 @@
 //! Bytes crossing the boundary: what keeps them alive ([`Keeper`], the one answer for every
-//! view, part and tensor `mmcache._core` hands out), the two read-only buffer exporters
-//! (`ShmView`, `PartView`), buffer imports (`SimpleBuffer`, `raw_parts`), and copies with
-//! the GIL released when they are large.
+//! view, part and tensor `mmcache._core` hands out), the two buffer exporters (`ShmView`,
+//! `PartView`), buffer imports (`SimpleBuffer`, `raw_parts`), new `bytes` written in one pass
+//! (`new_bytes`), and copies with the GIL released when they are large.
 //!
 //! Its `unsafe`: filling a `Py_buffer` for an export, taking and releasing buffer imports,
 //! reference counting without PyO3's bookkeeping (for drops on threads torch calls us from),
-//! and raw copies out of callers' memory. Each block says why it is sound.
+//! raw copies out of callers' memory, and writes into a `bytes` object nobody else has seen.
+//! Each block says why it is sound.
 
 use std::ffi::c_int;
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::marker::Ungil;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::codec::FormatError;
 use crate::segment::RawBytes;
@@ -31,6 +32,84 @@ pub(super) fn copying<T: Ungil>(py: Python<'_>, len: usize, copy: impl Ungil + F
         py.detach(copy)
     } else {
         copy()
+    }
+}
+
+/// A new `bytes` object of `len` bytes, not yet written, and the [`BytesFill`] that writes it:
+/// one pass instead of a zeroing pass and then the copies. Return the object only once the
+/// fill is [`BytesFill::finish`]ed; dropped before, it was never anyone else's.
+pub(super) fn new_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyBytes>, BytesFill)> {
+    let size = isize::try_from(len).map_err(|_| PyValueError::new_err("too many bytes"))?;
+    // SAFETY: a null source asks CPython for `len` bytes it leaves unwritten (and a trailing
+    // NUL); the result is checked for null (MemoryError) before use.
+    let bytes = unsafe {
+        Bound::from_owned_ptr_or_err(py, ffi::PyBytes_FromStringAndSize(std::ptr::null(), size))
+    }?
+    .cast_into::<PyBytes>()?;
+    // SAFETY: `bytes` is a bytes object; its buffer holds `len` bytes for as long as it lives.
+    let ptr = unsafe { ffi::PyBytes_AsString(bytes.as_ptr()) }.cast::<u8>();
+    Ok((bytes, BytesFill { ptr, len, at: 0 }))
+}
+
+/// Writes a new `bytes` object front to back (`new_bytes`).
+pub(super) struct BytesFill {
+    ptr: *mut u8,
+    len: usize,
+    at: usize,
+}
+
+// SAFETY: the bytes object is new and nothing but its creator refers to it until the fill is
+// finished; every write goes through `&mut self`, on whichever thread holds the fill.
+unsafe impl Send for BytesFill {}
+
+impl BytesFill {
+    /// Room for `n` more bytes, or an error; where they go.
+    fn next(&mut self, n: usize) -> PyResult<*mut u8> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&end| end <= self.len)
+            .ok_or_else(|| PyValueError::new_err("writing past the end of new bytes"))?;
+        // SAFETY: `at <= len`, so the result is inside (or one past) the object's buffer.
+        let dst = unsafe { self.ptr.add(self.at) };
+        self.at = end;
+        Ok(dst)
+    }
+
+    /// Zeros up to offset `to`.
+    pub(super) fn pad_to(&mut self, to: usize) -> PyResult<()> {
+        let n = to
+            .checked_sub(self.at)
+            .ok_or_else(|| PyValueError::new_err("padding backwards in new bytes"))?;
+        let dst = self.next(n)?;
+        // SAFETY: `next` checked that `n` bytes at `dst` lie inside the new object's buffer.
+        unsafe { std::ptr::write_bytes(dst, 0, n) };
+        Ok(())
+    }
+
+    /// `src` next.
+    pub(super) fn write(&mut self, src: &[u8]) -> PyResult<()> {
+        let dst = self.next(src.len())?;
+        // SAFETY: `next` checked the room; `src` is a slice of other memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(())
+    }
+
+    /// The bytes `keep` holds next.
+    pub(super) fn write_kept(&mut self, keep: &Keeper) -> PyResult<()> {
+        let dst = self.next(keep.len())?;
+        if keep.len() > 0 {
+            // SAFETY: `next` checked the room; `keep` keeps its `len()` bytes readable while
+            // borrowed (a lease, an export, a live object). A raw copy forms no reference to
+            // bytes another thread may be writing.
+            unsafe { std::ptr::copy_nonoverlapping(keep.ptr(), dst, keep.len()) };
+        }
+        Ok(())
+    }
+
+    /// Zero whatever is left: every byte of the object is written.
+    pub(super) fn finish(mut self) -> PyResult<()> {
+        self.pad_to(self.len)
     }
 }
 
@@ -98,6 +177,11 @@ impl SimpleBuffer {
 
     pub(super) fn len(&self) -> usize {
         self.0.len as usize
+    }
+
+    /// Whether the exporter let this export write its bytes.
+    fn writable(&self) -> bool {
+        self.0.readonly == 0
     }
 }
 
@@ -201,6 +285,12 @@ impl Keeper {
         Ok(())
     }
 
+    /// Whether views of these bytes may write them: only a caller's buffer whose export is
+    /// writable (a `bytearray` payload), never the ring or a private copy.
+    fn writable(&self) -> bool {
+        matches!(self, Keeper::Export(buffer) if buffer.writable())
+    }
+
     fn kind(&self) -> &'static str {
         match self {
             Keeper::Ring(_) => "shared",
@@ -210,7 +300,8 @@ impl Keeper {
     }
 }
 
-/// A read-only, zero-copy view of one object's bytes (buffer protocol).
+/// A zero-copy view of one object's bytes (buffer protocol): read-only, except over a
+/// caller's writable buffer (the base of `decode_item`'s zero-copy arrays).
 #[pyclass(frozen, module = "mmcache._core")]
 pub(crate) struct ShmView {
     /// Shared with the tensors a decoded item hands out over the same bytes.
@@ -239,10 +330,11 @@ impl ShmView {
         flags: c_int,
     ) -> PyResult<()> {
         let keep = &slf.get().keep;
-        let (ptr, len) = (keep.ptr(), keep.len());
+        let (ptr, len, writable) = (keep.ptr(), keep.len(), keep.writable());
         // SAFETY: forwarded from this method's contract; the bytes live as long as `slf`,
-        // whose keeper holds them and which the export references.
-        unsafe { export_read_only_bytes(slf.into_any(), view, flags, ptr, len) }
+        // whose keeper holds them and which the export references; they are writable only
+        // where the keeper's own export is.
+        unsafe { export_bytes(slf.into_any(), view, flags, ptr, len, writable) }
     }
 }
 
@@ -274,27 +366,29 @@ impl PartView {
         let (ptr, len) = (keep.ptr(), keep.len());
         // SAFETY: forwarded from this method's contract; the bytes live as long as `slf`,
         // whose keeper holds them and which the export references.
-        unsafe { export_read_only_bytes(slf.into_any(), view, flags, ptr, len) }
+        unsafe { export_bytes(slf.into_any(), view, flags, ptr, len, false) }
     }
 }
 
-/// Fill `view` with `len` read-only bytes at `ptr`, owned by `owner` (what `__getbuffer__`
-/// of a read-only, one-dimensional byte exporter does).
+/// Fill `view` with `len` bytes at `ptr`, owned by `owner`, writable if `writable` (what
+/// `__getbuffer__` of a one-dimensional byte exporter does).
 ///
 /// # Safety
 /// `view` is the Py_buffer the interpreter passed to `__getbuffer__`; `ptr..ptr+len` stays
-/// valid and unchanged for as long as `owner` lives.
-unsafe fn export_read_only_bytes(
+/// valid for as long as `owner` lives, and unchanged by anyone else unless `writable` (its
+/// memory is then a caller's writable buffer, theirs to write).
+unsafe fn export_bytes(
     owner: Bound<'_, PyAny>,
     view: *mut ffi::Py_buffer,
     flags: c_int,
     ptr: *const u8,
     len: usize,
+    writable: bool,
 ) -> PyResult<()> {
     if view.is_null() {
         return Err(PyBufferError::new_err("view is null"));
     }
-    if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+    if !writable && flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
         return Err(PyBufferError::new_err(format!(
             "{} is read-only",
             owner.get_type().qualname()?
@@ -302,14 +396,15 @@ unsafe fn export_read_only_bytes(
     }
     // SAFETY: `view` is a non-null Py_buffer the interpreter asked us to fill. We store a
     // strong reference to `owner` in `obj`, so the bytes outlive every consumer of the
-    // buffer (the caller's contract). The memory is exposed read-only; the shape/strides
-    // pointers point into the Py_buffer itself, as CPython's own 1-D exporters do, and the
-    // format is a static string, so nothing needs freeing.
+    // buffer (the caller's contract). The memory is exposed read-only unless the caller's own
+    // export of it is writable; the shape/strides pointers point into the Py_buffer itself,
+    // as CPython's own 1-D exporters do, and the format is a static string, so nothing needs
+    // freeing.
     unsafe {
         (*view).obj = owner.into_ptr();
         (*view).buf = ptr.cast_mut().cast();
         (*view).len = len as isize;
-        (*view).readonly = 1;
+        (*view).readonly = c_int::from(!writable);
         (*view).itemsize = 1;
         (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
             c"B".as_ptr().cast_mut()

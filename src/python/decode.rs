@@ -5,19 +5,24 @@
 //!
 //! * zero-copy (`copy=False`): torch tensors come from DLPack capsules (`dlpack.rs`; torch
 //!   accepts them without the warning it gives for read-only buffers) and numpy arrays from
-//!   the buffer protocol, read-only where the memory is; every one holds the payload's
-//!   [`Keeper`];
+//!   the buffer protocol of a `ShmView`, read-only where the memory is; every one holds the
+//!   payload's [`Keeper`] — the one buffer export (or lease) the bytes were read through;
 //! * copying: one copy per value, with the GIL released when the copies are large. Tensors
 //!   are copied into one torch allocation per item (pinned on request) and handed out as
 //!   DLPack views of it, so a three-tensor item costs one allocator call; arrays get
 //!   `np.empty`.
+//!
+//! The header's walk proves every part is named by exactly one value (`crate::codec`), so
+//! what a decode allocates is bounded by the payload's length before anything is allocated;
+//! an allocation that still fails is a `MemoryError`, and whatever numpy or torch refuse to
+//! build from a header is a `SegmentCorruptError`.
 
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyMemoryView, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 
 use super::buffer::{Keeper, ShmView, SimpleBuffer, copying};
 use super::dlpack::{self, DlType};
@@ -53,8 +58,6 @@ struct Decoder<'a, 'py> {
     py: Python<'py>,
     /// The payload's bytes, and what every zero-copy value holds.
     keep: &'a Arc<Keeper>,
-    /// The caller's payload object, for `decode_item` (zero-copy arrays view it).
-    payload: Option<&'a Bound<'py, PyAny>>,
     /// What zero-copy arrays view, made on first use (`array_base`).
     array_base: Option<Bound<'py, PyAny>>,
     parts: &'a [(u64, u64)],
@@ -82,12 +85,11 @@ fn refused(py: Python<'_>, what: &str, err: PyErr) -> PyErr {
     out
 }
 
-/// The item in the payload `keep` holds. `payload` is the caller's object when the bytes are
-/// a caller's buffer (zero-copy arrays then view it, writable where it is).
+/// The item in the payload `keep` holds. Zero-copy values view `keep` itself, never another
+/// export of the caller's object (which may be other memory: `__buffer__`).
 pub(super) fn decode<'py>(
     py: Python<'py>,
     keep: &Arc<Keeper>,
-    payload: Option<&Bound<'py, PyAny>>,
     copy: bool,
     pin_memory: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -121,7 +123,6 @@ pub(super) fn decode<'py>(
     let mut decoder = Decoder {
         py,
         keep,
-        payload,
         array_base: None,
         parts: &header.parts,
         copy,
@@ -139,7 +140,8 @@ pub(super) fn decode<'py>(
     Ok(root.cast_into()?)
 }
 
-/// One torch allocation of `size` bytes for an item's tensor copies (pinned on request).
+/// One torch allocation of `size` bytes for an item's tensor copies (pinned on request). torch
+/// reports a failed allocation as a `RuntimeError`: it becomes a `MemoryError`.
 fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
     let torch = torch(py)?;
     // Never empty, so even zero-byte tensors point into memory that is theirs.
@@ -148,10 +150,19 @@ fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
         torch
             .empty
             .bind(py)
-            .call((size,), Some(torch.pinned_kwargs.bind(py)))?
+            .call((size,), Some(torch.pinned_kwargs.bind(py)))
     } else {
-        torch.storage.bind(py).call1((size,))?
+        torch.storage.bind(py).call1((size,))
     };
+    let arena = arena.map_err(|e| {
+        let pinned = if pin_memory { " of pinned memory" } else { "" };
+        let out = PyMemoryError::new_err(format!(
+            "cannot allocate {size} bytes{pinned} for the item's tensor copies: {}",
+            e.value(py)
+        ));
+        out.set_cause(py, Some(e));
+        out
+    })?;
     let ptr = arena
         .call_method0(intern!(py, "data_ptr"))?
         .extract::<usize>()? as *const u8;
@@ -333,17 +344,15 @@ impl<'py> Decoder<'_, 'py> {
     }
 
     /// What zero-copy arrays view (numpy builds them over an object with the buffer protocol,
-    /// which it keeps): a caller's payload through a memoryview, whose export keeps it from
-    /// being resized or freed (and which is writable where the payload is); else a `ShmView`
-    /// sharing the payload's keeper. One per item, made on first use.
+    /// which it keeps): a `ShmView` sharing the payload's keeper, so the arrays hold the very
+    /// lease or export their bytes were read through (writable where that export is). Not a
+    /// memoryview of a caller's payload: numpy keeps a memoryview's object, not its export,
+    /// and a new export may be other memory. One per item, made on first use.
     fn array_base(&mut self) -> PyResult<Bound<'py, PyAny>> {
         if let Some(base) = &self.array_base {
             return Ok(base.clone());
         }
-        let base = match self.payload {
-            Some(payload) => PyMemoryView::from(payload)?.into_any(),
-            None => Bound::new(self.py, ShmView::new(Arc::clone(self.keep)))?.into_any(),
-        };
+        let base = Bound::new(self.py, ShmView::new(Arc::clone(self.keep)))?.into_any();
         self.array_base = Some(base.clone());
         Ok(base)
     }
@@ -374,9 +383,9 @@ pub(super) fn decode_item<'py>(
     payload: &Bound<'py, PyAny>,
     copy: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
-    // The export stays open while any zero-copy tensor holds it.
+    // The one export of `payload`: every zero-copy value reads through it and holds it.
     let keep = Arc::new(Keeper::Export(SimpleBuffer::get(payload, false)?));
-    decode(py, &keep, Some(payload), copy, false)
+    decode(py, &keep, copy, false)
 }
 
 /// Add the decoder's function to `mmcache._core`.

@@ -1,34 +1,86 @@
 //! Encoding an item (a mapping of tensors, arrays and small values) in one native pass.
 //!
 //! Small values go into the header (`crate::codec::HeaderBuilder`); every tensor, array and
-//! long `bytes` value becomes a part, read in place (a tensor's bytes through its
-//! `data_ptr()`, an array's through the buffer protocol) and held by a [`Keeper`] until the
-//! store has copied it into the ring's chunk (`ShmWriter.put_item`) or the caller has dropped
-//! its views (`encode_item`, for `serde.encode`) — no intermediate buffer.
+//! long `bytes` value becomes a part, read in place and held by a [`Keeper`] until the store
+//! has copied it into the ring's chunk (`ShmWriter.put_item`), `pack_item` into its payload,
+//! or the caller has dropped its views (`encode_item`, for `serde.encode`) — no intermediate
+//! buffer. An array's bytes are read through a buffer export (numpy refuses to resize an
+//! exported array); a `bytes` value is immutable.
+//!
+//! A tensor's bytes are read from its storage, never through `data_ptr()`, which a subclass
+//! can make anything (the `_make_wrapper_subclass` tensors of DTensor, FakeTensor or torchao
+//! say 0): the encoder takes the tensor's `untyped_storage()`, refuses one without memory of
+//! its own (not a plain CPU storage, or `data_ptr()` refused or null), proves the tensor's
+//! bytes lie inside it (`storage_offset() * itemsize + nbytes <= storage.nbytes()`), and holds
+//! the storage — not the tensor — until the copy is done, so a tensor re-pointed with `set_()`
+//! or dropped meanwhile leaves the bytes alive.
+//!
+//! Holding a storage does not pin its memory: `UntypedStorage.resize_()` and
+//! `share_memory_()` give the same storage new memory and free the old one at once, and a
+//! storage's memory is uniquely owned (torch offers no reference to it from Python). Both run
+//! holding the GIL (torch/csrc/StorageMethods.cpp, StorageSharing.cpp), so the encoder reads
+//! each storage's address last, once the walk is over (no Python code runs between that read
+//! and the copy), and copies out of torch storages keep the GIL ([`Encoded::copying`]). A
+//! resize inside one of torch's own kernels, which run with the GIL released
+//! (`Tensor.resize_`), races with every reader of that tensor, torch's own included.
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
+use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{
     PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple, PyType,
 };
 
-use super::buffer::{Keeper, PartView, SimpleBuffer};
+use super::buffer::{Keeper, PartView, SimpleBuffer, copying, new_bytes};
 use super::frameworks::{Numpy, Torch, array_descr, numpy, torch_if_loaded};
 use crate::codec::{Container, FormatError, HeaderBuilder, MAX_DEPTH};
 use crate::segment::RawBytes;
 
+const ITEM_NOT_ENCODABLE_DOC: &str = "An item the codec cannot hold: a value of a type it does \
+not carry, or one past a limit of the format (containers nested deeper than 64, more than 64 \
+dimensions, an int outside 64 bits, a str, bytes or key over 4 GiB), or a tensor without \
+memory of its own. The message names the field. A TypeError and a ValueError.";
+
+static ITEM_NOT_ENCODABLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `ItemNotEncodableError`: both a `TypeError` (what unsupported values always raised) and a
+/// `ValueError` (what the format's limits raised), so one class catches every refusal and
+/// callers that caught either before still do.
+pub(super) fn item_not_encodable(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    ITEM_NOT_ENCODABLE
+        .get_or_try_init(py, || {
+            let bases = (py.get_type::<PyTypeError>(), py.get_type::<PyValueError>());
+            let namespace = PyDict::new(py);
+            namespace.set_item("__module__", "mmcache._core")?;
+            namespace.set_item("__doc__", ITEM_NOT_ENCODABLE_DOC)?;
+            let class =
+                py.get_type::<PyType>()
+                    .call1(("ItemNotEncodableError", bases, namespace))?;
+            Ok(class.cast_into::<PyType>()?.unbind())
+        })
+        .map(|class| class.bind(py))
+}
+
+/// Why encoding failed.
+enum Refusal {
+    /// The item holds what the format cannot (the message says what).
+    Refused(String),
+    /// A Python call raised while reading the item.
+    Raised(PyErr),
+}
+
 /// Why encoding failed, and where (innermost segment last until unwound).
 struct EncodeError {
-    err: PyErr,
+    why: Refusal,
     path: Vec<String>,
 }
 
 impl EncodeError {
-    fn unsupported(msg: String) -> Self {
+    fn refused(msg: String) -> Self {
         EncodeError {
-            err: PyTypeError::new_err(msg),
+            why: Refusal::Refused(msg),
             path: Vec::new(),
         }
     }
@@ -38,16 +90,27 @@ impl EncodeError {
         self
     }
 
-    /// The Python error, naming the field (`item['pixels'][1]`).
+    /// The Python error: an `ItemNotEncodableError` naming the field (`item['pixels'][1]`),
+    /// caused by what Python raised, if anything. Running out of memory and interrupts are
+    /// not about the item: they propagate as they are.
     fn into_pyerr(self, py: Python<'_>) -> PyErr {
         let path: String = self.path.iter().rev().map(String::as_str).collect();
-        let msg = format!("field item{path}: {}", self.err.value(py));
-        let out = if self.err.is_instance_of::<PyTypeError>(py) {
-            PyTypeError::new_err(msg)
-        } else {
-            PyValueError::new_err(msg)
+        let (msg, cause) = match self.why {
+            Refusal::Refused(msg) => (msg, None),
+            Refusal::Raised(err)
+                if err.is_instance_of::<PyMemoryError>(py)
+                    || !err.is_instance_of::<PyException>(py) =>
+            {
+                return err;
+            }
+            Refusal::Raised(err) => (err.value(py).to_string(), Some(err)),
         };
-        out.set_cause(py, Some(self.err));
+        let class = match item_not_encodable(py) {
+            Ok(class) => class,
+            Err(err) => return err,
+        };
+        let out = PyErr::from_type(class.clone(), format!("field item{path}: {msg}"));
+        out.set_cause(py, cause);
         out
     }
 }
@@ -55,7 +118,7 @@ impl EncodeError {
 impl From<PyErr> for EncodeError {
     fn from(err: PyErr) -> Self {
         EncodeError {
-            err,
+            why: Refusal::Raised(err),
             path: Vec::new(),
         }
     }
@@ -63,7 +126,7 @@ impl From<PyErr> for EncodeError {
 
 impl From<FormatError> for EncodeError {
     fn from(err: FormatError) -> Self {
-        EncodeError::from(PyValueError::new_err(err.0))
+        EncodeError::refused(err.0)
     }
 }
 
@@ -74,13 +137,61 @@ struct Encoder<'py> {
     numpy: &'static Numpy,
     torch: Option<&'static Torch>,
     header: HeaderBuilder,
-    parts: Vec<Keeper>,
+    parts: Vec<Part<'py>>,
+}
+
+/// One part as the walk finds it.
+enum Part<'py> {
+    /// Bytes their keeper holds already (an array's export, a `bytes` value).
+    Held(Keeper),
+    /// A tensor's `len` bytes at `offset` in `storage`, whose address is read once the walk
+    /// is over (module doc).
+    Storage {
+        storage: Bound<'py, PyAny>,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl Part<'_> {
+    /// The part's keeper, its address read now.
+    fn hold(self) -> EncodeResult<Keeper> {
+        let (storage, offset, len) = match self {
+            Part::Held(keeper) => return Ok(keeper),
+            Part::Storage {
+                storage,
+                offset,
+                len,
+            } => (storage, offset, len),
+        };
+        let (ptr, size) = storage_memory(&storage)?;
+        // Checked when the walk found it; only Python code that ran since (a collection's
+        // finalizers, a mapping's `items()`) could have shrunk the storage.
+        if offset + len > size || (len > 0 && ptr == 0) {
+            return Err(EncodeError::refused(format!(
+                "a tensor's storage shrank to {size} bytes while the item was encoded \
+                 (another thread resized it?)"
+            )));
+        }
+        Ok(Keeper::object(&storage, (ptr + offset) as *const u8, len))
+    }
+}
+
+/// The address and length of a torch storage's memory. torch refuses `data_ptr()` of a
+/// storage whose memory is not its own (a wrapper subclass's).
+fn storage_memory(storage: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+    let py = storage.py();
+    let ptr = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    let len = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+    Ok((ptr, len))
 }
 
 /// An item encoded: part 0 and the parts that follow it.
 pub(super) struct Encoded {
     header: Vec<u8>,
     parts: Vec<Keeper>,
+    /// Whether a part lies in a torch storage (copies of it keep the GIL: module doc).
+    in_storage: bool,
 }
 
 impl Encoded {
@@ -104,9 +215,20 @@ impl Encoded {
             )));
         };
         walked.map_err(|e| e.into_pyerr(py))?;
+        let header = enc
+            .header
+            .finish()
+            .map_err(|e| EncodeError::from(e).into_pyerr(py))?;
+        let in_storage = enc.parts.iter().any(|p| matches!(p, Part::Storage { .. }));
+        let parts = enc
+            .parts
+            .into_iter()
+            .map(Part::hold)
+            .collect::<EncodeResult<_>>();
         Ok(Encoded {
-            header: enc.header.finish()?,
-            parts: enc.parts,
+            header,
+            parts: parts.map_err(|e| e.into_pyerr(py))?,
+            in_storage,
         })
     }
 
@@ -115,6 +237,18 @@ impl Encoded {
         std::iter::once(RawBytes::from(self.header.as_slice()))
             .chain(self.parts.iter().map(Keeper::raw))
             .collect()
+    }
+
+    /// Run `copy`, a copy of the parts: with the GIL released when they are large, unless one
+    /// lies in a torch storage, whose memory another thread holding the GIL may free (module
+    /// doc). Nothing may run Python code between `Encoded::new` and this call.
+    pub(super) fn copying<T: Ungil>(&self, py: Python<'_>, copy: impl Ungil + FnOnce() -> T) -> T {
+        if self.in_storage {
+            copy()
+        } else {
+            let len = self.header.len() + self.parts.iter().map(Keeper::len).sum::<usize>();
+            copying(py, len, copy)
+        }
     }
 }
 
@@ -143,6 +277,63 @@ fn key_segment(key: &Bound<'_, PyAny>) -> String {
     }
 }
 
+/// The storage a tensor's `nbytes` bytes lie in, and their offset in it: memory of the
+/// storage's own on the CPU (not a wrapper subclass's, FakeTensor's or the meta device's),
+/// large enough for them. What the tensor says of itself only chooses which of the storage's
+/// bytes are read.
+fn tensor_storage<'py>(
+    torch: &Torch,
+    t: &Bound<'py, PyAny>,
+    itemsize: u64,
+    nbytes: u64,
+) -> EncodeResult<(Bound<'py, PyAny>, usize)> {
+    let py = t.py();
+    let no_memory = |why: String| {
+        EncodeError::refused(format!(
+            "a {} has no memory of its own to read ({why}; a wrapper subclass such as DTensor \
+             or FakeTensor? make it a plain tensor first)",
+            t.get_type()
+                .qualname()
+                .map_or_else(|_| "tensor".into(), |n| n.to_string())
+        ))
+    };
+    let storage = t
+        .call_method0(intern!(py, "untyped_storage"))
+        .map_err(|e| no_memory(format!("untyped_storage() raised {}", e.value(py))))?;
+    if !storage.is_exact_instance(torch.storage.bind(py)) {
+        return Err(no_memory(format!(
+            "its untyped_storage() is a {}",
+            storage.get_type().qualname()?
+        )));
+    }
+    let device = storage.getattr(intern!(py, "device"))?;
+    if device.getattr(intern!(py, "type"))?.ne("cpu")? {
+        return Err(no_memory(format!("its storage is on {device}")));
+    }
+    let (ptr, size) =
+        storage_memory(&storage).map_err(|e| no_memory(format!("torch says: {}", e.value(py))))?;
+    if nbytes == 0 {
+        // Nothing is read: where an empty tensor says it starts does not matter (torch lets
+        // it start past the end of its storage).
+        return Ok((storage, 0));
+    }
+    let element: u64 = t.call_method0(intern!(py, "storage_offset"))?.extract()?;
+    let offset = element.checked_mul(itemsize);
+    let end = offset.and_then(|o| o.checked_add(nbytes));
+    match (offset, end) {
+        (Some(offset), Some(end)) if end <= size as u64 => {
+            if ptr == 0 {
+                return Err(no_memory("its storage's data_ptr() is null".into()));
+            }
+            Ok((storage, offset as usize))
+        }
+        _ => Err(EncodeError::refused(format!(
+            "a tensor of {nbytes} bytes at element {element} does not fit its storage of \
+             {size} bytes"
+        ))),
+    }
+}
+
 impl<'py> Encoder<'py> {
     fn value(&mut self, v: &Bound<'py, PyAny>, depth: usize) -> EncodeResult<()> {
         let py = self.py;
@@ -164,27 +355,31 @@ impl<'py> Encoder<'py> {
             } else if let Ok(u) = v.extract::<u64>() {
                 self.header.uint(u);
             } else {
-                return Err(EncodeError::unsupported(format!(
+                return Err(EncodeError::refused(format!(
                     "int {v} does not fit in 64 bits"
                 )));
             }
+        } else if v.is_instance(self.numpy.generic.bind(py).as_any())? {
+            // Before float, str and bytes, which np.float64, np.str_ and np.bytes_ subclass.
+            self.scalar(v)?;
         } else if let Ok(f) = v.cast::<PyFloat>() {
             self.header.float(f.value());
         } else if let Ok(s) = v.cast::<PyString>() {
             let s = s.to_str().map_err(|_| {
-                EncodeError::unsupported("str is not valid UTF-8 (a lone surrogate?)".into())
+                EncodeError::refused("str is not valid UTF-8 (a lone surrogate?)".into())
             })?;
             self.header.str(s)?;
         } else if let Ok(b) = v.cast::<PyBytes>() {
             if self.header.bytes(b.as_bytes())?.is_some() {
                 let bytes = b.as_bytes();
-                self.parts
-                    .push(Keeper::object(b.as_any(), bytes.as_ptr(), bytes.len()));
+                self.parts.push(Part::Held(Keeper::object(
+                    b.as_any(),
+                    bytes.as_ptr(),
+                    bytes.len(),
+                )));
             }
         } else if v.is_instance(self.numpy.ndarray.bind(py).as_any())? {
             self.array(v)?;
-        } else if v.is_instance(self.numpy.generic.bind(py).as_any())? {
-            self.scalar(v)?;
         } else if let Ok(l) = v.cast::<PyList>() {
             self.sequence(Container::List, l.as_any(), depth + 1)?;
         } else if let Ok(t) = v.cast::<PyTuple>() {
@@ -192,7 +387,7 @@ impl<'py> Encoder<'py> {
         } else if is_mapping(v)? {
             self.mapping(v, depth + 1)?;
         } else {
-            return Err(EncodeError::unsupported(format!(
+            return Err(EncodeError::refused(format!(
                 "unsupported type {}",
                 v.get_type().qualname()?
             )));
@@ -202,7 +397,7 @@ impl<'py> Encoder<'py> {
 
     fn check_depth(&self, depth: usize) -> EncodeResult<()> {
         if depth > MAX_DEPTH {
-            return Err(EncodeError::unsupported(format!(
+            return Err(EncodeError::refused(format!(
                 "nested deeper than {MAX_DEPTH} levels (a container that holds itself?)"
             )));
         }
@@ -217,11 +412,9 @@ impl<'py> Encoder<'py> {
     ) -> EncodeResult<()> {
         let name = key
             .cast::<PyString>()
-            .map_err(|_| {
-                EncodeError::unsupported(format!("key {} is not a str", key_segment(key)))
-            })?
+            .map_err(|_| EncodeError::refused(format!("key {} is not a str", key_segment(key))))?
             .to_str()
-            .map_err(|_| EncodeError::unsupported("a key is not valid UTF-8".into()))?;
+            .map_err(|_| EncodeError::refused("a key is not valid UTF-8".into()))?;
         self.header.key(name)?;
         self.value(value, depth).map_err(|e| e.at(key_segment(key)))
     }
@@ -269,19 +462,20 @@ impl<'py> Encoder<'py> {
         let py = self.py;
         let dtype = t.getattr(intern!(py, "dtype"))?;
         let Some(&index) = torch.by_object.get(&(dtype.as_ptr() as usize)) else {
-            return Err(EncodeError::unsupported(format!(
+            return Err(EncodeError::refused(format!(
                 "unsupported tensor dtype {dtype}"
             )));
         };
         let dt = &torch.dtypes[index];
         let layout = t.getattr(intern!(py, "layout"))?;
         if layout.as_ptr() != torch.strided.as_ptr() {
-            return Err(EncodeError::unsupported(format!(
+            return Err(EncodeError::refused(format!(
                 "unsupported tensor layout {layout} (only strided tensors have plain bytes)"
             )));
         }
         // A tensor whose bytes are not its values as they stand (another device, a lazy
-        // conjugate or negation, a strided view) is materialised first.
+        // conjugate or negation, a strided view) is materialised first, by torch (a subclass's
+        // own operations decide what that gives; its storage is checked like any other).
         let in_place = t.getattr(intern!(py, "is_cpu"))?.is_truthy()?
             && t.call_method0(intern!(py, "is_contiguous"))?.is_truthy()?
             && !t.call_method0(intern!(py, "is_neg"))?.is_truthy()?
@@ -299,12 +493,14 @@ impl<'py> Encoder<'py> {
         let nbytes = shape
             .iter()
             .try_fold(dt.itemsize, |n, &d| n.checked_mul(d))
-            .ok_or_else(|| EncodeError::unsupported("tensor too large".into()))?;
-        let ptr = t
-            .call_method0(intern!(py, "data_ptr"))?
-            .extract::<usize>()? as *const u8;
+            .ok_or_else(|| EncodeError::refused("tensor too large".into()))?;
+        let (storage, offset) = tensor_storage(torch, &t, dt.itemsize, nbytes)?;
         self.header.tensor(dt.name, &shape, nbytes)?;
-        self.parts.push(Keeper::object(&t, ptr, nbytes as usize));
+        self.parts.push(Part::Storage {
+            storage,
+            offset,
+            len: nbytes as usize,
+        });
         Ok(())
     }
 
@@ -313,13 +509,13 @@ impl<'py> Encoder<'py> {
         if !a.is_exact_instance(self.numpy.ndarray.bind(py).as_any()) {
             static MASKED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
             if a.is_instance(MASKED.import(py, "numpy.ma", "MaskedArray")?.as_any())? {
-                return Err(EncodeError::unsupported(
+                return Err(EncodeError::refused(
                     "unsupported array (MaskedArray: its mask would be lost)".into(),
                 ));
             }
         }
         let dtype = a.getattr(intern!(py, "dtype"))?;
-        let descr = array_descr(&dtype)?.map_err(EncodeError::unsupported)?;
+        let descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
         // PyBUF_SIMPLE asks for C-contiguous bytes: anything else is made contiguous first.
         let buffer = match SimpleBuffer::get(a, false) {
             Ok(b) => b,
@@ -330,14 +526,14 @@ impl<'py> Encoder<'py> {
         };
         let shape = dims(&a.getattr(intern!(py, "shape"))?)?;
         self.header.array(&descr, &shape, buffer.len() as u64)?;
-        self.parts.push(Keeper::Export(buffer));
+        self.parts.push(Part::Held(Keeper::Export(buffer)));
         Ok(())
     }
 
     fn scalar(&mut self, v: &Bound<'py, PyAny>) -> EncodeResult<()> {
         let py = self.py;
         let dtype = v.getattr(intern!(py, "dtype"))?;
-        let descr = array_descr(&dtype)?.map_err(EncodeError::unsupported)?;
+        let descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
         let raw = v.call_method0(intern!(py, "tobytes"))?;
         self.header.scalar(
             &descr,
@@ -348,7 +544,7 @@ impl<'py> Encoder<'py> {
 }
 
 /// `serde.encode`: an item as `(part 0, [part 1, ...])`, each part a read-only memoryview
-/// of the item's own memory.
+/// of the item's own memory (a tensor's: of its storage, which the view holds).
 #[pyfunction]
 pub(super) fn encode_item<'py>(
     py: Python<'py>,
@@ -363,6 +559,32 @@ pub(super) fn encode_item<'py>(
     Ok((PyBytes::new(py, &encoded.header), views))
 }
 
+/// `serde.pack`: an item's whole payload as one `bytes` — part 0, then each part at its
+/// aligned offset, zero padding between — encoded and copied in this one call, so that no
+/// Python code runs between reading a tensor's address and copying its bytes.
+#[pyfunction]
+pub(super) fn pack_item<'py>(
+    py: Python<'py>,
+    item: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let encoded = Encoded::new(item)?;
+    let lens = std::iter::once(encoded.header.len())
+        .chain(encoded.parts.iter().map(Keeper::len))
+        .map(|n| n as u64);
+    let (offsets, len) = crate::layout::part_offsets(lens)
+        .ok_or_else(|| PyOverflowError::new_err("the parts' lengths overflow 64 bits"))?;
+    let (bytes, mut fill) = new_bytes(py, len as usize)?;
+    encoded.copying(py, || {
+        fill.write(&encoded.header)?;
+        for (part, &offset) in encoded.parts.iter().zip(&offsets[1..]) {
+            fill.pad_to(offset as usize)?;
+            fill.write_kept(part)?;
+        }
+        fill.finish()
+    })?;
+    Ok(bytes)
+}
+
 /// `serde.part_offsets` and `serde.payload_size`: where each part of a payload starts (every
 /// part at the next multiple of `PART_ALIGNMENT`), and the payload's length — the store's
 /// own rule (`crate::layout::part_offsets`).
@@ -372,10 +594,12 @@ pub(super) fn part_offsets(lengths: Vec<u64>) -> PyResult<(Vec<u64>, u64)> {
         .ok_or_else(|| PyOverflowError::new_err("the parts' lengths overflow 64 bits"))
 }
 
-/// Add the encoder's functions and `PartView` to `mmcache._core`.
+/// Add the encoder's functions, `PartView` and `ItemNotEncodableError` to `mmcache._core`.
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("ItemNotEncodableError", item_not_encodable(m.py())?)?;
     m.add_class::<PartView>()?;
     m.add_function(wrap_pyfunction!(encode_item, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_item, m)?)?;
     m.add_function(wrap_pyfunction!(part_offsets, m)?)?;
     Ok(())
 }

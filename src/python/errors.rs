@@ -4,7 +4,8 @@
 //! one (`ValueError`, `KeyError`, `MemoryError`, ...), or a subclass of it where callers must
 //! tell cases apart without parsing messages, else a subclass of `MmcacheError`. The codec's
 //! `FormatError` (a payload that is not a valid item) is a `SegmentCorruptError` when
-//! decoding; encoding reports it as a `ValueError` naming the field (`encode.rs`).
+//! decoding; encoding reports it as an `ItemNotEncodableError` naming the field, a class of
+//! its own (`encode.rs`).
 
 use pyo3::create_exception;
 use pyo3::exceptions::{

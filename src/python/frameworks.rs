@@ -187,7 +187,8 @@ pub(super) struct Torch {
     pub(super) tensor: Py<PyType>,
     pub(super) strided: Py<PyAny>,
     pub(super) from_dlpack: Py<PyAny>,
-    /// `torch.UntypedStorage`: plain copy buffers (the cheapest torch allocation to call).
+    /// `torch.UntypedStorage`: plain copy buffers (the cheapest torch allocation to call), and
+    /// the type of every tensor's storage whose bytes the encoder reads.
     pub(super) storage: Py<PyAny>,
     pub(super) empty: Py<PyAny>,
     /// `torch.empty` keyword arguments for a pinned byte buffer.

@@ -1,5 +1,5 @@
 //! Maintenance without attaching: a live segment's counters (`mmcache inspect`), whether a
-//! segment's writer is alive (what `mmcache prune` acts on), listing and unlinking.
+//! segment's writer is alive (what `mmcache prune` acts on), listing, naming and unlinking.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -98,8 +98,17 @@ pub(super) fn unlink_segment(name: &str) -> PyResult<()> {
     Ok(crate::segment::unlink(name)?)
 }
 
+/// A fresh name of the kind `ShmObjectStore.create` generates (`mmc_<this process's
+/// pid>_<random>`), for a store another process is to create with it: this one then knows
+/// the name even if that process dies while creating it, and can remove what it left.
+#[pyfunction]
+pub(super) fn generate_segment_name() -> PyResult<String> {
+    Ok(crate::segment::generate_name()?)
+}
+
 /// Add the maintenance functions to `mmcache._core`.
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(generate_segment_name, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(list_segments, m)?)?;
     m.add_function(wrap_pyfunction!(segment_status, m)?)?;

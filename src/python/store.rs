@@ -249,7 +249,7 @@ impl ShmObjectStore {
             Role::Writer(w) => {
                 check_pin_memory(copy, pin_memory)?;
                 let keep = Arc::new(Keeper::Copy(read_copy(py, &*w.get()?, handle, key)?));
-                decode(py, &keep, None, copy, pin_memory)
+                decode(py, &keep, copy, pin_memory)
             }
         }
     }
@@ -341,7 +341,7 @@ fn resolve_item<'py>(
     check_pin_memory(copy, pin_memory)?;
     let lease = reader.acquire(&handle.to_handle()?, key)?;
     let keep = Arc::new(Keeper::from_lease(py, lease)?);
-    decode(py, &keep, None, copy, pin_memory)
+    decode(py, &keep, copy, pin_memory)
 }
 
 /// One reader of a ring, in a reader slot of its own (`ShmObjectStore.attach`).

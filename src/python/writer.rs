@@ -80,7 +80,7 @@ impl ShmWriter {
 
     /// Store `data` (one buffer, or a list/tuple of them, written part by part) under `key`,
     /// with `meta` beside it (any writer reads it back with `read_meta`; readers never see it).
-    #[pyo3(signature = (key, data, *, meta = b"".as_slice()))]
+    #[pyo3(signature = (key, data, *, meta = b"".as_slice()), text_signature = "($self, key, data, *, meta=b'')")]
     fn put(
         &self,
         py: Python<'_>,
@@ -95,7 +95,7 @@ impl ShmWriter {
 
     /// Encode `item` (a mapping of tensors, arrays and small values) and store it under
     /// `key`, in one pass: the header and every tensor's bytes go straight into the chunk.
-    #[pyo3(signature = (key, item, *, meta = b"".as_slice()))]
+    #[pyo3(signature = (key, item, *, meta = b"".as_slice()), text_signature = "($self, key, item, *, meta=b'')")]
     fn put_item(
         &self,
         py: Python<'_>,
@@ -105,7 +105,12 @@ impl ShmWriter {
     ) -> PyResult<ShmHandle> {
         let writer = self.writer.get()?;
         let encoded = Encoded::new(item)?;
-        put_parts(py, &writer, key, &encoded.parts(), meta)
+        let parts = encoded.parts();
+        // `Encoded::copying`, not `put_parts`: it keeps the GIL when a part lies in a torch
+        // storage, which another thread may free while the GIL is released.
+        let meta = RawBytes::from(meta);
+        let handle = encoded.copying(py, || writer.put_raw(key, &parts, meta))?;
+        Ok(ShmHandle::from_handle(handle))
     }
 
     fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {

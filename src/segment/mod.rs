@@ -163,6 +163,20 @@ fn map(fd: &OwnedFd, len: usize, access: Access, populate: bool) -> io::Result<N
     NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
 }
 
+/// Test hook: with `MMCACHE_TEST_PAUSE_IN_CREATION_S=<seconds>` in its environment, a process
+/// waits that long in every creation once the segment is locked and sized but has no header
+/// yet, so a test can kill a creator mid-creation or race another creation against it. Unset
+/// (always, outside tests) it costs one environment lookup per creation.
+fn pause_in_creation_for_tests() {
+    let pause = std::env::var("MMCACHE_TEST_PAUSE_IN_CREATION_S")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0);
+    if let Some(seconds) = pause {
+        std::thread::sleep(std::time::Duration::from_secs_f64(seconds.min(3600.0)));
+    }
+}
+
 /// A second open file description of `/dev/shm/<name>`, for liveness locks only, registered
 /// with the fork handlers.
 fn open_lock_fd(name: &str) -> Result<(Registration, OwnedFd)> {
@@ -246,6 +260,7 @@ impl Segment {
                 io::Error::from_raw_os_error(rc),
             )));
         }
+        pause_in_creation_for_tests();
         let base = map(&fd, len, Access::ReadWrite, true)
             .map_err(|e| fail(Error::os("mapping shared memory", e)))?;
         Ok(Segment {

@@ -99,9 +99,13 @@ pub struct FileProbe {
     /// Whether any lock (a writer's shared one included) is held on `creator_lock` (OFD
     /// locks: any PID namespace).
     pub creator_lock_held: bool,
+    /// Whether the file takes OFD locks at all (false: its creator, if alive, holds none).
+    pub locks_supported: bool,
 }
 
 /// Probe `/dev/shm/<name>` (regular files only; see [`Segment::open`](super::Segment::open)).
+/// The size is read before the lock is tested: a creator locks before it sizes the file, so
+/// a size seen before a free lock means that creator is gone.
 pub fn probe_file(name: &str, creator_lock: LockRange) -> Result<FileProbe> {
     let (fd, size) = open_regular(name, Access::ReadOnly)?;
     let st = fstat(&fd)?;
@@ -110,15 +114,16 @@ pub fn probe_file(name: &str, creator_lock: LockRange) -> Result<FileProbe> {
         .duration_since(changed)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let creator_lock_held = match lock_held(&fd, creator_lock) {
-        Ok(held) => held,
-        Err(Error::Os { source, .. }) if locks_unsupported(&source) => false,
+    let (creator_lock_held, locks_supported) = match lock_held(&fd, creator_lock) {
+        Ok(held) => (held, true),
+        Err(Error::Os { source, .. }) if locks_unsupported(&source) => (false, false),
         Err(e) => return Err(e),
     };
     Ok(FileProbe {
         size: size as u64,
         age_secs,
         creator_lock_held,
+        locks_supported,
     })
 }
 

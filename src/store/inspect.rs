@@ -122,8 +122,10 @@ pub fn list_segments() -> Vec<String> {
         .collect()
 }
 
-/// Seconds an empty, unlocked file is given to become a segment: the creator takes its lock
-/// right after creating the name, so only a creator that died in that instant leaves one.
+/// Seconds a file that holds no writer lock and is not (yet) a valid segment is given to
+/// become one where its creator cannot be seen: the instant between `shm_open` and the
+/// creator's lock (the file is still empty then: the creator locks before it sizes the file),
+/// or, where the kernel has no OFD locks, the whole creation.
 const CREATION_GRACE_SECS: u64 = 10;
 
 /// Whether a segment's writer lives, as `prune` must decide it.
@@ -138,42 +140,84 @@ pub enum Status {
     Undecided(String),
 }
 
-/// Decide whether the segment `name` is left behind. A writer's (shared) lock, held in any PID
-/// namespace, always means `Live`; a valid segment without it is orphaned; a truncated or
-/// garbage one is orphaned unless it may still be being created.
+/// Decide whether the segment `name` is left behind. A writer's (shared) lock, held in any
+/// PID namespace by any of its writers, always means `Live`. The creator takes it before it
+/// gives the file a size, so a file that had a size while the lock was free is orphaned at
+/// once, valid or half-made; only an empty one is given [`CREATION_GRACE_SECS`]. A segment
+/// of the pid fallback (one writer), or of another layout version, is judged by its
+/// creator's pid.
 pub fn status(name: &str) -> Result<Status> {
+    // The size is read before the lock is tested (see `probe_file`).
     let probe = segment::probe_file(name, WRITER_LOCK)?;
     if probe.creator_lock_held {
         return Ok(Status::Live);
     }
-    match open_shared(name, Access::ReadOnly) {
-        Ok(sh) => Ok(match sh.liveness {
-            Liveness::Locks => Status::Orphaned("every writer is gone".into()),
-            Liveness::Pids if sh.any_writer_alive()? => Status::Live,
-            Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
-        }),
-        Err(Error::NotFound(n)) => Err(Error::NotFound(n)),
-        Err(err) => {
-            let prefix = segment::read_prefix::<16>(name).ok();
-            // The first two header words: the magic, then the layout version.
-            let ours_other_version = prefix.map(u128::from_le_bytes).is_some_and(|words| {
-                words as u64 == layout::MAGIC && (words >> 64) as u64 != LAYOUT_VERSION
+    let err = match open_shared(name, Access::ReadOnly) {
+        Ok(sh) => {
+            return Ok(match sh.liveness {
+                // A creator that finished creating after the probe holds its lock now.
+                Liveness::Locks if sh.seg.lock_held(WRITER_LOCK)? => Status::Live,
+                Liveness::Locks => Status::Orphaned("every writer is gone".into()),
+                Liveness::Pids if sh.any_writer_alive()? => Status::Live,
+                Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
             });
-            if ours_other_version {
-                // Made by another version, which may not take locks: trust its name's pid.
-                return Ok(match segment::pid_in_name(name) {
-                    Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
-                        "made by another mmcache version; its creator (pid {pid}) may still run"
-                    )),
-                    _ => Status::Orphaned("made by another mmcache version, creator gone".into()),
-                });
-            }
-            if probe.size == 0 && probe.age_secs < CREATION_GRACE_SECS {
-                return Ok(Status::Undecided(
-                    "empty and new: it may be being created".into(),
-                ));
-            }
-            Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+        }
+        Err(Error::NotFound(n)) => return Err(Error::NotFound(n)),
+        Err(err) => err,
+    };
+    // Not a valid segment of this build: another version's, damaged, or half-made.
+    let ours = header_words(name).filter(|words| words.first() == Some(&layout::MAGIC));
+    if let Some(words) = ours {
+        let word = |offset: u64| words.get((offset / 8) as usize).copied().unwrap_or(0);
+        if word(header::VERSION) != LAYOUT_VERSION {
+            // Made by another version, which may not take locks: trust its name's pid.
+            return Ok(match segment::pid_in_name(name) {
+                Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
+                    "made by another mmcache version; its creator (pid {pid}) may still run"
+                )),
+                _ => Status::Orphaned("made by another mmcache version, creator gone".into()),
+            });
+        }
+        // Its liveness word may be what is damaged: the pid fallback's rule still holds.
+        let pid = word(header::CREATOR_PID);
+        let start = word(header::CREATOR_START);
+        if u32::try_from(pid).is_ok_and(|pid| segment::process_alive(pid, start)) {
+            return Ok(Status::Undecided(format!(
+                "{err}; its creator (pid {pid}) still runs"
+            )));
         }
     }
+    // Empty or garbage: a creator that died half-way, unless it may still be creating it.
+    if probe.age_secs < CREATION_GRACE_SECS && (probe.size == 0 || !probe.locks_supported) {
+        return Ok(Status::Undecided("new: it may be being created".into()));
+    }
+    Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+}
+
+/// Bytes of a header up to its creator's start time, the last word `status` reads.
+const HEADER_PREFIX: usize = (header::CREATOR_START + 8) as usize;
+
+/// The first header words of the file `name` (`layout::header`: magic, layout version, ...,
+/// creator pid, creator start time), read as plain bytes since it may be no valid segment;
+/// `None` if it is shorter.
+fn header_words(name: &str) -> Option<Vec<u64>> {
+    let bytes = segment::read_prefix::<HEADER_PREFIX>(name).ok()?;
+    bytes
+        .chunks_exact(8)
+        .map(|word| Some(u64::from_le_bytes(word.try_into().ok()?)))
+        .collect()
+}
+
+/// Unlink every segment [`status`] finds orphaned, and return their names: what every new
+/// store's creation does first, so that no segment outlives the processes that used it for
+/// longer than it takes the host to make its next store. Cheap enough for that: one
+/// directory listing, then a lock probe (a few system calls) per segment; only segments
+/// without a writer lock are mapped. Never fails: a segment it cannot judge or unlink is
+/// left for `prune` to report.
+pub fn remove_orphans() -> Vec<String> {
+    list_segments()
+        .into_iter()
+        .filter(|name| matches!(status(name), Ok(Status::Orphaned(_))))
+        .filter(|name| segment::unlink(name).is_ok())
+        .collect()
 }

@@ -107,7 +107,9 @@ mod ring;
 mod writer;
 
 pub use crash::POINTS as CRASH_POINTS;
-pub use inspect::{SegmentInfo, SlotInfo, Status, WriterSlotInfo, inspect, list_segments, status};
+pub use inspect::{
+    SegmentInfo, SlotInfo, Status, WriterSlotInfo, inspect, list_segments, remove_orphans, status,
+};
 pub use reader::{Lease, Reader, View};
 pub use writer::Writer;
 

@@ -594,6 +594,65 @@ fn closed_writer_is_reported_to_readers() {
     );
 }
 
+/// Every store's creation first removes what dead creators left, and nothing a live one
+/// makes or uses (other tests' creations run meanwhile: what must go may go earlier).
+#[test]
+fn creation_removes_only_segments_whose_writer_is_gone() {
+    let path = |name: &str| format!("{}/{name}", segment::SHM_DIR);
+    // Sized but headerless and unlocked: a creator killed half-way.
+    let half_made_dead = segment::generate_name().unwrap();
+    std::fs::write(path(&half_made_dead), vec![0u8; 4096]).unwrap();
+    // A complete segment whose writer's lock is gone (as when it dies).
+    let complete_dead = writer(1 << 16, 1);
+    complete_dead.shared.seg.unlock(WRITER_LOCK).unwrap();
+    // Sized and headerless, but locked: a live creator half-way.
+    let half_made_live = segment::generate_name().unwrap();
+    let making = Segment::create(&half_made_live, 4096, WRITER_LOCK).unwrap();
+    // Empty and unlocked: the instant between a creator's shm_open and its lock.
+    let just_opened = segment::generate_name().unwrap();
+    std::fs::write(path(&just_opened), b"").unwrap();
+    // The pid fallback with a damaged liveness word: its creator's pid is all there is.
+    let damaged_live = Writer::create_with_liveness(1 << 16, 1, Liveness::Pids).unwrap();
+    damaged_live
+        .shared
+        .header(header::LIVENESS)
+        .unwrap()
+        .store(0, Ordering::Relaxed);
+    for (name, expected) in [
+        (half_made_dead.as_str(), "orphaned"),
+        (complete_dead.name(), "orphaned"),
+        (half_made_live.as_str(), "live"),
+        (just_opened.as_str(), "undecided"),
+        (damaged_live.name(), "undecided"),
+    ] {
+        let found = match status(name) {
+            Ok(Status::Live) => "live",
+            Ok(Status::Orphaned(_)) => "orphaned",
+            Ok(Status::Undecided(_)) => "undecided",
+            Err(Error::NotFound(_)) if expected == "orphaned" => continue, // pruned already
+            Err(e) => panic!("{name}: {e}"),
+        };
+        assert_eq!(found, expected, "{name}");
+    }
+    let _next = writer(1 << 16, 1);
+    let listed = list_segments();
+    for gone in [half_made_dead.as_str(), complete_dead.name()] {
+        assert!(
+            !listed.iter().any(|n| n == gone),
+            "{gone} outlived its writer"
+        );
+    }
+    for kept in [
+        half_made_live.as_str(),
+        just_opened.as_str(),
+        damaged_live.name(),
+    ] {
+        assert!(listed.iter().any(|n| n == kept), "{kept} was removed");
+    }
+    drop(making); // its creator unlinks it
+    segment::unlink(&just_opened).unwrap();
+}
+
 /// Readers on threads resolve handles while the writer keeps evicting; every byte read is
 /// the object's own, every handle is either read whole or reported stale.
 #[test]

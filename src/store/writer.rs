@@ -82,6 +82,7 @@ impl Writer {
         };
         let total = usize::try_from(layout.total_len())
             .map_err(|_| Error::InvalidArgument("capacity too large for this host".into()))?;
+        super::remove_orphans(); // what dead creators left goes first (SPEC §5, guarantee 10)
         let seg = Segment::create(&name, total, WRITER_LOCK)?;
         let liveness = if seg.holds_locks() {
             Liveness::Locks

@@ -7,7 +7,8 @@
   breaker stops calling a failing store.
 * :class:`TieredSenderCache` - P0's cache with the remote tier behind it: a local miss asks
   the remote tier before processing, a processed item is published by a writer thread.
-* :mod:`.servers` - real servers on loopback ports for tests and ``mmcache simulate``.
+* :mod:`.local_server` - a real server started on a free loopback port, for ``mmcache
+  simulate --remote redis://auto``, benchmarks and tests.
 
 Needs the ``remote`` extra (``pip install 'mmcache[remote]'``), and ``mooncake`` for
 ``mooncake://``.

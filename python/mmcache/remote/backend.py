@@ -1,17 +1,19 @@
-"""What :class:`~mmcache.remote.RemoteStore` needs of a store: three batched byte operations.
+"""What :class:`~mmcache.remote.RemoteStore` needs of a store: three batched byte operations,
+and two more for claims where the store can hold them (:class:`ClaimingBackend`).
 
 A backend moves whole envelopes (see :mod:`.envelope`) and knows nothing of items, keys of
-digests, deadlines' bookkeeping or the circuit breaker (one that receives a value in parts may
-hash each part as it arrives: :class:`Received`); it raises :class:`RemoteTimeout` or
-:class:`RemoteUnreachable` (or its client's own exceptions) and the store turns each into a
-counted miss.
+digests or the circuit breaker (one that receives a value in parts may hash each part as it
+arrives: :class:`Received`); it raises :class:`RemoteTimeout` or :class:`RemoteUnreachable`
+(or its client's own exceptions) and the store turns each into a counted miss.  It never
+allocates for a value larger than the reader's bound: that value is :data:`TOO_LARGE`.
 """
 
 from __future__ import annotations
 
-import time
+import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias, runtime_checkable
+from urllib.parse import unquote, urlsplit
 
 from mmcache.remote.envelope import PartDigests
 
@@ -20,13 +22,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INCOMPLETE",
+    "TOO_LARGE",
     "Backend",
+    "ClaimingBackend",
+    "Fetched",
     "Incomplete",
     "Received",
     "RemoteTimeout",
     "RemoteUnreachable",
+    "TooLarge",
     "ValueTooLarge",
-    "check_deadline",
+    "redact_url",
 ]
 
 
@@ -54,12 +60,28 @@ class Incomplete:
 INCOMPLETE = Incomplete()
 
 
+class TooLarge:
+    """A value larger than the reader accepts (``max_value_mb``), refused before anything was
+    allocated for it or read of it past the bound: a miss."""
+
+    def __repr__(self) -> str:
+        return "TOO_LARGE"
+
+
+TOO_LARGE = TooLarge()
+
+
 class Received(NamedTuple):
     """A whole value whose payload's parts the backend hashed as they arrived (the store then
     only hashes the short list of part digests, not the value)."""
 
     value: Buffer
     parts: PartDigests
+
+
+Fetched: TypeAlias = "Buffer | Received | Incomplete | TooLarge | None"
+"""What a backend read for one key: the whole value (possibly with its part digests), or why
+there is none."""
 
 
 class Backend(Protocol):
@@ -74,12 +96,11 @@ class Backend(Protocol):
     def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
         """Whether each key holds a value, in one round trip."""
 
-    def read(
-        self, keys: Sequence[str], deadline: float
-    ) -> list[Buffer | Received | Incomplete | None]:
+    def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
         """Each key's whole value (``None`` when absent, :data:`INCOMPLETE` when part of it
-        is gone), possibly with its part digests.  A writable buffer is the caller's to keep
-        (no one else refers to it)."""
+        is gone, :data:`TOO_LARGE` when over the bound it was made with), possibly with its
+        part digests.  A writable buffer is the caller's to keep (no one else refers to
+        it)."""
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         """Store ``header + payload`` under ``key`` unless the key holds a value already;
@@ -89,7 +110,43 @@ class Backend(Protocol):
         """Release connections and threads; idempotent."""
 
 
-def check_deadline(deadline: float, what: str) -> None:
-    """Raise :class:`RemoteTimeout` if ``deadline`` has passed (between two round trips)."""
-    if time.monotonic() >= deadline:
-        raise RemoteTimeout(f"deadline passed before {what}")
+@runtime_checkable
+class ClaimingBackend(Backend, Protocol):
+    """A store that can also hold *claims*: short-lived markers, beside an item's key, that
+    name the host processing that item (see :class:`~mmcache.remote.TieredSenderCache`)."""
+
+    def read_claiming(
+        self, keys: Sequence[str], owner: str, take: bool, ttl_ms: int, deadline: float
+    ) -> tuple[list[Fetched], list[str | None]]:
+        """:meth:`read` of ``keys`` and, in the same round trip, each absent key's claim:
+        who holds it, or ``None`` where the key holds a value or nobody claimed it.  With
+        ``take``, absent keys nobody claimed are claimed for ``owner`` for ``ttl_ms`` (their
+        holder is then ``owner``) in the order of ``keys``, stopping at the first key another
+        owner holds: an owner that waits for a key holds only keys before it, so owners
+        waiting on each other's claims (given keys in one order) never wait in a circle."""
+
+    def release_claims(self, keys: Sequence[str], owner: str, deadline: float) -> int:
+        """Drop the claims of ``keys`` that ``owner`` holds (never another's), in one round
+        trip; how many there were."""
+
+
+# Query parameters whose values may be credentials (redis-py reads ``password=``, for one).
+_SECRET_PARAMETER = re.compile(r"pass|pwd|secret|token|auth|cred|key", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown (logs, reprs, errors): the userinfo (``user:password@``)
+    and the value of every password-like query parameter become ``***``; the rest (scheme,
+    host, port, path, other options) still says which store it is."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<an unparseable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = "&".join(
+        f"{name}=***" if sep and _SECRET_PARAMETER.search(unquote(name)) else f"{name}{sep}{value}"
+        for name, sep, value in (field.partition("=") for field in parts.query.split("&"))
+    )
+    return parts._replace(netloc=netloc, query=query if parts.query else "").geturl()

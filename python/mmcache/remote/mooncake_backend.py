@@ -21,7 +21,8 @@ after the master's ports accept connections (a dead master then costs nothing); 
 accepts connections but stalls during a client's set-up freezes that process until Mooncake
 gives up (about 90 s in 0.3.13).  Set-up happens once per client.  Reads are
 zero-copy where the API allows: ``batch_get_into`` writes each value straight into a buffer
-mmcache allocated, which the decoded item's arrays then view.
+mmcache allocated, which the decoded item's arrays then view; a value whose ``get_size`` is
+over the reader's bound is :data:`~.backend.TOO_LARGE`, never allocated.
 
 Mooncake's client logs to stderr on its own (info lines at set-up, errors for expected events
 such as a metadata key not yet registered); mmcache does not silence it.
@@ -43,12 +44,14 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 
 from mmcache.remote.backend import (
-    Incomplete,
-    Received,
+    TOO_LARGE,
+    Fetched,
     RemoteTimeout,
     RemoteUnreachable,
     ValueTooLarge,
+    redact_url,
 )
+from mmcache.remote.envelope import HEADER_SIZE
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -111,13 +114,13 @@ class _CallThread:
         self._inbox.put(None)
 
 
-def _mib(query: dict[str, str], name: str, default: float, url: str) -> float:
+def _mib(query: dict[str, str], name: str, default: float, shown_url: str) -> float:
     try:
         value = float(query.get(name, default))
     except ValueError:
         value = -1.0
     if not 0 < value < 1 << 30:
-        raise ValueError(f"{name} must be a positive number of MiB in {url!r}")
+        raise ValueError(f"{name} must be a positive number of MiB in {shown_url!r}")
     return value
 
 
@@ -186,22 +189,27 @@ class _Client:
 
 
 class MooncakeBackend:
-    """A Mooncake Store whose master is at ``url`` (see the module's docstring)."""
+    """A Mooncake Store whose master is at ``url`` (see the module's docstring); a value over
+    ``max_value_bytes`` of payload is :data:`~.backend.TOO_LARGE`, never an allocation."""
 
-    def __init__(self, url: str, *, timeout_s: float) -> None:
+    def __init__(self, url: str, *, timeout_s: float, max_value_bytes: int) -> None:
+        shown = redact_url(url)
         parts = urlsplit(url)
         if parts.scheme != "mooncake" or not parts.hostname or parts.port is None:
-            raise ValueError(f"not a Mooncake URL: {url!r} (expected mooncake://MASTER_HOST:PORT)")
+            raise ValueError(
+                f"not a Mooncake URL: {shown!r} (expected mooncake://MASTER_HOST:PORT)"
+            )
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         options = {"metadata", "segment_mb", "buffer_mb", "protocol", "device", "local_hostname"}
         unknown = set(query) - options
         if unknown:
-            raise ValueError(f"unknown option(s) {sorted(unknown)} in Mooncake URL {url!r}")
+            raise ValueError(f"unknown option(s) {sorted(unknown)} in Mooncake URL {shown!r}")
         segment_mb, buffer_mb = (
-            _mib(query, name, default, url)
+            _mib(query, name, default, shown)
             for name, default in (("segment_mb", 256), ("buffer_mb", 64))
         )
         self._buffer = int(buffer_mb * MiB)
+        self._max_size = HEADER_SIZE + max_value_bytes  # a whole value: header and payload
         # A value arrives whole (batch_get_into): the store hashes its parts after the read.
         self.part_bytes = MiB
         module = import_mooncake()
@@ -231,15 +239,18 @@ class MooncakeBackend:
             raise RemoteUnreachable(f"Mooncake batch_is_exist failed ({found[:1]})")
         return [f == 1 for f in found]
 
-    def read(
-        self, keys: Sequence[str], deadline: float
-    ) -> list[Buffer | Received | Incomplete | None]:
-        def fetch(store: Any) -> list[Buffer | Received | Incomplete | None]:
+    def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
+        def fetch(store: Any) -> list[Fetched]:
             sizes = [store.get_size(key) for key in keys]
-            out: list[Buffer | Received | Incomplete | None] = [None] * len(keys)
-            wanted = [i for i, size in enumerate(sizes) if size > 0]
-            if any(size < 0 and size != _NOT_FOUND for size in sizes) and not wanted:
+            out: list[Fetched] = [None] * len(keys)
+            if any(size < 0 and size != _NOT_FOUND for size in sizes) and not any(
+                size > 0 for size in sizes
+            ):
                 raise RemoteUnreachable(f"Mooncake get_size failed ({min(sizes)})")
+            for i, size in enumerate(sizes):
+                if size > self._max_size:  # refused before anything is allocated for it
+                    out[i] = TOO_LARGE
+            wanted = [i for i, size in enumerate(sizes) if 0 < size <= self._max_size]
             buffers = {i: np.empty(sizes[i], dtype=np.uint8) for i in wanted}
             for buffer in buffers.values():
                 if store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:

@@ -7,25 +7,40 @@ a manifest before its chunks).  Chunk keys carry the writer's random nonce, so t
 putting one item at once never mix their chunks; the loser deletes its own.  Each chunk is one
 part of the envelope's digest (see :mod:`.envelope`).
 
-A reader fetches the manifests (and small values) of a whole batch in one ``MGET`` and the
-chunks of the batch with a second ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections
-at once), whose reply it reads off the socket itself: each chunk goes straight into one
-buffer allocated for the whole value - no copy in the client's parser, no join - and is
-hashed as soon as it is in, while the server is still sending the next.  A value missing any
-chunk (evicted by ``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss.
+A reader fetches the manifests (and small values) of a whole batch in one round trip - a
+``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
+over the bound is :data:`~.backend.TOO_LARGE` without being read whole - and the chunks of
+the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once), whose
+reply it reads off the socket itself: each chunk goes straight into one buffer allocated for
+the whole value - no copy in the client's parser, no join - and is hashed as soon as it is
+in, while the server is still sending the next.  A value missing any chunk (evicted by
+``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss.
+
+Claims (:class:`~.backend.ClaimingBackend`) are keys beside the item's (``<key>/claim``)
+holding the claiming host's id with a ``PX`` expiry, so a host that dies holding one frees it
+when it lapses.  A claiming read sends one ``EVAL`` (look at each item key, read its claim,
+take it where asked and free: atomically) in the same pipeline as the ``GETRANGE`` reads, ahead
+of them; a release is one ``EVAL`` that compares each claim with the owner before deleting
+it, so a host never deletes a claim that lapsed and another host took since (a ``GET`` then
+``DEL`` could; ``WATCH`` would cost a round trip per key).  Scripting is in every Redis
+since 2.6 and every Valkey.
 
 With retries on, redis-py retries a failed command three times with backoff, so a dead server
-costs seconds per call; here every socket operation is bounded by the store's ``timeout_s``
-(the chunks' by what is left of the call's deadline) and fails once.
+costs seconds per call; here retries are off and every call ends by its deadline as a whole:
+the connections' sockets (:class:`_DeadlineSocket`) bound each connect, send and receive by
+what is left of the deadline of the call the thread is making, so neither a stalled server
+nor one that sends its reply a byte at a time holds a call longer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -42,18 +57,20 @@ except ImportError as exc:  # pragma: no cover - the remote and test extras inst
 
 from mmcache.remote.backend import (
     INCOMPLETE,
-    Incomplete,
+    TOO_LARGE,
+    Fetched,
     Received,
     RemoteTimeout,
     RemoteUnreachable,
-    check_deadline,
+    TooLarge,
+    redact_url,
 )
 from mmcache.remote.envelope import HEADER_SIZE, MIN_PART_BYTES, PartDigests, part_hasher
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["CHUNK_BYTES", "RedisBackend"]
+__all__ = ["CHUNK_BYTES", "RedisBackend", "claim_key"]
 
 CHUNK_BYTES = 1 << 20
 """Values larger than this are split into chunks of this size (the URL's ``chunk_kb`` query
@@ -76,20 +93,156 @@ def chunk_key(key: str, nonce: bytes, index: int) -> str:
     return f"{key}/chunk/{nonce.hex()}/{index}"
 
 
+def claim_key(key: str) -> str:
+    """The key of the claim on ``key``'s item (its value: the claiming host's id)."""
+    return f"{key}/claim"
+
+
+# KEYS: n item keys, then their n claim keys; ARGV: owner, ttl in ms, take (1 or 0).  For
+# each item key that holds no value: the claim's holder, after claiming it for the owner when
+# asked, nobody holds it and no key before it is held by another; "" for an item present, or
+# unclaimed.  Atomic, so two hosts never both take one claim, and no claim is taken on an
+# item already present.
+_CLAIM_SCRIPT = """
+local n = #KEYS / 2
+local holders = {}
+local blocked = false
+for i = 1, n do
+  local holder = ""
+  if redis.call("EXISTS", KEYS[i]) == 0 then
+    holder = redis.call("GET", KEYS[n + i]) or ""
+    if holder == "" then
+      if ARGV[3] == "1" and not blocked then
+        redis.call("SET", KEYS[n + i], ARGV[1], "PX", ARGV[2])
+        holder = ARGV[1]
+      end
+    elseif holder ~= ARGV[1] then
+      blocked = true
+    end
+  end
+  holders[i] = holder
+end
+return holders
+"""
+
+# KEYS: claim keys; ARGV[1]: owner.  Compare-and-delete: drops each claim the owner holds,
+# never one that lapsed and another host took since; how many it dropped.
+_RELEASE_SCRIPT = """
+local dropped = 0
+for i = 1, #KEYS do
+  if redis.call("GET", KEYS[i]) == ARGV[1] then
+    dropped = dropped + redis.call("DEL", KEYS[i])
+  end
+end
+return dropped
+"""
+
+_call_deadline = threading.local()
+
+
+@contextlib.contextmanager
+def _bounded_by(deadline: float) -> Iterator[None]:
+    """Bound every socket operation this thread makes meanwhile by ``deadline`` (a
+    :func:`time.monotonic` instant; see :class:`_DeadlineSocket`)."""
+    outer = getattr(_call_deadline, "at", None)
+    _call_deadline.at = deadline
+    try:
+        yield
+    finally:
+        _call_deadline.at = outer
+
+
+class _DeadlineSocket:
+    """A connection's socket (plain or TLS) whose every send and receive also ends by the
+    deadline of the call the current thread is making (:func:`_bounded_by`), so a call ends
+    by its deadline as a whole: a socket timeout alone bounds each receive, and a server
+    that sends its reply a byte at a time could stretch a call without end.  Everything
+    else is the socket's own."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._timeout = sock.gettimeout()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _bound(self) -> None:
+        deadline = getattr(_call_deadline, "at", None)
+        if deadline is None:
+            self._sock.settimeout(self._timeout)
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        self._sock.settimeout(left if self._timeout is None else min(self._timeout, left))
+
+    def recv(self, *args: Any) -> bytes:
+        self._bound()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> int:
+        self._bound()
+        return self._sock.recv_into(*args)
+
+    def send(self, *args: Any) -> int:
+        self._bound()
+        return self._sock.send(*args)
+
+    def sendall(self, *args: Any) -> None:
+        self._bound()
+        self._sock.sendall(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _BoundedConnect:
+    """For a redis-py connection class: its socket is a :class:`_DeadlineSocket`, and its
+    TCP connect (and each step of a TLS handshake, where the URL asks for TLS) is bounded by
+    what is left of the call's deadline; the handshake's commands go through the socket."""
+
+    socket_timeout: float | None
+    socket_connect_timeout: float | None
+
+    def _connect(self) -> _DeadlineSocket:
+        configured = self.socket_timeout, self.socket_connect_timeout
+        deadline = getattr(_call_deadline, "at", None)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the call's deadline passed before connecting")
+            self.socket_timeout, self.socket_connect_timeout = (
+                left if limit is None else min(limit, left) for limit in configured
+            )
+        try:
+            sock = _DeadlineSocket(super()._connect())  # type: ignore[misc]
+        finally:
+            self.socket_timeout, self.socket_connect_timeout = configured
+        sock.settimeout(configured[0])
+        return sock
+
+
+class _Connection(_BoundedConnect, redis.connection.Connection):
+    pass
+
+
+class _TLSConnection(_BoundedConnect, redis.connection.SSLConnection):
+    pass
+
+
 class _ReplyReader:
     """The reply to one ``MGET`` read off a socket, each value into a buffer of the caller's
-    (RESP2 or RESP3); every receive is bounded by what is left until ``deadline``."""
+    (RESP2 or RESP3); every receive ends by the call's deadline (:class:`_DeadlineSocket`)."""
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: _DeadlineSocket) -> None:
         self._sock = sock
-        self._deadline = deadline
         self._pending = bytearray()  # received, not consumed yet
 
     def _recv_into(self, view: memoryview) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise RemoteTimeout("deadline passed while reading chunks")
-        self._sock.settimeout(left)
         try:
             n = self._sock.recv_into(view)
         except TimeoutError as exc:
@@ -167,8 +320,8 @@ class _ReplyReader:
 class RedisBackend:
     """A Redis or Valkey server at ``url`` (``redis://``, ``rediss://``, ``valkey://``,
     ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them).
-    A manifest that announces a value over ``max_value_bytes`` is a miss, never an
-    allocation."""
+    A value over ``max_value_bytes`` of payload (plain, or as a manifest announces it) is
+    :data:`~.backend.TOO_LARGE`, never an allocation."""
 
     def __init__(
         self, url: str, *, timeout_s: float, ttl_s: float | None = None, max_value_bytes: int
@@ -177,7 +330,8 @@ class RedisBackend:
         scheme = _SCHEMES.get(parts.scheme)
         if scheme is None or not parts.hostname:
             raise ValueError(
-                f"not a Redis/Valkey URL: {url!r} (expected redis://HOST:PORT or valkey://HOST:PORT)"
+                f"not a Redis/Valkey URL: {redact_url(url)!r} (expected redis://HOST:PORT or "
+                "valkey://HOST:PORT)"
             )
         query = parse_qs(parts.query, keep_blank_values=True)
         chunk_kb = query.pop("chunk_kb", [str(CHUNK_BYTES >> 10)])[-1]
@@ -186,10 +340,14 @@ class RedisBackend:
         except ValueError:
             self._chunk = 0
         if not MIN_PART_BYTES <= self._chunk <= 512 << 20:
-            raise ValueError(f"chunk_kb must be a whole number from 1 to 524288 in {url!r}")
+            raise ValueError(
+                f"chunk_kb must be a whole number from 1 to 524288 in {redact_url(url)!r}"
+            )
         self.part_bytes = self._chunk
-        self._timeout_s = timeout_s
         self._max_value = max_value_bytes
+        # The most a key's first read takes: the largest plain value accepted (a manifest
+        # is smaller); one byte more says a value is over it.
+        self._max_plain = HEADER_SIZE + max_value_bytes
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS - 1, "mmcache-redis-fetch")
         self._client = redis.Redis.from_url(
@@ -198,24 +356,43 @@ class RedisBackend:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            connection_class=_TLSConnection if scheme == "rediss" else _Connection,
         )
 
     def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)
-        return [bool(n) for n in self._call(pipe.execute)]
+        with _bounded_by(deadline):
+            return [bool(n) for n in self._call(pipe.execute)]
 
-    def read(
-        self, keys: Sequence[str], deadline: float
-    ) -> list[Buffer | Received | Incomplete | None]:
-        heads: list[bytes | None] = self._call(self._client.mget, list(keys))
-        out: list[Buffer | Received | Incomplete | None] = list(heads)
+    def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
+        with _bounded_by(deadline):
+            heads, _ = self._heads(keys)
+            return self._read(keys, heads, deadline)
+
+    def read_claiming(
+        self, keys: Sequence[str], owner: str, take: bool, ttl_ms: int, deadline: float
+    ) -> tuple[list[Fetched], list[str | None]]:
+        with _bounded_by(deadline):
+            heads, holders = self._heads(keys, (owner, take, ttl_ms))
+            return self._read(keys, heads, deadline), holders
+
+    def release_claims(self, keys: Sequence[str], owner: str, deadline: float) -> int:
+        claims = [claim_key(key) for key in keys]
+        with _bounded_by(deadline):
+            return int(self._call(self._client.eval, _RELEASE_SCRIPT, len(claims), *claims, owner))
+
+    def _read(
+        self, keys: Sequence[str], heads: list[bytes | TooLarge | None], deadline: float
+    ) -> list[Fetched]:
+        out: list[Fetched] = []
         # The chunked values: position -> (the value's buffer, chunk size, chunk digests).
         values: dict[int, tuple[np.ndarray[Any, Any], int, list[bytes]]] = {}
         wanted: list[tuple[int, str, memoryview]] = []  # (position, chunk key, where it goes)
         for position, (key, head) in enumerate(zip(keys, heads, strict=True)):
-            if head is None or not head.startswith(_MANIFEST_MAGIC):
+            out.append(head)
+            if not isinstance(head, bytes) or not head.startswith(_MANIFEST_MAGIC):
                 continue
             # Exactly a manifest and an envelope header, so that the chunks' part digests are
             # of the bytes the envelope calls its payload; a torn manifest is a broken value.
@@ -224,11 +401,10 @@ class RedisBackend:
                 continue
             _, nonce, count, size, total = _MANIFEST.unpack_from(head)
             header = head[_MANIFEST.size :]
-            if (
-                size < MIN_PART_BYTES
-                or not 0 < total <= self._max_value
-                or count != -(-total // size)
-            ):
+            if total > self._max_value:
+                out[position] = TOO_LARGE
+                continue
+            if size < MIN_PART_BYTES or total == 0 or count != -(-total // size):
                 out[position] = INCOMPLETE
                 continue
             # The whole value in one buffer of its own (the item will view it in place).
@@ -242,7 +418,6 @@ class RedisBackend:
             ]
         if not wanted:
             return out
-        check_deadline(deadline, "reading chunks")
         digests = self._fetch([w[1] for w in wanted], [w[2] for w in wanted], deadline)
         for (position, _, _), digest in zip(wanted, digests, strict=True):
             if position not in values:
@@ -255,6 +430,37 @@ class RedisBackend:
         for position, (buffer, size, chunk_digests) in values.items():
             out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
         return out
+
+    def _heads(
+        self, keys: Sequence[str], claim: tuple[str, bool, int] | None = None
+    ) -> tuple[list[bytes | TooLarge | None], list[str | None]]:
+        """Each key's value, or the start of it: a manifest, a plain value, ``None`` (absent,
+        or not a string) or :data:`~.backend.TOO_LARGE` (at most one byte over the largest
+        plain value accepted was read); with ``claim`` (owner, take, ttl in ms), first, in the
+        same round trip, each absent key's claim holder (see :data:`_CLAIM_SCRIPT`)."""
+        pipe = self._client.pipeline(transaction=False)
+        if claim is not None:
+            owner, take, ttl_ms = claim
+            claims = [claim_key(key) for key in keys]
+            pipe.eval(_CLAIM_SCRIPT, 2 * len(keys), *keys, *claims, owner, ttl_ms, int(take))
+        for key in keys:
+            pipe.getrange(key, 0, self._max_plain)
+        replies = self._call(pipe.execute, raise_on_error=False)
+        holders: list[str | None] = []
+        if claim is not None:
+            held = replies.pop(0)
+            if isinstance(held, Exception):  # e.g. a server with scripting disabled
+                raise held
+            holders = [h.decode(errors="replace") if h else None for h in held]
+        heads: list[bytes | TooLarge | None] = []
+        for head in replies:
+            if isinstance(head, redis.exceptions.ResponseError):
+                if not str(head).startswith("WRONGTYPE"):
+                    raise head
+                head = None  # a key of another type holds no value of ours
+            # GETRANGE reads an absent key as empty; no value of ours is.
+            heads.append(TOO_LARGE if len(head or b"") > self._max_plain else head or None)
+        return heads, holders
 
     def _fetch(
         self, names: list[str], views: list[memoryview], deadline: float
@@ -275,22 +481,23 @@ class RedisBackend:
         """One ``MGET`` of ``names`` on a connection of the pool, its reply read straight into
         ``views``.  A connection whose reply was not read to the end is closed, never reused."""
         pool = self._client.connection_pool
-        connection = self._call(pool.get_connection)
-        try:
-            self._call(connection.send_packed_command, connection.pack_command("MGET", *names))
-            # redis-py's parser would copy each value twice; this reads the socket itself.
-            sock: socket.socket = connection._sock
-            digests = _ReplyReader(sock, deadline).values_into(views)
-            sock.settimeout(self._timeout_s)
-        except BaseException:
-            connection.disconnect()
-            raise
-        finally:
-            pool.release(connection)
-        return digests
+        with _bounded_by(deadline):
+            connection = self._call(pool.get_connection)
+            try:
+                self._call(connection.send_packed_command, connection.pack_command("MGET", *names))
+                # redis-py's parser would copy each value twice; this reads the socket itself.
+                return _ReplyReader(connection._sock).values_into(views)
+            except BaseException:
+                connection.disconnect()
+                raise
+            finally:
+                pool.release(connection)
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
-        body = memoryview(payload).cast("B")
+        with _bounded_by(deadline):
+            return self._write(key, header, memoryview(payload).cast("B"))
+
+    def _write(self, key: str, header: bytes, body: memoryview) -> bool:
         if len(header) + body.nbytes <= self._chunk:
             return bool(self._call(self._client.set, key, header + body, nx=True, px=self._ttl_ms))
         if self._call(self._client.exists, key):
@@ -301,9 +508,7 @@ class RedisBackend:
         for start in range(0, body.nbytes, self._chunk):
             names.append(chunk_key(key, nonce, len(names)))
             pipe.set(names[-1], body[start : start + self._chunk], px=self._ttl_ms)
-        check_deadline(deadline, "writing chunks")
         self._call(pipe.execute)
-        check_deadline(deadline, "writing the manifest")
         manifest = _MANIFEST.pack(_MANIFEST_MAGIC, nonce, len(names), self._chunk, body.nbytes)
         if self._call(self._client.set, key, manifest + header, nx=True, px=self._ttl_ms):
             return True

@@ -2,12 +2,16 @@
 
 Everything that can go wrong on the way to or from the store is a miss, never an exception
 into the engine: a timeout, a refused or reset connection, a value that is corrupt,
-truncated, missing a chunk, written by another schema version, or whose digest does not
-verify (tampered, or sealed with another secret).  Each is counted in :meth:`RemoteStore.stats`
-and the first of each kind is logged through the ``mmcache`` logger.  A circuit breaker stops
-calling a store that keeps failing (``breaker_failures`` transport failures in a row), so a
-dead server costs nothing per request; after ``breaker_cooldown_s`` one call probes it, and a
-success closes the breaker again (each failed probe doubles the wait, up to 30 s).
+truncated, missing a chunk, larger than the reader accepts, written by another schema
+version, whose digest does not verify (tampered, or sealed with another secret), or that
+verifies but does not decode.  On the way in, an item the codec cannot encode is skipped.
+Each is counted in :meth:`RemoteStore.stats` and the first of each kind is logged through the
+``mmcache`` logger - with the store's URL stripped of credentials, the only form of it this
+module keeps.  A circuit breaker stops calling a store that keeps failing
+(``breaker_failures`` transport failures in a row), so a dead server costs nothing per
+request; after ``breaker_cooldown_s`` one call probes it, and a success closes the breaker
+again (each failed probe doubles the wait, up to 30 s; a probe that ends without reaching the
+store lets the next call probe).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -29,11 +33,15 @@ from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
 from mmcache.remote.backend import (
     Backend,
+    ClaimingBackend,
+    Fetched,
     Incomplete,
     Received,
     RemoteTimeout,
     RemoteUnreachable,
+    TooLarge,
     ValueTooLarge,
+    redact_url,
 )
 from mmcache.remote.envelope import (
     CorruptValue,
@@ -43,9 +51,6 @@ from mmcache.remote.envelope import (
     open_envelope,
     seal,
 )
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
 
 __all__ = ["CircuitBreaker", "RemoteStore", "is_shareable_key"]
 
@@ -72,8 +77,8 @@ def is_shareable_key(key: object) -> bool:
 class CircuitBreaker:
     """Closed (calls go through) until ``failures`` failures in a row; then open (calls are
     refused) for ``cooldown_s``; then half-open: one call probes, its success closes the
-    breaker, its failure opens it again for twice as long (at most ``max_cooldown_s``).
-    Thread-safe."""
+    breaker, its failure opens it again for twice as long (at most ``max_cooldown_s``), and a
+    probe that ends with neither (:meth:`release`) lets the next call probe.  Thread-safe."""
 
     def __init__(
         self, failures: int = 3, cooldown_s: float = 1.0, max_cooldown_s: float = 30.0
@@ -89,7 +94,7 @@ class CircuitBreaker:
         self._failures = 0
         self._cooldown = cooldown_s
         self._open_until: float | None = None
-        self._probing = False
+        self._prober: int | None = None  # the thread making the half-open probe
         self.opened = 0  # times the breaker opened
 
     @property
@@ -101,13 +106,14 @@ class CircuitBreaker:
             return "open" if time.monotonic() < self._open_until else "half-open"
 
     def allow(self) -> bool:
-        """Whether a call may go to the store now (in half-open state: only one probe)."""
+        """Whether a call may go to the store now (in half-open state: only one probe, made
+        by the calling thread)."""
         with self._lock:
             if self._open_until is None:
                 return True
-            if self._probing or time.monotonic() < self._open_until:
+            if self._prober is not None or time.monotonic() < self._open_until:
                 return False
-            self._probing = True
+            self._prober = threading.get_ident()
             return True
 
     def success(self) -> bool:
@@ -117,15 +123,15 @@ class CircuitBreaker:
             self._failures = 0
             self._cooldown = self._base_cooldown
             self._open_until = None
-            self._probing = False
+            self._prober = None
             return was_open
 
     def failure(self) -> bool:
         """A call failed; whether that opened the breaker."""
         with self._lock:
             self._failures += 1
-            if self._probing:  # the probe failed: wait longer before the next one
-                self._probing = False
+            if self._prober is not None:  # the probe failed: wait longer before the next one
+                self._prober = None
                 self._cooldown = min(self._cooldown * 2, self._max_cooldown)
                 self._open_until = time.monotonic() + self._cooldown
                 return False
@@ -135,9 +141,20 @@ class CircuitBreaker:
                 return True
             return False
 
+    def release(self) -> None:
+        """The calling thread's call ended without telling whether the store works (refused
+        before it reached the store, or interrupted): if it was the probe, the next call
+        probes instead, so the breaker never stays half-open for good.  A no-op otherwise."""
+        with self._lock:
+            if self._prober == threading.get_ident():
+                self._prober = None
+
 
 def _open_backend(url: str, timeout_s: float, ttl_s: float | None, max_value: int) -> Backend:
-    scheme = urlsplit(url).scheme
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError:
+        scheme = ""
     if scheme in ("redis", "rediss", "valkey", "valkeys"):
         from mmcache.remote.redis_backend import RedisBackend
 
@@ -145,10 +162,10 @@ def _open_backend(url: str, timeout_s: float, ttl_s: float | None, max_value: in
     if scheme == "mooncake":
         from mmcache.remote.mooncake_backend import MooncakeBackend
 
-        return MooncakeBackend(url, timeout_s=timeout_s)
+        return MooncakeBackend(url, timeout_s=timeout_s, max_value_bytes=max_value)
     raise ValueError(
-        f"unsupported remote store URL {url!r}: expected redis://, rediss://, valkey://, "
-        "valkeys:// or mooncake://"
+        f"unsupported remote store URL {redact_url(url)!r}: expected redis://, rediss://, "
+        "valkey://, valkeys:// or mooncake://"
     )
 
 
@@ -162,10 +179,12 @@ class RemoteStore(ClosesOnExit):
     ``"Qwen2-VL-7B@a1b2c3/processor@4.57"`` - and prefixes every key, so two models never share
     an item.  With ``secret`` (shared by every host; a ``str`` or ``bytes``) every value's
     digest is keyed, so a process that can write to the store but does not know the secret
-    cannot plant a value that verifies.  Every network operation is bounded by ``timeout_s``
-    (a call makes at most two round trips).  ``ttl_s`` lets values expire (Redis/Valkey);
-    items whose payload exceeds ``max_value_mb`` are not published (and on Redis/Valkey a
-    manifest announcing a larger value is a miss).
+    cannot plant a value that verifies.  Every call ends by its deadline, ``timeout_s`` after
+    it starts, as a whole (it makes at most two round trips).  ``ttl_s`` lets values expire
+    (Redis/Valkey).  ``max_value_mb`` bounds an item's payload both ways: a larger item is
+    not published, and a stored value announced or found larger is a miss before anything
+    is allocated for it.  ``url`` may carry credentials (``redis://user:password@host``, a
+    ``password=`` option): :attr:`url`, reprs, logs and errors show it without them.
 
     Keys are content hashes (see :func:`is_shareable_key`); any other key raises
     ``ValueError``.  Thread-safe: P0's request thread reads while its writer thread puts.
@@ -194,7 +213,8 @@ class RemoteStore(ClosesOnExit):
             raise ValueError(f"ttl_s must be a positive number of seconds or None, not {ttl_s!r}")
         if not 0 < max_value_mb <= 1 << 20:
             raise ValueError(f"max_value_mb must be positive, not {max_value_mb!r}")
-        self.url = url
+        self.url = redact_url(url)
+        """The store's URL without its credentials (the only form of it kept)."""
         self.namespace = namespace
         self.timeout_s = float(timeout_s)
         self._digest_key = None if secret is None else derive_digest_key(secret)
@@ -205,7 +225,7 @@ class RemoteStore(ClosesOnExit):
         self._counts: Counter[str] = Counter()
         self._logged: set[str] = set()
         self._latency: dict[str, deque[float]] = {
-            op: deque(maxlen=_LATENCY_SAMPLES) for op in ("contains", "get", "put")
+            op: deque(maxlen=_LATENCY_SAMPLES) for op in ("contains", "get", "put", "release")
         }
         self._closed = False
 
@@ -239,16 +259,74 @@ class RemoteStore(ClosesOnExit):
         }
         return [items[self._store_key(k)] for k in keys]
 
+    @property
+    def supports_claims(self) -> bool:
+        """Whether this store can hold claims (Redis/Valkey: yes; Mooncake Store: no - its
+        ``put`` cannot tell the caller whether it stored anything, and nothing in it expires,
+        so a claim whose host died would stay)."""
+        return isinstance(self._backend, ClaimingBackend)
+
+    def fetch_or_claim(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        *,
+        claim: bool = True,
+        claim_ttl_s: float = 5.0,
+    ) -> list[tuple[Item | None, str | None]]:
+        """:meth:`get_many` of ``keys`` and, in the same round trip, who claimed each key that
+        holds no value: ``(item, None)`` for a hit, ``(None, holder)`` for a miss, where
+        ``holder`` is the claimer's id, or ``None`` if nobody claimed it.  With ``claim``, a
+        miss nobody claimed is claimed for ``owner`` (its holder is then ``owner``) for
+        ``claim_ttl_s`` seconds, until :meth:`release_claims` or the expiry - in the order
+        of the store's keys, and none after a key another host holds (a miss left unclaimed
+        for that reason has no holder), so hosts that wait for each other's claims never
+        wait in a circle.  One call, under the deadline and the breaker like every other.
+        A store without claims (:attr:`supports_claims`) answers every holder ``None``; a
+        failure answers ``(None, None)`` for every key."""
+        if not isinstance(self._backend, ClaimingBackend):
+            return [(item, None) for item in self.get_many(keys)]
+        backend = self._backend
+        unique = sorted(self._unique(keys))  # one order for every host: see the backend
+        ttl_ms = max(1, int(claim_ttl_s * 1000))
+        found = self._call(
+            "get",
+            lambda deadline: backend.read_claiming(unique, owner, claim, ttl_ms, deadline),
+        )
+        if found is None:
+            return [(None, None)] * len(keys)
+        values, holders = found
+        results = {
+            store_key: (self._open(store_key, value), holder)
+            for store_key, value, holder in zip(unique, values, holders, strict=True)
+        }
+        return [results[self._store_key(k)] for k in keys]
+
+    def release_claims(self, keys: Sequence[str], owner: str) -> None:
+        """Drop the claims ``owner`` holds on ``keys`` (one round trip; a claim that lapsed
+        and another host took since stays theirs).  Never raises for the store's sake."""
+        if not keys or not isinstance(self._backend, ClaimingBackend):
+            return
+        backend = self._backend
+        unique = self._unique(keys)
+        released = self._call(
+            "release", lambda deadline: backend.release_claims(unique, owner, deadline)
+        )
+        if released is not None:
+            self._count(claims_released=released)
+
     def put(self, key: str, item: Item) -> None:
         """Store ``item`` under ``key`` unless the key holds a value already (items are
         immutable: the first writer wins, a later put is a no-op).  Never raises for the
-        store's sake; an item the codec cannot encode is counted, logged once and skipped."""
+        store's sake; an item the codec cannot encode (a value it does not support, or one
+        past its limits, such as a tensor of 65 dimensions) is counted, logged once and
+        skipped.  Only bad arguments raise (a key that is not a content hash, a non-mapping)."""
         store_key = self._store_key(key)
         if not isinstance(item, Mapping):
             raise TypeError(f"an item must be a mapping of field names, not {type(item).__name__}")
         try:
             payload = serde.pack(item)
-        except TypeError as exc:
+        except Exception as exc:  # whatever the codec refuses: TypeError, ValueError, ...
             self._fault("unencodable", f"item {key} cannot be encoded for the remote tier: {exc}")
             return
         if len(payload) > self._max_value:
@@ -282,13 +360,16 @@ class RemoteStore(ClosesOnExit):
 
         ``hits`` / ``misses`` (gets), ``puts`` (values stored), ``put_present`` (already
         there), ``bytes_read`` / ``bytes_written`` (payloads), ``contains_keys`` /
-        ``contains_found``; failures: ``timeouts``, ``unreachable``, ``server_errors``,
-        ``corrupt``, ``incomplete`` (a chunk gone), ``version_mismatch``,
-        ``digest_mismatch``, ``unencodable``, ``oversize``, ``skipped`` (calls the open
-        breaker refused) and ``errors`` (their sum, minus ``skipped``); ``breaker_opened``,
-        ``breaker_open`` (1 while open); ``{contains,get,put}_p50_ms`` / ``_p99_ms`` over the
-        latest calls that reached the store.
-        """
+        ``contains_found``, ``claims_released`` (claims :meth:`release_claims` dropped);
+        failures: ``timeouts``, ``unreachable``, ``server_errors``, ``corrupt``,
+        ``incomplete`` (a chunk gone), ``too_large`` (a stored value over ``max_value_mb``,
+        not read), ``version_mismatch``, ``digest_mismatch``,
+        ``undecodable`` (verified, but decoding it raised), ``unencodable`` (an item the
+        codec refused), ``oversize`` (an item over ``max_value_mb``, or over what the
+        backend's client can put, not published), ``skipped`` (calls the open breaker
+        refused) and ``errors`` (their sum, minus ``skipped``); ``breaker_opened``,
+        ``breaker_open`` (1 while open); ``{contains,get,put,release}_p50_ms`` / ``_p99_ms``
+        over the latest calls that reached the store (a claiming lookup is a ``get``)."""
         with self._lock:
             counts = dict(self._counts)
             samples = (
@@ -298,8 +379,10 @@ class RemoteStore(ClosesOnExit):
             *_TRANSPORT,
             "corrupt",
             "incomplete",
+            "too_large",
             "version_mismatch",
             "digest_mismatch",
+            "undecodable",
             "unencodable",
             "oversize",
         )
@@ -314,6 +397,7 @@ class RemoteStore(ClosesOnExit):
                 "bytes_written",
                 "contains_keys",
                 "contains_found",
+                "claims_released",
                 *failures,
                 "skipped",
             )
@@ -328,7 +412,8 @@ class RemoteStore(ClosesOnExit):
 
     def latencies(self) -> dict[str, list[float]]:
         """The durations, in seconds, of the latest calls that reached the store (at most
-        100,000 per operation): ``{"contains": [...], "get": [...], "put": [...]}``."""
+        100,000 per operation): ``{"contains": [...], "get": [...], "put": [...], "release":
+        [...]}``."""
         with self._lock:
             return {op: list(values) for op, values in self._latency.items()}
 
@@ -372,12 +457,17 @@ class RemoteStore(ClosesOnExit):
         except Exception as exc:  # the client's own errors (e.g. a server that refuses writes)
             self._transport_failure("server_errors", op, f"failed: {type(exc).__name__}: {exc}")
             return None
-        elapsed = time.monotonic() - started
-        with self._lock:
-            self._latency[op].append(elapsed)
-        if self._breaker.success():
-            logger.warning("remote tier %s answers again; calling it again", self.url)
-        return result
+        else:
+            elapsed = time.monotonic() - started
+            with self._lock:
+                self._latency[op].append(elapsed)
+            if self._breaker.success():
+                logger.warning("remote tier %s answers again; calling it again", self.url)
+            return result
+        finally:
+            # Every outcome settles a probe: after a success or a failure this is a no-op; a
+            # call refused before it reached the store, or interrupted, lets the next probe.
+            self._breaker.release()
 
     def _transport_failure(self, kind: str, op: str, message: str) -> None:
         self._fault(kind, f"remote tier {self.url}: {op} {message}")
@@ -389,13 +479,21 @@ class RemoteStore(ClosesOnExit):
                 self._breaker.failures_to_open,
             )
 
-    def _open(self, store_key: str, value: Buffer | Received | Incomplete | None) -> Item | None:
+    def _open(self, store_key: str, value: Fetched) -> Item | None:
         """The verified item in ``value``, or ``None`` (counted)."""
         if value is None:
             self._count(misses=1)
             return None
         if isinstance(value, Incomplete):
             self._fault("incomplete", f"remote value {store_key} is missing a chunk")
+            self._count(misses=1)
+            return None
+        if isinstance(value, TooLarge):
+            self._fault(
+                "too_large",
+                f"remote value {store_key} is larger than max_value_mb="
+                f"{self._max_value / MiB:g}; not read",
+            )
             self._count(misses=1)
             return None
         try:
@@ -416,6 +514,12 @@ class RemoteStore(ClosesOnExit):
             )
         except (CorruptValue, SegmentCorruptError) as exc:
             self._fault("corrupt", f"remote value {store_key} is corrupt: {exc}")
+        except Exception as exc:  # e.g. an allocation refused: never into the engine
+            self._fault(
+                "undecodable",
+                f"remote value {store_key} verifies but does not decode "
+                f"({type(exc).__name__}: {exc})",
+            )
         else:
             self._count(hits=1, bytes_read=payload.nbytes)
             return item

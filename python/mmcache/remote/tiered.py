@@ -13,6 +13,27 @@ changing it, and slots into the engine's loop where the local cache already sits
    published to the remote tier by a writer thread after the update; the request never waits
    for it.  A full publishing queue drops the item (counted), never blocks.
 
+**Single flight across hosts.**  ``is_cached(hashes, claim=True, wait_s=T)`` claims, in the
+same round trip as the lookup, each miss nobody else claimed: a short-lived marker beside the
+item's key in the store naming this cache's random :attr:`~TieredSenderCache.host_id`, which
+expires by itself after ``claim_ttl_s`` (so a host that dies holding claims frees them).  A
+miss another host claimed is waited for, up to ``T`` seconds for the whole call: the lookup
+is repeated with backoff (2 ms, doubling, at most 50 ms apart) until the item is there (a
+remote hit), the claim is gone without it (the claimer gave up or died: this host claims
+and processes it) or the time is up (this host processes it).  This host's own claims are
+never waited on.  A claim ends when the claimer publishes the item (dropped by the writer
+thread once the put returns, so a waiter finds the item before it finds the claim gone) or
+gives up: an update without data for it, an update that raises, ``release_sender_touches``,
+``close``; the claimer drops only its own claim (compare-and-delete).  Every claim call is
+one call of the store, under its deadline and circuit breaker: a failing store costs one
+deadline and ends the wait (everything is processed here).  Claims need a store that holds
+them (:attr:`RemoteStore.supports_claims <mmcache.remote.RemoteStore.supports_claims>`:
+Redis/Valkey); over Mooncake Store ``claim`` and ``wait_s`` change nothing.
+
+Both waiting rooms are bounded by count and by bytes (:func:`~mmcache.items.item_size`): the
+items waiting to be published (until their put returns) and the fetched items waiting for
+their update.
+
 The local tiers and their guarantees are unchanged: the local cache sees the same calls in the
 same order as without the tier, only with data where the tier supplied it.  The remote record
 of an item is the item and its prompt updates, stored as one item
@@ -22,61 +43,94 @@ that item local (counted as ``remote_unencodable``).
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
+import os
 import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
-from mmcache.items import Item
+from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.remote.store import RemoteStore, is_shareable_key
 
 __all__ = ["TieredSenderCache"]
 
 logger = logging.getLogger("mmcache")
+MiB = 1 << 20
+_T = TypeVar("_T")
+_FIRST_POLL_S = 0.002  # the first look again at items another host claimed ...
+_MAX_POLL_S = 0.05  # ... doubling up to this
+
+
+def _takes_claims(cache: BaseSenderCache) -> bool:
+    """Whether ``cache.is_cached`` takes ``claim`` and ``wait_s`` (single flight between the
+    writers of one host)."""
+    try:
+        parameters = inspect.signature(cache.is_cached).parameters
+    except (TypeError, ValueError):
+        return False
+    return {"claim", "wait_s"} <= parameters.keys()
 
 
 class _Publisher:
     """A daemon writer thread putting ``(key, record)`` pairs into the remote store from a
-    bounded queue; a key already queued is not queued twice."""
+    queue bounded by ``capacity`` items and ``capacity_bytes`` (an item counts until its put
+    returns); a key already queued is not queued twice.  A key submitted with ``release``
+    has its claim (held by ``owner``) dropped once its put returned, whatever the outcome."""
 
-    def __init__(self, remote: RemoteStore, capacity: int) -> None:
+    def __init__(self, remote: RemoteStore, owner: str, capacity: int, capacity_bytes: int) -> None:
         self._remote = remote
-        self._queue: queue.Queue[tuple[str, Item] | None] = queue.Queue(maxsize=capacity)
-        self._queued: set[str] = set()
+        self._owner = owner
+        self._queue: queue.Queue[tuple[str, Item, bool] | None] = queue.Queue(maxsize=capacity)
+        self._queued: dict[str, int] = {}  # key -> its bytes, until its put returns
+        self._queued_bytes = 0
+        self._capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self.dropped = 0
         self.failed = 0
         self._thread = threading.Thread(target=self._run, name="mmcache-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, record: Item) -> None:
+    def submit(self, key: str, record: Item, *, release: bool = False) -> bool:
+        """Queue ``record`` for ``key``; whether this call queued it."""
+        size = item_size(record)
         with self._lock:
             if key in self._queued:
-                return
+                return False
+            if self._queued_bytes + size > self._capacity_bytes:
+                self.dropped += 1
+                return False
             try:
-                self._queue.put_nowait((key, record))
+                self._queue.put_nowait((key, record, release))
             except queue.Full:
                 self.dropped += 1
-                return
-            self._queued.add(key)
+                return False
+            self._queued[key] = size
+            self._queued_bytes += size
+            return True
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            key, record = job
+            key, record, release = job
             try:
-                self._remote.put(key, record)
+                try:
+                    self._remote.put(key, record)
+                finally:  # after the put: a waiting host finds the item, not a gap
+                    if release:
+                        self._remote.release_claims([key], self._owner)
             except Exception:  # a bug must not end publishing for the life of the engine
                 self.failed += 1
                 if self.failed == 1:
                     logger.exception("publishing item %s to the remote tier failed", key)
             finally:
                 with self._lock:
-                    self._queued.discard(key)
+                    self._queued_bytes -= self._queued.pop(key)
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -97,13 +151,60 @@ class _Publisher:
         self._thread.join(timeout_s)
 
 
+class _Fetched:
+    """The items :meth:`TieredSenderCache.is_cached` fetched, waiting for their update, as
+    ``(item, prompt_updates)``: at most ``limit`` items and ``limit_bytes`` of them, the
+    oldest dropped first."""
+
+    def __init__(self, limit: int, limit_bytes: int) -> None:
+        self._entries: OrderedDict[str, tuple[tuple[Item, Any], int]] = OrderedDict()
+        self._bytes = 0
+        self._limit = limit
+        self._limit_bytes = limit_bytes
+
+    def __contains__(self, mm_hash: object) -> bool:
+        return mm_hash in self._entries
+
+    def get(self, mm_hash: str) -> tuple[Item, Any] | None:
+        found = self._entries.get(mm_hash)
+        return None if found is None else found[0]
+
+    def pop(self, mm_hash: str) -> tuple[Item, Any] | None:
+        found = self._entries.pop(mm_hash, None)
+        if found is None:
+            return None
+        self._bytes -= found[1]
+        return found[0]
+
+    def add(self, mm_hash: str, entry: tuple[Item, Any]) -> int:
+        """Keep ``entry`` for ``mm_hash``; how many entries were dropped to stay in bounds
+        (``entry`` itself, if it alone is over them)."""
+        self.pop(mm_hash)
+        size = item_size(entry[0])
+        self._entries[mm_hash] = (entry, size)
+        self._bytes += size
+        dropped = 0
+        while len(self._entries) > self._limit or self._bytes > self._limit_bytes:
+            self._bytes -= self._entries.popitem(last=False)[1][1]
+            dropped += 1
+        return dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
 class TieredSenderCache(BaseSenderCache):
     """``local`` (P0's cache of any mode) with the shared ``remote`` tier behind it (see the
     module's docstring).
 
-    ``publish_queue`` bounds the items waiting for the writer thread; ``prefetch_limit``
-    bounds the fetched items waiting for their update (the oldest is dropped first, e.g. of a
-    request the engine abandoned).  :meth:`close` closes both tiers.
+    ``publish_queue`` (items) and ``publish_queue_mb`` bound the items waiting for the writer
+    thread (beyond either, a processed item is not published: counted); ``prefetch_limit``
+    (items) and ``prefetch_limit_mb`` bound the fetched items waiting for their update (the
+    oldest is dropped first, e.g. of a request the engine abandoned).  ``claim_ttl_s`` is how
+    long a claim lasts unless its holder ends it (see the module's docstring): longer than
+    processing and publishing an item take, since past it another host may process the item
+    too.  :meth:`close` closes both tiers.
     """
 
     def __init__(
@@ -113,23 +214,51 @@ class TieredSenderCache(BaseSenderCache):
         *,
         publish_queue: int = 64,
         prefetch_limit: int = 256,
+        publish_queue_mb: float = 1024,
+        prefetch_limit_mb: float = 1024,
+        claim_ttl_s: float = 5.0,
     ) -> None:
         super().__init__()
         if publish_queue < 1 or prefetch_limit < 1:
             raise ValueError("publish_queue and prefetch_limit must be at least 1")
+        if not (publish_queue_mb > 0 and prefetch_limit_mb > 0):
+            raise ValueError("publish_queue_mb and prefetch_limit_mb must be positive")
+        if not 0.001 <= claim_ttl_s <= 3600:  # also refuses nan
+            raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
         self.local = local
         self.remote = remote
-        self._prefetched: OrderedDict[str, tuple[Item, Any]] = OrderedDict()
-        self._prefetch_limit = prefetch_limit
-        self._publisher = _Publisher(remote, publish_queue)
+        self.claim_ttl_s = float(claim_ttl_s)
+        self.host_id = os.urandom(8).hex()
+        """This cache's random id: what its claims in the store hold."""
+        self._local_claims = _takes_claims(local)
+        self._claims: dict[str, float] = {}  # hashes this cache claimed -> when the claim lapses
+        self._prefetched = _Fetched(prefetch_limit, int(prefetch_limit_mb * MiB))
+        self._publisher = _Publisher(
+            remote, self.host_id, publish_queue, int(publish_queue_mb * MiB)
+        )
         self._counts: Counter[str] = Counter()
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
+    def is_cached(
+        self, mm_hashes: Sequence[str], *, claim: bool = False, wait_s: float = 0.0
+    ) -> list[bool]:
         """Cached locally, or found in the remote tier (one batched fetch for all local
-        misses of the request; the fetched items wait for :meth:`get_and_update`)."""
-        local = self.local.is_cached(mm_hashes)
+        misses of the request; the fetched items wait for :meth:`get_and_update`).
+
+        With ``claim``, each remote miss nobody claimed is claimed for this host until its
+        update (or ``release_sender_touches``, ``close``, or ``claim_ttl_s``); with
+        ``wait_s``, misses another host claimed are waited for, at most ``wait_s`` seconds
+        for the whole call, and reported cached if they arrive (see the module's
+        docstring).  Both go to the local cache too where it takes them."""
+        if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
+            raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
+        end = time.monotonic() + wait_s
+        local = (
+            self.local.is_cached(mm_hashes, claim=claim, wait_s=wait_s)  # type: ignore[call-arg]
+            if self._local_claims
+            else self.local.is_cached(mm_hashes)
+        )
         wanted = list(
             dict.fromkeys(
                 h
@@ -139,11 +268,70 @@ class TieredSenderCache(BaseSenderCache):
         )
         if wanted:
             self._counts["remote_lookups"] += len(wanted)
-            for h, record in zip(wanted, self.remote.get_many(wanted), strict=True):
-                entry = self._unwrap(h, record)
-                if entry is not None:
-                    self._prefetch(h, entry)
+            if (claim or wait_s > 0) and self.remote.supports_claims:
+                self._fetch_in_single_flight(wanted, claim, end)
+            else:
+                for h, record in zip(wanted, self.remote.get_many(wanted), strict=True):
+                    self._take(h, record)
         return [hit or h in self._prefetched for h, hit in zip(mm_hashes, local, strict=True)]
+
+    def _fetch_in_single_flight(self, wanted: list[str], claim: bool, end: float) -> None:
+        """Fetch ``wanted`` (claiming the misses nobody holds, with ``claim``), then wait
+        until ``end`` for those another host holds (see the module's docstring)."""
+        now = time.monotonic()
+        self._claims = {h: lapses for h, lapses in self._claims.items() if lapses > now}
+        _, elsewhere, unclaimed = self._fetch_claiming(wanted, claim)
+        waited: set[str] = set()  # every miss found held by another host meanwhile
+        hits = 0
+        delay = _FIRST_POLL_S
+        while True:
+            self._counts["remote_claim_waits"] += len(set(elsewhere) - waited)
+            waited.update(elsewhere)
+            if not elsewhere or (left := end - time.monotonic()) <= 0:
+                break
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _MAX_POLL_S)
+            # Misses left unclaimed behind another host's claim are asked again: they are
+            # claimed once no claim before them is held elsewhere.
+            asked = elsewhere + unclaimed if claim else elsewhere
+            found, elsewhere, unclaimed = self._fetch_claiming(asked, claim)
+            hits += len(found & waited)
+        self._counts["remote_claim_wait_hits"] += hits
+        self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
+        self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
+
+    def _fetch_claiming(
+        self, hashes: list[str], claim: bool
+    ) -> tuple[set[str], list[str], list[str]]:
+        """One claiming lookup of ``hashes``: keeps what it found for the coming update and
+        notes the claims it took; the hashes it found, those another host holds, and the
+        misses nobody holds that it did not claim."""
+        results = self.remote.fetch_or_claim(
+            hashes, self.host_id, claim=claim, claim_ttl_s=self.claim_ttl_s
+        )
+        found: set[str] = set()
+        elsewhere: list[str] = []
+        unclaimed: list[str] = []
+        for h, (record, holder) in zip(hashes, results, strict=True):
+            if self._take(h, record):
+                found.add(h)
+            elif holder == self.host_id:
+                if h not in self._claims:
+                    self._counts["remote_claims"] += 1
+                    self._claims[h] = time.monotonic() + self.claim_ttl_s
+            elif holder is not None:
+                elsewhere.append(h)
+            else:
+                unclaimed.append(h)
+        return found, elsewhere, unclaimed
+
+    def _take(self, mm_hash: str, record: Item | None) -> bool:
+        """Keep the fetched ``record`` of ``mm_hash`` for the coming update; whether there
+        was one."""
+        entry = self._unwrap(mm_hash, record)
+        if entry is not None:
+            self._prefetch(mm_hash, entry)
+        return entry is not None
 
     def is_cached_item(self, mm_hash: str) -> bool:
         """Cached locally, or fetched from the remote tier for the coming update (no network
@@ -162,32 +350,43 @@ class TieredSenderCache(BaseSenderCache):
     ) -> list[SenderOutput]:
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
+        return self._update(
+            items, mm_hashes, lambda inputs: self.local.get_and_update(inputs, mm_hashes)
+        )
+
+    def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
+        return self._update(
+            [item], [mm_hash], lambda inputs: self.local.get_and_update_item(inputs[0], mm_hash)
+        )
+
+    def _update(
+        self,
+        items: Sequence[SenderInput],
+        mm_hashes: Sequence[str],
+        update: Callable[[list[SenderInput]], _T],
+    ) -> _T:
+        """``update`` the local cache with the inputs it gets for ``items`` (fetched items
+        where the engine passed ``None`` for a remote hit), publish what P0 processed and end
+        this host's claims on ``mm_hashes``: by publishing, or at once."""
         taken: dict[str, tuple[Item, Any]] = {}
         inputs = [self._input(item, h, taken) for item, h in zip(items, mm_hashes, strict=True)]
         fresh = self._fresh(items, mm_hashes)
+        claimed = [h for h in dict.fromkeys(mm_hashes) if self._claims.pop(h, None) is not None]
         try:
-            outputs = self.local.get_and_update(inputs, mm_hashes)
+            result = update(inputs)
         except BaseException:
-            self._prefetched.update(taken)  # the retry may still use them
+            for h, entry in taken.items():  # the retry may still use them
+                self._prefetch(h, entry)
+            self.remote.release_claims(claimed, self.host_id)
             raise
         self._counts["remote_served"] += len(taken)
-        for h, (item, prompt_updates) in fresh.items():
-            self._publish(h, item, prompt_updates)
-        return outputs
-
-    def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
-        taken: dict[str, tuple[Item, Any]] = {}
-        local_input = self._input(item, mm_hash, taken)
-        fresh = self._fresh([item], [mm_hash])
-        try:
-            output = self.local.get_and_update_item(local_input, mm_hash)
-        except BaseException:
-            self._prefetched.update(taken)
-            raise
-        self._counts["remote_served"] += len(taken)
-        for h, (data, prompt_updates) in fresh.items():
-            self._publish(h, data, prompt_updates)
-        return output
+        published = {
+            h
+            for h, (item, prompt_updates) in fresh.items()
+            if self._publish(h, item, prompt_updates, release=h in claimed)
+        }
+        self.remote.release_claims([h for h in claimed if h not in published], self.host_id)
+        return result
 
     def _input(
         self, item: SenderInput, mm_hash: str, taken: dict[str, tuple[Item, Any]]
@@ -198,7 +397,7 @@ class TieredSenderCache(BaseSenderCache):
             return item
         if mm_hash in taken:
             return taken[mm_hash]
-        entry = self._prefetched.pop(mm_hash, None)
+        entry = self._prefetched.pop(mm_hash)
         if entry is None:
             return None  # the local cache raises CacheMissError, as it would without the tier
         taken[mm_hash] = entry
@@ -220,15 +419,15 @@ class TieredSenderCache(BaseSenderCache):
                 fresh[h] = (item[0], item[1])
         return fresh
 
-    def _publish(self, mm_hash: str, item: Item, prompt_updates: Any) -> None:
+    def _publish(self, mm_hash: str, item: Item, prompt_updates: Any, *, release: bool) -> bool:
+        """Queue the item for the writer thread (which then ends this host's claim on it,
+        with ``release``); whether it was queued."""
         self._counts["remote_published"] += 1
-        self._publisher.submit(mm_hash, {"item": item, "prompt_updates": prompt_updates})
+        record = {"item": item, "prompt_updates": prompt_updates}
+        return self._publisher.submit(mm_hash, record, release=release)
 
     def _prefetch(self, mm_hash: str, entry: tuple[Item, Any]) -> None:
-        self._prefetched[mm_hash] = entry
-        while len(self._prefetched) > self._prefetch_limit:
-            self._prefetched.popitem(last=False)
-            self._counts["remote_prefetch_dropped"] += 1
+        self._counts["remote_prefetch_dropped"] += self._prefetched.add(mm_hash, entry)
 
     def _unwrap(self, mm_hash: str, record: Item | None) -> tuple[Item, Any] | None:
         if record is None:
@@ -245,11 +444,19 @@ class TieredSenderCache(BaseSenderCache):
         self.local.touch_sender_cache_item(mm_hash)
 
     def release_sender_touches(self) -> None:
+        """The local cache's, and end every claim this host holds (their updates will
+        never come)."""
         self.local.release_sender_touches()
+        self._release_claims()
+
+    def _release_claims(self) -> None:
+        claimed = list(self._claims)
+        self._claims.clear()
+        self.remote.release_claims(claimed, self.host_id)
 
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` locally (the remote value stays: it is still that item)."""
-        self._prefetched.pop(mm_hash, None)
+        self._prefetched.pop(mm_hash)
         self.local.invalidate(mm_hash)
 
     def clear_cache(self) -> None:
@@ -267,17 +474,24 @@ class TieredSenderCache(BaseSenderCache):
         return self._publisher.flush(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Publish what is queued (waiting at most ``timeout_s``), then close the local cache
-        and the remote store.  Idempotent."""
+        """Publish what is queued (waiting at most ``timeout_s``), end the claims this host
+        holds, then close the local cache and the remote store.  Idempotent."""
         self._publisher.close(timeout_s)
+        self._release_claims()
         self.local.close()
         self.remote.close()
 
     def stats(self) -> dict[str, int]:
         """The local cache's counters, this tier's (``remote_served``: items the remote tier
         supplied, ``remote_lookups``, ``remote_published``, ``remote_publish_dropped``,
-        ``remote_publish_failed``, ``remote_prefetch_dropped``, ``remote_malformed``) and the
-        store's counters as ``remote_*`` (its latencies: ``remote.stats()``)."""
+        ``remote_publish_failed``, ``remote_prefetch_dropped``, ``remote_malformed``; single
+        flight: ``remote_claims`` taken, ``remote_claim_waits`` (misses found claimed by
+        another host and waited for), of which ``remote_claim_wait_hits`` arrived in time,
+        ``remote_claim_wait_abandoned`` lost their claim without arriving (the claimer gave
+        up or died, or the store failed) and ``remote_claim_wait_timeouts`` were still
+        claimed when the wait ended; each of those two was processed here) and the store's
+        counters as ``remote_*`` (``remote_claims_released``; its latencies:
+        ``remote.stats()``)."""
         own = {
             **{
                 k: self._counts[k]
@@ -287,6 +501,11 @@ class TieredSenderCache(BaseSenderCache):
                     "remote_published",
                     "remote_prefetch_dropped",
                     "remote_malformed",
+                    "remote_claims",
+                    "remote_claim_waits",
+                    "remote_claim_wait_hits",
+                    "remote_claim_wait_abandoned",
+                    "remote_claim_wait_timeouts",
                 )
             },
             "remote_publish_dropped": self._publisher.dropped,

@@ -178,6 +178,9 @@ class RunMetrics:
     remote_processing_s_saved: float = 0.0
     remote_puts: int = 0
     remote_errors: int = 0
+    remote_claims: int = 0
+    remote_claim_waits: int = 0
+    remote_claim_wait_hits: int = 0
     remote_get_p50_ms: float = 0.0
     remote_get_p99_ms: float = 0.0
     remote_put_p50_ms: float = 0.0

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mmcache import CacheMissError, ReceiverCache, ShmReceiverCache, _core
+from mmcache import CacheMissError, ReceiverCache, ShmReceiverCache, WriterGoneError, _core
 from mmcache.simulate import wire
 from mmcache.simulate.workload import tensor_digests
 
@@ -24,10 +24,11 @@ from mmcache.simulate.workload import tensor_digests
 @contextlib.contextmanager
 def _quiet_when_peer_exits() -> Iterator[None]:
     """Exit with status 1, without a traceback, when a peer process went away (P0 stopped
-    on Ctrl-C, or failed: its own traceback says why)."""
+    on Ctrl-C, or failed: its own traceback says why; the driver names a P0 that was
+    killed): a pipe closed, or P0's ring reports its writer gone."""
     try:
         yield
-    except (EOFError, BrokenPipeError, ConnectionResetError):
+    except (EOFError, BrokenPipeError, ConnectionResetError, WriterGoneError):
         raise SystemExit(1) from None
 
 
@@ -94,7 +95,12 @@ def _worker(rank: int, inbox: Connection, outbox: Connection) -> None:
     traffic = wire.Traffic()
     setup, _ = wire.recv(inbox)
     reader = setup["reader"]
-    receiver = ShmReceiverCache(pickle.loads(reader), copy=False) if reader is not None else None
+    try:
+        receiver = (
+            ShmReceiverCache(pickle.loads(reader), copy=False) if reader is not None else None
+        )
+    except FileNotFoundError:  # P0 died before this worker attached, and its ring is gone
+        raise SystemExit(1) from None
     checked = wrong = 0
     try:
         wire.send(outbox, {"type": "ready", "rank": rank}, traffic=traffic)

@@ -10,7 +10,9 @@ rejected before the engine sees it) and resubmits them, so the caches drift apar
 
 With a remote tier (``--remote``) P0's cache is a :class:`~mmcache.remote.TieredSenderCache`:
 ``is_cached`` also finds items another host (or this one, before an eviction) processed, and
-P0 skips processing them; what P0 does process is published for the other hosts.
+P0 skips processing them; what P0 does process is published for the other hosts.  P0 asks in
+single flight (``claim=True``, ``wait_s=``:data:`CLAIM_WAIT_S`): an item another host is
+processing at that moment is waited for rather than processed twice.
 
 P0 also keeps the truth: the digest of every tensor it produced for each hash, which every
 worker checks what it receives against.  For an item the remote tier supplied, P0 takes the
@@ -53,6 +55,8 @@ if TYPE_CHECKING:
 
 #: Request latencies kept for the percentiles (a uniform sample of all of them).
 LATENCY_SAMPLES = 100_000
+#: With a remote tier: how long P0 waits for items another host claimed (is processing).
+CLAIM_WAIT_S = 5.0
 
 
 @dataclass
@@ -211,7 +215,11 @@ class _Frontend:
             outputs = [self._process(h, i) for h, i in zip(hashes, pending.images, strict=True)]
         else:
             local = self.local.is_cached(hashes)
-            cached = self.cache.is_cached(hashes)  # with a remote tier: remote hits too
+            cached = (  # with a remote tier: remote hits too, in single flight
+                self.cache.is_cached(hashes)
+                if self.tiered is None
+                else self.tiered.is_cached(hashes, claim=True, wait_s=CLAIM_WAIT_S)
+            )
             self._note_remote_hits(hashes, local, cached)
             inputs = [
                 None if hit else self._process(h, i)
@@ -358,6 +366,9 @@ class _Frontend:
             report["remote"] = {
                 "puts": stats["remote_puts"],
                 "errors": stats["remote_errors"],
+                "claims": stats["remote_claims"],
+                "claim_waits": stats["remote_claim_waits"],
+                "claim_wait_hits": stats["remote_claim_wait_hits"],
                 "latencies_s": store.latencies(),
             }
         return report
@@ -381,14 +392,15 @@ def frontend_main(
     config: SimulationConfig,
     host: int,
     remote: dict[str, str] | None,
+    ring: str | None,
     engine: Connection,
     results: list[Connection],
     events: Connection,
 ) -> None:
     """P0's process: make the cache of ``config.mode`` (behind the remote tier ``remote``:
-    its ``url``, ``namespace`` and ``secret``), hand P1 and the workers what they need, serve
-    the workload, report the figures to the driver. SIGTERM closes the cache (unlinking a
-    shared-memory ring) before exiting."""
+    its ``url``, ``namespace`` and ``secret``; in mode ``shm`` a ring named ``ring``), hand
+    P1 and the workers what they need, serve the workload, report the figures to the driver.
+    SIGTERM closes the cache (unlinking a shared-memory ring) before exiting."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     tiered: TieredSenderCache | None = None
     try:
@@ -404,6 +416,7 @@ def frontend_main(
             capacity_gb=config.capacity_gb,
             n_readers=config.workers,
             remote=store,
+            name=ring,
         )
         if store is not None:
             tiered = cast("TieredSenderCache", cache)
@@ -419,8 +432,6 @@ def frontend_main(
         )
         return
     try:
-        if isinstance(local, ShmSenderCache):
-            wire.send(events, {"type": "segment", "name": local.name})
         wire.send(engine, {"type": "setup", "downstream": pickle.dumps(downstream)})
         report = _Frontend(config, host, local, tiered, engine, results, events).run()
         wire.send(events, {"type": "result", "host": report})

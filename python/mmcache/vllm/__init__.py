@@ -1,0 +1,187 @@
+"""mmcache inside vLLM: its own multimodal processor cache, running on mmcache.
+
+:func:`register` is the ``vllm.general_plugins`` entry point ``mmcache``: vLLM calls it in
+every process it starts, before it builds caches, and it calls :func:`install` only when
+``MMCACHE_VLLM=1``.  So this module is the entry point only: importing it and calling
+:func:`register` imports nothing of vLLM or torch, and cannot fail a vLLM that did not opt
+in.  :func:`install` checks vLLM's version (:data:`SUPPORTED_VLLM`), then rebinds the five
+cache classes vLLM's factories build (install the extra: ``mmcache[vllm]``):
+
+* ``MultiModalProcessorOnlyCache``: :class:`MmcacheProcessorOnlyCache` (``ProcessorOnlyCache``)
+* ``LruKeyReplicatedSenderCache``: :class:`MmcacheLruSenderCache` (``SenderCache``)
+* ``LruKeyReplicatedReceiverCache``: :class:`MmcacheLruReceiverCache` (``ReceiverCache``)
+* ``ShmObjectStoreSenderCache``: :class:`MmcacheShmSenderCache` (``ShmSenderCache``)
+* ``ShmObjectStoreReceiverCache``: :class:`MmcacheShmReceiverCache` (``ShmReceiverCache``)
+
+The adapter's modules, each imported on first use of one of its names here
+(``mmcache.vllm.MmcacheShmSenderCache`` and the rest stay valid):
+
+* ``errors``: ``InvalidShmHandleError``, ``StaleShmHandleError``, and mmcache's errors as
+  vLLM's callers expect them;
+* ``wire``: vLLM items as mmcache items and back, handles as items vLLM's IPC carries,
+  vLLM's item sizes;
+* ``publish``: P0's ``ReaderHandle`` in ``MMCACHE_VLLM_READER_HANDLE`` for the workers;
+* ``sender``: P0's three caches and vLLM's request bracket;
+* ``receiver``: P1's ``lru`` cache and the workers' ``shm`` cache;
+* ``factories``: the names :func:`install` rebinds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mmcache.vllm.errors import InvalidShmHandleError, StaleShmHandleError
+    from mmcache.vllm.factories import REPLACEMENTS
+    from mmcache.vllm.publish import READER_HANDLE_ENV
+    from mmcache.vllm.receiver import (
+        REPLAY_SHARE,
+        MmcacheLruReceiverCache,
+        MmcacheShmReceiverCache,
+    )
+    from mmcache.vllm.sender import (
+        MmcacheLruSenderCache,
+        MmcacheProcessorOnlyCache,
+        MmcacheShmSenderCache,
+    )
+    from mmcache.vllm.wire import (
+        handle_as_item,
+        handle_from_item,
+        item_from_mmcache,
+        item_to_mmcache,
+        vllm_item_size,
+    )
+
+__all__ = [
+    "ENABLE_ENV",
+    "READER_HANDLE_ENV",
+    "REPLACEMENTS",
+    "REPLAY_SHARE",
+    "SUPPORTED_VLLM",
+    "InvalidShmHandleError",
+    "MmcacheLruReceiverCache",
+    "MmcacheLruSenderCache",
+    "MmcacheProcessorOnlyCache",
+    "MmcacheShmReceiverCache",
+    "MmcacheShmSenderCache",
+    "StaleShmHandleError",
+    "UnsupportedVllmError",
+    "handle_as_item",
+    "handle_from_item",
+    "install",
+    "item_from_mmcache",
+    "item_to_mmcache",
+    "register",
+    "vllm_item_size",
+]
+
+ENABLE_ENV = "MMCACHE_VLLM"
+"""``MMCACHE_VLLM=1`` makes :func:`register` (vLLM's plugin hook) call :func:`install`."""
+
+SUPPORTED_VLLM = ">=0.33,<0.34"
+"""The vLLM versions the adapter supports (a PEP 440 specifier set)."""
+
+_LAZY = {
+    "InvalidShmHandleError": "errors",
+    "StaleShmHandleError": "errors",
+    "handle_as_item": "wire",
+    "handle_from_item": "wire",
+    "item_from_mmcache": "wire",
+    "item_to_mmcache": "wire",
+    "vllm_item_size": "wire",
+    "READER_HANDLE_ENV": "publish",
+    "MmcacheProcessorOnlyCache": "sender",
+    "MmcacheLruSenderCache": "sender",
+    "MmcacheShmSenderCache": "sender",
+    "MmcacheLruReceiverCache": "receiver",
+    "MmcacheShmReceiverCache": "receiver",
+    "REPLAY_SHARE": "receiver",
+    "REPLACEMENTS": "factories",
+}
+"""Each public name of the adapter's modules, and the module that defines it."""
+
+
+class UnsupportedVllmError(ImportError):
+    """The installed vLLM is not one the adapter supports (:data:`SUPPORTED_VLLM`): its
+    version is outside the range, or a module or name the adapter needs is not where it
+    was."""
+
+
+def register() -> None:
+    """vLLM's ``vllm.general_plugins`` hook: :func:`install` when ``MMCACHE_VLLM=1``, so
+    installing the extra never changes vLLM by itself."""
+    if os.environ.get(ENABLE_ENV) == "1":
+        install()
+
+
+def install() -> None:
+    """Make vLLM's cache factories build mmcache caches in this process (idempotent).
+
+    Raises :class:`UnsupportedVllmError` (an ``ImportError``) naming :data:`SUPPORTED_VLLM`
+    when vLLM is missing, of another version, or lacks what the adapter imports.
+    """
+    _check_vllm_version()
+    _load("factories").rebind()
+
+
+_REMEDY = (
+    "install a supported vLLM (pip install 'mmcache[vllm]'), or unset MMCACHE_VLLM to run "
+    "vLLM without mmcache"
+)
+
+
+def _unsupported(problem: str) -> UnsupportedVllmError:
+    """The error for ``problem`` with the installed vLLM, naming the supported versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = f"vLLM {version('vllm')} is installed"
+    except PackageNotFoundError:
+        found = "vLLM is not installed"
+    return UnsupportedVllmError(
+        f"mmcache.vllm supports vLLM {SUPPORTED_VLLM}, and {found}: {problem}; {_REMEDY}"
+    )
+
+
+def _check_vllm_version() -> None:
+    try:
+        import vllm
+        from packaging.specifiers import SpecifierSet  # vLLM depends on packaging
+        from packaging.version import InvalidVersion, Version
+    except ImportError as exc:
+        raise _unsupported(f"cannot import {exc.name or 'vllm'} ({exc})") from exc
+    found = str(getattr(vllm, "__version__", "unknown"))
+    try:
+        supported = Version(found) in SpecifierSet(SUPPORTED_VLLM, prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise UnsupportedVllmError(
+            f"mmcache.vllm supports vLLM {SUPPORTED_VLLM}, not vLLM {found}: {_REMEDY}"
+        )
+
+
+def _load(module: str) -> ModuleType:
+    """The adapter's ``module``; an ``ImportError`` from vLLM becomes a
+    :class:`UnsupportedVllmError` naming the supported versions."""
+    try:
+        return importlib.import_module(f"{__name__}.{module}")
+    except ImportError as exc:
+        if isinstance(exc, UnsupportedVllmError) or (exc.name or "").partition(".")[0] != "vllm":
+            raise
+        raise _unsupported(f"cannot import what the adapter needs ({exc})") from exc
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_load(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,263 @@
+"""P0's three caches: vLLM's processor-cache interface over mmcache's senders.
+
+vLLM's P0 touches every hash of a request, updates the items one call at a time, then calls
+``release_sender_touches()``.  The first touch begins an mmcache request (a touch after the
+request's updates begins the next one) and the release ends it, so a touched item stays
+protected for the whole request, as on the receiver.  A request whose updates did not all
+happen (it raised part-way) is abandoned: the handles it was issued are given back.
+
+Sizes are vLLM's own (:func:`~mmcache.vllm.wire.vllm_item_size`), passed to the LRU caches
+as their ``getsizeof``, so capacities mean what they mean in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm.config import ModelConfig, VllmConfig
+from vllm.multimodal.cache.base import MultiModalProcessorOnlyCache
+from vllm.multimodal.cache.lru import LruKeyReplicatedSenderCache
+from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
+from vllm.utils.cache import CacheInfo as VllmCacheInfo
+
+from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache
+from mmcache.errors import ShmTooSmallError
+from mmcache.items import ShmHandle
+from mmcache.shm import ShmSenderCache
+from mmcache.vllm.errors import invalid_handle, vllm_errors
+from mmcache.vllm.publish import publish, withdraw
+from mmcache.vllm.wire import (
+    handle_as_item,
+    handle_from_item,
+    item_from_mmcache,
+    item_to_mmcache,
+    vllm_item_size,
+)
+
+__all__ = [
+    "KeysView",
+    "MmcacheLruSenderCache",
+    "MmcacheProcessorOnlyCache",
+    "MmcacheShmSenderCache",
+    "capacity_gb",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class _SenderAdapter:
+    """vLLM's P0 cache interface over an mmcache sender (``self._sender``), with vLLM's
+    request bracket mapped onto ``begin_request`` / ``end_request`` (see the module)."""
+
+    _sender: BaseSenderCache
+
+    def _adopt(self, sender: BaseSenderCache) -> None:
+        self._sender = sender
+        self._touches = 0
+        self._updates = 0
+        self._issued: list[Any] = []
+
+    def _to_mmcache(self, mm_item: Any) -> Any:
+        """vLLM's input item as the sender takes it."""
+        return mm_item
+
+    def _to_vllm(self, data: Any, mm_item: Any) -> Any:
+        """What the sender returned for ``mm_item``, as vLLM expects it."""
+        return data
+
+    def _abandon(self, issued: list[Any]) -> None:
+        """A request failed part-way: give back what its outputs hold."""
+
+    def is_cached_item(self, mm_hash: str) -> bool:
+        return self._sender.is_cached_item(mm_hash)
+
+    def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+        return self._sender.is_cached(mm_hashes)
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        """Protect ``mm_hash`` until the request ends; the first touch of a request (a touch
+        after the open request's updates) begins it."""
+        if self._updates or not self._sender.in_request:
+            self._end_request()
+            self._sender.begin_request()
+        self._touches += 1
+        self._sender.touch_sender_cache_item(mm_hash)
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        with vllm_errors():
+            data, prompt_updates = self._sender.get_and_update_item(
+                self._to_mmcache(mm_item), mm_hash
+            )
+        if self._sender.in_request:
+            self._updates += 1
+            self._issued.append(data)
+        return self._to_vllm(data, mm_item), prompt_updates
+
+    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
+        """One request: every item is updated or none (a miss lists every missing hash)."""
+        with vllm_errors():
+            outputs = self._sender.get_and_update(
+                [self._to_mmcache(item) for item in mm_items], mm_hashes
+            )
+        if self._sender.in_request:
+            self._updates += len(outputs)
+            self._issued += [data for data, _ in outputs]
+        return [
+            (self._to_vllm(data, item), updates)
+            for (data, updates), item in zip(outputs, mm_items)
+        ]
+
+    def release_sender_touches(self) -> None:
+        """End the request vLLM assembled (vLLM calls this whether or not it succeeded)."""
+        self._end_request()
+
+    def _end_request(self) -> None:
+        if self._sender.in_request:
+            if self._updates < self._touches:
+                self._abandon(self._issued)
+            self._sender.end_request()
+        self._touches = self._updates = 0
+        self._issued = []
+
+    def invalidate(self, mm_hash: str) -> None:
+        self._sender.invalidate(mm_hash)
+
+    def clear_cache(self) -> None:
+        self._sender.clear_cache()
+
+    def make_stats(self, *, delta: bool = False) -> Any:
+        return VllmCacheInfo(*self._sender.make_stats(delta=delta))
+
+    def close(self) -> None:
+        self._sender.close()
+
+
+class KeysView:
+    """What vLLM's LRU caches expose as ``_cache`` and its tests inspect: membership and
+    ``order`` (keys, least recently used first).  Read-only."""
+
+    def __init__(self, keys: Callable[[], list[Any]]) -> None:
+        self._keys = keys
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys()
+
+    @property
+    def order(self) -> dict[Any, None]:
+        return dict.fromkeys(self._keys())
+
+
+def capacity_gb(model_config: Any) -> float:
+    """``--mm-processor-cache-gb``: every cache's capacity, in GiB."""
+    return float(model_config.get_multimodal_config().mm_processor_cache_gb)
+
+
+class MmcacheProcessorOnlyCache(_SenderAdapter, MultiModalProcessorOnlyCache):  # type: ignore[misc]
+    """vLLM's P0 cache when nothing is cached downstream, on :class:`ProcessorOnlyCache`."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        # Not vLLM's constructor: it would build the store this class replaces.
+        sender = ProcessorOnlyCache(capacity_gb(model_config), getsizeof=vllm_item_size)
+        self._adopt(sender)
+        self._cache = KeysView(sender.keys)
+
+
+class MmcacheLruSenderCache(_SenderAdapter, LruKeyReplicatedSenderCache):  # type: ignore[misc]
+    """vLLM's P0 cache in ``lru`` mode, on :class:`SenderCache` (P1's mirror)."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        sender = SenderCache(capacity_gb(model_config), getsizeof=vllm_item_size)
+        self._adopt(sender)
+        self._cache = KeysView(sender.keys)
+
+
+class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type: ignore[misc]
+    """vLLM's P0 cache in ``shm`` mode, on :class:`ShmSenderCache`: the writer of a ring of
+    ``mm_processor_cache_gb`` with one reader slot per worker (``world_size``).
+
+    Builds the ring and publishes its ``ReaderHandle`` to the processes P0 starts later (see
+    :mod:`mmcache.vllm.publish`).  When ``/dev/shm`` cannot hold the ring it logs one warning
+    and runs as a :class:`ProcessorOnlyCache` instead (items then always travel with their
+    data and the workers pass them through): a small container never stops the frontend.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        mm_config = vllm_config.model_config.get_multimodal_config()
+        self.world_size = vllm_config.parallel_config.world_size
+        size_gb = capacity_gb(vllm_config.model_config)
+        try:
+            ring: ShmSenderCache | None = ShmSenderCache(
+                size_gb,
+                max_object_size_mb=mm_config.mm_shm_cache_max_object_size_mb,
+                n_readers=self.world_size,
+            )
+        except ShmTooSmallError as exc:
+            logger.warning(
+                "mmcache: no shared-memory ring of %.4g GiB (%s); serving multi-modal items "
+                "through IPC with a processor-only cache instead. Give /dev/shm more room "
+                "(e.g. docker run --shm-size) or lower --mm-processor-cache-gb to use the "
+                "shared-memory cache.",
+                size_gb,
+                exc,
+            )
+            ring = None
+        self._ring = ring
+        self._adopt(ring or ProcessorOnlyCache(size_gb, getsizeof=vllm_item_size))
+        self._shm_cache = self._sender
+        self._published = publish(None if ring is None else ring.handle())
+
+    @property
+    def ring(self) -> ShmSenderCache | None:
+        """The shared-memory sender, or ``None`` when running without a ring."""
+        return self._ring
+
+    def _to_mmcache(self, mm_item: Any) -> Any:
+        if self._ring is None or mm_item is None:
+            return mm_item
+        item, prompt_updates = mm_item
+        return item_to_mmcache(item), prompt_updates
+
+    def _to_vllm(self, data: Any, mm_item: Any) -> Any:
+        if isinstance(data, ShmHandle):
+            return handle_as_item(data)
+        if self._ring is None:
+            return data
+        # Served uncached: the caller's own item when it sent one; else (a saturated hit) the
+        # ring's copy, which is in mmcache's form.
+        return mm_item[0] if mm_item is not None else item_from_mmcache(data)
+
+    def _abandon(self, issued: list[Any]) -> None:
+        if self._ring is not None:
+            self._ring.release_handles(issued)
+
+    def _stat(self, *, delta: bool = False) -> Any:
+        """vLLM's statistics helper, over ours (its counters are not kept here)."""
+        return self.make_stats(delta=delta)
+
+    def remove_dangling_items(self) -> None:
+        """Nothing to do: the ring prunes the prompt updates of the items it evicted itself."""
+
+    def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
+        """``InvalidShmHandleError`` unless ``mm_item`` is plain data or the handle this cache
+        holds for ``mm_hash`` now (no hit counted, no reference, no recency change)."""
+        handle = handle_from_item(mm_item, mm_hash)
+        if handle is None:
+            return
+        if self._ring is None or not self._ring.verify(handle, mm_hash):
+            raise invalid_handle(mm_hash, "not the current entry of this key")
+
+    def clear_cache(self) -> None:
+        """Forget every item and reset the statistics.  Requests in flight keep their
+        references: their handles still read their own data (a reader never gets another
+        item's), and each object is reclaimed once it has been read."""
+        if self._ring is None:
+            self._sender.clear_cache()
+        else:
+            self._ring.clear_cache(keep_in_flight=True)
+
+    def close(self) -> None:
+        """Close the ring (unlinking the segment) and withdraw what was published."""
+        withdraw(self._published)
+        self._sender.close()

@@ -1,0 +1,402 @@
+"""Single flight across hosts: claims in a real Valkey (started on a free loopback port).
+
+Hosts are ``TieredSenderCache`` objects with stores of their own, in threads of this process
+or in a process of their own (to be SIGKILLed while holding a claim).  The oracle: an item
+many hosts ask for at once is processed once, every host gets the same item bit for bit, a
+claim whose holder gave up or died stops nobody for longer than its lapse, and a failing
+server costs a call its deadline, never a hang (each call runs under a generous join
+timeout; no duration is asserted).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import redis
+from test_remote import (  # noqa: F401 - namespace, own_server, raw, server: fixtures
+    HANG_S,
+    in_time,
+    key,
+    make_item,
+    namespace,
+    open_store,
+    own_server,
+    raw,
+    same,
+    server,
+)
+
+from mmcache import CacheMissError, SenderCache
+from mmcache.remote import TieredSenderCache
+from mmcache.remote.local_server import LocalServer
+from tests.servers import resume, stall
+
+
+def open_p0(url: str, namespace: str) -> TieredSenderCache:
+    """A host's P0 over a healthy server: a deadline that only a hang reaches (a loaded test
+    machine must not turn a claim into a timeout)."""
+    return TieredSenderCache(SenderCache(0.05), open_store(url, namespace, timeout_s=10))
+
+
+def claim_of(raw: redis.Redis, namespace: str, i: int) -> str | None:
+    """Who holds the claim on item ``i``, read behind the hosts' backs."""
+    holder = raw.get(f"mmc/{namespace}/{key(i)}/claim")
+    return None if holder is None else holder.decode()
+
+
+def until(condition: Callable[[], bool]) -> bool:
+    """Whether ``condition()`` became true within :data:`HANG_S` (polled)."""
+    give_up = time.monotonic() + HANG_S
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def item(i: int) -> tuple[dict[str, Any], list[Any]]:
+    return make_item(i, 40_000), ["<image>", i]
+
+
+class Host:
+    """One host's P0 asking in single flight, as ``mmcache simulate`` does: ``is_cached``
+    with ``claim=True`` and a wait, process the misses, update (which publishes)."""
+
+    def __init__(self, url: str, namespace: str, before_processing: Callable[[], object]):
+        self.p0 = open_p0(url, namespace)
+        self.processed: list[int] = []
+        self.sent: set[int] = set()
+        self.before_processing = before_processing
+
+    def serve(self, ids: Sequence[int]) -> None:
+        hashes = [key(i) for i in ids]
+        cached = self.p0.is_cached(hashes, claim=True, wait_s=HANG_S)
+        if not all(cached):
+            self.before_processing()
+        inputs = [None if hit else self._process(i) for i, hit in zip(ids, cached, strict=True)]
+        outputs = self.p0.get_and_update(inputs, hashes)
+        for (data, updates), i in zip(outputs, ids, strict=True):
+            # lru mode: P1 holds what this host sent it before (no data); the rest is sent.
+            assert (i in self.sent and data is None) or same(data, make_item(i, 40_000))
+            assert updates == ["<image>", i]
+            self.sent.add(i)
+
+    def _process(self, i: int) -> tuple[dict[str, Any], list[Any]]:
+        self.processed.append(i)
+        return item(i)
+
+
+def run_at_once(hosts: list[Host], requests: list[list[list[int]]]) -> None:
+    """Each host serves its requests in turn, all hosts at once (from one barrier)."""
+    barrier = threading.Barrier(len(hosts))
+    errors: list[BaseException] = []
+
+    def run(host: Host, mine: list[list[int]]) -> None:
+        try:
+            barrier.wait()
+            for ids in mine:
+                host.serve(ids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=run, args=(h, r), daemon=True)
+        for h, r in zip(hosts, requests, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * HANG_S)
+    assert not any(t.is_alive() for t in threads), "a host hung"
+    if errors:
+        raise errors[0]
+
+
+def test_hosts_asking_for_the_same_new_items_at_once_process_each_once(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    ids = list(range(6))
+    hosts: list[Host] = []
+
+    def others_are_waiting() -> None:  # so the waiting is real, not a late lookup's hit
+        assert until(lambda: sum(h.p0.stats()["remote_claim_waits"] for h in hosts) == 12)
+
+    hosts += [Host(server.url, namespace, others_are_waiting) for _ in range(3)]
+    orders = [random.Random(n).sample(ids, len(ids)) for n in range(3)]
+    try:
+        run_at_once(hosts, [[order] for order in orders])
+        # One host claimed all six (claims go in one key order), the others waited for them.
+        assert sorted(i for h in hosts for i in h.processed) == ids
+        stats = [h.p0.stats() for h in hosts]
+        assert sorted(s["remote_claims"] for s in stats) == [0, 0, 6]
+        waiters = [s for s in stats if s["remote_claims"] == 0]
+        for s in waiters:
+            assert s["remote_claim_wait_hits"] == 6 and s["remote_served"] == 6
+            assert s["remote_claim_wait_timeouts"] == s["remote_claim_wait_abandoned"] == 0
+        assert all(h.p0.flush() for h in hosts)
+        assert all(claim_of(raw, namespace, i) is None for i in ids)
+    finally:
+        for h in hosts:
+            h.p0.close()
+
+
+def test_hosts_with_overlapping_requests_never_wait_in_a_circle(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    # Four hosts, each a stream of requests over a few shared items in its own order: hosts
+    # claim some items of a request and wait for others, in every combination.
+    rng = random.Random(7)
+    requests = [[rng.sample(range(12), rng.randint(1, 4)) for _ in range(8)] for _ in range(4)]
+    hosts = [Host(server.url, namespace, lambda: None) for _ in range(4)]
+    try:
+        run_at_once(hosts, requests)
+        asked = {i for mine in requests for ids in mine for i in ids}
+        assert sorted(i for h in hosts for i in h.processed) == sorted(asked)
+        for h in hosts:
+            s = h.p0.stats()
+            assert s["remote_claim_wait_timeouts"] == s["remote_claim_wait_abandoned"] == 0
+        assert all(h.p0.flush() for h in hosts)
+        assert all(claim_of(raw, namespace, i) is None for i in asked)
+    finally:
+        for h in hosts:
+            h.p0.close()
+
+
+_CLAIMER = """
+import sys, time
+from mmcache import SenderCache
+from mmcache.remote import RemoteStore, TieredSenderCache
+url, namespace, h = sys.argv[1:]
+store = RemoteStore(url, namespace=namespace, secret="shared secret")
+p0 = TieredSenderCache(SenderCache(0.01), store, claim_ttl_s=1.0)
+assert p0.is_cached([h], claim=True) == [False]
+print(p0.host_id, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_claimer_killed_holding_its_claim_stops_the_others_only_until_it_lapses(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    p0 = open_p0(server.url, namespace)
+    with subprocess.Popen(
+        [sys.executable, "-c", _CLAIMER, server.url, namespace, key(1)],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as claimer:
+        try:
+            assert claimer.stdout is not None
+            claimer_id = in_time(claimer.stdout.readline).strip()
+            assert claim_of(raw, namespace, 1) == claimer_id
+        finally:
+            claimer.kill()
+    try:
+        # The wait (HANG_S) is far longer than the claim's 1 s: it ends as the claim lapses.
+        assert in_time(lambda: p0.is_cached([key(1)], claim=True, wait_s=HANG_S)) == [False]
+        s = p0.stats()
+        assert s["remote_claim_waits"] == s["remote_claim_wait_abandoned"] == 1
+        assert s["remote_claim_wait_timeouts"] == 0 and s["remote_claims"] == 1
+        assert claim_of(raw, namespace, 1) == p0.host_id  # this host processes it now
+        p0.get_and_update([item(1)], [key(1)])
+        assert p0.flush() and claim_of(raw, namespace, 1) is None
+        assert same(p0.remote.get(key(1)), {"item": item(1)[0], "prompt_updates": item(1)[1]})
+    finally:
+        p0.close()
+
+
+def test_a_wait_ends_at_its_bound_while_the_claimer_works_on(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    a, b = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        assert a.is_cached([key(1)], claim=True) == [False]
+        assert in_time(lambda: b.is_cached([key(1)], claim=True, wait_s=0.2)) == [False]
+        s = b.stats()
+        assert s["remote_claim_waits"] == s["remote_claim_wait_timeouts"] == 1
+        assert s["remote_claims"] == 0 and claim_of(raw, namespace, 1) == a.host_id
+    finally:
+        a.close()
+        b.close()
+
+
+def _raise_in_update(p0: TieredSenderCache) -> None:
+    with pytest.raises(CacheMissError):  # no data for a hash it holds no item of
+        p0.get_and_update([None, None], [key(1), key(2)])
+
+
+@pytest.mark.parametrize(
+    "give_up",
+    [_raise_in_update, TieredSenderCache.release_sender_touches, TieredSenderCache.close],
+    ids=["update-raises", "release_sender_touches", "close"],
+)
+def test_a_claimer_that_gives_up_frees_its_claims_at_once(
+    server: LocalServer,
+    raw: redis.Redis,
+    namespace: str,
+    give_up: Callable[[TieredSenderCache], None],
+) -> None:
+    a, b = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        assert a.is_cached([key(1), key(2)], claim=True) == [False, False]
+        assert claim_of(raw, namespace, 1) == claim_of(raw, namespace, 2) == a.host_id
+        give_up(a)
+        assert claim_of(raw, namespace, 1) is None and claim_of(raw, namespace, 2) is None
+        # Nothing left to wait for: the other host claims both at its first lookup.
+        assert in_time(lambda: b.is_cached([key(1), key(2)], claim=True, wait_s=HANG_S)) == [
+            False,
+            False,
+        ]
+        s = b.stats()
+        assert s["remote_claim_waits"] == 0 and s["remote_claims"] == 2
+        assert a.stats()["remote_claims_released"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_claim_ends_only_once_the_published_item_is_stored(
+    server: LocalServer, raw: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p0 = open_p0(server.url, namespace)
+    holders_at_put: list[str | None] = []
+    real_put = p0.remote.put
+
+    def put(k: str, record: Any) -> None:
+        holders_at_put.append(claim_of(raw, namespace, 1))
+        real_put(k, record)
+
+    monkeypatch.setattr(p0.remote, "put", put)
+    try:
+        assert p0.is_cached([key(1)], claim=True) == [False]
+        p0.get_and_update([item(1)], [key(1)])
+        assert p0.flush()
+        assert holders_at_put == [p0.host_id] and claim_of(raw, namespace, 1) is None
+        assert p0.remote.contains([key(1)]) == [True]
+        assert p0.stats()["remote_claims_released"] == 1
+    finally:
+        p0.close()
+
+
+def test_a_host_never_waits_on_its_own_claims(server: LocalServer, namespace: str) -> None:
+    p0 = open_p0(server.url, namespace)
+    try:
+        for _ in range(2):  # asked again before its update: still its own claim
+            assert in_time(lambda: p0.is_cached([key(1)], claim=True, wait_s=HANG_S)) == [False]
+        s = p0.stats()
+        assert s["remote_claims"] == 1 and s["remote_claim_waits"] == 0
+    finally:
+        p0.close()
+
+
+def test_no_claim_is_taken_on_a_present_item_or_without_claim(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    writer, p0 = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        writer.get_and_update([item(1)], [key(1)])
+        assert writer.flush()
+        assert p0.is_cached([key(1), key(2)], claim=True) == [True, False]
+        assert claim_of(raw, namespace, 1) is None and claim_of(raw, namespace, 2) == p0.host_id
+        assert p0.is_cached([key(3)]) == [False] and claim_of(raw, namespace, 3) is None
+        assert p0.stats()["remote_claims"] == 1
+    finally:
+        writer.close()
+        p0.close()
+
+
+def test_a_host_may_wait_for_others_claims_without_claiming(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    a, b = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        assert a.is_cached([key(1)], claim=True) == [False]
+
+        def publish_once_b_waits() -> None:
+            assert until(lambda: b.stats()["remote_claim_waits"] == 1)
+            a.get_and_update([item(1)], [key(1)])
+
+        publisher = threading.Thread(target=publish_once_b_waits, daemon=True)
+        publisher.start()
+        assert in_time(lambda: b.is_cached([key(1)], wait_s=HANG_S)) == [True]
+        publisher.join(HANG_S)
+        fetched = b.fetched(key(1))
+        assert fetched is not None and same(fetched[0], item(1)[0])
+        s = b.stats()
+        assert s["remote_claim_wait_hits"] == 1 and s["remote_claims"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
+    own_server: LocalServer, namespace: str
+) -> None:
+    store_options = {"timeout_s": 0.3, "breaker_failures": 100}
+    a = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    b = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    try:
+        assert a.is_cached([key(1)], claim=True) == [False]
+        waiting: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: waiting.append(b.is_cached([key(1)], claim=True, wait_s=HANG_S)),
+            daemon=True,
+        )
+        waiter.start()
+        assert until(lambda: b.stats()["remote_claim_waits"] == 1)
+        stall(own_server)
+        try:
+            waiter.join(HANG_S)  # its next look times out: the wait ends, b processes
+            assert not waiter.is_alive() and waiting == [[False]]
+            s = b.stats()
+            assert s["remote_timeouts"] >= 1 and s["remote_claim_wait_abandoned"] == 1
+            # A claiming lookup and a release with the server stalled: a deadline each.
+            assert in_time(lambda: b.is_cached([key(2)], claim=True, wait_s=HANG_S)) == [False]
+            in_time(a.release_sender_touches)
+            assert a.stats()["remote_timeouts"] == 1
+        finally:
+            resume(own_server)
+    finally:
+        in_time(a.close)
+        in_time(b.close)
+
+
+def test_a_local_cache_that_takes_claims_gets_them() -> None:
+    class LocalWithClaims(SenderCache):
+        asked: list[tuple[bool, float]] = []
+
+        def is_cached(
+            self, mm_hashes: Sequence[str], *, claim: bool = False, wait_s: float = 0.0
+        ) -> list[bool]:
+            self.asked.append((claim, wait_s))
+            return super().is_cached(mm_hashes)
+
+    local = LocalWithClaims(0.05)
+    # An unreachable store: the local cache's answer is all there is.
+    p0 = TieredSenderCache(local, open_store("redis://127.0.0.1:1", "test/local@1", timeout_s=0.2))
+    try:
+        assert p0.is_cached([key(1)], claim=True, wait_s=0.5) == [False]
+        assert p0.is_cached([key(1)]) == [False]
+        assert local.asked == [(True, 0.5), (False, 0.0)]
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1"])
+def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
+    p0 = TieredSenderCache(
+        SenderCache(0.05), open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
+    )
+    try:
+        with pytest.raises(ValueError, match="wait_s"):
+            p0.is_cached([key(1)], claim=True, wait_s=wait_s)
+        with pytest.raises(ValueError, match="claim_ttl_s"):
+            TieredSenderCache(SenderCache(0.05), p0.remote, claim_ttl_s=0)
+    finally:
+        p0.close()
