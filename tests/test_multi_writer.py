@@ -170,6 +170,15 @@ def _store_with_two_writers(conn: Any) -> None:
     conn.recv()  # never comes: the test kills us
 
 
+def _creating_writer(conn: Any) -> None:
+    """Create a store of two writers, store one object, hand over the writer handle and wait
+    to be killed."""
+    writer = ShmObjectStore.create(1 * MiB, max_writers=2)
+    writer.put("k", content("k"))
+    conn.send(writer.writer_handle())
+    conn.recv()  # never comes: the test kills us
+
+
 # -- tests -------------------------------------------------------------------------------
 
 
@@ -271,6 +280,32 @@ def test_the_segment_lives_while_any_writer_does_and_the_last_one_unlinks_it() -
             late.resolve(put, "from-parent")
     finally:
         child.join(TIMEOUT)
+        reap(child)
+
+
+def test_a_store_whose_creator_died_lives_while_a_joined_writer_does() -> None:
+    """Every creation first removes orphaned segments (``remove_orphans``): a store whose
+    creator was SIGKILLed is not one while a writer that joined it lives."""
+    mine, theirs = ctx.Pipe()
+    child = ctx.Process(target=_creating_writer, args=(theirs,))
+    child.start()
+    try:
+        joined = ShmObjectStore.join(recv(mine))
+        name = joined.name
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(TIMEOUT)
+        assert _core.segment_status(name)[0] == "live"
+        assert name not in prune(dry_run=True)
+        ShmObjectStore.create(1 * MiB).close()  # a creation runs remove_orphans first
+        assert name in _core.list_segments()
+        assert joined.read_stored("k")[: len(content("k"))] == content("k")
+        reader: ShmReader = ShmObjectStore.attach(joined.handle())
+        put = joined.put("after", content("after"))
+        assert reader.resolve(put, "after") == content("after")
+        reader.close()
+        joined.close()
+        assert name not in _core.list_segments(), "the last writer unlinked it"
+    finally:
         reap(child)
 
 
