@@ -115,8 +115,8 @@ wheel: $(WHEEL_STAMP)
 	$(VENV_WHEEL)/bin/python tests_wheel/check_dist.py $(DIST)
 
 # That wheel in a fresh venv with no Rust toolchain on PATH: the README's engine example and
-# `mmcache simulate` (installs torch into the venv: a few minutes).
-test-wheel: wheel
+# `mmcache simulate` (the venv shares .venv's torch rather than install gigabytes again).
+test-wheel: build wheel
 	$(VENV_WHEEL)/bin/python -m pytest -q -p no:cacheprovider tests_wheel
 
 bench: build

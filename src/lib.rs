@@ -16,7 +16,7 @@
 //! * [`store`] — the protocol: the shared key index, the ring's allocator and its lock,
 //!   references, acknowledgements, leases, eviction; one file per concern.
 //! * [`codec`] — the payload format of one item (header + parts), encoded and parsed.
-//! * `python` (feature `python`) — the thin PyO3 module `mmcache._core`.
+//! * `python` (feature `python`) — the PyO3 module `mmcache._core`, one concern per file.
 //!
 //! # Where `unsafe` lives
 //!

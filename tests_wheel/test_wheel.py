@@ -5,6 +5,11 @@ It is installed into a fresh virtual environment whose PATH has no cargo or rust
 from PyPI or pip's cache), and run from a directory outside the source tree, so the source
 package cannot be imported by accident: the README's engine example, and ``mmcache simulate``
 on a tiny workload. The wheel must hold the product and nothing else.
+
+torch alone is not installed again: it is gigabytes (a CUDA build with its NVIDIA libraries),
+and a second copy once filled a CI machine's disk. The fresh venv sees the test venv's torch
+and what torch requires through links (`share_torch`); pip installs mmcache and every other
+dependency of it into the fresh venv itself.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -130,13 +134,52 @@ def environment_without_rust(venv: Path) -> dict[str, str]:
     return env
 
 
-def torch_pin() -> str:
-    """The torch requirement of the `test` extra, so this venv gets the build tests use."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    test_extra: list[str] = project["optional-dependencies"]["test"]
-    pins = [r for r in test_extra if re.match(r"torch\s*==", r)]
-    assert len(pins) == 1, f"the test extra pins torch once: {test_extra}"
-    return pins[0]
+# The venv the other suites run in (`make build`), whose torch the fresh venv shares.
+TORCH_PYTHON = ROOT / ".venv" / "bin" / "python"
+
+# Run by TORCH_PYTHON: torch and every distribution it requires there, each as its name, the
+# folder its files are relative to, and its top-level files and folders.
+TORCH_CLOSURE = """
+import json, re
+from importlib import metadata
+from packaging.requirements import Requirement
+seen, todo = {}, ["torch"]
+while todo:
+    name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+    if name in seen:
+        continue
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        continue  # required on another platform or Python only
+    tops = sorted({f.parts[0] for f in dist.files or [] if f.parts[0] != ".."})
+    seen[name] = [dist.metadata["Name"], str(dist.locate_file("")), tops]
+    for text in dist.requires or []:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            todo.append(req.name)
+print(json.dumps(list(seen.values())))
+"""
+
+
+def share_torch(fresh_site: Path, links: Path) -> list[str]:
+    """Let the fresh venv see the test venv's torch (and what torch requires) instead of
+    installing gigabytes again: one link per top-level file or folder of those distributions
+    in `links`, and a `.pth` file that appends `links` to the fresh venv's path. Returns the
+    distributions shared."""
+    found = subprocess.run(
+        [TORCH_PYTHON, "-c", TORCH_CLOSURE], capture_output=True, text=True, check=False
+    )
+    assert found.returncode == 0, f"`make build` installs torch into {TORCH_PYTHON}: {found}"
+    links.mkdir()
+    names = []
+    for name, base, tops in json.loads(found.stdout):
+        names.append(name)
+        for top in tops:
+            if not (links / top).exists():
+                (links / top).symlink_to(Path(base) / top)
+    (fresh_site / "shared-torch.pth").write_text(f"{links}\n")
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +195,14 @@ def venv() -> Iterator[FreshVenv]:
         which = f"import shutil; print([shutil.which(t) for t in {RUST_TOOLS}])"
         found = fresh.run(fresh.python, "-c", which)
         assert found.stdout.strip() == "[None, None]", found
-        requirements = [f"{the_wheel()}[cli]", torch_pin()]
+        site = fresh.run(fresh.python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))")
+        shared = share_torch(Path(site.stdout.strip()), root / "shared-torch")
+        assert "torch" in shared, shared
         install = subprocess.run(
-            [fresh.python, "-m", "pip", "install", "--quiet", "--only-binary=:all:", *requirements],
+            [
+                *(fresh.python, "-m", "pip", "install", "--quiet", "--only-binary=:all:"),
+                f"{the_wheel()}[cli]",
+            ],
             cwd=workdir,
             env=fresh.env,
             capture_output=True,
@@ -165,7 +213,7 @@ def venv() -> Iterator[FreshVenv]:
         assert install.returncode == 0, install.stdout + install.stderr
         yield fresh
     finally:
-        shutil.rmtree(root, ignore_errors=True)  # torch is gigabytes: never leave it behind
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def readme_engine_example() -> str:

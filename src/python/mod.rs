@@ -1,6 +1,7 @@
-//! `mmcache._core`: the thin PyO3 layer over the core. Argument conversion, the buffer
-//! protocol (in and out), releasing the GIL around large copies, and mapping errors to Python
-//! exceptions — one concern per file:
+//! `mmcache._core`: the PyO3 layer over the core. Argument conversion, the buffer protocol
+//! (in and out), DLPack, the item codec's walk over Python objects, releasing the GIL around
+//! large copies, and mapping errors to Python exceptions — one concern per file; the store's
+//! rules stay in the core:
 //!
 //! * `errors` — the exceptions, and the one mapping of the core's `Error` to them;
 //! * `handles` — `ShmHandle`, `ReaderHandle`, `WriterHandle`;
