@@ -25,7 +25,7 @@
 //! * [`segment`] (with its submodules): the operating system (`libc` calls, signal handlers,
 //!   the fork handlers) and shared memory (atomics and raw copies over the mapping);
 //! * `python`: the Python binding's buffer protocol (exports, and copies from callers'
-//!   buffers) and DLPack.
+//!   buffers), DLPack, and `Open::with` (a GIL-held borrow of a store's endpoint).
 //!
 //! Every `unsafe` block carries a `// SAFETY:` comment; bytes another process or thread may
 //! write or free are never borrowed as Rust slices.

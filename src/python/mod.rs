@@ -14,7 +14,7 @@
 //! * `inspect` — maintenance functions (inspect, status, list, unlink).
 //!
 //! Besides `segment`, only this module has `unsafe` code, in `buffer` and `dlpack` (and one
-//! copy in `decode`): the crossings PyO3 cannot express safely.
+//! copy in `decode`, and `Open::with` in `store`): the crossings PyO3 cannot express safely.
 
 use pyo3::prelude::*;
 
