@@ -94,6 +94,14 @@ impl Shared {
                 self.fold_writer_counters(s)?;
                 self.bump(Counter::WritersReclaimed, 1);
             }
+            // A hazard word names a chunk, not an epoch: what a writer that died left in one
+            // would count as ours from now on (holding its chunk, and our `close`, forever).
+            // The slot is ours and we have begun nothing; a sweep that still sees a stale
+            // word merely keeps that chunk one round longer.
+            for h in 0..slot::HAZARDS {
+                self.writer_slot(s, slot::HAZARD + 8 * h)?
+                    .store(0, Ordering::SeqCst);
+            }
             let start = segment::process_start_time(pid).unwrap_or(0) & 0xffff_ffff;
             self.writer_slot(s, slot::START)?
                 .store(((epoch as u64) << 32) | start, Ordering::Release);

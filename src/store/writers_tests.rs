@@ -321,6 +321,42 @@ fn a_dead_writers_reservation_pins_and_hazards_are_void() {
 }
 
 #[test]
+fn a_dead_writers_hazards_do_not_pass_to_the_next_occupant_of_its_slot() {
+    // A hazard word holds a chunk id and no epoch: once the slot has a live occupant again,
+    // whatever the dead one left there would count as that occupant's (holding the chunk
+    // forever, and making its `close` wait forever).
+    let a = store(4096, 1, 2);
+    let b = join(&a);
+    let held = b.put("held", &[&[2u8; 896]]).unwrap();
+    let entry = index::Entry {
+        bucket: 0,
+        address: held.address,
+        id: held.monotonic_id,
+    };
+    std::mem::forget(b.protect(&entry).unwrap().expect("live"));
+    pretend_dead(b);
+    let c = join(&a);
+    assert_eq!(c.slot(), 1, "the dead writer's slot is taken again");
+    let stale = (0..slot::HAZARDS).any(|h| {
+        let word = c
+            .shared
+            .writer_slot(c.me.slot, slot::HAZARD + 8 * h)
+            .unwrap();
+        word.load(Ordering::SeqCst) != 0
+    });
+    if stale {
+        pretend_dead(c); // its `close` would wait for the stale hazard forever
+        panic!("the dead writer's hazard passed to the next occupant of its slot");
+    }
+    for i in 0..8 {
+        a.put(&format!("n{i}"), &[&[3u8; 896]])
+            .expect("the dead writer's chunk is reclaimed");
+    }
+    assert!(!a.is_cached("held").unwrap());
+    c.close().unwrap();
+}
+
+#[test]
 fn a_live_lock_holder_is_waited_for() {
     let a = store(1 << 16, 1, 2);
     let b = join(&a);
