@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -341,8 +342,9 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
     store_options = {"timeout_s": 0.3, "breaker_failures": 100}
     a = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
     b = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    a_thread = ThreadPoolExecutor(max_workers=1)  # a's request: its claims are its thread's
     try:
-        assert a.is_cached([key(1)], claim=True) == [False]
+        assert a_thread.submit(a.is_cached, [key(1)], claim=True).result(HANG_S) == [False]
         waiting: list[Any] = []
         waiter = threading.Thread(
             target=lambda: waiting.append(b.is_cached([key(1)], claim=True, wait_s=HANG_S)),
@@ -358,11 +360,12 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
             assert s["remote_timeouts"] >= 1 and s["remote_claim_wait_abandoned"] == 1
             # A claiming lookup and a release with the server stalled: a deadline each.
             assert in_time(lambda: b.is_cached([key(2)], claim=True, wait_s=HANG_S)) == [False]
-            in_time(a.release_sender_touches)
+            a_thread.submit(a.release_sender_touches).result(HANG_S)  # a deadline, not a hang
             assert a.stats()["remote_timeouts"] == 1
         finally:
             resume(own_server)
     finally:
+        a_thread.shutdown(wait=False)
         in_time(a.close)
         in_time(b.close)
 

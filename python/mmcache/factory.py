@@ -50,8 +50,8 @@ def make_caches(
     (``ValueError``).  ``ValueError`` for an unknown mode.
 
     Safe to call from several threads, and every cache it returns may be shared by threads
-    (see "Threads" in :mod:`mmcache.caches`), except, for now, the
-    :class:`~mmcache.remote.TieredSenderCache` of ``remote``.
+    (see "Threads" in :mod:`mmcache.caches`; the
+    :class:`~mmcache.remote.TieredSenderCache` of ``remote`` too: see its module).
     """
     if mode not in MODES:
         raise ValueError(f"unknown cache mode {mode!r}; expected one of {', '.join(MODES)}")

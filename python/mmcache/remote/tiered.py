@@ -8,7 +8,8 @@ changing it, and slots into the engine's loop where the local cache already sits
    the engine does not process them).  What it fetched waits, verified, until the update.
 2. ``get_and_update(inputs, hashes)`` hands the local cache the fetched item wherever the
    engine passed ``None`` for a remote hit, so the local cache takes it in exactly as if P0
-   had processed it (written into the ring, or sent to P1, as the mode does).
+   had processed it (written into the ring, or sent to P1, as the mode does; a hit, should
+   the local cache hold the hash by then).
 3. Every item P0 did process (data passed for a hash the local cache did not hold) is
    published to the remote tier by a writer thread after the update; the request never waits
    for it.  A full publishing queue drops the item (counted), never blocks.
@@ -24,11 +25,28 @@ and processes it) or the time is up (this host processes it).  This host's own c
 never waited on.  A claim ends when the claimer publishes the item (dropped by the writer
 thread once the put returns, so a waiter finds the item before it finds the claim gone) or
 gives up: an update without data for it, an update that raises, ``release_sender_touches``,
-``close``; the claimer drops only its own claim (compare-and-delete).  Every claim call is
-one call of the store, under its deadline and circuit breaker: a failing store costs one
-deadline and ends the wait (everything is processed here).  Claims need a store that holds
+``close`` (if a put of the item is pending then - another request processed it too - the
+claim ends once that put returns); the claimer drops only its own claim
+(compare-and-delete).  A claim ends too once another request of this host has stored the
+item (the claim has nothing left to guard).  Every claim call is one call of the store,
+under its deadline and circuit breaker: a failing store costs one deadline and ends the
+wait (everything is processed here).  Claims need a store that holds
 them (:attr:`RemoteStore.supports_claims <mmcache.remote.RemoteStore.supports_claims>`:
 Redis/Valkey); over Mooncake Store ``claim`` and ``wait_s`` change nothing.
+
+**Threads.**  Several threads may call one cache at once (an engine's pool of preprocessing
+threads), as every cache allows (:mod:`mmcache.caches`): the cache's lock guards the tier's
+own state (the fetched items, the claims held, the counters) and is never held across a call
+to the store or to the local cache, so a thread waiting on the remote tier (a lookup, a wait
+for another host's claim) holds up no other thread's local hits.  What a request has is the
+calling thread's, as its request bracket is (passed on to the local cache): a fetched item
+waits for the update of every request whose :meth:`~TieredSenderCache.is_cached` found it
+(until the end of the request, inside a bracket), so one thread's update never takes it from
+another; and a claim belongs to the request that took it - only that request's update or
+``release_sender_touches`` (or ``close``) ends it.  Threads of one host share its
+:attr:`~TieredSenderCache.host_id`, so a request never waits on a claim another request of
+this host holds: it processes the item too, as a writer's threads do with its local claims.
+:meth:`~TieredSenderCache.close` may run while other threads call in.
 
 Both waiting rooms are bounded by count and by bytes (:func:`~mmcache.items.item_size`): the
 items waiting to be published (until their put returns) and the fetched items waiting for
@@ -51,12 +69,13 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
+from mmcache.protection import Holds, RequestState
 from mmcache.remote.store import RemoteStore, is_shareable_key
 
 __all__ = ["TieredSenderCache"]
@@ -81,33 +100,36 @@ def _takes_claims(cache: BaseSenderCache) -> bool:
 class _Publisher:
     """A daemon writer thread putting ``(key, record)`` pairs into the remote store from a
     queue bounded by ``capacity`` items and ``capacity_bytes`` (an item counts until its put
-    returns); a key already queued is not queued twice.  A key submitted with ``release``
-    has its claim (held by ``owner``) dropped once its put returned, whatever the outcome."""
+    returns); a key already queued is not queued twice.  The claims (held by ``owner``) on
+    keys passed to :meth:`release_after_put` are dropped once the key's put returned,
+    whatever the outcome.  Thread-safe."""
 
     def __init__(self, remote: RemoteStore, owner: str, capacity: int, capacity_bytes: int) -> None:
         self._remote = remote
         self._owner = owner
-        self._queue: queue.Queue[tuple[str, Item, bool] | None] = queue.Queue(maxsize=capacity)
+        self._queue: queue.Queue[tuple[str, Item] | None] = queue.Queue(maxsize=capacity)
         self._queued: dict[str, int] = {}  # key -> its bytes, until its put returns
         self._queued_bytes = 0
+        self._releasing: set[str] = set()  # queued keys whose claim ends after their put
         self._capacity_bytes = capacity_bytes
+        self._closed = False
         self._lock = threading.Lock()
         self.dropped = 0
-        self.failed = 0
+        self.failed = 0  # only the writer thread counts it
         self._thread = threading.Thread(target=self._run, name="mmcache-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, record: Item, *, release: bool = False) -> bool:
-        """Queue ``record`` for ``key``; whether this call queued it."""
+    def submit(self, key: str, record: Item) -> bool:
+        """Queue ``record`` for ``key``; whether this call queued it (never once closed)."""
         size = item_size(record)
         with self._lock:
-            if key in self._queued:
+            if self._closed or key in self._queued:
                 return False
             if self._queued_bytes + size > self._capacity_bytes:
                 self.dropped += 1
                 return False
             try:
-                self._queue.put_nowait((key, record, release))
+                self._queue.put_nowait((key, record))
             except queue.Full:
                 self.dropped += 1
                 return False
@@ -115,24 +137,36 @@ class _Publisher:
             self._queued_bytes += size
             return True
 
+    def release_after_put(self, keys: Sequence[str]) -> list[str]:
+        """Have the claims on those of ``keys`` whose put is pending dropped once it returned;
+        the others (whose claims the caller drops now)."""
+        with self._lock:
+            pending = {k for k in keys if k in self._queued}
+            self._releasing |= pending
+        return [k for k in keys if k not in pending]
+
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            key, record, release = job
             try:
-                try:
-                    self._remote.put(key, record)
-                finally:  # after the put: a waiting host finds the item, not a gap
-                    if release:
-                        self._remote.release_claims([key], self._owner)
+                self._publish(*job)
             except Exception:  # a bug must not end publishing for the life of the engine
                 self.failed += 1
                 if self.failed == 1:
-                    logger.exception("publishing item %s to the remote tier failed", key)
+                    logger.exception("publishing item %s to the remote tier failed", job[0])
             finally:
-                with self._lock:
-                    self._queued_bytes -= self._queued.pop(key)
                 self._queue.task_done()
         self._queue.task_done()
+
+    def _publish(self, key: str, record: Item) -> None:
+        try:
+            self._remote.put(key, record)
+        finally:  # after the put: a waiting host finds the item, not a gap
+            with self._lock:
+                self._queued_bytes -= self._queued.pop(key)
+                release = key in self._releasing
+                self._releasing.discard(key)
+            if release:
+                self._remote.release_claims([key], self._owner)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued item was put (at most ``timeout_s``); whether it was."""
@@ -146,18 +180,32 @@ class _Publisher:
         return True
 
     def close(self, timeout_s: float) -> None:
+        """Put what is queued (waiting at most ``timeout_s``) and stop the writer thread;
+        nothing is queued after (:meth:`submit` answers ``False``).  Idempotent."""
         self.flush(timeout_s)
-        self._queue.put(None)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)  # behind what was queued before the flag: it is put too
         self._thread.join(timeout_s)
 
 
 class _Fetched:
     """The items :meth:`TieredSenderCache.is_cached` fetched, waiting for their update, as
     ``(item, prompt_updates)``: at most ``limit`` items and ``limit_bytes`` of them, the
-    oldest dropped first."""
+    oldest dropped first.  Used under the cache's lock (``in`` alone is atomic)."""
+
+    class _Entry:
+        __slots__ = ("record", "size", "served")
+
+        def __init__(self, record: tuple[Item, Any], size: int) -> None:
+            self.record = record
+            self.size = size
+            self.served = False  # whether an update has used it
 
     def __init__(self, limit: int, limit_bytes: int) -> None:
-        self._entries: OrderedDict[str, tuple[tuple[Item, Any], int]] = OrderedDict()
+        self._entries: OrderedDict[str, _Fetched._Entry] = OrderedDict()
         self._bytes = 0
         self._limit = limit
         self._limit_bytes = limit_bytes
@@ -167,31 +215,61 @@ class _Fetched:
 
     def get(self, mm_hash: str) -> tuple[Item, Any] | None:
         found = self._entries.get(mm_hash)
-        return None if found is None else found[0]
+        return None if found is None else found.record
 
-    def pop(self, mm_hash: str) -> tuple[Item, Any] | None:
+    def served(self, mm_hash: str) -> bool:
+        """An update used ``mm_hash``'s item: whether it is the first (False when absent)."""
+        found = self._entries.get(mm_hash)
+        if found is None or found.served:
+            return False
+        found.served = True
+        return True
+
+    def pop(self, mm_hash: str) -> None:
         found = self._entries.pop(mm_hash, None)
-        if found is None:
-            return None
-        self._bytes -= found[1]
-        return found[0]
+        if found is not None:
+            self._bytes -= found.size
 
-    def add(self, mm_hash: str, entry: tuple[Item, Any]) -> int:
-        """Keep ``entry`` for ``mm_hash``; how many entries were dropped to stay in bounds
-        (``entry`` itself, if it alone is over them)."""
-        self.pop(mm_hash)
-        size = item_size(entry[0])
-        self._entries[mm_hash] = (entry, size)
-        self._bytes += size
-        dropped = 0
+    def add(self, mm_hash: str, record: tuple[Item, Any]) -> list[str]:
+        """Keep ``record`` for ``mm_hash`` (unless one is kept already: the same item,
+        verified); the hashes dropped to stay in bounds (``mm_hash`` itself, if its item
+        alone is over them)."""
+        if mm_hash in self._entries:
+            return []
+        entry = self._entries[mm_hash] = _Fetched._Entry(record, item_size(record[0]))
+        self._bytes += entry.size
+        dropped: list[str] = []
         while len(self._entries) > self._limit or self._bytes > self._limit_bytes:
-            self._bytes -= self._entries.popitem(last=False)[1][1]
-            dropped += 1
+            h, oldest = self._entries.popitem(last=False)
+            self._bytes -= oldest.size
+            dropped.append(h)
         return dropped
 
     def clear(self) -> None:
         self._entries.clear()
         self._bytes = 0
+
+
+class _Claim:
+    """A claim in the store that one request of this host holds; its identity tells the
+    request's current claim from a stale one (ended, lapsed, or taken anew since)."""
+
+    __slots__ = ("lapses",)
+
+    def __init__(self, lapses: float) -> None:
+        self.lapses = lapses  # time.monotonic() when the store lets it lapse
+
+
+class _Request(RequestState):
+    """One thread's request, as the tier sees it: the base's (whether it is open; ``holds``:
+    the fetched items it waits for) and the claims it took."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims: dict[str, _Claim] = {}
+
+    def __reduce__(self) -> tuple[type[_Request], tuple[()]]:
+        return _Request, ()
 
 
 class TieredSenderCache(BaseSenderCache):
@@ -205,6 +283,9 @@ class TieredSenderCache(BaseSenderCache):
     long a claim lasts unless its holder ends it (see the module's docstring): longer than
     processing and publishing an item take, since past it another host may process the item
     too.  :meth:`close` closes both tiers.
+
+    Thread-safe (see the module's docstring); the request bracket (:meth:`begin_request`,
+    :meth:`end_request`) is the calling thread's and is passed on to the local cache.
     """
 
     def __init__(
@@ -231,12 +312,17 @@ class TieredSenderCache(BaseSenderCache):
         self.host_id = os.urandom(8).hex()
         """This cache's random id: what its claims in the store hold."""
         self._local_claims = _takes_claims(local)
-        self._claims: dict[str, float] = {}  # hashes this cache claimed -> when the claim lapses
+        self._request: _Request = _Request()  # the calling thread's
+        # Under the lock from here on.
+        self._claims: dict[str, _Claim] = {}  # hash -> the claim a request of this host holds
         self._prefetched = _Fetched(prefetch_limit, int(prefetch_limit_mb * MiB))
+        # The requests that wait for a fetched item (their is_cached found it): it is dropped
+        # once the last of them has updated it (or given up).
+        self._waiting = Holds(self._prefetched.__contains__, self._prefetched.pop)
+        self._counts: Counter[str] = Counter()
         self._publisher = _Publisher(
             remote, self.host_id, publish_queue, int(publish_queue_mb * MiB)
         )
-        self._counts: Counter[str] = Counter()
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -246,7 +332,7 @@ class TieredSenderCache(BaseSenderCache):
         """Cached locally, or found in the remote tier (one batched fetch for all local
         misses of the request; the fetched items wait for :meth:`get_and_update`).
 
-        With ``claim``, each remote miss nobody claimed is claimed for this host until its
+        With ``claim``, each remote miss nobody claimed is claimed for this request until its
         update (or ``release_sender_touches``, ``close``, or ``claim_ttl_s``); with
         ``wait_s``, misses another host claimed are waited for, at most ``wait_s`` seconds
         for the whole call, and reported cached if they arrive (see the module's
@@ -259,33 +345,47 @@ class TieredSenderCache(BaseSenderCache):
             if self._local_claims
             else self.local.is_cached(mm_hashes)
         )
-        wanted = list(
-            dict.fromkeys(
-                h
-                for h, hit in zip(mm_hashes, local, strict=True)
-                if not hit and h not in self._prefetched and is_shareable_key(h)
+        with self._lock:
+            wanted = list(
+                dict.fromkeys(
+                    h
+                    for h, hit in zip(mm_hashes, local, strict=True)
+                    if not hit and not self._wait_for_fetched(h) and is_shareable_key(h)
+                )
             )
-        )
-        if wanted:
             self._counts["remote_lookups"] += len(wanted)
+        if wanted:
             if (claim or wait_s > 0) and self.remote.supports_claims:
                 self._fetch_in_single_flight(wanted, claim, end)
             else:
-                for h, record in zip(wanted, self.remote.get_many(wanted), strict=True):
-                    self._take(h, record)
-        return [hit or h in self._prefetched for h, hit in zip(mm_hashes, local, strict=True)]
+                records = self.remote.get_many(wanted)
+                with self._lock:
+                    for h, record in zip(wanted, records, strict=True):
+                        self._take(h, record)
+        with self._lock:
+            return [
+                hit or self._wait_for_fetched(h) for h, hit in zip(mm_hashes, local, strict=True)
+            ]
+
+    def _wait_for_fetched(self, mm_hash: str) -> bool:
+        """Keep the item fetched for ``mm_hash`` until this thread's request has updated it;
+        whether there is one (lock held)."""
+        self._waiting.take(self._request.holds, mm_hash)
+        return mm_hash in self._prefetched
 
     def _fetch_in_single_flight(self, wanted: list[str], claim: bool, end: float) -> None:
         """Fetch ``wanted`` (claiming the misses nobody holds, with ``claim``), then wait
         until ``end`` for those another host holds (see the module's docstring)."""
         now = time.monotonic()
-        self._claims = {h: lapses for h, lapses in self._claims.items() if lapses > now}
+        with self._lock:
+            self._claims = {h: c for h, c in self._claims.items() if c.lapses > now}
         _, elsewhere, unclaimed = self._fetch_claiming(wanted, claim)
         waited: set[str] = set()  # every miss found held by another host meanwhile
         hits = 0
         delay = _FIRST_POLL_S
         while True:
-            self._counts["remote_claim_waits"] += len(set(elsewhere) - waited)
+            with self._lock:
+                self._counts["remote_claim_waits"] += len(set(elsewhere) - waited)
             waited.update(elsewhere)
             if not elsewhere or (left := end - time.monotonic()) <= 0:
                 break
@@ -296,9 +396,10 @@ class TieredSenderCache(BaseSenderCache):
             asked = elsewhere + unclaimed if claim else elsewhere
             found, elsewhere, unclaimed = self._fetch_claiming(asked, claim)
             hits += len(found & waited)
-        self._counts["remote_claim_wait_hits"] += hits
-        self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
-        self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
+        with self._lock:
+            self._counts["remote_claim_wait_hits"] += hits
+            self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
+            self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
 
     def _fetch_claiming(
         self, hashes: list[str], claim: bool
@@ -312,36 +413,56 @@ class TieredSenderCache(BaseSenderCache):
         found: set[str] = set()
         elsewhere: list[str] = []
         unclaimed: list[str] = []
-        for h, (record, holder) in zip(hashes, results, strict=True):
-            if self._take(h, record):
-                found.add(h)
-            elif holder == self.host_id:
-                if h not in self._claims:
-                    self._counts["remote_claims"] += 1
-                    self._claims[h] = time.monotonic() + self.claim_ttl_s
-            elif holder is not None:
-                elsewhere.append(h)
-            else:
-                unclaimed.append(h)
+        with self._lock:
+            for h, (record, holder) in zip(hashes, results, strict=True):
+                if self._take(h, record):
+                    found.add(h)
+                elif holder == self.host_id:
+                    if claim:
+                        self._note_claim(h)
+                elif holder is not None:
+                    elsewhere.append(h)
+                else:
+                    unclaimed.append(h)
         return found, elsewhere, unclaimed
 
+    def _note_claim(self, mm_hash: str) -> None:
+        """The store says this host holds the claim on ``mm_hash``: this thread's request's
+        now, unless a request of this host holds it already (this one, or another, which
+        is never waited on: this request processes the item too, without a claim).  Lock
+        held."""
+        now = time.monotonic()
+        current = self._claims.get(mm_hash)
+        if current is not None and current.lapses > now:
+            return
+        self._counts["remote_claims"] += 1
+        claim = self._claims[mm_hash] = _Claim(now + self.claim_ttl_s)
+        self._request.claims[mm_hash] = claim
+
     def _take(self, mm_hash: str, record: Item | None) -> bool:
-        """Keep the fetched ``record`` of ``mm_hash`` for the coming update; whether there
-        was one."""
+        """Keep the fetched ``record`` of ``mm_hash`` until this thread's request has updated
+        it; whether there was one (lock held)."""
         entry = self._unwrap(mm_hash, record)
-        if entry is not None:
-            self._prefetch(mm_hash, entry)
-        return entry is not None
+        if entry is None:
+            return False
+        dropped = self._prefetched.add(mm_hash, entry)
+        for h in dropped:
+            self._waiting.forget(h)
+        self._counts["remote_prefetch_dropped"] += len(dropped)
+        self._waiting.take(self._request.holds, mm_hash)
+        return True
 
     def is_cached_item(self, mm_hash: str) -> bool:
         """Cached locally, or fetched from the remote tier for the coming update (no network
         call: :meth:`is_cached` is the one that asks the remote tier)."""
+        # No lock: one lookup in a dict, atomic by itself (the answer may be stale anyway).
         return self.local.is_cached_item(mm_hash) or mm_hash in self._prefetched
 
     def fetched(self, mm_hash: str) -> tuple[Item, Any] | None:
         """The ``(item, prompt_updates)`` :meth:`is_cached` fetched for ``mm_hash`` and the
         coming update will use, or ``None`` (to inspect or check it; do not modify it)."""
-        return self._prefetched.get(mm_hash)
+        with self._lock:
+            return self._prefetched.get(mm_hash)
 
     # -- updates ---------------------------------------------------------------------------
 
@@ -367,41 +488,68 @@ class TieredSenderCache(BaseSenderCache):
     ) -> _T:
         """``update`` the local cache with the inputs it gets for ``items`` (fetched items
         where the engine passed ``None`` for a remote hit), publish what P0 processed and end
-        this host's claims on ``mm_hashes``: by publishing, or at once."""
-        taken: dict[str, tuple[Item, Any]] = {}
-        inputs = [self._input(item, h, taken) for item, h in zip(items, mm_hashes, strict=True)]
+        this request's claims on ``mm_hashes``, and any request's claim on an item it
+        publishes: once the item is stored if a put of it is pending (this update's, or
+        another's), else at once.
+
+        The local cache gets the fetched item even if it holds the hash meanwhile (another
+        thread's update put it there): for a cached hash it is a hit all the same, and an
+        item evicted in between is taken in again rather than missed."""
+        with self._lock:
+            inputs = [
+                item if item is not None else self._prefetched.get(h)
+                for item, h in zip(items, mm_hashes, strict=True)
+            ]
+            ended = self._end_claims(mm_hashes)
         fresh = self._fresh(items, mm_hashes)
-        claimed = [h for h in dict.fromkeys(mm_hashes) if self._claims.pop(h, None) is not None]
         try:
             result = update(inputs)
-        except BaseException:
-            for h, entry in taken.items():  # the retry may still use them
-                self._prefetch(h, entry)
-            self.remote.release_claims(claimed, self.host_id)
+        except BaseException:  # the fetched items stay for the retry
+            self._release_claims(ended)
             raise
-        self._counts["remote_served"] += len(taken)
-        published = {
+        with self._lock:
+            for item, h in zip(items, mm_hashes, strict=True):
+                if item is None:
+                    self._counts["remote_served"] += self._prefetched.served(h)
+            if not self._request.open:  # else a later update of the request may need them
+                for h in mm_hashes:
+                    self._waiting.give(self._request.holds, h)
+            self._counts["remote_published"] += len(fresh)
+        queued = [
             h
             for h, (item, prompt_updates) in fresh.items()
-            if self._publish(h, item, prompt_updates, release=h in claimed)
-        }
-        self.remote.release_claims([h for h in claimed if h not in published], self.host_id)
+            if self._publisher.submit(h, {"item": item, "prompt_updates": prompt_updates})
+        ]
+        with self._lock:  # a stored item needs no claim: another request's on it ends too
+            for h in queued:
+                if h not in ended and (claim := self._claims.get(h)) is not None:
+                    ended[h] = claim
+        self._release_claims(ended)
         return result
 
-    def _input(
-        self, item: SenderInput, mm_hash: str, taken: dict[str, tuple[Item, Any]]
-    ) -> SenderInput:
-        """What the local cache gets for one input: the fetched item where the engine passed
-        ``None`` for a remote hit (a repeated hash gets it again)."""
-        if item is not None or self.local.is_cached_item(mm_hash):
-            return item
-        if mm_hash in taken:
-            return taken[mm_hash]
-        entry = self._prefetched.pop(mm_hash)
-        if entry is None:
-            return None  # the local cache raises CacheMissError, as it would without the tier
-        taken[mm_hash] = entry
-        return entry
+    def _end_claims(self, mm_hashes: Iterable[str]) -> dict[str, _Claim]:
+        """This thread's request lets go of its claims on ``mm_hashes``: those that are still
+        this host's claims, for the caller to :meth:`_release_claims` (lock held).  They stay
+        this host's until then, so no other request takes them for its own meanwhile, and
+        :meth:`close` releases them if it runs first."""
+        mine = self._request.claims
+        ended: dict[str, _Claim] = {}
+        for h in dict.fromkeys(mm_hashes):
+            claim = mine.pop(h, None)
+            if claim is not None and self._claims.get(h) is claim:
+                ended[h] = claim
+        return ended
+
+    def _release_claims(self, ended: Mapping[str, _Claim]) -> None:
+        """Release ``ended`` in the store (once the put of the item returned, where one is
+        pending), then forget those :meth:`close` has not taken meanwhile.  Lock not held."""
+        if not ended:
+            return
+        self.remote.release_claims(self._publisher.release_after_put(list(ended)), self.host_id)
+        with self._lock:
+            for h, claim in ended.items():
+                if self._claims.get(h) is claim:
+                    del self._claims[h]
 
     def _fresh(
         self, items: Sequence[SenderInput], mm_hashes: Sequence[str]
@@ -419,16 +567,6 @@ class TieredSenderCache(BaseSenderCache):
                 fresh[h] = (item[0], item[1])
         return fresh
 
-    def _publish(self, mm_hash: str, item: Item, prompt_updates: Any, *, release: bool) -> bool:
-        """Queue the item for the writer thread (which then ends this host's claim on it,
-        with ``release``); whether it was queued."""
-        self._counts["remote_published"] += 1
-        record = {"item": item, "prompt_updates": prompt_updates}
-        return self._publisher.submit(mm_hash, record, release=release)
-
-    def _prefetch(self, mm_hash: str, entry: tuple[Item, Any]) -> None:
-        self._counts["remote_prefetch_dropped"] += self._prefetched.add(mm_hash, entry)
-
     def _unwrap(self, mm_hash: str, record: Item | None) -> tuple[Item, Any] | None:
         if record is None:
             return None
@@ -438,30 +576,58 @@ class TieredSenderCache(BaseSenderCache):
             return None
         return item, record["prompt_updates"]
 
+    # -- the request bracket ---------------------------------------------------------------
+
+    def begin_request(self) -> None:
+        """Open the calling thread's request here and in the local cache (see
+        :meth:`BaseCache.begin_request <mmcache.caches.BaseCache.begin_request>`): the items
+        it touches stay protected locally, and the items fetched for it stay here, until
+        :meth:`end_request`."""
+        super().begin_request()
+        try:
+            self.local.begin_request()
+        except BaseException:
+            with self._lock:
+                self._request.open = False
+            raise
+
+    def end_request(self) -> None:
+        """Close the calling thread's request here and in the local cache (a no-op when
+        none is open)."""
+        if self._request.open:
+            super().end_request()
+            self.local.end_request()
+
+    def _end_request(self, keys: Sequence[str] | None) -> None:
+        self._waiting.give_all(self._request.holds)
+
     # -- the rest of a P0 cache ------------------------------------------------------------
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         self.local.touch_sender_cache_item(mm_hash)
 
     def release_sender_touches(self) -> None:
-        """The local cache's, and end every claim this host holds (their updates will
-        never come)."""
+        """The local cache's; and this thread's request gives up what it had here: its
+        claims end, its fetched items are no longer kept for it (their updates will never
+        come)."""
         self.local.release_sender_touches()
-        self._release_claims()
-
-    def _release_claims(self) -> None:
-        claimed = list(self._claims)
-        self._claims.clear()
-        self.remote.release_claims(claimed, self.host_id)
+        with self._lock:
+            self._waiting.give_all(self._request.holds)
+            ended = self._end_claims(list(self._request.claims))
+        self._release_claims(ended)
 
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` locally (the remote value stays: it is still that item)."""
-        self._prefetched.pop(mm_hash)
+        with self._lock:
+            self._prefetched.pop(mm_hash)
+            self._waiting.forget(mm_hash)
         self.local.invalidate(mm_hash)
 
     def clear_cache(self) -> None:
         """Clear the local cache (the remote tier is shared: it is not cleared)."""
-        self._prefetched.clear()
+        with self._lock:
+            self._prefetched.clear()
+            self._waiting.forget_all()
         self.local.clear_cache()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
@@ -474,16 +640,26 @@ class TieredSenderCache(BaseSenderCache):
         return self._publisher.flush(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Publish what is queued (waiting at most ``timeout_s``), end the claims this host
-        holds, then close the local cache and the remote store.  Idempotent."""
+        """Publish what is queued (waiting at most ``timeout_s``), end the claims every
+        request of this host holds (an update in flight's included), then close the local
+        cache and the remote store.  Idempotent.
+
+        Other threads may still be calling in: from then on the store answers their lookups
+        misses, and nothing they process is published or claimed; the local cache answers
+        them as it does once closed.  A claim that a lookup still in flight takes in the store
+        after this lapses (``claim_ttl_s``), like a dead host's."""
         self._publisher.close(timeout_s)
-        self._release_claims()
+        with self._lock:
+            claimed = list(self._claims)
+            self._claims.clear()
+        self.remote.release_claims(claimed, self.host_id)
         self.local.close()
         self.remote.close()
 
     def stats(self) -> dict[str, int]:
-        """The local cache's counters, this tier's (``remote_served``: items the remote tier
-        supplied, ``remote_lookups``, ``remote_published``, ``remote_publish_dropped``,
+        """The local cache's counters, this tier's (``remote_served``: fetched items handed to
+        the local cache, each counted once however many requests used it,
+        ``remote_lookups``, ``remote_published``, ``remote_publish_dropped``,
         ``remote_publish_failed``, ``remote_prefetch_dropped``, ``remote_malformed``; single
         flight: ``remote_claims`` taken, ``remote_claim_waits`` (misses found claimed by
         another host and waited for), of which ``remote_claim_wait_hits`` arrived in time,
@@ -492,8 +668,8 @@ class TieredSenderCache(BaseSenderCache):
         claimed when the wait ended; each of those two was processed here) and the store's
         counters as ``remote_*`` (``remote_claims_released``; its latencies:
         ``remote.stats()``)."""
-        own = {
-            **{
+        with self._lock:
+            own = {
                 k: self._counts[k]
                 for k in (
                     "remote_served",
@@ -507,9 +683,8 @@ class TieredSenderCache(BaseSenderCache):
                     "remote_claim_wait_abandoned",
                     "remote_claim_wait_timeouts",
                 )
-            },
-            "remote_publish_dropped": self._publisher.dropped,
-            "remote_publish_failed": self._publisher.failed,
-        }
+            }
+        own["remote_publish_dropped"] = self._publisher.dropped
+        own["remote_publish_failed"] = self._publisher.failed
         store = {f"remote_{k}": int(v) for k, v in self.remote.stats(latencies=False).items()}
         return {**self.local.stats(), **store, **own}
