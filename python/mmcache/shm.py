@@ -103,6 +103,7 @@ class ShmSenderCache(BaseSenderCache):
             name=name,
         )
         self._max_object_size = self._store.max_object_size
+        self._asked_max_object_size_mb = max_object_size_mb
         self._prompt_updates: dict[str, Any] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
         # One core pin per item touched by any request in flight, until the last one's update.
@@ -152,15 +153,26 @@ class ShmSenderCache(BaseSenderCache):
             return split_sender_input(item, mm_hash)
         return serde.decode(self._store.read_stored(mm_hash)), self._prompt_updates[mm_hash]
 
+    def _too_large(self) -> str:
+        """Why an item too large for the ring is, naming the setting that would change it."""
+        largest = f"{self._max_object_size / MiB:g} MiB"
+        if self._max_object_size < self._asked_max_object_size_mb * MiB:
+            return (
+                f"is larger than the largest object this ring holds, {largest}: "
+                f"max_object_size_mb={self._asked_max_object_size_mb:g} was lowered to what a "
+                f"ring of {self._store.capacity / MiB:g} MiB holds (raise capacity_gb to cache "
+                "items this large)"
+            )
+        return (
+            f"is larger than max_object_size_mb={self._asked_max_object_size_mb:g} "
+            f"({largest}; raise it to cache items this large)"
+        )
+
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
         try:
             handle = self._store.put_item(mm_hash, data)
-        except ObjectTooLargeError as exc:
-            self._serve_uncached(
-                "oversize",
-                f"item {mm_hash} does not fit max_object_size_mb="
-                f"{self._max_object_size / MiB:g} (raise it to cache items this large): {exc}",
-            )
+        except ObjectTooLargeError:
+            self._serve_uncached("oversize", f"item {mm_hash} {self._too_large()}")
             return data
         except RingFullError:
             self._serve_uncached(

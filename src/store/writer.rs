@@ -438,12 +438,20 @@ impl Writer {
     /// Take back one reference of reader slot `(s, epoch)` on the chunk tagged `sig_tag`.
     fn credit(&self, address: u64, sig_tag: u32, s: u32, epoch: u32) -> Result<()> {
         let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
-        update_word(self.shared.word(address, s)?, |w| {
+        let given_back = update_word(self.shared.word(address, s)?, |w| {
             (w.stamp == stamp && w.outstanding > 0).then(|| SlotWord {
                 outstanding: w.outstanding - 1,
                 ..w
             })
         });
+        if given_back {
+            // Acknowledged on the reader's behalf (it will never see the handle), so its
+            // outstanding count (refs - acks, `inspect`) returns to where it was. Only for the
+            // occupant the reference was issued to: the word's stamp matched.
+            self.shared
+                .slot(s, slot::ACKS)?
+                .fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 

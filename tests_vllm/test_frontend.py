@@ -1,0 +1,132 @@
+"""What the adapter does around vLLM's frontend: requests vLLM rejects after P0's cache issued
+their handles give them back, and invalidations never land inside a request."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.multimodal.cache import processor_cache_from_config, worker_receiver_cache_from_config
+from vllm.renderers.base import BaseRenderer
+from vllm.v1.engine.input_processor import InputProcessor
+
+import mmcache
+from mmcache.vllm import frontend
+from mmcache.vllm.sender import rendering
+from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+
+TRUTH = {h: kwargs_item(i) for i, h in enumerate(["a", "b", "c"])}
+
+
+def vllm_p0_request(p0: Any, hashes: list[str]) -> list[Any]:
+    """What vLLM's processor does with P0's cache for one request (``_merge_mm_kwargs``)."""
+    cached = p0.is_cached(hashes)
+    try:
+        for h in hashes:
+            p0.touch_sender_cache_item(h)
+        return [
+            p0.get_and_update_item(None if c else (TRUTH[h], [f"pu-{h}"]), h)[0]
+            for h, c in zip(hashes, cached)
+        ]
+    finally:
+        p0.release_sender_touches()
+
+
+@pytest.fixture
+def shm_pair() -> Iterator[tuple[Any, Any]]:
+    """P0's cache and one worker's (its reader slot claimed, so references count)."""
+    config = vllm_config("shm", 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    worker = worker_receiver_cache_from_config(config, object())
+    yield p0, worker
+    worker._shm_cache.close()
+    p0.close()
+
+
+def outstanding(p0: Any) -> int:
+    (reader,) = mmcache.inspect(p0.ring.name)["readers"]
+    return int(reader["outstanding"])
+
+
+def test_install_wraps_the_two_methods_once() -> None:
+    frontend.wrap()  # installed already (conftest): idempotent
+    for method in (BaseRenderer._process_multimodal, InputProcessor.process_inputs):
+        original = getattr(method, "__mmcache_original__")
+        assert not hasattr(original, "__mmcache_original__")
+
+
+def test_a_render_that_fails_after_its_request_gives_the_handles_back(
+    shm_pair: tuple[Any, Any],
+) -> None:
+    # vLLM's processor fails the prompt's replacements after the request was released.
+    p0, _ = shm_pair
+    with pytest.raises(AssertionError, match="prompt replacement"):
+        with rendering():
+            assert all("address" in item for item in vllm_p0_request(p0, ["a", "b"]))
+            assert outstanding(p0) == 2
+            raise AssertionError("Failed to apply prompt replacement for mm_items['image'][1]")
+    assert outstanding(p0) == 0
+
+
+def test_a_render_that_succeeds_keeps_its_handles_for_the_workers(
+    shm_pair: tuple[Any, Any],
+) -> None:
+    p0, worker = shm_pair
+    with rendering():  # the outer one: process_inputs rendering a raw prompt
+        with rendering():
+            items = vllm_p0_request(p0, ["a", "b"])
+    assert outstanding(p0) == 2
+    features = [feature(item, h) for item, h in zip(items, ["a", "b"])]
+    worker.get_and_update_features(features)
+    assert all(same_item(TRUTH[h], f.data) for f, h in zip(features, ["a", "b"]))
+    assert outstanding(p0) == 0
+
+
+def test_a_rendered_prompt_process_inputs_rejects_gives_its_handles_back(
+    shm_pair: tuple[Any, Any],
+) -> None:
+    p0, _ = shm_pair
+    with rendering():
+        items = vllm_p0_request(p0, ["a", "b", "a"])
+    rendered = {"type": "multimodal", "mm_kwargs": {"image": items}, "mm_hashes": {}}
+
+    def too_long(self: Any, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("The decoder prompt is longer than the maximum model length")
+
+    process_inputs = frontend._process_inputs(too_long)
+    processor = SimpleNamespace(renderer=SimpleNamespace(mm_processor_cache=p0))
+    assert outstanding(p0) == 3
+    with pytest.raises(ValueError, match="maximum model length"):
+        process_inputs(processor, request_id="r", prompt=rendered, params=None)
+    assert outstanding(p0) == 0
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_from_another_thread_waits_for_the_request_in_its_lookup(
+    mode: str,
+) -> None:
+    # vLLM 0.32's output handler invalidates what the engine reported missing while the
+    # renderer's thread may be between a request's lookup and its updates (vLLM 0.33 queues
+    # them and drains them before its next lookup).
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert p0.is_cached(["a", "b"]) == [True, False]  # the renderer's lookup
+        other_thread = threading.Thread(target=p0.invalidate, args=("a",))
+        other_thread.start()
+        other_thread.join()
+        assert p0.is_cached_item("a"), "the invalidation landed inside the request"
+        for h in ["a", "b"]:
+            p0.touch_sender_cache_item(h)
+        p0.get_and_update_item(None, "a")  # would be a miss had it landed
+        p0.get_and_update_item((TRUTH["b"], []), "b")
+        p0.release_sender_touches()
+        assert p0.is_cached(["a", "b"]) == [False, True], "not applied after the request"
+        p0.release_sender_touches()
+        p0.invalidate("b")  # no request in its lookup: at once
+        assert not p0.is_cached_item("b")
+    finally:
+        p0.close()
