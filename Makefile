@@ -62,13 +62,21 @@ build: $(STAMP)
 simulate: build mooncake-libs
 	$(MOONCAKE_ENV) $(VENV)/bin/mmcache simulate
 
-lint:
+# ruff (pinned in the `test` extra) checks and formats every Python file; its rules, and why
+# each ignored one is ignored, are in pyproject.toml. `make format` applies both formatters.
+lint: build
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python --lib -- -D warnings
 	# The libFuzzer targets must keep compiling against the core (running them needs
 	# nightly: `cd fuzz && cargo +nightly fuzz run store_ops`).
 	cargo check --manifest-path fuzz/Cargo.toml --bins
+
+format: build
+	$(VENV)/bin/ruff format
+	cargo fmt
 
 test-rust:
 	cargo test

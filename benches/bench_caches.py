@@ -83,8 +83,14 @@ def bench_pair(
 def run(iterations: int = 200) -> list[dict[str, Any]]:
     """Every case's median P0 and P1/worker µs per item, baseline first."""
     item = make_item()
-    rows = [{"case": "pickle + Pipe round trip (baseline)", "p0": None, "p1": None,
-             "total": bench_pickle_pipe(item, iterations)}]
+    rows = [
+        {
+            "case": "pickle + Pipe round trip (baseline)",
+            "p0": None,
+            "p1": None,
+            "total": bench_pickle_pipe(item, iterations),
+        }
+    ]
 
     def add(case: str, times: tuple[float, float]) -> None:
         rows.append({"case": case, "p0": times[0], "p1": times[1], "total": sum(times)})
@@ -92,16 +98,22 @@ def run(iterations: int = 200) -> list[dict[str, Any]]:
     sender, receiver = SenderCache(4), ReceiverCache(4)
     sender.get_and_update_item((item, UPDATES), "hit")
     receiver.get_and_update_item(item, "hit")
-    add("lru hit", bench_pair(
-        lambda i: sender.get_and_update_item(None, "hit")[0],
-        lambda i, data: receiver.get_and_update_item(data, "hit"),
-        iterations,
-    ))
-    add("lru miss (cache work; the item still travels by IPC)", bench_pair(
-        lambda i: sender.get_and_update_item((item, UPDATES), f"miss{i}")[0],
-        lambda i, data: receiver.get_and_update_item(data, f"miss{i}"),
-        iterations,
-    ))
+    add(
+        "lru hit",
+        bench_pair(
+            lambda i: sender.get_and_update_item(None, "hit")[0],
+            lambda i, data: receiver.get_and_update_item(data, "hit"),
+            iterations,
+        ),
+    )
+    add(
+        "lru miss (cache work; the item still travels by IPC)",
+        bench_pair(
+            lambda i: sender.get_and_update_item((item, UPDATES), f"miss{i}")[0],
+            lambda i, data: receiver.get_and_update_item(data, f"miss{i}"),
+            iterations,
+        ),
+    )
 
     with ShmSenderCache(0.25) as shm:
         for copy in (False, True):
@@ -109,16 +121,23 @@ def run(iterations: int = 200) -> list[dict[str, Any]]:
             with ShmReceiverCache(shm.handle(), copy=copy) as worker:
                 key = f"hit-{label}"
                 worker.get_and_update_item(shm.get_and_update_item((item, UPDATES), key)[0], key)
-                add(f"shm hit, {label}", bench_pair(
-                    lambda i: shm.get_and_update_item(None, key)[0],
-                    lambda i, handle: worker.get_and_update_item(handle, key),
-                    iterations,
-                ))
-                add(f"shm miss, {label}", bench_pair(
-                    lambda i: shm.get_and_update_item((item, UPDATES), f"miss-{label}{i}")[0],
-                    lambda i, handle: worker.get_and_update_item(handle, f"miss-{label}{i}"),
-                    iterations,
-                ))
+                # bench_pair calls its lambdas before it returns, in this iteration (B023).
+                add(
+                    f"shm hit, {label}",
+                    bench_pair(
+                        lambda i: shm.get_and_update_item(None, key)[0],  # noqa: B023
+                        lambda i, handle: worker.get_and_update_item(handle, key),  # noqa: B023
+                        iterations,
+                    ),
+                )
+                add(
+                    f"shm miss, {label}",
+                    bench_pair(
+                        lambda i: shm.get_and_update_item((item, UPDATES), f"miss-{label}{i}")[0],  # noqa: B023
+                        lambda i, handle: worker.get_and_update_item(handle, f"miss-{label}{i}"),  # noqa: B023
+                        iterations,
+                    ),
+                )
         if shm.stats()["uncached_full"] or shm.stats()["uncached_oversize"]:
             raise RuntimeError(f"the benchmark's ring served items uncached: {shm.stats()}")
     return rows

@@ -30,8 +30,12 @@ import redis
 
 from mmcache import content_hash
 from mmcache.remote import RemoteStore
-from mmcache.remote.local_server import LocalServer, ServerUnavailable, start_mooncake_master
-from mmcache.remote.local_server import start_valkey
+from mmcache.remote.local_server import (
+    LocalServer,
+    ServerUnavailable,
+    start_mooncake_master,
+    start_valkey,
+)
 
 MiB = 1 << 20
 SIZES = (64 << 10, 1 * MiB, 4 * MiB, 16 * MiB)

@@ -83,9 +83,9 @@ def main() -> int:
             resolved[name] = out["pixel_values"]
             if receiver.pinned and not resolved[name].is_pinned():
                 failures.append(f"{name}: the receiver is pinned but its tensor is not")
-        resolved["torch.empty(pin_memory=True) (reference)"] = (
-            torch.empty(SHAPE, pin_memory=True).copy_(item["pixel_values"])
-        )
+        resolved["torch.empty(pin_memory=True) (reference)"] = torch.empty(
+            SHAPE, pin_memory=True
+        ).copy_(item["pixel_values"])
         for name, tensor in resolved.items():
             seconds = h2d_seconds(tensor, dst, args.iterations)
             if not torch.equal(dst.cpu(), item["pixel_values"]):
@@ -96,13 +96,17 @@ def main() -> int:
             receiver.close()
 
     baseline = rows[0][2]
-    print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{nbytes / 1e6:.1f} MB item, median of {args.iterations} copies, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"{nbytes / 1e6:.1f} MB item, median of {args.iterations} copies, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"{'resolved as':<48} {'is_pinned':>9} {'H2D µs':>9} {'GB/s':>7} {'vs baseline':>12}")
     for name, pinned, seconds in rows:
-        print(f"{name:<48} {str(pinned):>9} {seconds * 1e6:>9.1f} "
-              f"{nbytes / seconds / 1e9:>7.1f} {baseline / seconds:>11.2f}x")
+        print(
+            f"{name:<48} {pinned!s:>9} {seconds * 1e6:>9.1f} "
+            f"{nbytes / seconds / 1e9:>7.1f} {baseline / seconds:>11.2f}x"
+        )
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

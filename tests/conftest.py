@@ -1,11 +1,13 @@
-"""Session-wide fixtures."""
+"""Session-wide fixtures, and the Valkey servers the remote tier's tests share."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import redis
 
+from mmcache.remote.local_server import LocalServer, start_valkey
 from tests.segment_watcher import SegmentWatcher, remove_orphans
 
 
@@ -19,3 +21,35 @@ def segments_left_behind() -> Iterator[None]:
     watcher = SegmentWatcher()  # if this process dies first, its closed pipe stops the watcher
     yield
     remove_orphans(watcher.stop())
+
+
+# The remote tier's tests (test_remote*.py): one server per module, a namespace per test.
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with start_valkey() as srv:
+        yield srv
+
+
+@pytest.fixture
+def raw(server: LocalServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(server.url)
+    yield client
+    client.close()
+
+
+_namespaces = iter(range(10**9))
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A namespace of its own for each test: tests share one server, never a key."""
+    return f"test/{next(_namespaces)}@1"
+
+
+@pytest.fixture
+def own_server() -> Iterator[LocalServer]:
+    """A server this test may kill, stall and restart."""
+    with start_valkey() as srv:
+        yield srv

@@ -62,12 +62,17 @@ def run_request(
         for _ in range(extra_lookups):
             p0.is_cached(hashes)
         cached = p0.is_cached(hashes)
-        inputs = [None if c else (truth[h], updates_of(h)) for h, c in zip(hashes, cached)]
+        inputs = [
+            None if c else (truth[h], updates_of(h)) for h, c in zip(hashes, cached, strict=True)
+        ]
         for h in hashes:
             p0.touch_sender_cache_item(h)
         outputs = p0.get_and_update(inputs, hashes)
         data, updates = [d for d, _ in outputs], [u for _, u in outputs]
-    features = [Feature(d, mm_hash=h, identifier=h, modality="image") for d, h in zip(data, hashes)]
+    features = [
+        Feature(d, mm_hash=h, identifier=h, modality="image")
+        for d, h in zip(data, hashes, strict=True)
+    ]
     if p1 is not None:
         p1.get_and_update_features(features)
     return [f.data for f in features], updates
@@ -91,13 +96,13 @@ def test_make_caches_builds_each_mode() -> None:
 
 
 def test_capacity_must_not_be_negative() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="non-negative"):
         SenderCache(-1)
 
 
 def test_batch_lengths_must_match() -> None:
     for cache in (SenderCache(1), ReceiverCache(1), ProcessorOnlyCache(1)):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="1 items but 2 mm_hashes"):
             cache.get_and_update([None], ["a", "b"])
 
 
@@ -190,7 +195,7 @@ def test_lru_processor_only_and_none_give_p1_identical_tensors() -> None:
         }
         for data, updates in results.values():
             assert updates == [updates_of(h) for h in hashes]
-            assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+            assert all(same_item(d, truth[h]) for d, h in zip(data, hashes, strict=True))
     # The run exercised hits and evictions.
     sender, receiver = configs["lru"]
     assert 0 < sender.make_stats().hits < sender.make_stats().total
@@ -209,7 +214,7 @@ def test_sender_mirrors_receiver_after_every_request() -> None:
     for _ in range(200):
         hashes = [rng.choice(keys) for _ in range(rng.randint(1, 3))]
         data, _ = run_request(sender, receiver, hashes, truth, rng.randint(0, 2))
-        assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+        assert all(same_item(d, truth[h]) for d, h in zip(data, hashes, strict=True))
         assert sender.keys() == receiver.keys()
         assert sender.stats()["used_bytes"] == receiver.stats()["used_bytes"]
         assert sender.stats()["evictions"] == receiver.stats()["evictions"]
@@ -277,7 +282,7 @@ def test_a_request_cannot_evict_the_items_it_touched() -> None:
     ):
         run_request(p0, p1, ["a"], truth)
         data, _ = run_request(p0, p1, ["b", "a"], truth)  # 11 KiB into 10 KiB
-        assert all(same_item(d, truth[h]) for d, h in zip(data, ["b", "a"]))
+        assert all(same_item(d, truth[h]) for d, h in zip(data, ["b", "a"], strict=True))
         assert p0.keys() == ["a"] and p0.stats()["uncached_full"] == 1
         if p1 is not None:
             assert p1.keys() == ["a"] and p1.stats()["uncached_full"] == 1
@@ -313,7 +318,7 @@ def test_sender_mirrors_receiver_with_requests_larger_than_the_cache() -> None:
         hashes = [rng.choice(keys) for _ in range(rng.randint(1, 6))]
         over += sum(truth[h]["pixel_values"].numel() + 8 for h in set(hashes)) > 10 * KiB
         data, _ = run_request(sender, receiver, hashes, truth, rng.randint(0, 1))
-        assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+        assert all(same_item(d, truth[h]) for d, h in zip(data, hashes, strict=True))
         assert sender.keys() == receiver.keys()
         assert sender.stats()["used_bytes"] == receiver.stats()["used_bytes"]
         assert sender.stats()["evictions"] == receiver.stats()["evictions"]
@@ -338,13 +343,13 @@ def test_a_request_bracket_keeps_items_updated_one_by_one_mirrored() -> None:
             sender.touch_sender_cache_item(h)
         data = [
             sender.get_and_update_item(None if c else (truth[h], updates_of(h)), h)[0]
-            for h, c in zip(hashes, cached)
+            for h, c in zip(hashes, cached, strict=True)
         ]
         sender.end_request()
         assert not sender.in_request
-        features = [Feature(d, mm_hash=h) for d, h in zip(data, hashes)]
+        features = [Feature(d, mm_hash=h) for d, h in zip(data, hashes, strict=True)]
         receiver.get_and_update_features(features)
-        assert all(same_item(f.data, truth[h]) for f, h in zip(features, hashes))
+        assert all(same_item(f.data, truth[h]) for f, h in zip(features, hashes, strict=True))
         assert sender.keys() == receiver.keys()
     assert sender.stats()["uncached_full"] == receiver.stats()["uncached_full"] > 0
 
@@ -452,7 +457,7 @@ def test_oversize_items_are_served_uncached(mode: str, caplog: pytest.LogCapture
     with caplog.at_level(logging.WARNING, logger="mmcache"):
         for hashes in (["big1"], ["big2", "small"], ["big1"]):
             data, _ = run_request(p0, p1, hashes, truth)
-            assert all(same_item(d, truth[h]) for d, h in zip(data, hashes))
+            assert all(same_item(d, truth[h]) for d, h in zip(data, hashes, strict=True))
     assert p0.is_cached(["big1", "big2", "small"]) == [False, False, True]
     assert p0.stats()["uncached_oversize"] == 3
     if p1 is not None:
@@ -505,7 +510,7 @@ def test_invalidate_and_one_resend_recover_from_drift() -> None:
     for h in info.value.mm_hashes:
         sender.invalidate(h)
     data, _ = run_request(sender, receiver, ["z", "y", "x"], truth)  # the single retry
-    assert all(same_item(d, truth[h]) for d, h in zip(data, ["z", "y", "x"]))
+    assert all(same_item(d, truth[h]) for d, h in zip(data, ["z", "y", "x"], strict=True))
     assert sender.keys() == receiver.keys() == ["z", "y", "x"]
 
 

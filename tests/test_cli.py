@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from mmcache.cli import CLI_EXTRA_MODULES, main
 
 
@@ -73,7 +74,7 @@ def test_bad_input_is_one_line_and_exit_status_2(args: list[str], message: str) 
 def _without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter in which ``modules`` cannot be imported (as if
     the ``cli`` extra were not installed)."""
-    block = "import sys\nfor name in %r:\n    sys.modules[name] = None\n" % (modules,)
+    block = f"import sys\nfor name in {modules!r}:\n    sys.modules[name] = None\n"
     return subprocess.run(
         [sys.executable, "-c", block + code], capture_output=True, text=True, timeout=120
     )
@@ -96,7 +97,7 @@ def test_without_the_cli_extra_the_command_names_it_in_one_line(
 
 def test_the_library_imports_without_the_cli_extra() -> None:
     # Every module but the command's own (and the vLLM adapter, which needs vLLM).
-    code = """
+    code = f"""
 import importlib, pathlib
 import mmcache
 root = pathlib.Path(mmcache.__file__).parent
@@ -108,9 +109,10 @@ names = [
 for name in names:
     if not name.startswith(skip):
         importlib.import_module(name)
-loaded = [m for m, module in sys.modules.items() if module and m.split(".")[0] in %r]
+extras = {CLI_EXTRA_MODULES!r}
+loaded = [m for m, module in sys.modules.items() if module and m.split(".")[0] in extras]
 print(len(names), loaded)
-""" % (CLI_EXTRA_MODULES,)
+"""
     result = _without(CLI_EXTRA_MODULES, code)
     assert result.returncode == 0, result.stderr
     count, loaded = result.stdout.split(" ", 1)
@@ -141,8 +143,17 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     assert all((row["bytes_per_s"] is None) == (row["op"] in no_bytes) for row in rows)
     # Each size's rows: every cache row right after its core rows (1 and 2 readers).
     assert [row["op"] for row in rows if row["size"] == 4 << 10] == [
-        "memcpy (numpy)", "put", "cache put", "lookup", "cache lookup", "cache hit",
-        "get (copy)", "get (copy)", "cache get (copy)",
-        "get (zero-copy)", "get (zero-copy)", "cache get (zero-copy)",
+        "memcpy (numpy)",
+        "put",
+        "cache put",
+        "lookup",
+        "cache lookup",
+        "cache hit",
+        "get (copy)",
+        "get (copy)",
+        "cache get (copy)",
+        "get (zero-copy)",
+        "get (zero-copy)",
+        "cache get (zero-copy)",
     ]
     assert all(s in result.stdout for s in ("x memcpy", "16 MiB", "cache put"))

@@ -153,7 +153,7 @@ def payload_of(item: dict[str, Any]) -> bytes:
     header, buffers = serde.encode(item)
     parts = [header, *(bytes(b) for b in buffers)]
     out = bytearray()
-    for offset, part in zip(serde.part_offsets([len(p) for p in parts]), parts):
+    for offset, part in zip(serde.part_offsets([len(p) for p in parts]), parts, strict=True):
         out += bytes(offset - len(out)) + part
     assert len(out) == serde.payload_size(header, buffers)
     return bytes(out)
@@ -382,7 +382,6 @@ def test_view_mapping_is_the_readers() -> None:
             assert address > 0 and length > writer.capacity
 
 
-
 # -- hostile payloads: no payload decodes into more memory than it holds -------------------
 
 
@@ -444,7 +443,9 @@ def test_a_part_named_by_no_value_is_corrupt() -> None:
 def run_python(code: str, stdin: bytes = b"") -> tuple[int, str, str]:
     """``code`` in a fresh interpreter (what would crash this process crashes that one):
     its exit status, stdout and stderr."""
-    out = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=stdin, capture_output=True, timeout=300
+    )
     return out.returncode, out.stdout.decode(), out.stderr.decode(errors="replace")[-3000:]
 
 
@@ -464,7 +465,9 @@ def test_a_small_payload_never_asks_for_a_huge_arena() -> None:
     copy arena, whose RuntimeError escaped."""
     size = 8 << 20
     payload = raw_payload(list_tree(part_node("tensor", 1, size), 196_608), [size])
-    code = CAP_MEMORY + """
+    code = (
+        CAP_MEMORY
+        + """
 import sys, torch
 from mmcache import serde, SegmentCorruptError
 payload = sys.stdin.buffer.read()
@@ -474,6 +477,7 @@ try:
 except SegmentCorruptError as e:
     print("corrupt:", e)
 """
+    )
     rc, stdout, stderr = run_python(code, payload)
     assert rc == 0 and "named by two values" in stdout, stderr
 
@@ -481,7 +485,9 @@ except SegmentCorruptError as e:
 def test_a_failed_allocation_is_a_memory_error() -> None:
     """Every allocation of the decoder (torch's copy arena, numpy, bytes) maps its failure to
     a MemoryError, never a stray RuntimeError."""
-    code = CAP_MEMORY + """
+    code = (
+        CAP_MEMORY
+        + """
 import numpy as np, torch
 from mmcache import serde
 payloads = [
@@ -496,6 +502,7 @@ for payload in payloads:
     except MemoryError as e:
         print(type(e).__name__, "(a MemoryError):", str(e)[:60].replace(chr(10), " "))
 """
+    )
     rc, stdout, stderr = run_python(code)
     assert rc == 0 and stdout.count("(a MemoryError)") == 3, (stdout, stderr)
     assert "cannot allocate" in stdout.splitlines()[0], stdout

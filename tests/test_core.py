@@ -119,9 +119,9 @@ def test_handles_pickle_and_compare():
     assert pickle.loads(pickle.dumps(h)) == h
     assert hash(pickle.loads(pickle.dumps(h))) == hash(h)
     assert (h.address, h.monotonic_id, h.signature) == (64, 7, b"x" * 16)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="address must be"):
         ShmHandle(address=-1, monotonic_id=1, signature=b"")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="monotonic_id must be"):
         ShmHandle(address=1, monotonic_id=2**64, signature=b"")
     with pytest.raises(TypeError):
         ShmHandle(64, 7, b"x")  # keywords only
@@ -488,12 +488,16 @@ def test_each_memory_error_has_its_own_class_exported_by_the_package():
 
 
 def test_existing_name_and_bad_arguments():
-    s = ShmObjectStore.create(1 << 16, name="mmc_test_named_%d" % os.getpid())
+    s = ShmObjectStore.create(1 << 16, name=f"mmc_test_named_{os.getpid()}")
     with pytest.raises(FileExistsError):
         ShmObjectStore.create(1 << 16, name=s.name)
     s.close()
-    for kwargs in ({"capacity": 0}, {"capacity": 1 << 16, "n_readers": 0}, {"capacity": 64}):
-        with pytest.raises(ValueError):
+    for kwargs, message in (
+        ({"capacity": 0}, "capacity must be positive"),
+        ({"capacity": 1 << 16, "n_readers": 0}, "n_readers must be between"),
+        ({"capacity": 64}, "cannot hold even one chunk header"),
+    ):
+        with pytest.raises(ValueError, match=message):
             ShmObjectStore.create(**kwargs)
 
 

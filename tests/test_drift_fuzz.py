@@ -162,7 +162,7 @@ class ShmDrift(_DriftMachine):
         )
 
     @rule()
-    def drop_views(self) -> None:  # noqa: D102
+    def drop_views(self) -> None:
         assert self.model is not None
         self.model.drop_views()
 
@@ -184,9 +184,7 @@ TestLruDrift.settings = PROFILE
 TestShmDrift = ShmDrift.TestCase
 TestShmDrift.settings = PROFILE
 TestProcessorOnlyDrift = ProcessorOnlyDrift.TestCase
-TestProcessorOnlyDrift.settings = settings(
-    PROFILE, max_examples=max(1, PROFILE.max_examples // 3)
-)
+TestProcessorOnlyDrift.settings = settings(PROFILE, max_examples=max(1, PROFILE.max_examples // 3))
 
 
 # -- the fuzzer exercises what it claims, and its oracle bites ------------------------------
@@ -281,7 +279,9 @@ def test_each_lru_drift_fault_is_recovered_with_exactly_one_retry(fault: str) ->
         assert not model.drifted and model.stats.retries == 1
 
 
-@pytest.mark.parametrize("fault", ["p0_clear_inflight", "invalidate_inflight", "worker_restart_inflight"])
+@pytest.mark.parametrize(
+    "fault", ["p0_clear_inflight", "invalidate_inflight", "worker_restart_inflight"]
+)
 def test_shm_handles_disturbed_in_flight_resolve_right_or_miss_once(fault: str) -> None:
     with make_model(
         "shm", seed=1, capacity=256 * KiB, n_ids=8, n_workers=2, copies=[True, False]
@@ -359,13 +359,13 @@ class _LruPair:
         flags = [False] * len(keys) if attach_all else self.p0.is_cached(keys)
         for k in keys:
             self.p0.touch_sender_cache_item(k)
-        inputs = [None if f else (self.items[k], None) for f, k in zip(flags, keys)]
+        inputs = [None if f else (self.items[k], None) for f, k in zip(flags, keys, strict=True)]
         return self.p0.get_and_update(inputs, keys)
 
     def deliver(self, keys: list[str], outputs: list[Any]) -> None:
-        features = [Feature(data=d, mm_hash=k) for (d, _), k in zip(outputs, keys)]
+        features = [Feature(data=d, mm_hash=k) for (d, _), k in zip(outputs, keys, strict=True)]
         self.p1.get_and_update_features(features)
-        for f, k in zip(features, keys):
+        for f, k in zip(features, keys, strict=True):
             assert f.data["x"].tobytes() == self.items[k]["x"].tobytes()
 
     def finish(self, keys: list[str], outputs: list[Any]) -> int:
@@ -463,34 +463,35 @@ def test_a_stale_is_cached_answer_makes_p0_raise_before_applying_anything() -> N
 
 
 def test_clear_reclaims_the_references_of_abandoned_handles() -> None:
-    with ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0:
-        with ShmReceiverCache(p0.handle()):
-            data, _ = p0.get_and_update_item((_sized("a", 40 * KiB), None), "a")
-            assert isinstance(data, ShmHandle)  # the request carrying it is abandoned
-            p0.clear_cache()
-            stats = p0.stats()
-            assert stats["store_objects"] == 0
-            assert stats["store_outstanding_refs"] == 0
-            assert stats["store_bytes_in_use"] == 0
+    with ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0, ShmReceiverCache(p0.handle()):
+        data, _ = p0.get_and_update_item((_sized("a", 40 * KiB), None), "a")
+        assert isinstance(data, ShmHandle)  # the request carrying it is abandoned
+        p0.clear_cache()
+        stats = p0.stats()
+        assert stats["store_objects"] == 0
+        assert stats["store_outstanding_refs"] == 0
+        assert stats["store_bytes_in_use"] == 0
 
 
 def test_a_batch_that_misses_part_way_leaves_no_reference_behind() -> None:
     # Fixed bug: the handles issued for the items before the missing one were lost with the
     # exception, so the engine could not release_handles them.
-    with ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0:
-        with ShmReceiverCache(p0.handle()) as worker:
-            h, _ = p0.get_and_update_item((_sized("a", 1 * KiB), None), "a")
-            worker.get_and_update_features([Feature(data=h, mm_hash="a")])
-            assert p0.is_cached(["b", "a"]) == [False, True]
-            p0.invalidate("a")  # 'a' goes away between is_cached and the update
-            for k in ("b", "a"):
-                p0.touch_sender_cache_item(k)
-            with pytest.raises(CacheMissError):
-                p0.get_and_update([(_sized("b", 1 * KiB), None), None], ["b", "a"])
-            p0.release_sender_touches()
-            stats = p0.stats()
-            assert stats["store_pinned"] == 0
-            assert stats["store_outstanding_refs"] == 0, "b's handle was issued and lost"
+    with (
+        ShmSenderCache(256 * KiB / GiB, n_readers=1) as p0,
+        ShmReceiverCache(p0.handle()) as worker,
+    ):
+        h, _ = p0.get_and_update_item((_sized("a", 1 * KiB), None), "a")
+        worker.get_and_update_features([Feature(data=h, mm_hash="a")])
+        assert p0.is_cached(["b", "a"]) == [False, True]
+        p0.invalidate("a")  # 'a' goes away between is_cached and the update
+        for k in ("b", "a"):
+            p0.touch_sender_cache_item(k)
+        with pytest.raises(CacheMissError):
+            p0.get_and_update([(_sized("b", 1 * KiB), None), None], ["b", "a"])
+        p0.release_sender_touches()
+        stats = p0.stats()
+        assert stats["store_pinned"] == 0
+        assert stats["store_outstanding_refs"] == 0, "b's handle was issued and lost"
 
 
 def test_torch_items_survive_the_shm_model_bit_for_bit() -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -126,7 +127,7 @@ def _worker_killed_while_holding(reader_handle: Any, conn: Any) -> None:
         batch = conn.recv()
         features = resolve(cache, batch)
         held.extend(features)  # zero-copy views, kept alive until the process dies
-        conn.send([same(f.data, k) for f, (k, _) in zip(features, batch)])
+        conn.send([same(f.data, k) for f, (k, _) in zip(features, batch, strict=True)])
 
 
 def test_a_sigkilled_worker_holding_views_and_unread_handles_is_reclaimed() -> None:
@@ -229,7 +230,9 @@ def test_a_worker_writing_into_its_zero_copy_tensor_cannot_change_what_anyone_re
 def _writer_killed(conn: Any, keys: list[str]) -> None:
     p0 = ShmSenderCache(1 * MiB / GiB, n_readers=1)
     outputs = p0.get_and_update([(make_item(k), f"pu-{k}") for k in keys], keys)
-    conn.send((p0.handle(), p0.name, [(k, wire(h)) for k, (h, _) in zip(keys, outputs)]))
+    conn.send(
+        (p0.handle(), p0.name, [(k, wire(h)) for k, (h, _) in zip(keys, outputs, strict=True)])
+    )
     conn.recv()  # wait to be killed (never unlinks its segment)
 
 
@@ -253,10 +256,8 @@ def test_a_sigkilled_writer_gives_a_clear_error_and_its_segment_is_pruned() -> N
         assert not isinstance(WriterGoneError("x"), CacheMissError)  # retrying cannot help
         # Any store's creation on this host removes an orphan: another test run may take
         # this one first, so each check below allows for it being gone already.
-        try:
+        with contextlib.suppress(FileNotFoundError):
             assert _core.inspect_segment(name)["creator_alive"] is False
-        except FileNotFoundError:
-            pass
         listed = prune(dry_run=True)
         assert name in listed or name not in _core.list_segments()
         assert bystander.name not in listed
@@ -288,7 +289,7 @@ def _duplicating_worker(reader_handle: Any, conn: Any) -> None:
         except CacheMissError as miss:
             missing = miss.mm_hashes
         report = []
-        for f, (k, _) in zip(features, batch):
+        for f, (k, _) in zip(features, batch, strict=True):
             if isinstance(f.data, ShmHandle):
                 report.append("miss" if k in missing else "UNREPORTED")
             else:
@@ -302,8 +303,7 @@ def test_a_handle_delivered_twice_gives_the_same_data_or_a_miss_and_spares_other
     with ShmSenderCache(ring / GiB, max_object_size_mb=1, n_readers=2) as p0:
         pipes = [ctx.Pipe() for _ in range(2)]
         procs = [
-            ctx.Process(target=_duplicating_worker, args=(p0.handle(), child))
-            for _, child in pipes
+            ctx.Process(target=_duplicating_worker, args=(p0.handle(), child)) for _, child in pipes
         ]
         for p in procs:
             p.start()
@@ -358,8 +358,9 @@ def test_a_handle_delivered_twice_gives_the_same_data_or_a_miss_and_spares_other
 N_FORGED = 4000
 
 
-def _forge(rng: random.Random, genuine: list[tuple[str, ShmHandle]], foreign: ShmHandle,
-           capacity: int) -> tuple[str, ShmHandle | None, str]:
+def _forge(
+    rng: random.Random, genuine: list[tuple[str, ShmHandle]], foreign: ShmHandle, capacity: int
+) -> tuple[str, ShmHandle | None, str]:
     """One forged (key, handle, kind); handle is None when ShmHandle refuses the fields."""
     i, j = rng.sample(range(len(genuine)), 2)
     (key, h), (other_key, other) = genuine[i], genuine[j]
@@ -463,8 +464,18 @@ def test_a_forged_handle_stream_is_rejected_before_shared_memory_is_read() -> No
         assert proc.exitcode == 0, "the worker died"
         rejected = sum(v for k, v in counts.items() if k != "refused_at_construction")
         assert rejected >= 3000, counts
-        assert {"sig", "sig_len", "addr", "addr_far", "id", "key", "swap", "foreign",
-                "random", "flip"} <= counts.keys(), counts
+        assert {
+            "sig",
+            "sig_len",
+            "addr",
+            "addr_far",
+            "id",
+            "key",
+            "swap",
+            "foreign",
+            "random",
+            "flip",
+        } <= counts.keys(), counts
         # Nothing was acknowledged or leased by the forgeries: the reader's counters did not
         # move until the genuine handles were read.
         assert [(r["refs"], r["acks"]) for r in before] == [(r["refs"], r["acks"]) for r in after]

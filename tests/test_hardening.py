@@ -662,9 +662,13 @@ def test_an_in_place_op_on_a_zero_copy_tensor_dies_explaining_why(faulthandler: 
         assert "Fatal Python error: Segmentation fault" in result.stderr
     # Other segfaults are not blamed on mmcache.
     other = subprocess.run(
-        [sys.executable, "-c", "import ctypes, mmcache, torch; "
-         "from mmcache import make_caches; make_caches('shm', capacity_gb=0.001); "
-         "ctypes.string_at(0)"],
+        [
+            sys.executable,
+            "-c",
+            "import ctypes, mmcache, torch; "
+            "from mmcache import make_caches; make_caches('shm', capacity_gb=0.001); "
+            "ctypes.string_at(0)",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

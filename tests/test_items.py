@@ -25,7 +25,7 @@ def _through_serde(item: dict) -> dict:
     header, buffers = encode(item)
     parts = [header, *(bytes(b) for b in buffers)]
     payload = bytearray()
-    for offset, part in zip(part_offsets([len(p) for p in parts]), parts):
+    for offset, part in zip(part_offsets([len(p) for p in parts]), parts, strict=True):
         payload += bytes(offset - len(payload)) + part
     return decode(bytes(payload))
 
@@ -80,7 +80,7 @@ def test_non_contiguous_tensor_counts_its_elements() -> None:
 def test_feature_key_is_mm_hash_or_identifier() -> None:
     assert Feature(None, mm_hash="h", identifier="lora1:h").cache_key == "h"
     assert Feature(None, mm_hash=None, identifier="id").cache_key == "id"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs an mm_hash or an identifier"):
         Feature({"x": 1})
 
 

@@ -75,7 +75,7 @@ def test_size_aware_eviction_and_put_if_fits() -> None:
     assert cache.recency_order() == ["b", "c"] and cache.currsize == 90
     assert not cache.put_if_fits("huge", {"x": np.zeros(101, dtype=np.uint8)})
     assert "huge" not in cache and cache.recency_order() == ["b", "c"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot fit"):
         cache.put("huge", {"x": np.zeros(101, dtype=np.uint8)})
     assert cache.put_if_fits("exact", {"x": np.zeros(100, dtype=np.uint8)})
     assert cache.recency_order() == ["exact"]

@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,8 +32,13 @@ from mmcache import (
     serde,
 )
 from mmcache._core import ShmObjectStore
-from mmcache.remote import CircuitBreaker, RemoteStore, TieredSenderCache, is_shareable_key
-from mmcache.remote import redis_backend
+from mmcache.remote import (
+    CircuitBreaker,
+    RemoteStore,
+    TieredSenderCache,
+    is_shareable_key,
+    redis_backend,
+)
 from mmcache.remote.backend import RemoteUnreachable, ValueTooLarge
 from mmcache.remote.envelope import (
     HEADER_SIZE,
@@ -47,9 +52,9 @@ from mmcache.remote.envelope import (
     part_hasher,
     seal,
 )
+from mmcache.remote.local_server import LocalServer, start_valkey
 from mmcache.remote.redis_backend import CHUNK_BYTES
 from tests.servers import kill, resume, stall
-from mmcache.remote.local_server import LocalServer, start_valkey
 
 MiB = 1 << 20
 HANG_S = 30  # a call that has not returned by then is a hang (the test fails, CI goes on)
@@ -110,28 +115,6 @@ def in_time(call: Callable[[], Any], limit_s: float = HANG_S) -> Any:
     if errors:
         raise errors[0]
     return result[0]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[LocalServer]:
-    with start_valkey() as srv:
-        yield srv
-
-
-@pytest.fixture
-def raw(server: LocalServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(server.url)
-    yield client
-    client.close()
-
-
-_namespaces = iter(range(10**9))
-
-
-@pytest.fixture
-def namespace() -> str:
-    """A namespace of its own for each test: tests share one server, never a key."""
-    return f"test/{next(_namespaces)}@1"
 
 
 def open_store(url: str, namespace: str, **kwargs: Any) -> RemoteStore:
@@ -727,13 +710,6 @@ def test_an_item_past_a_codec_limit_is_counted_and_skipped_not_raised(
 # A server that dies, stalls and comes back
 
 
-@pytest.fixture
-def own_server() -> Iterator[LocalServer]:
-    """A server this test may kill, stall and restart."""
-    with start_valkey() as srv:
-        yield srv
-
-
 def test_a_dead_server_costs_misses_then_the_breaker_and_recovers_by_itself(
     own_server: LocalServer, namespace: str
 ) -> None:
@@ -878,7 +854,7 @@ def test_credentials_in_the_url_never_reach_logs_repr_or_errors(
     ],
 )
 def test_a_bad_url_with_credentials_is_an_error_that_does_not_repeat_them(url: str) -> None:
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError) as error:  # noqa: PT011 - its message is checked below
         RemoteStore(url, namespace="m@1")
     assert PASSWORD not in str(error.value) and "127.0.0.1" in str(error.value)
 
@@ -1233,7 +1209,9 @@ def test_items_fetched_for_the_coming_update_are_bounded_by_bytes(
     with open_store(server.url, namespace) as writer:
         for i in range(3):
             writer.put(key(i), {"item": make_item(i, 400_000), "prompt_updates": ["<image>", i]})
-    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace), prefetch_limit_mb=1)
+    p0 = TieredSenderCache(
+        SenderCache(0.05), open_store(server.url, namespace), prefetch_limit_mb=1
+    )
     try:
         # The oldest goes first: what is left is what the coming update can use.
         assert p0.is_cached([key(0), key(1), key(2)]) == [False, True, True]

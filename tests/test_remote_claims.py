@@ -17,26 +17,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
-from test_remote import (  # noqa: F401 - namespace, own_server, raw, server: fixtures
-    HANG_S,
-    in_time,
-    key,
-    make_item,
-    namespace,
-    open_store,
-    own_server,
-    raw,
-    same,
-    server,
-)
 
 from mmcache import CacheMissError, SenderCache
 from mmcache.remote import TieredSenderCache
 from mmcache.remote.local_server import LocalServer
+from test_remote import (
+    HANG_S,
+    in_time,
+    key,
+    make_item,
+    open_store,
+    same,
+)
 from tests.servers import resume, stall
 
 
@@ -372,7 +368,7 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
 
 def test_a_local_cache_that_takes_claims_gets_them() -> None:
     class LocalWithClaims(SenderCache):
-        asked: list[tuple[bool, float]] = []
+        asked: ClassVar[list[tuple[bool, float]]] = []
 
         def is_cached(
             self, mm_hashes: Sequence[str], *, claim: bool = False, wait_s: float = 0.0

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_remote import HANG_S, in_time, key, make_item, same
 
 from mmcache import SenderCache
 from mmcache.remote import RemoteStore, TieredSenderCache
 from mmcache.remote.envelope import HEADER_SIZE
-from mmcache.remote.mooncake_backend import import_mooncake
 from mmcache.remote.local_server import LocalServer, start_mooncake_master
+from mmcache.remote.mooncake_backend import import_mooncake
+from test_remote import HANG_S, in_time, key, make_item, same
 from tests.servers import kill
 
 MiB = 1 << 20

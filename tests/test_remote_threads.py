@@ -23,18 +23,6 @@ from typing import Any
 
 import pytest
 import redis
-from test_remote import (  # noqa: F401 - namespace, raw, server: fixtures
-    HANG_S,
-    in_time,
-    key,
-    make_item,
-    namespace,
-    open_store,
-    raw,
-    same,
-    server,
-)
-from test_remote_claims import claim_of, until
 
 from mmcache import (
     CacheMissError,
@@ -49,6 +37,15 @@ from mmcache import (
 from mmcache.caches import BaseSenderCache
 from mmcache.remote import TieredSenderCache
 from mmcache.remote.local_server import LocalServer
+from test_remote import (
+    HANG_S,
+    in_time,
+    key,
+    make_item,
+    open_store,
+    same,
+)
+from test_remote_claims import claim_of, until
 
 N_THREADS = 8
 CATALOGUE = 16  # items 0..15, each the same bits whichever host processes it
@@ -153,10 +150,10 @@ def test_an_item_fetched_for_two_requests_serves_both_while_the_first_is_inserti
         local.pause_in = a.ident
         first = a.start(p0.get_and_update, [None], [key(1)])
         assert local.entered.wait(HANG_S)  # a's update has the item, the local cache not yet
-        (data, updates), = b(p0.get_and_update, [None], [key(1)])
+        ((data, updates),) = b(p0.get_and_update, [None], [key(1)])
         assert same(data, truth(1)) and updates == updates_of(1)
         local.resume.set()
-        (data, updates), = first.result(timeout=HANG_S)
+        ((data, updates),) = first.result(timeout=HANG_S)
         assert same(data, truth(1)) and updates == updates_of(1)
         assert p0.fetched(key(1)) is None  # both requests had it: nothing left waiting
         assert p0.stats()["remote_served"] == 1 and p0.stats()["remote_lookups"] == 1
@@ -174,7 +171,7 @@ def test_an_item_the_local_cache_served_uncached_still_serves_the_other_request(
     try:
         assert a(p0.is_cached, [key(1)]) == b(p0.is_cached, [key(1)]) == [True]
         for actor in (a, b):
-            (data, updates), = actor(p0.get_and_update, [None], [key(1)])
+            ((data, updates),) = actor(p0.get_and_update, [None], [key(1)])
             assert same(data, truth(1)) and updates == updates_of(1)
         assert p0.local.stats()["uncached_oversize"] == 2 and p0.fetched(key(1)) is None
     finally:
@@ -263,7 +260,7 @@ def test_close_ends_the_claims_of_an_update_in_flight(
         in_time(p0.close)
         assert claim_of(raw, namespace, 1) is None
         local.resume.set()
-        (data, updates), = update.result(timeout=HANG_S)
+        ((data, updates),) = update.result(timeout=HANG_S)
         assert same(data, truth(1)) and updates == updates_of(1)
         assert p0.flush() and p0.stats()["remote_claims_released"] == 1
         with open_store(server.url, namespace) as store:
@@ -290,7 +287,7 @@ def test_threads_go_on_calling_while_and_after_the_cache_closes(
         rng = random.Random(t)
         while after[t] < 20:
             ids = request_ids(rng, rng.sample(range(CATALOGUE), 4))
-            for (data, _), i in zip(serve(p0, ids, rng), ids):
+            for (data, _), i in zip(serve(p0, ids, rng), ids, strict=True):
                 assert same(data, truth(i))
             if closed.is_set():
                 after[t] += 1
@@ -424,9 +421,9 @@ class SecondHost:
                 ids = rng.sample(range(CATALOGUE), rng.randint(1, 3))
                 hashes = [key(i) for i in ids]
                 cached = self.p0.is_cached(hashes, claim=True, wait_s=0.2)
-                inputs = [None if hit else processed(i) for i, hit in zip(ids, cached)]
+                inputs = [None if hit else processed(i) for i, hit in zip(ids, cached, strict=True)]
                 outputs = self.p0.get_and_update(inputs, hashes)
-                for (data, updates), i in zip(outputs, ids):
+                for (data, updates), i in zip(outputs, ids, strict=True):
                     assert same(data, truth(i)) and updates == updates_of(i)
                 self.requests += 1
         except BaseException as exc:
@@ -457,7 +454,7 @@ def serve(p0: TieredSenderCache, ids: list[int], rng: random.Random) -> list[Any
     hashes = [key(i) for i in ids]
     claim = rng.random() < 0.5
     cached = p0.is_cached(hashes, claim=claim, wait_s=0.2 if rng.random() < 0.5 else 0.0)
-    inputs = [None if hit else processed(i) for i, hit in zip(ids, cached)]
+    inputs = [None if hit else processed(i) for i, hit in zip(ids, cached, strict=True)]
     for h in hashes:
         p0.touch_sender_cache_item(h)
     if rng.random() < 0.5:
@@ -468,10 +465,10 @@ def serve(p0: TieredSenderCache, ids: list[int], rng: random.Random) -> list[Any
     else:
         p0.begin_request()
         try:
-            outputs = [p0.get_and_update_item(x, h) for x, h in zip(inputs, hashes)]
+            outputs = [p0.get_and_update_item(x, h) for x, h in zip(inputs, hashes, strict=True)]
         finally:
             p0.end_request()
-    for (_, updates), i in zip(outputs, ids):
+    for (_, updates), i in zip(outputs, ids, strict=True):
         assert updates == updates_of(i)
     return outputs
 
@@ -497,7 +494,8 @@ def _reader_process(handle: Any, requests: Any, report: Any, n_threads: int) -> 
                     seen["errors"] += 1
                 else:
                     seen["wrong"] = sum(
-                        not same(f.data, truth(i)) for (i, _), f in zip(request, features)
+                        not same(f.data, truth(i))
+                        for (i, _), f in zip(request, features, strict=True)
                     )
                 with lock:
                     for name, n in seen.items():
@@ -550,9 +548,9 @@ class Downstream:
         """Deliver one request's outputs; every item resolved downstream is the truth."""
         data = [d for d, _ in outputs]
         if self.mode == "processor_only":
-            assert all(same(d, truth(i)) for d, i in zip(data, ids))
+            assert all(same(d, truth(i)) for d, i in zip(data, ids, strict=True))
         elif self.mode == "lru":
-            assert all(d is None or same(d, truth(i)) for d, i in zip(data, ids))
+            assert all(d is None or same(d, truth(i)) for d, i in zip(data, ids, strict=True))
             answer = self._submit(ids, data)
             if isinstance(answer, CacheMissError):
                 # Requests reached P1 in another order than P0's threads applied them: a
@@ -560,10 +558,14 @@ class Downstream:
                 # the retry that carries every item's data recovers it.
                 answer = self._submit(ids, [truth(i) for i in ids])
                 assert not isinstance(answer, CacheMissError), f"{ids}: a second miss"
-            assert all(same(item, truth(i)) for item, i in zip(answer, ids))
+            assert all(same(item, truth(i)) for item, i in zip(answer, ids, strict=True))
         else:
-            handles = [(i, d) for d, i in zip(data, ids) if isinstance(d, ShmHandle)]
-            assert all(same(d, truth(i)) for d, i in zip(data, ids) if not isinstance(d, ShmHandle))
+            handles = [(i, d) for d, i in zip(data, ids, strict=True) if isinstance(d, ShmHandle)]
+            assert all(
+                same(d, truth(i))
+                for d, i in zip(data, ids, strict=True)
+                if not isinstance(d, ShmHandle)
+            )
             if handles:
                 with self._acked:
                     self.sent += 1
@@ -577,7 +579,7 @@ class Downstream:
     def _engine_core(self) -> None:
         while (job := self._to_p1.get()) is not None:
             ids, data, reply = job
-            features = [Feature(data=d, mm_hash=key(i)) for i, d in zip(ids, data)]
+            features = [Feature(data=d, mm_hash=key(i)) for i, d in zip(ids, data, strict=True)]
             try:
                 self.p1.get_and_update_features(features)
             except CacheMissError as miss:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from mmcache import _core
 from tests.segment_watcher import SegmentWatcher, descends_from, remove_orphans
 

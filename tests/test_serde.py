@@ -25,7 +25,7 @@ def store_like_core(item: dict) -> np.ndarray:
     parts = [header, *(bytes(b) for b in buffers)]
     offsets = part_offsets([len(p) for p in parts])
     payload = bytearray()
-    for offset, part in zip(offsets, parts):
+    for offset, part in zip(offsets, parts, strict=True):
         payload += bytes(offset - len(payload)) + part
     assert len(payload) == payload_size(header, buffers)
     out = np.frombuffer(payload, dtype=np.uint8).copy()
@@ -266,7 +266,10 @@ def test_codec_limits_are_one_exception_type(item: dict, field: str) -> None:
     assert issubclass(ItemNotEncodableError, ValueError)
     with pytest.raises(ItemNotEncodableError, match=field):
         encode(item)
-    with ShmObjectStore.create(1 << 20) as writer, pytest.raises(ItemNotEncodableError, match=field):
+    with (
+        ShmObjectStore.create(1 << 20) as writer,
+        pytest.raises(ItemNotEncodableError, match=field),
+    ):
         writer.put_item("k", item)
 
 
@@ -326,7 +329,9 @@ def refusals(item):
 def test_a_wrapper_subclass_is_refused_not_read_at_address_zero() -> None:
     """The _make_wrapper_subclass pattern (DTensor, FakeTensor, torchao): CPU, strided,
     contiguous, data_ptr() 0. It killed the process with SIGSEGV."""
-    code = ENCODERS + """
+    code = (
+        ENCODERS
+        + """
 class Wrapper(torch.Tensor):
     @staticmethod
     def __new__(cls, inner):
@@ -345,6 +350,7 @@ with FakeTensorMode():
 for item in ({"pixels": [wrapped]}, {"pixels": [fake]}):
     print(*refusals(item), sep="\\n")
 """
+    )
     rc, stdout, stderr = run_python(code)
     assert rc == 0, stderr
     lines = stdout.splitlines()
@@ -356,7 +362,9 @@ for item in ({"pixels": [wrapped]}, {"pixels": [fake]}):
 def test_a_lying_data_ptr_is_never_read() -> None:
     """A subclass's data_ptr() is not where its bytes are: the encoder reads them from the
     tensor's storage. One whose storage cannot hold it is refused."""
-    code = ENCODERS + """
+    code = (
+        ENCODERS
+        + """
 class Liar(torch.Tensor):
     def data_ptr(self):
         return 16
@@ -373,6 +381,7 @@ assert torch.equal(packed["t"], values) and torch.equal(ringed["t"], values)
 print(*refusals({"t": values.as_subclass(ShortStorage)}), sep="\\n")
 print(*refusals({"t": values.as_subclass(FarOffset)}), sep="\\n")
 """
+    )
     rc, stdout, stderr = run_python(code)
     assert rc == 0, stderr
     lines = stdout.splitlines()
@@ -405,7 +414,9 @@ def test_another_thread_repointing_or_freeing_the_storage(encoder: str, mutation
     (``untyped_storage().resize_(0)``) in a loop while this one encodes it: every decoded
     tensor is the old or the new content, or the encoder refuses a storage too small for
     the tensor, never garbage and never a crash."""
-    code = ENCODERS + f"""
+    code = (
+        ENCODERS
+        + f"""
 import collections, itertools, sys, threading
 from mmcache.errors import ItemNotEncodableError
 sys.setswitchinterval(1e-5)  # hand the GIL over as often as the interpreter can
@@ -448,6 +459,7 @@ finally:
     thread.join()
 print(dict(seen))
 """
+    )
     rc, stdout, stderr = run_python(code)
     assert rc == 0, stderr
     assert stdout.strip().startswith("{"), stdout

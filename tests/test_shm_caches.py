@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import warnings
@@ -12,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from item_checks import same_item
-
 import mmcache
+from item_checks import same_item
 from mmcache import (
     CacheInfo,
     CacheMissError,
@@ -65,7 +65,7 @@ def put(sender: ShmSenderCache, key: str, item: dict[str, Any] | None = None) ->
 
 
 def cached(sender: ShmSenderCache, keys: str) -> set[str]:
-    return {k for k, c in zip(keys, sender.is_cached(list(keys))) if c}
+    return {k for k, c in zip(keys, sender.is_cached(list(keys)), strict=True) if c}
 
 
 # -- the sender ------------------------------------------------------------------------------
@@ -78,8 +78,9 @@ def test_verify_is_side_effect_free_and_tracks_the_current_entry(
     before = sender.stats()
     assert sender.verify(handle, "a")
     assert not sender.verify(handle, "b"), "signed for another key"
-    forged = ShmHandle(address=handle.address, monotonic_id=handle.monotonic_id + 1,
-                       signature=handle.signature)
+    forged = ShmHandle(
+        address=handle.address, monotonic_id=handle.monotonic_id + 1, signature=handle.signature
+    )
     assert not sender.verify(forged, "a")
     assert not sender.verify({"pixel_values": 1}, "a")
     after = sender.stats()
@@ -151,6 +152,7 @@ def test_full_ring_of_unread_objects_serves_uncached(
         assert put(sender, "e", e) is e
     assert sender.stats()["uncached_full"] == 2
     assert len([r for r in caplog.records if r.name == "mmcache"]) == 1
+
     # The request carrying a and b was aborted: giving their references back frees room.
     def outstanding() -> int:
         (slot,) = mmcache.inspect(sender.name)["readers"]
@@ -319,7 +321,7 @@ def test_round_trip_through_the_lru_pair_is_bit_exact() -> None:
     sender, receiver = make_caches("lru", capacity_gb=0.01)
     assert sender is not None and isinstance(receiver, ReceiverCache)
     for _ in range(2):  # a miss (data sent), then a hit (None sent)
-        (data, _), = sender.get_and_update([(item, [])], ["item"])
+        ((data, _),) = sender.get_and_update([(item, [])], ["item"])
         features = receiver.get_and_update_features([Feature(data, mm_hash="item")])
         assert _bits(features[0].data) == _bits(item)
     assert data is None
@@ -348,7 +350,9 @@ def test_gone_objects_are_misses_listed_in_order(
     put(sender, "d")  # ... so new items reclaim them; "b" is still held by its handle
     put(sender, "e")
     assert cached(sender, "abcde") == set("bde")
-    features = [Feature(h, mm_hash=k, identifier=k) for h, k in zip((ha, hb, hc), "abc")]
+    features = [
+        Feature(h, mm_hash=k, identifier=k) for h, k in zip((ha, hb, hc), "abc", strict=True)
+    ]
     with pytest.raises(CacheMissError) as info:
         reader.get_and_update_features(features)
     assert info.value.mm_hashes == ["a", "c"]
@@ -416,7 +420,9 @@ def test_a_forged_handle_does_not_leave_the_rest_of_its_request_unread(
 ) -> None:
     ha, hb, hc = (put(sender, k) for k in "abc")
     forged = ShmHandle(address=ha.address, monotonic_id=ha.monotonic_id, signature=bytes(16))
-    features = [Feature(h, mm_hash=k, identifier=k) for h, k in zip((forged, hb, hc), "abc")]
+    features = [
+        Feature(h, mm_hash=k, identifier=k) for h, k in zip((forged, hb, hc), "abc", strict=True)
+    ]
     with pytest.raises(InvalidHandleError):
         reader.get_and_update_features(features)
     # b and c were still read (their references given back) and resolved.
@@ -447,10 +453,8 @@ def test_invalidate_forgets_a_key(sender: ShmSenderCache, reader: ShmReceiverCac
     sender.invalidate("never-seen")
     assert not sender.is_cached_item("a")
     # The handle already in flight still reads the right data (or misses), never other data.
-    try:
+    with contextlib.suppress(CacheMissError):
         assert same_item(reader.get_and_update_item(handle, "a"), make_item("a"))
-    except CacheMissError:
-        pass
     assert isinstance(put(sender, "a", make_item("a2")), ShmHandle)
     handle2, updates = sender.get_and_update_item(None, "a")
     assert updates == ["pu-a"]
@@ -469,9 +473,7 @@ def test_clear_and_close_are_safe_to_repeat(sender: ShmSenderCache) -> None:
 # -- several processes -----------------------------------------------------------------------
 
 
-def _worker(
-    handle: Any, requests: list[list[tuple[str, Any]]], copy: bool, out: Any
-) -> None:
+def _worker(handle: Any, requests: list[list[tuple[str, Any]]], copy: bool, out: Any) -> None:
     """A worker process: resolve every request's features, report their content hashes."""
     with ShmReceiverCache(handle, copy=copy) as receiver:
         hashes = []
@@ -494,11 +496,11 @@ def test_two_spawned_workers_resolve_identical_tensors() -> None:
         for keys in (["img", "bf16"], ["np", "img"], ["bf16", "np", "img"]):
             outputs = sender.get_and_update([(truth[k], []) for k in keys], keys)
             assert all(isinstance(d, ShmHandle) for d, _ in outputs)
-            requests.append([(k, d) for k, (d, _) in zip(keys, outputs)])
+            requests.append([(k, d) for k, (d, _) in zip(keys, outputs, strict=True)])
         queues = [ctx.Queue(), ctx.Queue()]
         workers = [
             ctx.Process(target=_worker, args=(sender.handle(), requests, copy, q))
-            for copy, q in zip((True, False), queues)
+            for copy, q in zip((True, False), queues, strict=True)
         ]
         for w in workers:
             w.start()

@@ -20,9 +20,10 @@ from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
 
-import mmcache.simulate as simulate_package
 import numpy as np
 import pytest
+
+import mmcache.simulate as simulate_package
 from mmcache import Feature, _core
 from mmcache.cli import main
 from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, wire
@@ -35,7 +36,6 @@ from mmcache.simulate.workload import (
     request_stream,
     tensor_digests,
 )
-
 from tests.segment_watcher import creator_in_name
 
 # A workload small enough for seconds per mode, big enough to hit, miss and evict: its 23
@@ -437,9 +437,23 @@ def test_a_huge_request_count_is_generated_lazily_with_progress_and_bounded_memo
 
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mmcache", "simulate", "--requests", "99999999999999",
-         "--mode", "none", "--catalogue", "20", "--workers", "1"],
-        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+        [
+            sys.executable,
+            "-m",
+            "mmcache",
+            "simulate",
+            "--requests",
+            "99999999999999",
+            "--mode",
+            "none",
+            "--catalogue",
+            "20",
+            "--workers",
+            "1",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
         env={**os.environ, "COLUMNS": "160"},
     )
     os.close(follower)
@@ -469,8 +483,6 @@ def test_a_huge_request_count_is_generated_lazily_with_progress_and_bounded_memo
     assert b"Traceback" not in screen
 
 
-
-
 def _ring_being_made(driver: int, deadline: float) -> tuple[str, int]:
     """The name of the ring a pipeline process of ``driver`` holds open once it has its size
     (with the core's pause in creation: half-made), and that process's pid: P0's."""
@@ -494,7 +506,9 @@ def _ring_being_made(driver: int, deadline: float) -> tuple[str, int]:
 def test_a_p0_killed_while_creating_its_ring_leaves_no_segment() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "mmcache", "simulate", "--mode", "shm", *TINY],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # The core's test hook: creation stops half-way (locked and sized, no header yet).
         env={**os.environ, "MMCACHE_TEST_PAUSE_IN_CREATION_S": "600"},
     )
@@ -513,9 +527,21 @@ def test_a_p0_killed_while_creating_its_ring_leaves_no_segment() -> None:
 @pytest.mark.parametrize("attempt", range(3))
 def test_sigkill_of_p0_ends_with_one_line_naming_it(attempt: int) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mmcache", "simulate", "--requests", "5000", "--catalogue", "20",
-         "--capacity-gb", "0.05"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mmcache",
+            "simulate",
+            "--requests",
+            "5000",
+            "--catalogue",
+            "20",
+            "--capacity-gb",
+            "0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         ring, p0 = _ring_of(proc.pid, time.monotonic() + 60)
@@ -539,8 +565,17 @@ def test_sigkill_of_p0_ends_with_one_line_naming_it(attempt: int) -> None:
 def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     result = simulate(
-        *TINY, "--mode", "lru", "--remote", "redis://auto", "--hosts", "2", "--compare",
-        "--json", str(out), timeout=300,
+        *TINY,
+        "--mode",
+        "lru",
+        "--remote",
+        "redis://auto",
+        "--hosts",
+        "2",
+        "--compare",
+        "--json",
+        str(out),
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     runs = figures(out)["runs"]
@@ -551,7 +586,9 @@ def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Pat
         assert run["requests"] == 2 * 24 and run["wrong_tensors"] == 0 and run["unrecovered"] == 0
         assert run["tensors_checked"] == 2 * 2 * run["items"]
     # The same requests on the same hosts: the tier only changes who processes what.
-    assert alone["items"] == shared["items"] and alone["distinct_images"] == shared["distinct_images"]
+    assert (
+        alone["items"] == shared["items"] and alone["distinct_images"] == shared["distinct_images"]
+    )
     assert alone["remote_hits"] == 0 and shared["remote_hits"] > 0
     assert 0 < shared["cross_host_hits"] <= shared["remote_hits"]
     # Each host's local cache sees the same requests either way (an LRU: deterministic), so

@@ -11,6 +11,7 @@ tests pin down the per-thread request bracket and protections several requests s
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import pickle
 import queue
@@ -125,14 +126,14 @@ def p0_request(
     answer went stale: another thread evicted, invalidated or cleared the item) is retried
     once with every item's data.  Checks every output's prompt updates and any data."""
     cached = cache.is_cached(keys)
-    inputs = [None if c else (truth(k), updates_of(k)) for c, k in zip(cached, keys)]
+    inputs = [None if c else (truth(k), updates_of(k)) for c, k in zip(cached, keys, strict=True)]
     try:
         outputs = _update(cache, keys, inputs, one_by_one=rng.random() < 0.5)
     except CacheMissError as miss:
-        assert set(miss.mm_hashes) <= {k for c, k in zip(cached, keys) if c}
+        assert set(miss.mm_hashes) <= {k for c, k in zip(cached, keys, strict=True) if c}
         outputs = _update(cache, keys, [(truth(k), updates_of(k)) for k in keys], False)
     assert len(outputs) == len(keys)
-    for (data, updates), key in zip(outputs, keys):
+    for (data, updates), key in zip(outputs, keys, strict=True):
         assert updates == updates_of(key)
         send(key, data)
 
@@ -150,7 +151,7 @@ def _update(
     outputs: list[Any] = []
     cache.begin_request()
     try:
-        for item, k in zip(inputs, keys):
+        for item, k in zip(inputs, keys, strict=True):
             outputs.append(cache.get_and_update_item(item, k))
     except CacheMissError:
         if isinstance(cache, ShmSenderCache):
@@ -235,12 +236,12 @@ def test_receiver_cache_under_threads() -> None:
                 p1.get_and_update_features(features)
             except CacheMissError as miss:
                 assert miss.mm_hashes and set(miss.mm_hashes) <= set(keys)
-                for k, f in zip(keys, features):
+                for k, f in zip(keys, features, strict=True):
                     assert k in miss.mm_hashes or is_truth(k, f.data)
                 # The retry carries the data of every item.
                 features = [Feature(data=truth(k), mm_hash=k) for k in keys]
                 p1.get_and_update_features(features)
-            assert all(is_truth(k, f.data) for k, f in zip(keys, features))
+            assert all(is_truth(k, f.data) for k, f in zip(keys, features, strict=True))
 
     run_threads(N_THREADS, hammer)
     keys = p1.keys()
@@ -248,7 +249,7 @@ def test_receiver_cache_under_threads() -> None:
     assert stats["entries"] == len(keys)
     assert stats["used_bytes"] == sum(item_size(truth(str(k))) for k in keys) <= capacity
     resolved = p1.get_and_update_features([Feature(data=None, mm_hash=str(k)) for k in keys])
-    assert all(is_truth(str(k), f.data) for k, f in zip(keys, resolved))
+    assert all(is_truth(str(k), f.data) for k, f in zip(keys, resolved, strict=True))
     big = {"x": np.zeros(capacity, dtype=np.uint8)}
     p1.get_and_update_item(big, "whole-cache")
     assert p1.keys() == ["whole-cache"]  # nothing left protected
@@ -342,7 +343,9 @@ def _reader_process(handle: Any, requests: Any, report: Any, n_threads: int) -> 
                 except Exception:
                     seen["errors"] += 1
                 else:
-                    seen["wrong"] = sum(not is_shm_truth(k, f.data) for k, f in zip(keys, features))
+                    seen["wrong"] = sum(
+                        not is_shm_truth(k, f.data) for k, f in zip(keys, features, strict=True)
+                    )
                 with lock:
                     for name, n in seen.items():
                         counts[name] += n
@@ -391,9 +394,9 @@ def test_shm_caches_under_threads() -> None:
                         continue
                     handles: list[tuple[str, ShmHandle]] = []
 
-                    def send(key: str, data: Any) -> None:
+                    def send(key: str, data: Any) -> None:  # called in this iteration only
                         if isinstance(data, ShmHandle):
-                            handles.append((key, data))
+                            handles.append((key, data))  # noqa: B023
                         else:  # served uncached (the ring is full of unread objects)
                             assert is_shm_truth(key, data)
 
@@ -402,7 +405,8 @@ def test_shm_caches_under_threads() -> None:
                     for k in keys:
                         p0.touch_sender_cache_item(k)
                     inputs = [
-                        None if c else (shm_truth(k), updates_of(k)) for c, k in zip(cached, keys)
+                        None if c else (shm_truth(k), updates_of(k))
+                        for c, k in zip(cached, keys, strict=True)
                     ]
                     try:
                         outputs = p0.get_and_update(inputs, keys)
@@ -412,7 +416,7 @@ def test_shm_caches_under_threads() -> None:
                         )
                     finally:
                         p0.release_sender_touches()
-                    for (data, updates), k in zip(outputs, keys):
+                    for (data, updates), k in zip(outputs, keys, strict=True):
                         assert updates == updates_of(k)
                         send(k, data)
                     if handles:
@@ -449,15 +453,15 @@ def test_shm_pins_and_handles_under_threads_in_one_process() -> None:
                     maintenance(p0, rng, p0.clear_cache)  # drops in-flight references: misses
                     continue
                 got: list[tuple[str, Any]] = []
-                p0_request(p0, request_keys(rng), rng, lambda k, d: got.append((k, d)))
+                # p0_request calls the lambda before it returns, in this iteration (B023).
+                p0_request(p0, request_keys(rng), rng, lambda k, d: got.append((k, d)))  # noqa: B023
                 for key, data in got:
                     if not isinstance(data, ShmHandle):
                         assert is_truth(key, data)
                         continue
-                    try:
+                    # A miss: a clear by another thread dropped its reference.
+                    with contextlib.suppress(CacheMissError):
                         assert is_truth(key, worker.get_and_update_item(data, key))
-                    except CacheMissError:
-                        pass  # a clear by another thread dropped its reference
 
         run_threads(N_THREADS, hammer)
         stats = p0.stats()
@@ -482,7 +486,7 @@ def test_lru_mirror_under_threads_recovers_every_drift_in_one_retry() -> None:
         """P1: one thread resolving requests in arrival order."""
         while (job := to_p1.get()) is not None:
             keys, data, reply = job
-            features = [Feature(data=d, mm_hash=k) for k, d in zip(keys, data)]
+            features = [Feature(data=d, mm_hash=k) for k, d in zip(keys, data, strict=True)]
             try:
                 p1.get_and_update_features(features)
             except CacheMissError as miss:
@@ -500,7 +504,8 @@ def test_lru_mirror_under_threads_recovers_every_drift_in_one_retry() -> None:
         for _ in range(120):
             keys = request_keys(rng)
             sent: list[Any] = []
-            p0_request(p0, keys, rng, lambda k, d: sent.append(d))
+            # p0_request calls the lambda before it returns, in this iteration (B023).
+            p0_request(p0, keys, rng, lambda k, d: sent.append(d))  # noqa: B023
             answer = submit(keys, sent)
             retried = isinstance(answer, CacheMissError)
             if retried:
@@ -513,7 +518,7 @@ def test_lru_mirror_under_threads_recovers_every_drift_in_one_retry() -> None:
                 p0.get_and_update([(truth(k), updates_of(k)) for k in keys], keys)
                 answer = submit(keys, [truth(k) for k in keys])
                 assert not isinstance(answer, CacheMissError), f"{keys}: a second miss"
-            assert all(is_truth(k, item) for k, item in zip(keys, answer))
+            assert all(is_truth(k, item) for k, item in zip(keys, answer, strict=True))
             with tally_lock:
                 tally["requests"] += 1
                 tally["retries"] += retried
@@ -535,13 +540,14 @@ def test_lru_mirror_under_threads_recovers_every_drift_in_one_retry() -> None:
     for _ in range(60):
         keys = request_keys(rng)
         sent = []
-        p0_request(p0, keys, rng, lambda k, d: sent.append(d))
+        # p0_request calls the lambda before it returns, in this iteration (B023).
+        p0_request(p0, keys, rng, lambda k, d: sent.append(d))  # noqa: B023
         assert not isinstance(submit_now(p1, keys, sent), CacheMissError)
         assert p0.keys() == p1.keys()
 
 
 def submit_now(p1: ReceiverCache, keys: list[str], data: list[Any]) -> Any:
-    features = [Feature(data=d, mm_hash=k) for k, d in zip(keys, data)]
+    features = [Feature(data=d, mm_hash=k) for k, d in zip(keys, data, strict=True)]
     try:
         return p1.get_and_update_features(features)
     except CacheMissError as miss:

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import models
 import probe
+import pytest
 from engines import Engine, Server
 from workloads import MODELS, run_rounds
 

@@ -73,7 +73,7 @@ def invalidating_after_first_lookup(cache: Any) -> list[str]:
 
     def is_cached(mm_hashes: list[str]) -> list[bool]:
         found = lookup(mm_hashes)
-        cached = [h for h, hit in zip(mm_hashes, found) if hit]
+        cached = [h for h, hit in zip(mm_hashes, found, strict=True) if hit]
         if cached and not invalidated:
             invalidated.extend(cached)
             for mm_hash in cached:
@@ -91,9 +91,8 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM's prints go to stderr with its logs
 
-    from vllm import LLM, SamplingParams
-
     from probe import class_name, published_ring
+    from vllm import LLM, SamplingParams
 
     llm = LLM(**config["llm"])
     replies.write(json.dumps({"ready": True}) + "\n")

@@ -10,6 +10,7 @@ shows their end.  Every process records the caches it built (``probe.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -117,16 +118,13 @@ class ProcessTree:
         """SIGKILL what is left of the process tree (its process group), then reap the
         frontend.  Once reaped, its pid could name another group: nothing is killed."""
         if self.process.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.process.wait()
         if self.process.stdin is not None:
-            try:
+            # What it flushes, nobody reads any more.
+            with contextlib.suppress(BrokenPipeError):
                 self.process.stdin.close()
-            except BrokenPipeError:  # what it flushes, nobody reads any more
-                pass
 
 
 class Engine(ProcessTree):

@@ -23,10 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import mmcache
-from mmcache import _core
-
 from engines import Engine, EngineError, Prompt
 from workloads import (
     EXPECTED_CACHES,
@@ -38,6 +34,9 @@ from workloads import (
     mode_args,
     run_rounds,
 )
+
+import mmcache
+from mmcache import _core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +100,7 @@ def generate_resending(engine: Engine, prompts: list[Prompt]) -> tuple[list[list
     if failed:
         again, reasons = engine.generate([prompts[i] for i in failed], MAX_TOKENS)
         assert "error" not in reasons
-        for i, resent in zip(failed, again):
+        for i, resent in zip(failed, again, strict=True):
             tokens[i] = resent
     return tokens, len(failed)
 

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import mmcache
 from engines import Server
 from workloads import (
     MAX_TOKENS,
@@ -27,6 +25,8 @@ from workloads import (
     image_data_url,
     mode_args,
 )
+
+import mmcache
 
 
 def cli_args(llm: dict[str, Any]) -> list[str]:

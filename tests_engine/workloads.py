@@ -132,6 +132,7 @@ EXPECTED_CACHES: dict[str, dict[str, str | None]] = {
 }
 """The cache each process builds with the plugin (``None``: vLLM builds none there)."""
 
+
 def run_rounds(engine: Engine, model: Model) -> list[list[list[int]]]:
     return [engine.generate(prompts, MAX_TOKENS)[0] for prompts in model.rounds]
 

@@ -143,7 +143,7 @@ def vllm_p0_request(p0: Any, hashes: list[str], truth: dict[str, Any]) -> list[A
             p0.touch_sender_cache_item(h)
         return [
             p0.get_and_update_item(None if c else (truth[h], [f"pu-{h}"]), h)[0]
-            for h, c in zip(hashes, cached)
+            for h, c in zip(hashes, cached, strict=True)
         ]
     finally:
         p0.release_sender_touches()
@@ -158,9 +158,11 @@ def test_lru_mode_stays_mirrored_with_requests_larger_than_the_cache() -> None:
     for _ in range(200):
         hashes = [rng.choice(list(truth)) for _ in range(rng.randint(1, 5))]
         oversized += sum(MultiModalCache.get_item_size(truth[h]) for h in set(hashes)) > 10_000
-        features = [feature(d, h) for d, h in zip(vllm_p0_request(p0, hashes, truth), hashes)]
+        features = [
+            feature(d, h) for d, h in zip(vllm_p0_request(p0, hashes, truth), hashes, strict=True)
+        ]
         p1.get_and_update_features(features)
-        assert all(same_item(truth[h], f.data) for f, h in zip(features, hashes))
+        assert all(same_item(truth[h], f.data) for f, h in zip(features, hashes, strict=True))
         assert p0._sender.keys() == p1._receiver.keys()
     assert oversized > 20
 
@@ -339,8 +341,9 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
     worker.get_and_update_features(features)
     assert features[0].data is item and features[1].data is None
     with pytest.raises(ValueError, match="SHM handle signature"):
-        p0.validate_input_item(mv.handle_as_item(ShmHandle(address=0, monotonic_id=0,
-                                                           signature=bytes(16))), "a")
+        p0.validate_input_item(
+            mv.handle_as_item(ShmHandle(address=0, monotonic_id=0, signature=bytes(16))), "a"
+        )
     p0.close()
 
 

@@ -106,8 +106,14 @@ def test_the_check_catches_a_constructor_that_sets_nothing(vllm_class: type) -> 
 
 
 @pytest.fixture(
-    params=["processor_only", "lru_sender", "lru_receiver", "shm_sender", "shm_receiver",
-            "shm_sender_without_ring"]
+    params=[
+        "processor_only",
+        "lru_sender",
+        "lru_receiver",
+        "shm_sender",
+        "shm_receiver",
+        "shm_sender_without_ring",
+    ]
 )
 def cache(request: pytest.FixtureRequest) -> Iterator[Any]:
     """One of our classes as vLLM's factories build it (the last: the ``/dev/shm``

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -53,10 +52,9 @@ class Peer:
 
 
 @pytest.fixture
-def plugin_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def plugin_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Spawned processes inherit MMCACHE_VLLM=1 (and the ring P0 publishes)."""
     monkeypatch.setenv(mv.ENABLE_ENV, "1")
-    yield
 
 
 def encode(features: list[Any]) -> list[bytes]:
@@ -80,7 +78,10 @@ def test_shm_mode_two_workers_read_every_item_through_vllms_ipc(plugin_enabled: 
         for n in range(60):
             hashes = [rng.choice(list(truth)) for _ in range(rng.randint(1, 4))]
             data = vllm_p0_request(p0, hashes, truth)
-            features = [feature(d, h, offset=8 * i) for i, (d, h) in enumerate(zip(data, hashes))]
+            features = [
+                feature(d, h, offset=8 * i)
+                for i, (d, h) in enumerate(zip(data, hashes, strict=True))
+            ]
             expected: list[str | None] = [digests[h] for h in hashes]
             if n % 3 == 0:  # a prefix-covered payload the scheduler stripped
                 features.append(feature(None, "stripped", offset=100))
@@ -124,7 +125,10 @@ def test_lru_mode_drift_is_recovered_with_one_retry(plugin_enabled: None) -> Non
             if n % 10 == 5:  # the engine's cache is reset without P0's (drift)
                 assert engine.ask("clear") == "cleared"
             hashes = [rng.choice(list(truth)) for _ in range(rng.randint(1, 4))]
-            features = [feature(d, h) for d, h in zip(vllm_p0_request(p0, hashes, truth), hashes)]
+            features = [
+                feature(d, h)
+                for d, h in zip(vllm_p0_request(p0, hashes, truth), hashes, strict=True)
+            ]
             answer = engine.ask(encode(features))
             if answer[0] == "miss":
                 drifted += 1
@@ -133,7 +137,9 @@ def test_lru_mode_drift_is_recovered_with_one_retry(plugin_enabled: None) -> Non
                     p0.invalidate(h)
                 retries += 1
                 data = vllm_p0_request(p0, hashes, truth)
-                answer = engine.ask(encode([feature(d, h) for d, h in zip(data, hashes)]))
+                answer = engine.ask(
+                    encode([feature(d, h) for d, h in zip(data, hashes, strict=True)])
+                )
             assert answer == ("ok", [digest(truth[h]) for h in hashes])
         assert drifted > 0 and retries == drifted
     finally:

@@ -29,7 +29,7 @@ def vllm_p0_request(p0: Any, hashes: list[str]) -> list[Any]:
             p0.touch_sender_cache_item(h)
         return [
             p0.get_and_update_item(None if c else (TRUTH[h], [f"pu-{h}"]), h)[0]
-            for h, c in zip(hashes, cached)
+            for h, c in zip(hashes, cached, strict=True)
         ]
     finally:
         p0.release_sender_touches()
@@ -54,7 +54,7 @@ def outstanding(p0: Any) -> int:
 def test_install_wraps_the_two_methods_once() -> None:
     frontend.wrap()  # installed already (conftest): idempotent
     for method in (BaseRenderer._process_multimodal, InputProcessor.process_inputs):
-        original = getattr(method, "__mmcache_original__")
+        original = method.__mmcache_original__
         assert not hasattr(original, "__mmcache_original__")
 
 
@@ -63,11 +63,14 @@ def test_a_render_that_fails_after_its_request_gives_the_handles_back(
 ) -> None:
     # vLLM's processor fails the prompt's replacements after the request was released.
     p0, _ = shm_pair
-    with pytest.raises(AssertionError, match="prompt replacement"):
-        with rendering():
-            assert all("address" in item for item in vllm_p0_request(p0, ["a", "b"]))
-            assert outstanding(p0) == 2
-            raise AssertionError("Failed to apply prompt replacement for mm_items['image'][1]")
+
+    def render_then_fail() -> None:
+        assert all("address" in item for item in vllm_p0_request(p0, ["a", "b"]))
+        assert outstanding(p0) == 2
+        raise AssertionError("Failed to apply prompt replacement for mm_items['image'][1]")
+
+    with pytest.raises(AssertionError, match="prompt replacement"), rendering():
+        render_then_fail()
     assert outstanding(p0) == 0
 
 
@@ -75,13 +78,13 @@ def test_a_render_that_succeeds_keeps_its_handles_for_the_workers(
     shm_pair: tuple[Any, Any],
 ) -> None:
     p0, worker = shm_pair
-    with rendering():  # the outer one: process_inputs rendering a raw prompt
-        with rendering():
-            items = vllm_p0_request(p0, ["a", "b"])
+    # The outer one: process_inputs rendering a raw prompt.
+    with rendering(), rendering():
+        items = vllm_p0_request(p0, ["a", "b"])
     assert outstanding(p0) == 2
-    features = [feature(item, h) for item, h in zip(items, ["a", "b"])]
+    features = [feature(item, h) for item, h in zip(items, ["a", "b"], strict=True)]
     worker.get_and_update_features(features)
-    assert all(same_item(TRUTH[h], f.data) for f, h in zip(features, ["a", "b"]))
+    assert all(same_item(TRUTH[h], f.data) for f, h in zip(features, ["a", "b"], strict=True))
     assert outstanding(p0) == 0
 
 

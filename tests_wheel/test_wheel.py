@@ -195,7 +195,9 @@ def venv() -> Iterator[FreshVenv]:
         which = f"import shutil; print([shutil.which(t) for t in {RUST_TOOLS}])"
         found = fresh.run(fresh.python, "-c", which)
         assert found.stdout.strip() == "[None, None]", found
-        site = fresh.run(fresh.python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))")
+        site = fresh.run(
+            fresh.python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"
+        )
         shared = share_torch(Path(site.stdout.strip()), root / "shared-torch")
         assert "torch" in shared, shared
         install = subprocess.run(

@@ -2,9 +2,9 @@
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, final
+from typing import Any, Self, final
 
-from typing_extensions import Buffer, Self, disjoint_base
+from typing_extensions import Buffer, disjoint_base
 
 __version__: str
 LAYOUT_VERSION: int
@@ -336,7 +336,8 @@ def inspect_segment(name: str) -> dict[str, Any]:
     """Read a live segment's header without attaching as a reader (never writes to it)."""
 
 def segment_status(name: str) -> tuple[str, str]:
-    """``("live" | "orphaned" | "undecided", why)`` for the segment ``name`` (what ``prune`` acts on)."""
+    """``("live" | "orphaned" | "undecided", why)`` for the segment ``name`` (what ``prune``
+    acts on)."""
 
 def list_segments() -> list[str]:
     """Names of the segments this package created on this host (live or orphaned)."""

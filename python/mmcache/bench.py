@@ -174,7 +174,9 @@ def _reader_process(conn: Connection) -> None:
         read: Callable[[ShmHandle], object]
         reader: ShmReceiverCache | ShmReader
         if through_cache:
-            import torch  # decoding imports it on first use: not on the clock
+            # Imported for its side effect: decoding imports it on first use, which must not
+            # be on the clock.
+            import torch  # noqa: F401
 
             reader = cache = ShmReceiverCache(reader_handle, copy=copy)
             read = partial(cache.get_and_update_item, mm_hash=_KEY)
@@ -250,9 +252,7 @@ def _get(
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     with _store_for(size, readers, 2) as store:
         store.release(store.put(_KEY, payload.data))
-        times, wall = pool.read(
-            store.handle(), lambda: store.issue(_KEY), count, readers, copy
-        )
+        times, wall = pool.read(store.handle(), lambda: store.issue(_KEY), count, readers, copy)
     op = "get (copy)" if copy else "get (zero-copy)"
     return BenchResult(
         op, size, readers, statistics.median(times), readers * count * size / wall, memcpy_s

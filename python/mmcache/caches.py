@@ -136,7 +136,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         with self._lock, self._request_scope(mm_hashes):
             try:
                 self._check_request(items, mm_hashes)
-                for item, h in zip(items, mm_hashes):
+                for item, h in zip(items, mm_hashes, strict=True):
                     outputs.append(self.get_and_update_item(item, h))
             except BaseException:
                 self._abandon(outputs)
@@ -346,7 +346,9 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
         leaves the cache as it was (the engine invalidates the reported hashes and resends
         the request with their data)."""
         missing = [
-            h for item, h in zip(items, mm_hashes) if item is None and not self.is_cached_item(h)
+            h
+            for item, h in zip(items, mm_hashes, strict=True)
+            if item is None and not self.is_cached_item(h)
         ]
         if missing:
             raise CacheMissError(missing)
@@ -385,9 +387,9 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         missed: list[bool] = []
         failure: Exception | None = None
         with self._lock, self._request_scope(keys):
-            for feature, key in zip(features, keys):
+            for feature, key in zip(features, keys, strict=True):
                 self.touch_receiver_cache_item(key, feature.data)
-            for feature, key in zip(features, keys):
+            for feature, key in zip(features, keys, strict=True):
                 try:
                     feature.data = self.get_and_update_item(feature.data, key)
                     missed.append(False)
@@ -399,7 +401,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
             if failure is not None:
                 raise failure
             if any(missed):
-                missing = [k for k, m in zip(keys, missed) if m or self._not_held(k)]
+                missing = [k for k, m in zip(keys, missed, strict=True) if m or self._not_held(k)]
                 raise CacheMissError(missing)
         return features
 
@@ -428,15 +430,11 @@ class _LruSenderCache(BaseSenderCache):
     receiver it mirrors must use the same function.
     """
 
-    def __init__(
-        self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size
-    ) -> None:
+    def __init__(self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size) -> None:
         super().__init__()
         self._item_size = getsizeof
         # Only ever used under the cache's lock.
-        self._lru = UnsynchronizedLRUCache(
-            capacity_bytes(capacity_gb), getsizeof=self._entry_size
-        )
+        self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=self._entry_size)
         self._protection = _ProtectedLRU(self._lru, self._request)
 
     @abstractmethod
@@ -570,9 +568,7 @@ class ReceiverCache(BaseReceiverCache):
     every item's data cannot miss).
     """
 
-    def __init__(
-        self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size
-    ) -> None:
+    def __init__(self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size) -> None:
         super().__init__()
         # Only ever used under the cache's lock.
         self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=getsizeof)

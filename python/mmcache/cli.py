@@ -104,9 +104,7 @@ def _parser() -> _Parser:
         epilog=_SIMULATE_EXAMPLES,
         formatter_class=formatter,
     )
-    sim.add_argument(
-        "--mode", choices=MODES, help=f"cache mode (default: {defaults.mode})"
-    )
+    sim.add_argument("--mode", choices=MODES, help=f"cache mode (default: {defaults.mode})")
     sim.add_argument(
         "--compare",
         action="store_true",

@@ -44,10 +44,11 @@ def make_caches(
     ``n_readers`` (the number of workers), ``max_object_size_mb`` and ``name`` (the ring's
     segment name; default: a fresh one) apply to ``shm`` only;
     ``getsizeof`` (the size an item counts for) to ``processor_only`` and ``lru`` (the ring
-    counts bytes).  With ``remote`` (a :class:`~mmcache.remote.RemoteStore`), ``p0_cache`` is that mode's P0
-    cache behind the shared remote tier (a :class:`~mmcache.remote.TieredSenderCache`; it
-    closes the store with itself); mode ``none`` has no P0 cache to put it in
-    (``ValueError``).  ``ValueError`` for an unknown mode.
+    counts bytes).  With ``remote`` (a :class:`~mmcache.remote.RemoteStore`), ``p0_cache`` is
+    that mode's P0 cache behind the shared remote tier (a
+    :class:`~mmcache.remote.TieredSenderCache`; it closes the store with itself); mode
+    ``none`` has no P0 cache to put it in (``ValueError``).  ``ValueError`` for an unknown
+    mode.
 
     Safe to call from several threads, and every cache it returns may be shared by threads
     (see "Threads" in :mod:`mmcache.caches`; the

@@ -73,9 +73,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
     ``ValueError``), so eviction always terminates and never takes a protected entry.
     """
 
-    def __init__(
-        self, capacity_bytes: float, getsizeof: Callable[[Any], int] = item_size
-    ) -> None:
+    def __init__(self, capacity_bytes: float, getsizeof: Callable[[Any], int] = item_size) -> None:
         super().__init__(capacity_bytes, getsizeof)
         self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recent first
         self._protected: dict[Hashable, float] = {}  # protected key -> its value's size
@@ -231,9 +229,7 @@ class LRUCache(UnsynchronizedLRUCache):
     themselves).
     """
 
-    def __init__(
-        self, capacity_bytes: float, getsizeof: Callable[[Any], int] = item_size
-    ) -> None:
+    def __init__(self, capacity_bytes: float, getsizeof: Callable[[Any], int] = item_size) -> None:
         super().__init__(capacity_bytes, getsizeof)
         self.lock = threading.RLock()
         """Held by every method."""

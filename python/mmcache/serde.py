@@ -1,8 +1,8 @@
 """Items to and from a payload in shared memory, without pickle and without copying tensors.
 
 The codec is native (``src/codec.rs`` defines the format, ``src/python/encode.rs`` and
-``src/python/decode.rs`` walk the Python objects): one pass over the item each way, tensor metadata read straight from the
-tensors, and no per-field Python code.
+``src/python/decode.rs`` walk the Python objects): one pass over the item each way, tensor
+metadata read straight from the tensors, and no per-field Python code.
 
 An item is encoded as *parts*: part 0 is the header (the format's magic and version, the
 length of every other part, and the value tree: field names, small values inline, and for

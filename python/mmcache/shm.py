@@ -2,10 +2,10 @@
 
 P0's :class:`ShmSenderCache` is the single writer (a :class:`~mmcache._core.ShmWriter`) of one
 ring and hands out small :class:`ShmHandle` s; each worker's :class:`ShmReceiverCache` attaches
-as one reader (a :class:`~mmcache._core.ShmReader`) and turns handles back into items.  Every handle P0 issues holds one reference on
-its object, given back when every reader has read it (or by
-:meth:`ShmSenderCache.release_handles` for a request that never reaches the readers), so an
-object is never reclaimed while a handle to it is in flight.  Prompt updates stay in P0's
+as one reader (a :class:`~mmcache._core.ShmReader`) and turns handles back into items.  Every
+handle P0 issues holds one reference on its object, given back when every reader has read it
+(or by :meth:`ShmSenderCache.release_handles` for a request that never reaches the readers),
+so an object is never reclaimed while a handle to it is in flight.  Prompt updates stay in P0's
 memory and never enter shared memory.
 
 Items go into the ring and come out of it through the native codec (``serde``'s format):
@@ -92,9 +92,7 @@ class ShmSenderCache(BaseSenderCache):
         # limit is no error).
         capacity = capacity_bytes(capacity_gb)
         if capacity >= 2**64:
-            raise ValueError(
-                f"capacity_gb={capacity_gb!r} is more shared memory than any host has"
-            )
+            raise ValueError(f"capacity_gb={capacity_gb!r} is more shared memory than any host has")
         self._store: ShmWriter = ShmObjectStore.create(
             capacity,
             n_readers=n_readers,

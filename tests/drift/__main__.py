@@ -51,8 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = tuple(args.mode or MODES)
     logging.getLogger("mmcache").setLevel(logging.ERROR)  # uncached items are expected here
     stats = FuzzStats()
-    print(f"mmcache drift fuzzer: seed {seed}, modes {', '.join(modes)}, "
-          f"torch {'yes' if torch is not None else 'no (numpy items only)'}", flush=True)
+    print(
+        f"mmcache drift fuzzer: seed {seed}, modes {', '.join(modes)}, "
+        f"torch {'yes' if torch is not None else 'no (numpy items only)'}",
+        flush=True,
+    )
     start = time.monotonic()
     deadline = start + args.seconds
     episode = args.episode if args.episode is not None else 0
@@ -60,9 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     while True:
         log: list[str] = []
         try:
-            run_episode(
-                seed, episode, stats, steps=args.steps, modes=modes, log=log, **options
-            )
+            run_episode(seed, episode, stats, steps=args.steps, modes=modes, log=log, **options)
         except Exception as exc:  # OracleFailure, or anything the caches raised (oracle d)
             kind = "ORACLE FAILURE" if isinstance(exc, OracleFailure) else "UNEXPECTED ERROR"
             print(f"\n{kind} in episode {episode} (seed {seed}):", file=sys.stderr)
@@ -85,9 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             break
         if now - last_report >= 30:
             last_report = now
-            print(f"[{now - start:6.0f}s] episodes {stats.episodes} requests {stats.requests} "
-                  f"faults {stats.total_faults} retries {stats.retries} checks {stats.checks}",
-                  flush=True)
+            print(
+                f"[{now - start:6.0f}s] episodes {stats.episodes} requests {stats.requests} "
+                f"faults {stats.total_faults} retries {stats.retries} checks {stats.checks}",
+                flush=True,
+            )
     print(f"clean after {time.monotonic() - start:.0f}s (seed {seed})")
     print(stats.summary())
     return 0

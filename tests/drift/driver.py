@@ -54,8 +54,12 @@ def make_model(
 def _random_ids(rng: random.Random, n_ids: int) -> list[int]:
     n = rng.randint(1, 6)
     # Skewed popularity: low ids recur much more often.
-    return [min(n_ids - 1, int(rng.paretovariate(1.2)) - 1) if rng.random() < 0.7
-            else rng.randrange(n_ids) for _ in range(n)]
+    return [
+        min(n_ids - 1, int(rng.paretovariate(1.2)) - 1)
+        if rng.random() < 0.7
+        else rng.randrange(n_ids)
+        for _ in range(n)
+    ]
 
 
 def _episode_config(rng: random.Random, mode: str) -> dict[str, Any]:

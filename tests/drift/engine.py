@@ -169,7 +169,8 @@ class EngineModel:
         for h in hashes:
             fe.touch_sender_cache_item(h)
         inputs = [
-            None if cached else (u.item(i), u.prompt_updates(i)) for cached, i in zip(flags, ids)
+            None if cached else (u.item(i), u.prompt_updates(i))
+            for cached, i in zip(flags, ids, strict=True)
         ]
         try:
             outputs = fe.get_and_update(inputs, hashes)
@@ -183,7 +184,7 @@ class EngineModel:
                 ) from miss
             return None, miss
         self._check(len(outputs) == len(ids), "(d) get_and_update returned the wrong count")
-        for (data, updates), i in zip(outputs, ids):
+        for (data, updates), i in zip(outputs, ids, strict=True):
             self._check(
                 updates == u.prompt_updates(i),
                 f"(a) P0 returned prompt updates {updates!r} for item {i}, "

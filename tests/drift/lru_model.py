@@ -49,18 +49,18 @@ class LruModel(EngineModel):
         hashes = self.universe.hashes(ids)
         features = [
             Feature(data=data, mm_hash=h, modality="image", position=k)
-            for k, ((data, _), h) in enumerate(zip(outputs, hashes))
+            for k, ((data, _), h) in enumerate(zip(outputs, hashes, strict=True))
         ]
         try:
             self.p1.get_and_update_features(features)
         except CacheMissError as miss:
             self._check_miss_list(miss, hashes, "P1")
             missing = set(miss.mm_hashes)
-            for f, i in zip(features, ids):
+            for f, i in zip(features, ids, strict=True):
                 if f.mm_hash not in missing:
                     self._check_item(f.data, i, "P1")
             raise
-        for f, i in zip(features, ids):
+        for f, i in zip(features, ids, strict=True):
             self._check_item(f.data, i, "P1")
 
     def _fault_lost(self, ids: list[int]) -> None:

@@ -154,7 +154,7 @@ class RemoteModel(LruModel):
         i = ids[0]
         h = self.universe.hash(i)
         with self._raw() as raw:
-            names = [k for k in raw.scan_iter(match=f"mmc/{self._namespace}/{h}*")]
+            names = list(raw.scan_iter(match=f"mmc/{self._namespace}/{h}*"))
             if names:
                 raw.delete(*names)
         record = {"item": self.universe.item(i), "prompt_updates": self.universe.prompt_updates(i)}

@@ -92,7 +92,7 @@ class ShmModel(EngineModel):
             Feature(
                 data=None if k in strip else _wire(data), mm_hash=h, modality="image", position=k
             )
-            for k, ((data, _), h) in enumerate(zip(outputs, hashes))
+            for k, ((data, _), h) in enumerate(zip(outputs, hashes, strict=True))
         ]
         missing: list[str] = []
         try:
@@ -100,7 +100,7 @@ class ShmModel(EngineModel):
         except CacheMissError as miss:
             self._check_miss_list(miss, hashes, f"worker {worker}")
             missing = miss.mm_hashes
-        for k, (f, i) in enumerate(zip(features, ids)):
+        for k, (f, i) in enumerate(zip(features, ids, strict=True)):
             if k in strip:
                 self._check(f.data is None, "(a) a stripped payload did not stay None")
             elif isinstance(f.data, ShmHandle):
@@ -149,7 +149,7 @@ class ShmModel(EngineModel):
 
     def _fault_lost(self, ids: list[int]) -> None:
         self.stats.requests += 1
-        outputs, miss = self._stage(self.p0, ids, attach_all=False)
+        outputs, _ = self._stage(self.p0, ids, attach_all=False)
         if outputs is not None:
             self.p0.release_handles(data for data, _ in outputs)
 
@@ -196,7 +196,7 @@ class ShmModel(EngineModel):
             try:
                 self._deliver(ids, retry, exposed=False, retry=True)
             except CacheMissError as exc:
-                raise OracleFailure(f"(b) request {ids} failed its retry: {exc.mm_hashes}")
+                raise OracleFailure(f"(b) request {ids} failed its retry: {exc.mm_hashes}") from exc
 
     def _fault_replay(self, ids: list[int]) -> None:
         if not self.history:

@@ -20,13 +20,14 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = str(Path(__file__).parent.parent / "hf-home")
 
-from tests.mmcache_standin import write_hf_cache  # noqa: E402
+from tests.mmcache_standin import write_hf_cache
 
 write_hf_cache(Path(os.environ["HF_HOME"]))
 
-import mmcache.vllm as mmcache_vllm  # noqa: E402
 from vllm.config import ModelConfig, ParallelConfig, VllmConfig  # noqa: E402
 from vllm.multimodal import cache as vllm_cache  # noqa: E402
+
+import mmcache.vllm as mmcache_vllm  # noqa: E402
 
 mmcache_vllm.install()
 

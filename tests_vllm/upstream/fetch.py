@@ -62,9 +62,10 @@ def sdist(cache_dir: Path) -> Path:
     if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != SDIST_SHA256:
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".part")
-        with urllib.request.urlopen(_sdist_url(), timeout=600) as response, open(
-            partial, "wb"
-        ) as out:
+        with (
+            urllib.request.urlopen(_sdist_url(), timeout=600) as response,
+            open(partial, "wb") as out,
+        ):
             shutil.copyfileobj(response, out)
         digest = hashlib.sha256(partial.read_bytes()).hexdigest()
         if digest != SDIST_SHA256:

@@ -123,7 +123,9 @@ class LocalServer(ClosesOnExit):
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                # The server must die with the thread that started it, and only the child can
+                # ask for that (prctl between fork and exec): no other hook runs there.
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         deadline = time.monotonic() + _STARTUP_S
         while not self._ready(self.ports):

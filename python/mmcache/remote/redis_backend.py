@@ -457,7 +457,7 @@ class RedisBackend:
             if isinstance(head, redis.exceptions.ResponseError):
                 if not str(head).startswith("WRONGTYPE"):
                     raise head
-                head = None  # a key of another type holds no value of ours
+                head = None  # noqa: PLW2901 - a key of another type holds no value of ours
             # GETRANGE reads an absent key as empty; no value of ours is.
             heads.append(TOO_LARGE if len(head or b"") > self._max_plain else head or None)
         return heads, holders

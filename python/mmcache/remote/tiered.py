@@ -197,7 +197,7 @@ class _Fetched:
     oldest dropped first.  Used under the cache's lock (``in`` alone is atomic)."""
 
     class _Entry:
-        __slots__ = ("record", "size", "served")
+        __slots__ = ("record", "served", "size")
 
         def __init__(self, record: tuple[Item, Any], size: int) -> None:
             self.record = record

@@ -259,7 +259,7 @@ class _Frontend:
             digests = tensor_digests(fetched[0])
             known = self.remote_truth.setdefault(h, digests)
             if known != digests:  # the tier supplied two different items for one hash
-                self.remote_truth[h] = {name: b"" for name in digests}
+                self.remote_truth[h] = dict.fromkeys(digests, b"")
 
     def _truth(self, mm_hash: str) -> dict[str, bytes]:
         truth = self.processed_truth.get(mm_hash) or self.remote_truth.get(mm_hash)

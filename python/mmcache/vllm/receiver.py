@@ -183,7 +183,7 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
                         raise feature.data.error
             else:
                 self._reader.get_and_update_features(resolving)
-        for feature, resolved in zip(with_data, resolving):
+        for feature, resolved in zip(with_data, resolving, strict=True):
             feature.data = resolved.data
         return mm_features
 

@@ -178,7 +178,7 @@ class _SenderAdapter:
             self._issued += [data for data, _ in outputs]
         return [
             (self._to_vllm(data, item), updates)
-            for (data, updates), item in zip(outputs, mm_items)
+            for (data, updates), item in zip(outputs, mm_items, strict=True)
         ]
 
     def release_unsent(self, items: Sequence[Any]) -> None:
