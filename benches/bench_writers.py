@@ -50,7 +50,9 @@ def lookups_and_hits(quick: bool) -> list[dict[str, Any]]:
     for label, key in (("own", own), ("another writer's", theirs)):
         lookup = per_call(lambda key=key: mine.is_cached(key), number, repeat)
         issued: list[Any] = []
-        issue = per_call(lambda key=key: issued.append(mine.issue(key)), number // 4, repeat)
+        issue = per_call(
+            lambda key=key, issued=issued: issued.append(mine.issue(key)), number // 4, repeat
+        )
         for handle in issued:
             mine.release(handle)
 

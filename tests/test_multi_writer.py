@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import multiprocessing as mp
@@ -148,7 +149,8 @@ def _racing_writer(handle: WriterHandle, seed: int, rounds: int, out: Any) -> No
                 elif writer.claim(key):
                     out.put((key, wire(writer.put(key, content(key)))))
             except ValueError as exc:  # another writer (or thread) stored it first
-                assert "already stored" in str(exc)
+                if "already stored" not in str(exc):
+                    raise
             except RingFullError:
                 pass  # the reader has not caught up: ring full of unread objects
 
@@ -372,10 +374,9 @@ def test_writer_processes_with_threads_race_and_every_handle_reads_its_own_bytes
             resolved += 1
             if resolved % 50 == 0:
                 key = f"parent-{resolved}"
-                try:
+                # RingFullError: every other chunk is a handle still in the queue.
+                with contextlib.suppress(RingFullError):
                     assert reader.resolve(store.put(key, content(key)), key) == content(key)
-                except RingFullError:
-                    pass  # every other chunk is a handle still in the queue
     finally:
         for child in children:
             child.join(TIMEOUT)

@@ -116,9 +116,7 @@ def test_a_writer_killed_at_a_crash_point_wedges_nobody(point: str) -> None:
     for key in ours:
         assert reader.resolve(store.put(key, parts(key), meta=meta(key)), key) == payload(key)
     mine, theirs = ctx.Pipe()
-    victim = ctx.Process(
-        target=_victim, args=(store.writer_handle(), point, after, action, theirs)
-    )
+    victim = ctx.Process(target=_victim, args=(store.writer_handle(), point, after, action, theirs))
     victim.start()
     try:
         assert mine.poll(TIMEOUT) and mine.recv() == 1, "the victim joined in slot 1"

@@ -28,8 +28,9 @@ def inspect(name: str) -> dict[str, Any]:
     ``creator_pid``, ``creator_alive`` (whether any writer lives), ``max_writers``,
     ``writers`` with each writer slot's ``pid``, ``epoch`` and whether it is ``alive``,
     ``readers`` with each slot's ``outstanding`` references, and the store's counters), plus
-    ``name`` and ``occupancy`` (``bytes_in_use`` as a fraction of ``capacity``). ``FileNotFoundError`` if there is no such segment;
-    ``SegmentCorruptError`` if it is not a valid mmcache segment.
+    ``name`` and ``occupancy`` (``bytes_in_use`` as a fraction of ``capacity``).
+    ``FileNotFoundError`` if there is no such segment; ``SegmentCorruptError`` if it is not a
+    valid mmcache segment.
     """
     info = dict(_core.inspect_segment(name))
     capacity = info.get("capacity", 0)
