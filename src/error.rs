@@ -17,7 +17,7 @@ pub enum Error {
     Full { needed: u64, capacity: u64 },
     /// The host's shared-memory filesystem cannot hold the segment.
     ShmTooSmall { needed: u64, available: u64 },
-    /// `get_cached` / `pin` of an absent key.
+    /// `issue` / `pin` of an absent key.
     KeyNotFound(String),
     /// A segment with this name exists already.
     Exists(String),
@@ -37,6 +37,11 @@ pub enum Error {
     WriterGone(String),
     /// Every reader slot is claimed.
     NoReaderSlot(u32),
+    /// Every writer slot has a live writer (`max_writers` of them).
+    NoWriterSlot(u32),
+    /// The key index holds as many objects and claims as it was sized for (`max_objects`)
+    /// and none can be evicted.
+    IndexFull(u64),
     /// A name in `/dev/shm` that is not a regular file (a directory, FIFO, symbolic link...).
     NotASegment(String),
     /// A writer or reader used in a process other than the one that created or attached it
@@ -127,6 +132,17 @@ impl fmt::Display for Error {
                 f,
                 "all {n} reader slots of this segment are taken; create the writer with a larger \
                  n_readers or close an attached reader first"
+            ),
+            Error::NoWriterSlot(n) => write!(
+                f,
+                "all {n} writer slots of this store are taken (max_writers={n}); create the \
+                 store with a larger max_writers or close a writer first"
+            ),
+            Error::IndexFull(n) => write!(
+                f,
+                "the store's key index holds max_objects={n} objects and claims, and every \
+                 object is unread, pinned or viewed; serve this object uncached, or create the \
+                 store with a larger max_objects"
             ),
             Error::NotASegment(what) => write!(
                 f,

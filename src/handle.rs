@@ -9,9 +9,11 @@
 //!   references were issued to (little-endian), which the writer's `release` uses to credit
 //!   exactly those readers. The MAC covers that number, so it cannot be changed either.
 //!
-//! The writer draws a 32-byte secret at creation. It travels only inside the picklable
-//! reader handle (the engine's own IPC), never in the segment, so a process that can read
-//! `/dev/shm` but did not get a reader handle cannot mint handles. A signature covers the
+//! The store's first writer draws a 32-byte secret at creation. It travels only inside the
+//! picklable reader and writer handles (the engine's own IPC), never in the segment (which
+//! holds only a MAC of a constant under it, [`Signer::verifier`], so a joining writer's
+//! secret can be checked), so a process that can read `/dev/shm` but did not get a handle
+//! cannot mint handles. A signature covers the
 //! cache key, the address, the monotonic id and the reader set: a handle replayed for
 //! another key, moved to another address, re-numbered or re-targeted fails verification
 //! before any shared byte is read.
@@ -58,6 +60,15 @@ impl Signer {
 
     pub fn secret(&self) -> &[u8; 32] {
         &self.secret
+    }
+
+    /// A keyed MAC of a constant under this secret, stored in the segment so a writer handle
+    /// can prove it carries the store's secret without the secret ever being stored.
+    pub fn verifier(&self) -> [u64; 2] {
+        let mut hasher = blake3::Hasher::new_keyed(&self.secret);
+        hasher.update(b"mmcache writer handle verifier");
+        let mac = u128::from_le_bytes(Self::finish(&hasher));
+        [mac as u64, (mac >> 64) as u64]
     }
 
     /// The keyed hash of `(key, address, id)` both MACs continue from.

@@ -1,9 +1,10 @@
 //! The bytes of a segment: where every field lives (the store's counters in one table, the
-//! parts of a payload at aligned offsets) and how a segment is validated.
+//! writers' and readers' slots, the key index, the parts of a payload at aligned offsets) and
+//! how a segment is validated. The packed words themselves are in [`words`].
 //!
 //! ```text
-//! 0                      512            header_size                       total_len
-//! | segment header ...   | reader table | data ring: chunks, 64-byte aligned ... |
+//! 0        512            +64·n_readers  +128·max_writers                 header_size        total_len
+//! | header | reader table | writer table | index heads, hashes, key slots | ring: blocks ... |
 //! ```
 //!
 //! Every field is a little-endian `u64` at a fixed offset, read and written only as an
@@ -11,18 +12,26 @@
 //! Fields marked *const* are written once by the creator before the segment's name is
 //! handed to anyone and never change; readers still load them atomically.
 //!
-//! A chunk in the ring:
+//! The ring is tiled by *blocks*: each starts with a chunk header whose `SIZE` says where the
+//! next one starts, so the blocks can be walked from address 0 to the capacity. A block is
+//! free, reserved by a writer, or a chunk (`words::BlockState`):
 //!
 //! ```text
-//! +0  id          AtomicU64  monotonic id; 0 = dead. Published last (Release) by the
-//!                            writer, after every other header field and the payload;
+//! +0  id          AtomicU64  monotonic id; 0 = not readable. Published last (Release) by
+//!                            the writer, after every other header field and the payload;
 //!                            stored 0 before the bytes are reused (see `store`).
-//! +8  sig_lo      AtomicU64  the handle signature, so a reader can tell its chunk from
-//! +16 sig_hi      AtomicU64  payload bytes that later landed at the same address.
+//! +8  sig_lo      AtomicU64  the chunk MAC, so a reader can tell its chunk from payload
+//! +16 sig_hi      AtomicU64  bytes that later landed at the same address.
 //! +24 len         AtomicU64  payload length in bytes.
-//! +32 refs        AtomicU64  references issued over the chunk's life (for inspect).
-//! +64 words[n]    AtomicU64  one `SlotWord` per reader slot (below).
-//! +chunk_header_size         payload (64-byte aligned)
+//! +32 size        AtomicU64  the block's length (header, payload, long key and metadata,
+//!                            rounded up to 64): where the next block starts. Writers only.
+//! +40 state       AtomicU64  `words::BlockState`. Writers only.
+//! +48 extra       AtomicU64  metadata length (high 32 bits) | long key length (low 32; 0
+//!                            when the key fits its index key slot). Writers only.
+//! +56 bucket      AtomicU64  the index bucket that names this chunk, plus one. Writers only.
+//! +64 words[n]    AtomicU64  one `SlotWord` per reader slot.
+//! +64+8n pins[w]  AtomicU64  one `PinWord` per writer slot (its pins). Writers only.
+//! +chunk_header_size         payload (64-byte aligned), then the long key, then metadata
 //! ```
 
 use std::sync::atomic::Ordering;
@@ -30,14 +39,31 @@ use std::sync::atomic::Ordering;
 use crate::error::{Error, Result};
 use crate::segment::{LockRange, Segment};
 
+mod words;
+
+pub use words::{
+    BlockKind, BlockState, Bucket, Claim, KeyRef, LockWord, PinWord, SlotState, SlotWord, WriterId,
+};
+
 /// "MMCACHE\x01" — first word of every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
-/// Bumped on any change to the byte layout below; attach refuses other versions.
-pub const LAYOUT_VERSION: u64 = 2;
+/// Bumped on any change to the byte layout below; attach refuses other versions. Version 3:
+/// several writers (writer table, shared key index, allocator and counters in the segment).
+pub const LAYOUT_VERSION: u64 = 3;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).
 pub const MAX_READERS: u32 = 64;
+/// Most writer slots a segment may have (a slot number takes 6 bits in index words).
+pub const MAX_WRITERS: u32 = 64;
+/// Most objects the key index of one segment may be sized for.
+pub const MAX_OBJECTS: u64 = 1 << 26;
+/// Longest key (bytes).
+pub const MAX_KEY_LEN: usize = 4096;
+/// Largest metadata blob of one object (bytes).
+pub const MAX_META_LEN: usize = 1 << 20;
+/// Bytes of one index key slot.
+pub const KEY_SLOT_SIZE: u64 = 64;
 
 /// Segment header field offsets.
 pub mod header {
@@ -51,25 +77,49 @@ pub mod header {
     pub const CHUNK_HEADER_SIZE: u64 = 56; // const
     pub const CREATOR_PID: u64 = 64; // const
     pub const CREATOR_START: u64 = 72; // const: creator's start time (pid reuse guard)
-    /// `WRITER_LIVE` until the writer closes (`WRITER_CLOSED`), Release/Acquire.
-    pub const WRITER_STATE: u64 = 80;
+    /// `STORE_LIVE` until the last writer closes the store (`STORE_CLOSED`),
+    /// Release/Acquire.
+    pub const STORE_STATE: u64 = 80;
     /// const: how liveness is told, `LIVENESS_LOCKS` or `LIVENESS_PIDS` (see `Liveness`).
     pub const LIVENESS: u64 = 88;
-    /// The writer's published counters, one word each in [`Counter`](super::Counter) order
-    /// (Relaxed: statistics only).
-    pub const COUNTERS: u64 = 128;
-    /// First reader slot; slot `i` is at `READER_TABLE + i * READER_SLOT_SIZE`.
+    pub const MAX_WRITERS: u64 = 96; // const
+    pub const MAX_OBJECTS: u64 = 104; // const: what the key index is sized for
+    pub const INDEX_BUCKETS: u64 = 112; // const: a power of two
+    /// const: two words, a keyed MAC of a constant under the store's secret: a writer handle
+    /// joins only if its secret gives the same (the secret itself is never stored).
+    pub const VERIFIER: u64 = 128;
+    /// The key index's move count (a seqlock, on a cache line of its own): odd while the
+    /// store lock's holder moves entries back to close the gap a removed one left; a lookup
+    /// that misses checks it did not miss because of a move.
+    pub const INDEX_MOVES: u64 = 320;
+    /// The store lock (`words::LockWord`), on one cache line with the hand, the journal and
+    /// the gauges it guards (the first counters).
+    pub const LOCK: u64 = 384;
+    /// CLOCK's hand: the ring address of the block the next allocation starts at (always a
+    /// block start).
+    pub const HAND: u64 = 392;
+    /// The window an allocation is evicting (start + 1, 0 when none) and its length, so
+    /// that whoever takes the lock over from a holder that died can undo or finish it.
+    pub const JOURNAL: u64 = 400;
+    pub const JOURNAL_LEN: u64 = 408;
+    /// The store's counters, one word each in [`Counter`](super::Counter) order (Relaxed:
+    /// statistics and gauges).
+    pub const COUNTERS: u64 = 416;
+    /// First reader slot; slot `i` is at `READER_TABLE + i * SLOT_SIZE`. The writer table
+    /// (slots of `WRITER_SLOT_SIZE`) follows the reader table (`Layout::writer_slot_offset`).
     pub const READER_TABLE: u64 = 512;
-    pub const READER_SLOT_SIZE: u64 = 64;
+    pub const SLOT_SIZE: u64 = 64;
+    /// A writer slot: its claim and counters, then its hazard words (a second cache line).
+    pub const WRITER_SLOT_SIZE: u64 = 128;
 }
 
 /// Declares [`Counter`] from one table: each counter's variant, the name `stats()` and
 /// `inspect` report it under, and (by its position) its header word.
 macro_rules! counters {
     ($($(#[doc = $doc:literal])* $variant:ident => $name:literal,)*) => {
-        /// The store's counters: what the writer tallies, publishes in the segment header
-        /// (counter `c` at [`Counter::offset`]) and reports in `stats()`, and what `inspect`
-        /// reads back — all from this one table.
+        /// The store's counters: shared by every writer, kept in the segment header
+        /// (counter `c` at [`Counter::offset`]), reported by `stats()` and `inspect` — all
+        /// from this one table.
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub enum Counter {
             $($(#[doc = $doc])* $variant,)*
@@ -90,51 +140,70 @@ macro_rules! counters {
 }
 
 counters! {
-    /// Objects stored by `put`.
-    Puts => "puts",
-    /// References issued by `get_cached`.
-    Hits => "hits",
+    /// Bytes of the ring that chunks (published or reserved) cover.
+    BytesInUse => "bytes_in_use",
+    /// Keys stored (live index entries).
+    Objects => "objects",
+    /// The id of the newest chunk or claim (ids keep counting across `clear`).
+    LastId => "last_id",
+    /// Keys claimed (single flight) and not yet put, unclaimed or dropped.
+    Claims => "claims",
     /// Stored objects evicted to make room.
     Evictions => "evictions",
-    /// Bytes of the ring that chunks cover (the ring's own count).
-    BytesInUse => "bytes_in_use",
-    /// Keys stored (the index's own count).
-    Objects => "objects",
-    /// References issued by `put` and `get_cached`.
-    RefsIssued => "refs_issued",
-    /// The id of the newest chunk (ids keep counting across `clear`).
-    LastId => "last_id",
-    /// Reader slots freed because their occupant died.
-    ReadersReclaimed => "readers_reclaimed",
     /// Calls of `clear`.
     Clears => "clears",
+    /// Objects stored by `put`.
+    Puts => "puts",
+    /// References issued by `issue` (hits).
+    Hits => "hits",
+    /// References issued by `put` and `issue`.
+    RefsIssued => "refs_issued",
+    /// Reader slots freed because their occupant died.
+    ReadersReclaimed => "readers_reclaimed",
+    /// Writer slots taken over from a writer that died (by a join).
+    WritersReclaimed => "writers_reclaimed",
 }
 
 impl Counter {
     /// How many counters there are.
     pub const COUNT: usize = Counter::ALL.len();
 
-    /// The header word the writer publishes the counter in.
+    /// The header word of the counter (for a per-writer counter: what writers that left
+    /// counted).
     pub const fn offset(self) -> u64 {
         header::COUNTERS + 8 * self as u64
     }
+
+    /// For the counters each writer counts in its own slot (the hot ones: no write shared
+    /// between writers, no atomic read-modify-write), the slot field; the store's value is
+    /// the header word plus every writer slot's.
+    pub const fn writer_field(self) -> Option<u64> {
+        match self {
+            Counter::Puts => Some(slot::PUTS),
+            Counter::Hits => Some(slot::HITS),
+            Counter::RefsIssued => Some(slot::REFS_ISSUED),
+            _ => None,
+        }
+    }
 }
 
-// Every counter's word lies in the header, before the reader table.
+// Every counter's word lies in the header, before the reader table; the gauges changed under
+// the store lock share the lock's cache line.
 const _: () = assert!(header::COUNTERS + 8 * Counter::COUNT as u64 <= header::READER_TABLE);
+const _: () = assert!(Counter::Claims.offset() < header::LOCK + 64);
 
-pub const WRITER_LIVE: u64 = 1;
-pub const WRITER_CLOSED: u64 = 2;
+pub const STORE_LIVE: u64 = 1;
+pub const STORE_CLOSED: u64 = 2;
 
 /// How the processes of a segment tell whether the others are alive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Liveness {
-    /// OFD locks (`segment::LockRange`): the writer holds [`WRITER_LOCK`] for the segment's
-    /// life, each reader its slot's [`Layout::slot_lock`] while it occupies the slot. The
-    /// kernel drops a lock when its holder dies, in whatever PID namespace.
+    /// OFD locks (`segment::LockRange`): every live writer holds a shared lock on
+    /// [`WRITER_LOCK`] and an exclusive one on its writer slot, each reader one on its reader
+    /// slot. The kernel drops a lock when its holder dies, in whatever PID namespace.
     Locks,
-    /// Fallback where the kernel has no OFD locks: pid + start time, which only work when
-    /// every process shares one PID namespace.
+    /// Fallback where the kernel has no OFD locks (one writer only): pid + start time, which
+    /// only work when every process shares one PID namespace.
     Pids,
 }
 
@@ -158,33 +227,52 @@ impl Liveness {
     }
 }
 
-/// The byte range the writer keeps locked while it lives (the magic word).
+/// The byte range every live writer keeps a shared lock on (the magic word): "is any writer
+/// alive" is one lock test.
 pub const WRITER_LOCK: LockRange = LockRange { start: 0, len: 8 };
+/// The byte range a writer locks exclusively, briefly, to join or to leave the store: the
+/// last writer's "am I the last" and its unlink are one step for every joiner.
+pub const MEMBERSHIP_LOCK: LockRange = LockRange { start: 8, len: 8 };
 
-/// Reader slot field offsets (relative to the slot). One cache line per reader.
+/// Reader and writer slot field offsets (relative to the slot). One cache line per slot.
 pub mod slot {
-    /// A `Claim` word: epoch, occupant pid and state, changed only by CAS. A reader claims a
-    /// slot with one CAS to `(e + 1, pid, CLAIMED)`, so the pid is never an earlier
-    /// occupant's; closing with live views makes it `DRAINING`; the last view (or the writer,
-    /// for a dead occupant) makes it `FREE`. Epochs only grow, so a chunk word stamped for an
+    /// A `Claim` word: epoch, occupant pid and state, changed only by CAS. An occupant claims
+    /// a slot with one CAS to `(e + 1, pid, CLAIMED)`, so the pid is never an earlier
+    /// occupant's; a reader closing with live views makes it `DRAINING`; the last view (or a
+    /// writer, for a dead reader) makes it `FREE`. Epochs only grow, so a word stamped for an
     /// earlier occupant can never be mistaken for the current one's.
     pub const CLAIM: u64 = 0;
     /// `epoch << 32 | start_time & 0xffff_ffff` of the occupant (pid reuse guard for the
     /// `Liveness::Pids` fallback); written after the claim, so it counts only when its epoch
     /// is the claim's.
     pub const START: u64 = 16;
-    pub const REFS: u64 = 24; // references issued to this slot (writer, Relaxed)
-    pub const ACKS: u64 = 32; // references acknowledged by this slot (reader; writer for released ones, Relaxed)
-    pub const STALE: u64 = 40; // handles this slot found stale (reader, Relaxed)
+    pub const REFS: u64 = 24; // (readers) references issued to this slot (writers, Relaxed)
+    pub const ACKS: u64 = 32; // (readers) acknowledged by this slot, or released by a writer (Relaxed)
+    pub const STALE: u64 = 40; // (readers) handles this slot found stale (Relaxed)
+    // (writers) what the occupant counted (`Counter::writer_field`), folded into the header
+    // word when it leaves or its slot is taken over. Only the occupant's threads write them,
+    // under its private mutex (Relaxed load and store).
+    pub const PUTS: u64 = 24;
+    pub const HITS: u64 = 32;
+    pub const REFS_ISSUED: u64 = 40;
+    /// (writers) `HAZARDS` hazard words: the id of a chunk one of the occupant's operations
+    /// holds (a hit adding references, a pin, a copy), 0 when unused. Taken with a SeqCst
+    /// CAS before the chunk is checked; the evictor reads them (SeqCst) after marking a chunk
+    /// EVICTING (S1/S2 in `store`).
+    pub const HAZARD: u64 = 64;
+    pub const HAZARDS: u64 = 8;
 }
 
-/// Chunk header field offsets (relative to the chunk).
+/// Chunk (block) header field offsets (relative to the block).
 pub mod chunk {
     pub const ID: u64 = 0;
     pub const SIG_LO: u64 = 8;
     pub const SIG_HI: u64 = 16;
     pub const LEN: u64 = 24;
-    pub const REFS: u64 = 32;
+    pub const SIZE: u64 = 32;
+    pub const STATE: u64 = 40;
+    pub const EXTRA: u64 = 48;
+    pub const BUCKET: u64 = 56;
     pub const WORDS: u64 = 64;
 }
 
@@ -209,107 +297,36 @@ pub fn part_offsets(lengths: impl IntoIterator<Item = u64>) -> Option<(Vec<u64>,
     Some((offsets, end))
 }
 
-/// What a reader slot is doing.
+/// What a store is created with (everything else is derived in [`Layout::new`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SlotState {
-    /// Nobody occupies it.
-    Free,
-    /// A reader occupies it: the writer issues it a reference for every handle.
-    Claimed,
-    /// Its reader closed while zero-copy views were alive: the views stay protected, no new
-    /// references are issued, unread ones no longer count; freed with the last view.
-    Draining,
+pub struct Config {
+    /// Bytes of the ring (rounded up to [`ALIGN`]).
+    pub capacity: u64,
+    pub n_readers: u32,
+    /// Largest payload; `None`: what the ring can hold (a larger limit is clamped to it).
+    pub max_object_size: Option<u64>,
+    /// How many writer processes may be joined at once (the creator included).
+    pub max_writers: u32,
+    /// How many objects (and claims) the key index holds; `None`: sized from the capacity
+    /// (see [`Layout::new`]). A larger number than the ring could ever hold is clamped.
+    pub max_objects: Option<u64>,
 }
 
-/// A reader slot's claim word: `epoch (32) | pid (30) | state (2)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Claim {
-    pub epoch: u32,
-    pub pid: u32,
-    pub state: SlotState,
-}
-
-impl Claim {
-    const PID_MASK: u32 = (1 << 30) - 1;
-
-    pub fn pack(self) -> u64 {
-        let state = match self.state {
-            SlotState::Free => 0,
-            SlotState::Claimed => 1,
-            SlotState::Draining => 2,
-        };
-        ((self.epoch as u64) << 32) | (((self.pid & Self::PID_MASK) as u64) << 2) | state
-    }
-
-    /// `None` for a state this build does not know (a corrupt word).
-    pub fn unpack(word: u64) -> Option<Claim> {
-        let state = match word & 3 {
-            0 => SlotState::Free,
-            1 => SlotState::Claimed,
-            2 => SlotState::Draining,
-            _ => return None,
-        };
-        Some(Claim {
-            epoch: (word >> 32) as u32,
-            pid: ((word >> 2) as u32) & Self::PID_MASK,
-            state,
-        })
-    }
-
-    pub fn is_occupied(self) -> bool {
-        self.state != SlotState::Free
-    }
-}
-
-/// One reader slot's state for one chunk, packed in a `u64` so it changes with one CAS:
-///
-/// * `stamp` (high 32 bits): the chunk's signature tag XOR the slot's epoch. A word whose
-///   stamp is not the current occupant's owes that occupant nothing (the references were
-///   issued to an earlier occupant, who is gone and so credited). Readers modify a word only
-///   when its stamp matches: payload bytes that later land where a header was cannot be
-///   mistaken for one (32 keyed bits).
-/// * `outstanding` (20 bits, at most [`SlotWord::MAX_OUTSTANDING`]): references issued to this
-///   slot not yet acknowledged. The writer refuses to issue one more (`Error::Saturated`)
-///   rather than overflow; the cache then serves the item uncached.
-/// * `views` (12 bits, at most [`SlotWord::MAX_VIEWS`]): zero-copy views this slot holds. A
-///   reader past the limit reads a verified private copy instead of a view.
-///
-/// The chunk is reclaimable for this slot when the stamp is not the occupant's, or both
-/// counts are zero.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SlotWord {
-    pub stamp: u32,
-    pub outstanding: u32,
-    pub views: u32,
-}
-
-impl SlotWord {
-    pub const MAX_OUTSTANDING: u32 = (1 << 20) - 1;
-    pub const MAX_VIEWS: u32 = (1 << 12) - 1;
-
-    pub fn stamp_for(tag: u32, epoch: u64) -> u32 {
-        tag ^ (epoch as u32)
-    }
-
-    pub fn unpack(word: u64) -> SlotWord {
-        SlotWord {
-            stamp: (word >> 32) as u32,
-            outstanding: ((word >> 12) as u32) & Self::MAX_OUTSTANDING,
-            views: (word as u32) & Self::MAX_VIEWS,
+impl Config {
+    /// One writer, the index sized from the capacity.
+    pub fn new(capacity: u64, n_readers: u32, max_object_size: Option<u64>) -> Config {
+        Config {
+            capacity,
+            n_readers,
+            max_object_size,
+            max_writers: 1,
+            max_objects: None,
         }
-    }
-
-    /// Counts above their maxima are a caller bug; they are masked, never spilled into the
-    /// stamp.
-    pub fn pack(self) -> u64 {
-        ((self.stamp as u64) << 32)
-            | (((self.outstanding & Self::MAX_OUTSTANDING) as u64) << 12)
-            | (self.views & Self::MAX_VIEWS) as u64
     }
 }
 
 /// The geometry of one segment, derived from its creation arguments and stored in its
-/// header; both sides compute every offset from it.
+/// header; every process computes every offset from it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     pub header_size: u64,
@@ -317,12 +334,29 @@ pub struct Layout {
     pub n_readers: u32,
     pub max_object_size: u64,
     pub chunk_header_size: u64,
+    pub max_writers: u32,
+    /// Objects plus claims the index holds at most; beyond it a put evicts (CLOCK) first.
+    pub max_objects: u64,
+    /// Index buckets: a power of two, at least twice `max_objects` (probes stay short).
+    pub index_buckets: u64,
 }
 
 impl Layout {
-    /// Validate creation arguments and derive the geometry (`capacity` is rounded up to a
-    /// multiple of `ALIGN`).
-    pub fn new(capacity: u64, n_readers: u32, max_object_size: Option<u64>) -> Result<Layout> {
+    /// Validate creation arguments and derive the geometry.
+    ///
+    /// The index is sized for `max_objects`, by default one per 16 KiB of ring but at least
+    /// 4096, and never more than the ring could ever hold (`capacity / chunk_header_size`):
+    /// items of tensors are far larger than 16 KiB, and a ring of small objects evicts the
+    /// oldest (CLOCK) to stay within it. It costs 88 bytes a bucket (head and version, hash,
+    /// a 64-byte key slot), two buckets an object: 11 MiB for a 1 GiB ring, 704 KiB for 4096.
+    pub fn new(config: &Config) -> Result<Layout> {
+        let Config {
+            capacity,
+            n_readers,
+            max_object_size,
+            max_writers,
+            max_objects,
+        } = *config;
         if capacity == 0 {
             return Err(Error::InvalidArgument("capacity must be positive".into()));
         }
@@ -331,13 +365,22 @@ impl Layout {
                 "n_readers must be between 1 and {MAX_READERS}, got {n_readers}"
             )));
         }
-        let too_big = || Error::InvalidArgument(format!("capacity {capacity} is too large"));
-        let capacity = align_up(capacity).ok_or_else(too_big)?;
+        if max_writers == 0 || max_writers > MAX_WRITERS {
+            return Err(Error::InvalidArgument(format!(
+                "max_writers must be between 1 and {MAX_WRITERS}, got {max_writers}"
+            )));
+        }
+        let too_big = || {
+            Error::InvalidArgument(format!(
+                "capacity {capacity} is too large (at most {} bytes)",
+                Bucket::MAX_ADDRESS + 1
+            ))
+        };
+        let capacity = align_up(capacity)
+            .filter(|&c| c <= Bucket::MAX_ADDRESS + 1)
+            .ok_or_else(too_big)?;
         let chunk_header_size =
-            align_up(chunk::WORDS + 8 * n_readers as u64).ok_or_else(too_big)?;
-        let table_end = header::READER_TABLE + header::READER_SLOT_SIZE * n_readers as u64;
-        let header_size = table_end.div_ceil(4096) * 4096;
-        header_size.checked_add(capacity).ok_or_else(too_big)?;
+            align_up(chunk::WORDS + 8 * (n_readers + max_writers) as u64).ok_or_else(too_big)?;
         let largest = capacity.checked_sub(chunk_header_size).filter(|&n| n > 0).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "capacity {capacity} cannot hold even one chunk header ({chunk_header_size} bytes)"
@@ -353,12 +396,33 @@ impl Layout {
             // A limit above what the ring can hold is no error: the ring is the limit then.
             Some(m) => m.min(largest),
         };
-        Ok(Layout {
-            header_size,
+        let most_possible = (capacity / chunk_header_size).max(1);
+        let max_objects = match max_objects {
+            None => (capacity / (16 << 10)).max(4096).min(most_possible),
+            Some(n) if n == 0 || n > MAX_OBJECTS => {
+                return Err(Error::InvalidArgument(format!(
+                    "max_objects must be between 1 and {MAX_OBJECTS}, got {n}"
+                )));
+            }
+            Some(n) => n.min(most_possible),
+        };
+        let index_buckets = (2 * max_objects).next_power_of_two().max(64);
+        let layout = Layout {
+            header_size: 0,
             capacity,
             n_readers,
             max_object_size,
             chunk_header_size,
+            max_writers,
+            max_objects,
+            index_buckets,
+        };
+        let index_end = layout.key_slot_offset(index_buckets);
+        let header_size = index_end.div_ceil(4096) * 4096;
+        header_size.checked_add(capacity).ok_or_else(too_big)?;
+        Ok(Layout {
+            header_size,
+            ..layout
         })
     }
 
@@ -367,20 +431,52 @@ impl Layout {
     }
 
     pub fn slot_offset(&self, slot: u32) -> u64 {
-        header::READER_TABLE + header::READER_SLOT_SIZE * slot as u64
+        header::READER_TABLE + header::SLOT_SIZE * slot as u64
     }
 
     /// The byte range a reader keeps locked while it occupies `slot` (`Liveness::Locks`).
     pub fn slot_lock(&self, slot: u32) -> LockRange {
         LockRange {
             start: self.slot_offset(slot),
-            len: header::READER_SLOT_SIZE,
+            len: header::SLOT_SIZE,
         }
+    }
+
+    pub fn writer_slot_offset(&self, slot: u32) -> u64 {
+        self.slot_offset(self.n_readers) + header::WRITER_SLOT_SIZE * slot as u64
+    }
+
+    /// The byte range a writer keeps locked while it occupies writer slot `slot`.
+    pub fn writer_slot_lock(&self, slot: u32) -> LockRange {
+        LockRange {
+            start: self.writer_slot_offset(slot),
+            len: header::WRITER_SLOT_SIZE,
+        }
+    }
+
+    /// The head word of index bucket `bucket` (its version word follows it).
+    pub fn bucket_offset(&self, bucket: u64) -> u64 {
+        self.writer_slot_offset(self.max_writers) + 16 * bucket
+    }
+
+    /// The hash word of index bucket `bucket` (the key's hash, for moving it).
+    pub fn bucket_hash_offset(&self, bucket: u64) -> u64 {
+        self.bucket_offset(self.index_buckets) + 8 * bucket
+    }
+
+    /// The key slot of index bucket `bucket`.
+    pub fn key_slot_offset(&self, bucket: u64) -> u64 {
+        self.bucket_hash_offset(self.index_buckets) + KEY_SLOT_SIZE * bucket
     }
 
     /// Segment offset of the chunk at ring address `address`.
     pub fn chunk_offset(&self, address: u64) -> u64 {
         self.header_size + address
+    }
+
+    /// Offset, inside a chunk header, of writer slot `slot`'s pin word.
+    pub fn pin_word(&self, slot: u32) -> u64 {
+        chunk::WORDS + 8 * (self.n_readers + slot) as u64
     }
 
     /// Whether `address` can start a chunk whose header lies inside the ring.
@@ -393,20 +489,26 @@ impl Layout {
 
     /// Whether a payload of `len` bytes at `address` fits inside the ring.
     pub fn valid_payload(&self, address: u64, len: u64) -> bool {
-        len <= self.max_object_size
-            && address
-                .checked_add(self.chunk_header_size)
-                .and_then(|p| p.checked_add(len))
-                .is_some_and(|end| end <= self.capacity)
+        len <= self.max_object_size && self.fits(address, len)
     }
 
-    /// Write the const fields of a fresh segment (creator only, before it is shared).
+    /// Whether `len` bytes after the header of a chunk at `address` lie inside the ring.
+    pub fn fits(&self, address: u64, len: u64) -> bool {
+        address
+            .checked_add(self.chunk_header_size)
+            .and_then(|p| p.checked_add(len))
+            .is_some_and(|end| end <= self.capacity)
+    }
+
+    /// Write the const fields of a fresh segment and its ring as one free block (creator
+    /// only, before it is shared). `verifier` is the store secret's MAC of a constant.
     pub fn write(
         &self,
         seg: &Segment,
         creator_pid: u32,
         creator_start: u64,
         liveness: Liveness,
+        verifier: [u64; 2],
     ) -> Result<()> {
         let fields = [
             (header::MAGIC, MAGIC),
@@ -420,13 +522,20 @@ impl Layout {
             (header::CREATOR_PID, creator_pid as u64),
             (header::CREATOR_START, creator_start),
             (header::LIVENESS, liveness.code()),
+            (header::MAX_WRITERS, self.max_writers as u64),
+            (header::MAX_OBJECTS, self.max_objects),
+            (header::INDEX_BUCKETS, self.index_buckets),
+            (header::VERIFIER, verifier[0]),
+            (header::VERIFIER + 8, verifier[1]),
+            // The whole ring is one free block (the pages are zero: state FREE, id 0).
+            (self.chunk_offset(0) + chunk::SIZE, self.capacity),
         ];
         for (offset, value) in fields {
             seg.atomic(offset)?.store(value, Ordering::Relaxed);
         }
-        // Release: a process that observes WRITER_LIVE sees every field above.
-        seg.atomic(header::WRITER_STATE)?
-            .store(WRITER_LIVE, Ordering::Release);
+        // Release: a process that observes STORE_LIVE sees every field above.
+        seg.atomic(header::STORE_STATE)?
+            .store(STORE_LIVE, Ordering::Release);
         Ok(())
     }
 
@@ -441,8 +550,8 @@ impl Layout {
                 seg.len()
             )));
         }
-        // Acquire pairs with the Release store of WRITER_STATE in `write`.
-        let state = seg.atomic(header::WRITER_STATE)?.load(Ordering::Acquire);
+        // Acquire pairs with the Release store of STORE_STATE in `write`.
+        let state = seg.atomic(header::STORE_STATE)?.load(Ordering::Acquire);
         let load = |offset: u64| -> Result<u64> { Ok(seg.atomic(offset)?.load(Ordering::Relaxed)) };
         let magic = load(header::MAGIC)?;
         if magic != MAGIC {
@@ -454,21 +563,31 @@ impl Layout {
                 "layout version {version}, this build reads version {LAYOUT_VERSION}"
             )));
         }
-        if state != WRITER_LIVE && state != WRITER_CLOSED {
-            return Err(Error::Corrupt(format!("bad writer state {state}")));
+        if state != STORE_LIVE && state != STORE_CLOSED {
+            return Err(Error::Corrupt(format!("bad store state {state}")));
         }
         let code = load(header::LIVENESS)?;
         let liveness = Liveness::from_code(code)
             .ok_or_else(|| Error::Corrupt(format!("bad liveness mode {code}")))?;
-        let n_readers = u32::try_from(load(header::N_READERS)?)
-            .map_err(|_| Error::Corrupt("n_readers out of range".into()))?;
+        let small = |field: u64, what: &str| -> Result<u32> {
+            u32::try_from(load(field)?).map_err(|_| Error::Corrupt(format!("{what} out of range")))
+        };
         let max_object_size = load(header::MAX_OBJECT_SIZE)?;
-        let expected = Layout::new(load(header::CAPACITY)?, n_readers, Some(max_object_size))
-            .map_err(|e| Error::Corrupt(format!("inconsistent header ({e})")))?;
+        let max_objects = load(header::MAX_OBJECTS)?;
+        let expected = Layout::new(&Config {
+            capacity: load(header::CAPACITY)?,
+            n_readers: small(header::N_READERS, "n_readers")?,
+            max_object_size: Some(max_object_size),
+            max_writers: small(header::MAX_WRITERS, "max_writers")?,
+            max_objects: Some(max_objects),
+        })
+        .map_err(|e| Error::Corrupt(format!("inconsistent header ({e})")))?;
         if load(header::HEADER_SIZE)? != expected.header_size
             || max_object_size != expected.max_object_size
+            || max_objects != expected.max_objects
             || load(header::CHUNK_HEADER_SIZE)? != expected.chunk_header_size
             || load(header::CAPACITY)? != expected.capacity
+            || load(header::INDEX_BUCKETS)? != expected.index_buckets
             || load(header::TOTAL_LEN)? != expected.total_len()
         {
             return Err(Error::Corrupt("header sizes are inconsistent".into()));
@@ -489,23 +608,87 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn layout(capacity: u64, n_readers: u32, max_object_size: Option<u64>) -> Result<Layout> {
+        Layout::new(&Config::new(capacity, n_readers, max_object_size))
+    }
+
     #[test]
     fn geometry_is_aligned_and_bounded() {
-        let l = Layout::new(1000, 3, None).unwrap();
+        let l = layout(1000, 3, None).unwrap();
         assert_eq!(l.capacity, 1024);
         assert_eq!(l.chunk_header_size, 128);
-        assert_eq!(l.header_size, 4096);
+        assert_eq!(l.header_size, 8192, "tables and a 64-bucket index");
         assert_eq!(l.max_object_size, 1024 - 128);
+        assert_eq!((l.max_objects, l.index_buckets), (8, 64));
         assert!(l.valid_chunk_address(0) && !l.valid_chunk_address(1));
         assert!(!l.valid_chunk_address(1024 - 64));
         assert!(l.valid_payload(0, 896) && !l.valid_payload(64, 896));
-        assert!(Layout::new(0, 1, None).is_err());
-        assert!(Layout::new(1 << 20, 0, None).is_err());
-        assert!(Layout::new(1 << 20, MAX_READERS + 1, None).is_err());
-        assert!(Layout::new(64, 1, None).is_err());
-        let clamped = Layout::new(1 << 20, 1, Some(1 << 21)).unwrap();
+        assert!(layout(0, 1, None).is_err());
+        assert!(layout(1 << 20, 0, None).is_err());
+        assert!(layout(1 << 20, MAX_READERS + 1, None).is_err());
+        assert!(layout(64, 1, None).is_err());
+        let clamped = layout(1 << 20, 1, Some(1 << 21)).unwrap();
         assert_eq!(clamped.max_object_size, (1 << 20) - 128);
-        assert!(Layout::new(u64::MAX, 1, None).is_err());
+        assert!(layout(u64::MAX, 1, None).is_err());
+        assert!(
+            layout(Bucket::MAX_ADDRESS + 2, 1, None).is_err(),
+            "past 16 TiB"
+        );
+    }
+
+    #[test]
+    fn writers_and_the_index_have_their_own_tables() {
+        let config = Config {
+            max_writers: 4,
+            max_objects: Some(1000),
+            ..Config::new(1 << 20, 2, None)
+        };
+        let l = Layout::new(&config).unwrap();
+        assert_eq!(l.chunk_header_size, 128, "64 + 8 * (2 readers + 4 writers)");
+        assert_eq!(l.writer_slot_offset(0), l.slot_offset(2));
+        assert_eq!(l.writer_slot_offset(1), l.slot_offset(2) + 128);
+        assert_eq!(l.bucket_offset(0), l.writer_slot_offset(4));
+        assert_eq!((l.max_objects, l.index_buckets), (1000, 2048));
+        assert_eq!(l.bucket_hash_offset(0), l.bucket_offset(2048));
+        assert_eq!(l.key_slot_offset(0), l.bucket_hash_offset(2048));
+        assert!(l.key_slot_offset(2048) <= l.header_size && l.header_size % 4096 == 0);
+        assert_eq!(l.pin_word(3), chunk::WORDS + 8 * 5);
+        let big = Layout::new(&Config::new(1 << 30, 1, None)).unwrap();
+        assert_eq!(big.max_objects, 1 << 16, "one per 16 KiB");
+        let small = Layout::new(&Config::new(1 << 22, 1, None)).unwrap();
+        assert_eq!(small.max_objects, 4096, "at least 4096");
+        let tiny = Layout::new(&Config {
+            max_objects: Some(1 << 20),
+            ..Config::new(4096, 1, None)
+        })
+        .unwrap();
+        assert_eq!(
+            tiny.max_objects, 32,
+            "no more than the ring could ever hold"
+        );
+        for bad in [
+            Config {
+                max_writers: 0,
+                ..config
+            },
+            Config {
+                max_writers: MAX_WRITERS + 1,
+                ..config
+            },
+            Config {
+                max_objects: Some(0),
+                ..config
+            },
+            Config {
+                max_objects: Some(MAX_OBJECTS + 1),
+                ..config
+            },
+        ] {
+            assert!(
+                matches!(Layout::new(&bad), Err(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     fn scratch_segment(len: usize) -> Segment {
@@ -533,9 +716,9 @@ mod tests {
             words in proptest::collection::vec((0u64..64, any::<u64>()), 0..24),
             keep_magic: bool,
         ) {
-            let good = Layout::new(8192, 2, None).unwrap();
+            let good = layout(8192, 2, None).unwrap();
             let seg = scratch_segment(good.total_len() as usize);
-            good.write(&seg, 1, 1, Liveness::Locks).unwrap();
+            good.write(&seg, 1, 1, Liveness::Locks, [0, 0]).unwrap();
             let words: Vec<(u64, u64)> = words.into_iter().map(|(i, v)| (i * 8, v)).collect();
             write_words(&seg, &words);
             if keep_magic {
@@ -554,37 +737,25 @@ mod tests {
         fn any_changed_size_field_is_refused(
             field in prop::sample::select(vec![
                 header::HEADER_SIZE, header::CAPACITY, header::TOTAL_LEN, header::N_READERS,
-                header::MAX_OBJECT_SIZE, header::CHUNK_HEADER_SIZE,
+                header::MAX_OBJECT_SIZE, header::CHUNK_HEADER_SIZE, header::MAX_WRITERS,
+                header::MAX_OBJECTS, header::INDEX_BUCKETS,
             ]),
             delta in 1u64..u64::MAX,
         ) {
-            let good = Layout::new(8192, 2, Some(4000)).unwrap();
+            let good = layout(8192, 2, Some(4000)).unwrap();
             let seg = scratch_segment(good.total_len() as usize);
-            good.write(&seg, 1, 1, Liveness::Locks).unwrap();
+            good.write(&seg, 1, 1, Liveness::Locks, [0, 0]).unwrap();
             let atomic = seg.atomic(field).unwrap();
             atomic.store(atomic.load(Ordering::Relaxed).wrapping_add(delta), Ordering::Relaxed);
-            // MAX_OBJECT_SIZE may legitimately change to another valid value.
+            // MAX_OBJECT_SIZE and MAX_OBJECTS may legitimately change to other valid values
+            // (of the same geometry).
             match Layout::read(&seg) {
-                Ok((l, _)) => prop_assert!(field == header::MAX_OBJECT_SIZE && l.max_object_size != 4000),
+                Ok((l, _)) => prop_assert!(
+                    (field == header::MAX_OBJECT_SIZE && l.max_object_size != 4000)
+                        || (field == header::MAX_OBJECTS && l.max_objects != good.max_objects)
+                ),
                 Err(e) => prop_assert!(matches!(e, Error::Corrupt(_))),
             }
-        }
-
-        #[test]
-        fn slot_words_round_trip(
-            stamp: u32,
-            outstanding in 0..=SlotWord::MAX_OUTSTANDING,
-            views in 0..=SlotWord::MAX_VIEWS,
-        ) {
-            let w = SlotWord { stamp, outstanding, views };
-            prop_assert_eq!(SlotWord::unpack(w.pack()), w);
-        }
-
-        #[test]
-        fn claim_words_round_trip(epoch: u32, pid in 0u32..(1 << 30), state in 0u8..3) {
-            let state = [SlotState::Free, SlotState::Claimed, SlotState::Draining][state as usize];
-            let claim = Claim { epoch, pid, state };
-            prop_assert_eq!(Claim::unpack(claim.pack()), Some(claim));
         }
     }
 }

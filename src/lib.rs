@@ -1,8 +1,9 @@
 //! # mmcache core
 //!
-//! A lock-free, single-writer, multi-reader object store in one named POSIX shared-memory
-//! segment, for moving processed multimodal items (tensors) from an LLM engine's frontend to
-//! its GPU workers without copying them through pipes.
+//! An object store in one named POSIX shared-memory segment, for moving processed multimodal
+//! items (tensors) from an LLM engine's frontends to its GPU workers without copying them
+//! through pipes: one or more writer processes (each with any number of threads) share one
+//! key index and one ring; readers resolve handles lock-free.
 //!
 //! Layers, bottom up (see ARCHITECTURE.md):
 //!
@@ -10,10 +11,10 @@
 //!   bytes; names, processes and the other operating-system services around them.
 //! * [`layout`] — where every field lives, the one table of the store's counters, where each
 //!   part of a payload starts; header validation.
-//! * [`ring`] — the writer's allocator (pure, writer-private).
 //! * [`handle`] — keyed signatures of `(key, address, monotonic id)`.
-//! * [`store`] — the protocol: references, acknowledgements, leases, eviction; one file per
-//!   side (writer, reader, inspect).
+//! * [`keyhash`] — the key index's fast keyed hash.
+//! * [`store`] — the protocol: the shared key index, the ring's allocator and its lock,
+//!   references, acknowledgements, leases, eviction; one file per concern.
 //! * [`codec`] — the payload format of one item (header + parts), encoded and parsed.
 //! * `python` (feature `python`) — the PyO3 module `mmcache._core`, one concern per file.
 //!
@@ -24,7 +25,7 @@
 //! * [`segment`] (with its submodules): the operating system (`libc` calls, signal handlers,
 //!   the fork handlers) and shared memory (atomics and raw copies over the mapping);
 //! * `python`: the Python binding's buffer protocol (exports, and copies from callers'
-//!   buffers) and DLPack.
+//!   buffers), DLPack, and `Open::with` (a GIL-held borrow of a store's endpoint).
 //!
 //! Every `unsafe` block carries a `// SAFETY:` comment; bytes another process or thread may
 //! write or free are never borrowed as Rust slices.
@@ -33,12 +34,15 @@
 
 #[cfg(not(target_has_atomic = "64"))]
 compile_error!("mmcache needs lock-free 64-bit atomics");
+// The store lock's futex word is the low half of a 64-bit field.
+#[cfg(not(target_endian = "little"))]
+compile_error!("mmcache's segment layout is little-endian");
 
 pub mod codec;
 pub mod error;
 pub mod handle;
+pub mod keyhash;
 pub mod layout;
-pub mod ring;
 #[allow(unsafe_code)]
 pub mod segment;
 pub mod store;
@@ -49,4 +53,4 @@ mod python;
 
 pub use error::{Error, Result};
 pub use handle::Handle;
-pub use store::{Lease, Reader, ReaderInfo, Writer};
+pub use store::{Lease, Reader, ReaderInfo, Writer, WriterInfo};

@@ -5,16 +5,16 @@
 use std::sync::atomic::Ordering;
 
 use libfuzzer_sys::fuzz_target;
-use mmcache::layout::{Layout, Liveness, WRITER_LOCK, header};
+use mmcache::layout::{Config, Layout, Liveness, WRITER_LOCK, header};
 use mmcache::segment::{Segment, current_pid};
 
 fuzz_target!(|data: &[u8]| {
-    let good = Layout::new(8192, 2, None).expect("valid geometry");
+    let good = Layout::new(&Config::new(8192, 2, None)).expect("valid geometry");
     let name = format!("mmcf_hdr_{}", current_pid());
     let _ = mmcache::segment::unlink(&name);
     let seg = Segment::create(&name, good.total_len() as usize, WRITER_LOCK).expect("segment");
     seg.unlink().expect("unlink");
-    good.write(&seg, 1, 1, Liveness::Locks).expect("header");
+    good.write(&seg, 1, 1, Liveness::Locks, [0, 0]).expect("header");
     // Overwrite the first words of the header with the input.
     for (i, word) in data.chunks(8).take((header::READER_TABLE / 8) as usize).enumerate() {
         let mut bytes = [0u8; 8];

@@ -5,7 +5,7 @@ cache; :func:`make_caches` builds the pair of one cache mode.  Importing this pa
 not import torch.
 """
 
-from mmcache._core import ReaderHandle, ShmHandle, __version__
+from mmcache._core import ReaderHandle, ShmHandle, WriterHandle, __version__
 from mmcache.caches import ProcessorOnlyCache, ReceiverCache, SenderCache
 from mmcache.errors import (
     CacheMissError,
@@ -14,6 +14,7 @@ from mmcache.errors import (
     ItemNotEncodableError,
     MmcacheError,
     NoReaderSlotError,
+    NoWriterSlotError,
     ObjectTooLargeError,
     ReferencesSaturatedError,
     RingFullError,
@@ -40,6 +41,7 @@ __all__ = [
     "LRUCache",
     "MmcacheError",
     "NoReaderSlotError",
+    "NoWriterSlotError",
     "ObjectTooLargeError",
     "ProcessorOnlyCache",
     "ReaderHandle",
@@ -54,6 +56,7 @@ __all__ = [
     "ShmTooSmallError",
     "StaleHandleError",
     "WriterGoneError",
+    "WriterHandle",
     "WrongProcessError",
     "__version__",
     "content_hash",

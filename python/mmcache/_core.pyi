@@ -14,6 +14,9 @@ OUT_OF_BAND_BYTES: int
 """``bytes`` values at least this long travel as their own part instead of in the header."""
 PAYLOAD_FORMAT_VERSION: int
 """The item payload format this build writes and reads (the digit after ``b"MMC"``)."""
+CRASH_POINTS: tuple[str, ...]
+"""Where a test can have a writer process killed (``MMCACHE_CRASH_POINT=<name>``, read when
+the process makes its first writer; ``MMCACHE_CRASH_AFTER=<n>``: at the n-th pass)."""
 
 class MmcacheError(Exception):
     """Base class of every error the shared-memory core raises on its own account."""
@@ -31,10 +34,13 @@ class StaleHandleError(MmcacheError):
     """A genuine handle whose object is gone (evicted, overwritten, invalidated, cleared)."""
 
 class WriterGoneError(MmcacheError):
-    """The writer process of a segment exited."""
+    """Every writer of the segment closed it or exited."""
 
 class NoReaderSlotError(MmcacheError):
     """Every reader slot of the segment is taken."""
+
+class NoWriterSlotError(MmcacheError):
+    """Every writer slot of the store is taken (``max_writers`` live writers)."""
 
 class WrongProcessError(MmcacheError):
     """A writer or reader used in a process other than the one that created or attached it
@@ -102,6 +108,38 @@ class ReaderHandle:
     def __reduce__(self) -> tuple[Any, ...]: ...
 
 @final
+class WriterHandle:
+    """Everything another process needs to join a store as a writer: segment name, layout and
+    the signing secret (same trust as a :class:`ReaderHandle`)."""
+
+    def __new__(
+        cls,
+        *,
+        name: str,
+        capacity: int,
+        n_readers: int,
+        max_object_size: int,
+        max_writers: int,
+        layout_version: int,
+        secret: bytes,
+    ) -> WriterHandle: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def n_readers(self) -> int: ...
+    @property
+    def max_object_size(self) -> int: ...
+    @property
+    def max_writers(self) -> int: ...
+    @property
+    def layout_version(self) -> int: ...
+    @property
+    def secret(self) -> bytes: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
+@final
 class ShmView:
     """A read-only, zero-copy view of one object's bytes (buffer protocol).
 
@@ -124,9 +162,10 @@ class PartView:
 
 @disjoint_base
 class ShmObjectStore:
-    """One named shared-memory ring. Never instantiated itself: :meth:`create` makes its single
-    writer (a :class:`ShmWriter`), :meth:`attach` a reader (a :class:`ShmReader`). What both
-    roles have is here; each subclass has only its own role's methods."""
+    """One named shared-memory ring. Never instantiated itself: :meth:`create` makes its first
+    writer (a :class:`ShmWriter`), :meth:`join` another writer, :meth:`attach` a reader (a
+    :class:`ShmReader`). What both roles have is here; each subclass has only its own role's
+    methods."""
 
     @staticmethod
     def create(
@@ -135,9 +174,18 @@ class ShmObjectStore:
         n_readers: int = 1,
         max_object_size: int | None = None,
         name: str | None = None,
+        max_writers: int = 1,
+        max_objects: int | None = None,
     ) -> ShmWriter:
-        """The single writer of a new segment (``ShmTooSmallError`` if ``/dev/shm`` cannot
-        hold it)."""
+        """The first writer of a new segment (``ShmTooSmallError`` if ``/dev/shm`` cannot hold
+        it). ``max_writers`` writers (this one included) may be joined at once;
+        ``max_objects`` sizes the key index (default: one per 16 KiB of ring, at least 4096);
+        beyond it a put evicts first."""
+    @staticmethod
+    def join(writer_handle: WriterHandle) -> ShmWriter:
+        """One more writer of ``writer_handle``'s store, in this process or another
+        (``NoWriterSlotError`` when ``max_writers`` writers live; ``InvalidHandleError`` for a
+        secret that is not the store's; ``WriterGoneError`` if every writer left)."""
     @staticmethod
     def attach(handle: ReaderHandle) -> ShmReader:
         """A reader of ``handle``'s segment, in a reader slot of its own."""
@@ -149,6 +197,8 @@ class ShmObjectStore:
     def n_readers(self) -> int: ...
     @property
     def max_object_size(self) -> int: ...
+    @property
+    def max_writers(self) -> int: ...
     @property
     def is_writer(self) -> bool: ...
     @property
@@ -164,8 +214,9 @@ class ShmObjectStore:
         decoded from the writer's own verified copy."""
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None:
-        """Close the writer (the segment is unlinked) or detach the reader (its slot drains:
-        freed now, or with its last zero-copy view); idempotent."""
+        """Close the writer (the last writer to close unlinks the segment; waits for this
+        writer's operations other threads have in progress) or detach the reader (its slot
+        drains: freed now, or with its last zero-copy view); idempotent."""
     def __enter__(self) -> Self: ...
     def __exit__(
         self,
@@ -176,16 +227,27 @@ class ShmObjectStore:
 
 @final
 class ShmWriter(ShmObjectStore):
-    """The single writer of a ring (made by :meth:`ShmObjectStore.create`)."""
+    """One writer of a ring (made by :meth:`ShmObjectStore.create` or
+    :meth:`ShmObjectStore.join`). Every writer sees every object any writer stored; capacity,
+    eviction and the counters are the store's. Safe to call from several threads."""
 
-    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ShmHandle:
-        """Store ``data`` under ``key``, part by part, and issue one reference
-        (``ValueError`` for a duplicate key, ``ObjectTooLargeError``, ``RingFullError``)."""
-    def put_item(self, key: str, item: Mapping[str, Any]) -> ShmHandle:
+    @property
+    def writer_slot(self) -> int:
+        """This writer's slot among the store's ``max_writers``."""
+    def writer_handle(self) -> WriterHandle:
+        """What another process needs to :meth:`ShmObjectStore.join` this store."""
+    def put(self, key: str, data: Buffer | Sequence[Buffer], *, meta: bytes = b"") -> ShmHandle:
+        """Store ``data`` under ``key``, part by part, with ``meta`` beside it (any writer
+        reads it with :meth:`read_meta`; readers never see it), and issue one reference
+        (``ValueError`` for a duplicate key or a key over 4096 bytes or ``meta`` over 1 MiB,
+        ``ObjectTooLargeError``, ``RingFullError``). A put of a key claimed by any writer ends
+        the claim."""
+    def put_item(self, key: str, item: Mapping[str, Any], *, meta: bytes = b"") -> ShmHandle:
         """Encode ``item`` and store it under ``key`` in one pass (``put``'s errors, and
         ``TypeError`` naming the field of a value the format cannot hold)."""
     def is_cached(self, key: str) -> bool:
-        """Whether ``key`` is stored (no reference, hit or recency change)."""
+        """Whether ``key`` is stored, by any writer (no reference, hit or recency change; no
+        lock)."""
     def issue(self, key: str) -> ShmHandle:
         """One more reference to ``key``'s object, as a handle (``KeyError`` if absent;
         ``ReferencesSaturatedError``, nothing changed, if a reader already holds as many
@@ -194,6 +256,22 @@ class ShmWriter(ShmObjectStore):
         """:meth:`issue`, or ``None`` for an absent key."""
     def read_stored(self, key: str) -> bytes:
         """A copy of ``key``'s payload, issuing no reference (``KeyError`` if absent)."""
+    def read_meta(self, key: str, *, monotonic_id: int | None = None) -> bytes:
+        """The metadata stored with ``key``'s object by whichever writer put it (``KeyError``
+        if absent; with ``monotonic_id``, also if ``key`` now names an object other than the
+        one with that id: a handle's ``monotonic_id`` identifies the metadata too)."""
+    def claim(self, key: str) -> bool:
+        """Single flight: ``True`` if this writer now holds ``key``'s claim (it computes the
+        item, then puts it or calls :meth:`unclaim`), ``False`` if ``key`` is stored or
+        another live writer claimed it. A claim ends at any writer's put of the key, this
+        writer's :meth:`unclaim` or close, or this writer's death."""
+    def unclaim(self, key: str) -> None:
+        """Give up this writer's claim of ``key`` (a no-op if it holds none)."""
+    def wait_for(self, keys: Sequence[str], timeout_s: float) -> list[bool]:
+        """Wait up to ``timeout_s`` seconds for keys another live writer claimed; for each key,
+        whether it is stored when this returns. Never waits on this writer's own claims, nor
+        on keys that are unclaimed or whose claim's writer gave up or died (polls, the GIL
+        released)."""
     def pin(self, key: str) -> None:
         """Protect ``key``'s object from eviction until a matching :meth:`unpin` (pins are
         counted; ``KeyError`` if absent)."""
@@ -201,11 +279,14 @@ class ShmWriter(ShmObjectStore):
         """:meth:`pin`; whether ``key`` was there to pin (no ``KeyError``)."""
     def unpin(self, key: str) -> None: ...
     def release(self, handle: ShmHandle) -> None:
-        """Give back the references of a handle that will never reach the readers."""
+        """Give back the references of a handle that will never reach the readers (only a
+        handle this writer issued: another writer's is a no-op)."""
     def verify(self, handle: ShmHandle, key: str) -> bool:
         """Whether ``handle`` is ``key``'s current entry (no reference, hit or recency change)."""
-    def invalidate(self, key: str) -> None: ...
-    def clear(self) -> None: ...
+    def invalidate(self, key: str) -> None:
+        """Drop ``key`` for every writer (in-flight handles still read their own bytes)."""
+    def clear(self) -> None:
+        """Drop every object of the store (for every writer) and every unread reference."""
     def keys(self) -> list[str]: ...
     def get_cached(self, key: str) -> ShmHandle:
         """Alias of :meth:`issue` (SPEC.md's name)."""

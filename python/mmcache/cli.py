@@ -208,8 +208,8 @@ def _parser() -> _Parser:
         help="show a live segment's occupancy, objects, references and counters",
         description=fill(
             "Read a live segment's header (without attaching as a reader or writing "
-            "to it) and print its capacity, bytes in use, objects, outstanding references per "
-            "reader and counters."
+            "to it) and print its capacity, bytes in use, objects, counters, its writer slots "
+            "(who lives) and outstanding references per reader."
         ),
         epilog=_INSPECT_EXAMPLES,
         formatter_class=formatter,
@@ -407,6 +407,7 @@ def _inspect(args: argparse.Namespace) -> int:
         console.print_json(json.dumps(info, default=str))
         return 0
     readers = info.pop("readers", [])
+    writers = info.pop("writers", [])
     summary = Table(title=f"segment {args.name}", title_justify="left", show_header=False)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
@@ -417,14 +418,18 @@ def _inspect(args: argparse.Namespace) -> int:
     for key, value in sorted(info.items()):
         summary.add_row(key, _format_value(key, value))
     console.print(summary)
-    if readers:
-        table = Table(title="readers", title_justify="left")
-        columns = [c for c in _READER_COLUMNS if any(c in reader for reader in readers)]
-        for column in columns:
-            table.add_column(column, justify="right")
-        for reader in readers:
-            table.add_row(*(_format_value(c, reader.get(c, "")) for c in columns))
-        console.print(table)
+    for title, slots, wanted in (
+        ("writers", writers, _WRITER_COLUMNS),
+        ("readers", readers, _READER_COLUMNS),
+    ):
+        if slots:
+            table = Table(title=title, title_justify="left")
+            columns = [c for c in wanted if any(c in slot for slot in slots)]
+            for column in columns:
+                table.add_column(column, justify="right")
+            for slot in slots:
+                table.add_row(*(_format_value(c, slot.get(c, "")) for c in columns))
+            console.print(table)
     return 0
 
 
@@ -451,6 +456,7 @@ def _list_segments() -> int:
 _SIZES = ("capacity", "max_object_size", "total_len")
 # ``claimed`` is left out: ``state`` says it (and more).
 _READER_COLUMNS = ("slot", "state", "pid", "alive", "refs", "acks", "outstanding", "stale")
+_WRITER_COLUMNS = ("slot", "state", "pid", "epoch", "alive")
 
 
 def _format_value(key: str, value: object) -> str:

@@ -21,13 +21,16 @@ logger = logging.getLogger("mmcache")
 
 
 def inspect(name: str) -> dict[str, Any]:
-    """Counters, occupancy and per-reader outstanding references of the live segment ``name``.
+    """Counters, occupancy, writer slots and per-reader outstanding references of the live
+    segment ``name``.
 
     Everything the segment header publishes (``capacity``, ``bytes_in_use``, ``objects``,
-    ``creator_pid``, ``creator_alive``, ``readers`` with each slot's ``outstanding``
-    references, and the writer's counters), plus ``name`` and ``occupancy`` (``bytes_in_use``
-    as a fraction of ``capacity``). ``FileNotFoundError`` if there is no such segment;
-    ``SegmentCorruptError`` if it is not a valid mmcache segment.
+    ``creator_pid``, ``creator_alive`` (whether any writer lives), ``max_writers``,
+    ``writers`` with each writer slot's ``pid``, ``epoch`` and whether it is ``alive``,
+    ``readers`` with each slot's ``outstanding`` references, and the store's counters), plus
+    ``name`` and ``occupancy`` (``bytes_in_use`` as a fraction of ``capacity``).
+    ``FileNotFoundError`` if there is no such segment; ``SegmentCorruptError`` if it is not a
+    valid mmcache segment.
     """
     info = dict(_core.inspect_segment(name))
     capacity = info.get("capacity", 0)
@@ -37,11 +40,11 @@ def inspect(name: str) -> dict[str, Any]:
 
 
 def prune(*, dry_run: bool = False) -> list[str]:
-    """Remove the segments this package created whose writer is gone.
+    """Remove the segments this package created whose writers are all gone.
 
-    Returns their names, sorted; with ``dry_run=True`` only lists them. A segment whose
-    writer still runs — in any PID namespace: writers hold a lock on their segment that the
-    kernel drops only when they die — is never touched. Truncated or garbage ``mmc_``
+    Returns their names, sorted; with ``dry_run=True`` only lists them. A segment one of
+    whose writers still runs — in any PID namespace: writers hold a lock on their segment that
+    the kernel drops only when they die — is never touched. Truncated or garbage ``mmc_``
     segments whose writer is gone are removed too; a name that may still be being created,
     or that another mmcache version made and whose creator may run, is left and logged.
     """

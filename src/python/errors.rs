@@ -61,6 +61,12 @@ create_exception!(
 );
 create_exception!(
     mmcache._core,
+    NoWriterSlotError,
+    MmcacheError,
+    "Every writer slot of the store is taken (max_writers)."
+);
+create_exception!(
+    mmcache._core,
     WrongProcessError,
     MmcacheError,
     "A writer or reader used in a process other than the one that created or attached it."
@@ -99,7 +105,7 @@ impl From<Error> for PyErr {
         match err {
             Error::InvalidArgument(_) | Error::DuplicateKey(_) => PyValueError::new_err(msg),
             Error::TooLarge { .. } => ObjectTooLargeError::new_err(msg),
-            Error::Full { .. } => RingFullError::new_err(msg),
+            Error::Full { .. } | Error::IndexFull(_) => RingFullError::new_err(msg),
             Error::Saturated { .. } => ReferencesSaturatedError::new_err(msg),
             Error::ShmTooSmall { .. } => ShmTooSmallError::new_err(msg),
             Error::KeyNotFound(key) => PyKeyError::new_err(key),
@@ -112,6 +118,7 @@ impl From<Error> for PyErr {
             Error::Stale => StaleHandleError::new_err(msg),
             Error::WriterGone(_) => WriterGoneError::new_err(msg),
             Error::NoReaderSlot(_) => NoReaderSlotError::new_err(msg),
+            Error::NoWriterSlot(_) => NoWriterSlotError::new_err(msg),
             Error::WrongProcess(_) => WrongProcessError::new_err(msg),
             Error::Os { .. } => PyOSError::new_err(msg),
         }
@@ -135,6 +142,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleHandleError", py.get_type::<StaleHandleError>())?;
     m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
     m.add("NoReaderSlotError", py.get_type::<NoReaderSlotError>())?;
+    m.add("NoWriterSlotError", py.get_type::<NoWriterSlotError>())?;
     m.add("WrongProcessError", py.get_type::<WrongProcessError>())?;
     m.add("ObjectTooLargeError", py.get_type::<ObjectTooLargeError>())?;
     m.add("RingFullError", py.get_type::<RingFullError>())?;

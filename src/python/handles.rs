@@ -1,5 +1,6 @@
-//! The two picklable handles: `ShmHandle` (one object in the ring, what P0 sends instead of
-//! data) and `ReaderHandle` (everything a reader process needs to attach).
+//! The picklable handles: `ShmHandle` (one object in the ring, what P0 sends instead of data),
+//! `ReaderHandle` (everything a reader process needs to attach) and `WriterHandle`
+//! (everything another writer process needs to join).
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -7,7 +8,7 @@ use pyo3::types::{PyBytes, PyTuple};
 
 use super::errors::InvalidHandleError;
 use crate::handle::{Handle, SIGNATURE_LEN};
-use crate::store::ReaderInfo;
+use crate::store::{ReaderInfo, WriterInfo};
 
 /// Where one object lives: ring address, monotonic id and a keyed signature.
 #[pyclass(frozen, eq, hash, module = "mmcache._core")]
@@ -218,11 +219,139 @@ pub(super) fn _reader_handle(
     )
 }
 
+/// Everything another writer process needs to join a store: segment name, layout and the
+/// signing secret (so it carries the same trust as a `ReaderHandle`).
+#[pyclass(frozen, eq, module = "mmcache._core")]
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct WriterHandle {
+    info: WriterInfo,
+}
+
+impl WriterHandle {
+    pub(super) fn from_info(info: WriterInfo) -> Self {
+        WriterHandle { info }
+    }
+
+    pub(super) fn info(&self) -> &WriterInfo {
+        &self.info
+    }
+}
+
+#[pymethods]
+impl WriterHandle {
+    #[new]
+    #[pyo3(signature = (
+        *, name, capacity, n_readers, max_object_size, max_writers, layout_version, secret
+    ))]
+    fn new(
+        name: String,
+        capacity: u64,
+        n_readers: u32,
+        max_object_size: u64,
+        max_writers: u32,
+        layout_version: u64,
+        secret: Vec<u8>,
+    ) -> PyResult<Self> {
+        let secret: [u8; 32] = secret
+            .try_into()
+            .map_err(|_| PyValueError::new_err("secret must be 32 bytes"))?;
+        Ok(WriterHandle {
+            info: WriterInfo {
+                name,
+                capacity,
+                n_readers,
+                max_object_size,
+                max_writers,
+                layout_version,
+                secret,
+            },
+        })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.info.name
+    }
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.info.capacity
+    }
+    #[getter]
+    fn n_readers(&self) -> u32 {
+        self.info.n_readers
+    }
+    #[getter]
+    fn max_object_size(&self) -> u64 {
+        self.info.max_object_size
+    }
+    #[getter]
+    fn max_writers(&self) -> u32 {
+        self.info.max_writers
+    }
+    #[getter]
+    fn layout_version(&self) -> u64 {
+        self.info.layout_version
+    }
+    #[getter]
+    fn secret<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.info.secret)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "WriterHandle(name={:?}, capacity={}, max_writers={})",
+            self.info.name, self.info.capacity, self.info.max_writers
+        )
+    }
+
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let rebuild = py.import("mmcache._core")?.getattr("_writer_handle")?;
+        let i = &self.info;
+        (
+            rebuild,
+            (
+                i.name.clone(),
+                i.capacity,
+                i.n_readers,
+                i.max_object_size,
+                i.max_writers,
+                i.layout_version,
+                PyBytes::new(py, &i.secret),
+            ),
+        )
+            .into_pyobject(py)
+    }
+}
+
+/// Unpickle a `WriterHandle` (positional, unlike its keyword-only constructor).
+#[pyfunction]
+pub(super) fn _writer_handle(
+    name: String,
+    capacity: u64,
+    n_readers: u32,
+    max_object_size: u64,
+    max_writers: u32,
+    layout_version: u64,
+    secret: Vec<u8>,
+) -> PyResult<WriterHandle> {
+    WriterHandle::new(
+        name,
+        capacity,
+        n_readers,
+        max_object_size,
+        max_writers,
+        layout_version,
+        secret,
+    )
+}
+
 /// Add the handle classes (and their unpicklers) to `mmcache._core`.
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ShmHandle>()?;
     m.add_class::<ReaderHandle>()?;
+    m.add_class::<WriterHandle>()?;
     m.add_function(wrap_pyfunction!(_shm_handle, m)?)?;
     m.add_function(wrap_pyfunction!(_reader_handle, m)?)?;
+    m.add_function(wrap_pyfunction!(_writer_handle, m)?)?;
     Ok(())
 }

@@ -7,7 +7,8 @@ use pyo3::types::{PyDict, PyList};
 use crate::layout::{Liveness, SlotState};
 use crate::store;
 
-/// Read a live segment's header without attaching as a reader (never writes to it).
+/// Read a live segment's header, counters, reader and writer slots without attaching (never
+/// writes to it).
 #[pyfunction]
 pub(super) fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
     let info = store::inspect(name)?;
@@ -16,6 +17,8 @@ pub(super) fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Boun
     d.set_item("capacity", info.layout.capacity)?;
     d.set_item("total_len", info.total_len)?;
     d.set_item("n_readers", info.layout.n_readers)?;
+    d.set_item("max_writers", info.layout.max_writers)?;
+    d.set_item("max_objects", info.layout.max_objects)?;
     d.set_item("max_object_size", info.layout.max_object_size)?;
     d.set_item("creator_pid", info.creator_pid)?;
     d.set_item("creator_alive", info.creator_alive)?;
@@ -34,14 +37,7 @@ pub(super) fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Boun
     for s in &info.readers {
         let r = PyDict::new(py);
         r.set_item("slot", s.index)?;
-        r.set_item(
-            "state",
-            match s.state {
-                SlotState::Free => "free",
-                SlotState::Claimed => "claimed",
-                SlotState::Draining => "draining",
-            },
-        )?;
+        r.set_item("state", slot_state(s.state))?;
         r.set_item("claimed", s.state == SlotState::Claimed)?;
         r.set_item("pid", s.pid)?;
         r.set_item("alive", s.alive)?;
@@ -52,7 +48,31 @@ pub(super) fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Boun
         readers.append(r)?;
     }
     d.set_item("readers", readers)?;
+    let writers = PyList::empty(py);
+    for s in &info.writers {
+        let w = PyDict::new(py);
+        w.set_item("slot", s.index)?;
+        w.set_item("state", slot_state(s.state))?;
+        w.set_item("claimed", s.state == SlotState::Claimed)?;
+        w.set_item("pid", s.pid)?;
+        w.set_item("epoch", s.epoch)?;
+        w.set_item("alive", s.alive)?;
+        writers.append(w)?;
+    }
+    d.set_item("writers", writers)?;
+    d.set_item(
+        "writers_alive",
+        info.writers.iter().filter(|w| w.alive).count(),
+    )?;
     Ok(d)
+}
+
+fn slot_state(state: SlotState) -> &'static str {
+    match state {
+        SlotState::Free => "free",
+        SlotState::Claimed => "claimed",
+        SlotState::Draining => "draining",
+    }
 }
 
 /// Whether segment `name` is `"live"` (its writer runs, in any PID namespace), `"orphaned"`
@@ -60,7 +80,7 @@ pub(super) fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Boun
 #[pyfunction]
 pub(super) fn segment_status(name: &str) -> PyResult<(&'static str, String)> {
     Ok(match store::status(name)? {
-        store::Status::Live => ("live", "its writer is alive".to_owned()),
+        store::Status::Live => ("live", "a writer is alive".to_owned()),
         store::Status::Orphaned(why) => ("orphaned", why),
         store::Status::Undecided(why) => ("undecided", why),
     })

@@ -4,8 +4,9 @@
 //! rules stay in the core:
 //!
 //! * `errors` — the exceptions, and the one mapping of the core's `Error` to them;
-//! * `handles` — `ShmHandle`, `ReaderHandle`;
-//! * `store` — `ShmObjectStore` and its two roles, `ShmWriter` and `ShmReader`;
+//! * `handles` — `ShmHandle`, `ReaderHandle`, `WriterHandle`;
+//! * `store` — `ShmObjectStore` and its reader role, `ShmReader`;
+//! * `writer` — its writer role, `ShmWriter`;
 //! * `buffer` — what keeps exported bytes alive (`Keeper`), `ShmView`, `PartView`, imports;
 //! * `dlpack` — the DLPack FFI that hands bytes to torch without a copy;
 //! * `frameworks` — numpy and torch, their dtype tables;
@@ -13,7 +14,7 @@
 //! * `inspect` — maintenance functions (inspect, status, list, unlink).
 //!
 //! Besides `segment`, only this module has `unsafe` code, in `buffer` and `dlpack` (and one
-//! copy in `decode`): the crossings PyO3 cannot express safely.
+//! copy in `decode`, and `Open::with` in `store`): the crossings PyO3 cannot express safely.
 
 use pyo3::prelude::*;
 
@@ -26,6 +27,7 @@ mod frameworks;
 mod handles;
 mod inspect;
 mod store;
+mod writer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -34,6 +36,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PART_ALIGNMENT", crate::layout::ALIGN)?;
     m.add("OUT_OF_BAND_BYTES", crate::codec::OUT_OF_BAND_BYTES)?;
     m.add("PAYLOAD_FORMAT_VERSION", crate::codec::FORMAT_VERSION)?;
+    m.add(
+        "CRASH_POINTS",
+        pyo3::types::PyTuple::new(m.py(), crate::store::CRASH_POINTS)?,
+    )?;
     errors::register(m)?;
     handles::register(m)?;
     store::register(m)?;

@@ -1,9 +1,11 @@
 //! The store classes. `ShmObjectStore` holds what both roles share; its two subclasses hold
-//! one role each: `ShmWriter` (made by `ShmObjectStore.create`) and `ShmReader` (made by
-//! `ShmObjectStore.attach`). A method of the other role is simply absent (an
-//! `AttributeError`, which type checkers see), and methods that change state are named for
-//! the change: `issue` adds a reference, a reader's `resolve` consumes one.
+//! one role each: `ShmWriter` (made by `ShmObjectStore.create` or `.join`; its methods are in
+//! `writer.rs`) and `ShmReader` (made by `ShmObjectStore.attach`). A method of the other role
+//! is simply absent (an `AttributeError`, which type checkers see), and methods that change
+//! state are named for the change: `issue` adds a reference, a reader's `resolve` consumes
+//! one.
 
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyTypeError;
@@ -11,32 +13,60 @@ use pyo3::prelude::*;
 use pyo3::pyclass_init::PyClassInitializer;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::buffer::{Keeper, ShmView, collect_buffers, copying, raw_parts};
+use super::buffer::{Keeper, ShmView, copying};
 use super::decode::{check_pin_memory, decode};
-use super::encode::Encoded;
-use super::handles::{ReaderHandle, ShmHandle};
+use super::handles::{ReaderHandle, ShmHandle, WriterHandle};
+use super::writer::{ShmWriter, read_copy};
 use crate::error::Error;
-use crate::layout::Layout;
-use crate::segment::RawBytes;
+use crate::layout::{Config, Layout};
 use crate::store::{Reader, ReaderInfo, Stats, Writer};
 
 /// A writer or reader until `close()`, after which every use is a `ClosedError`.
-struct Open<T>(Mutex<Option<Arc<T>>>);
+pub(super) struct Open<T> {
+    owner: Mutex<Option<Arc<T>>>,
+    /// The endpoint `owner` holds (null once taken), for calls that hold the GIL from start
+    /// to end ([`Open::with`]): they borrow it without touching a lock or a reference count,
+    /// which is most of what a hit costs otherwise.
+    current: AtomicPtr<T>,
+}
 
 impl<T> Open<T> {
-    fn new(endpoint: Arc<T>) -> Self {
-        Open(Mutex::new(Some(endpoint)))
+    pub(super) fn new(endpoint: Arc<T>) -> Self {
+        Open {
+            current: AtomicPtr::new(Arc::as_ptr(&endpoint).cast_mut()),
+            owner: Mutex::new(Some(endpoint)),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<Arc<T>>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.owner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn get(&self) -> PyResult<Arc<T>> {
+    /// The endpoint, kept alive by the returned reference (for calls that release the GIL).
+    pub(super) fn get(&self) -> PyResult<Arc<T>> {
         self.lock().clone().ok_or_else(|| Error::Closed.into())
     }
 
+    /// Call `f` with the endpoint while holding the GIL (`_py`) throughout; `f` must not
+    /// release it (it gets no `Python` token to do so).
+    pub(super) fn with<R>(&self, _py: Python<'_>, f: impl FnOnce(&T) -> R) -> PyResult<R> {
+        let endpoint = self.current.load(Ordering::Acquire);
+        if endpoint.is_null() {
+            return Err(Error::Closed.into());
+        }
+        // SAFETY: `endpoint` came from `Arc::as_ptr` of the `Arc` in `owner`, which keeps it
+        // alive until `take` removes it. `take` nulls `current` first and runs, like this
+        // call, with the GIL held, and the `Arc` it returns is dropped by `close` with the GIL
+        // held as well; we hold the GIL from the load above until `f` returns and do not
+        // release it, so `take` and that drop cannot happen in between. Only shared
+        // references to the endpoint ever exist (it is used through `&T`, being `Sync`).
+        Ok(f(unsafe { &*endpoint }))
+    }
+
+    /// Take the endpoint out (call with the GIL held, and drop what it returns with the GIL
+    /// held: see [`Open::with`]).
     fn take(&self) -> Option<Arc<T>> {
+        self.current.store(std::ptr::null_mut(), Ordering::Release);
         self.lock().take()
     }
 
@@ -51,14 +81,15 @@ enum Role<'a> {
     Reader(&'a Open<Reader>),
 }
 
-/// One named shared-memory ring: created by its single writer (`ShmWriter`), attached by
-/// readers (`ShmReader`).
+/// One named shared-memory ring: created by its first writer (`ShmWriter`), joined by up to
+/// `max_writers - 1` more, attached by readers (`ShmReader`).
 #[pyclass(frozen, subclass, module = "mmcache._core")]
 pub(crate) struct ShmObjectStore {
     name: String,
     capacity: u64,
     n_readers: u32,
     max_object_size: u64,
+    max_writers: u32,
     info: ReaderInfo,
 }
 
@@ -69,13 +100,23 @@ impl ShmObjectStore {
             capacity: layout.capacity,
             n_readers: layout.n_readers,
             max_object_size: layout.max_object_size,
+            max_writers: layout.max_writers,
             info,
         }
     }
 
+    /// A `ShmWriter` over `writer` (just created or joined).
+    fn writer<'py>(py: Python<'py>, writer: Writer) -> PyResult<Bound<'py, ShmWriter>> {
+        let base = ShmObjectStore::new(writer.name(), writer.layout(), writer.reader_info());
+        Bound::new(
+            py,
+            PyClassInitializer::from(base).add_subclass(ShmWriter::new(writer)),
+        )
+    }
+
     fn role<'a>(slf: &'a Bound<'_, Self>) -> PyResult<Role<'a>> {
         if let Ok(writer) = slf.cast::<ShmWriter>() {
-            return Ok(Role::Writer(&writer.get().writer));
+            return Ok(Role::Writer(writer.get().open()));
         }
         if let Ok(reader) = slf.cast::<ShmReader>() {
             return Ok(Role::Reader(&reader.get().reader));
@@ -88,22 +129,36 @@ impl ShmObjectStore {
 
 #[pymethods]
 impl ShmObjectStore {
-    /// The single writer of a new segment.
+    /// The first writer of a new segment (`max_writers` writers may be joined at once).
     #[staticmethod]
-    #[pyo3(signature = (capacity, *, n_readers = 1, max_object_size = None, name = None))]
+    #[pyo3(signature = (
+        capacity, *, n_readers = 1, max_object_size = None, name = None, max_writers = 1,
+        max_objects = None,
+    ))]
     fn create<'py>(
         py: Python<'py>,
         capacity: u64,
         n_readers: u32,
         max_object_size: Option<u64>,
         name: Option<&str>,
+        max_writers: u32,
+        max_objects: Option<u64>,
     ) -> PyResult<Bound<'py, ShmWriter>> {
-        let writer = Writer::create(capacity, n_readers, max_object_size, name)?;
-        let base = ShmObjectStore::new(writer.name(), writer.layout(), writer.reader_info());
-        let writer = ShmWriter {
-            writer: Open::new(Arc::new(writer)),
+        let config = Config {
+            capacity,
+            n_readers,
+            max_object_size,
+            max_writers,
+            max_objects,
         };
-        Bound::new(py, PyClassInitializer::from(base).add_subclass(writer))
+        Self::writer(py, Writer::create_with(&config, name)?)
+    }
+
+    /// One more writer of the store `writer_handle` names (this process or another).
+    #[staticmethod]
+    fn join<'py>(py: Python<'py>, writer_handle: &WriterHandle) -> PyResult<Bound<'py, ShmWriter>> {
+        let info = writer_handle.info().clone();
+        Self::writer(py, py.detach(|| Writer::join(&info))?)
     }
 
     /// A reader of the segment `handle` names, in a reader slot of its own.
@@ -133,6 +188,10 @@ impl ShmObjectStore {
     #[getter]
     fn max_object_size(&self) -> u64 {
         self.max_object_size
+    }
+    #[getter]
+    fn max_writers(&self) -> u32 {
+        self.max_writers
     }
     #[getter]
     fn is_writer(slf: &Bound<'_, Self>) -> PyResult<bool> {
@@ -207,13 +266,15 @@ impl ShmObjectStore {
         Ok(dict)
     }
 
-    /// Close the writer (its segment is unlinked) or detach the reader (its slot drains:
-    /// freed now, or when its last zero-copy view is gone). Idempotent.
+    /// Close the writer (the last writer to close unlinks the segment) or detach the reader
+    /// (its slot drains: freed now, or when its last zero-copy view is gone). Idempotent.
     fn close(slf: &Bound<'_, Self>) -> PyResult<()> {
         match Self::role(slf)? {
             Role::Writer(w) => {
                 if let Some(writer) = w.take() {
-                    writer.close()?;
+                    // Waits for other threads' operations in progress: without the GIL. The
+                    // `Arc` is dropped after, with the GIL (`Open::with`).
+                    slf.py().detach(|| writer.close())?;
                 }
             }
             Role::Reader(r) => {
@@ -249,13 +310,6 @@ impl ShmObjectStore {
     }
 }
 
-/// The writer's own read of a handle's object: a verified private copy. The GIL is released
-/// whatever the size: the length is known only inside the core, under the writer's lock.
-fn read_copy(py: Python<'_>, writer: &Writer, handle: &ShmHandle, key: &str) -> PyResult<Vec<u8>> {
-    let handle = handle.to_handle()?;
-    Ok(py.detach(|| writer.read(&handle, key))?)
-}
-
 /// A reader's read of a handle's object, consuming one of its references: the bytes, or
 /// (`copy=False`) a read-only `ShmView` that keeps the object alive.
 fn resolve(
@@ -288,133 +342,6 @@ fn resolve_item<'py>(
     let lease = reader.acquire(&handle.to_handle()?, key)?;
     let keep = Arc::new(Keeper::from_lease(py, lease)?);
     decode(py, &keep, copy, pin_memory)
-}
-
-/// `Writer::put_raw`, with the GIL released when there is much to copy.
-fn put_parts(
-    py: Python<'_>,
-    writer: &Writer,
-    key: &str,
-    parts: &[RawBytes<'_>],
-) -> PyResult<ShmHandle> {
-    let total = parts.iter().map(RawBytes::len).sum();
-    let handle = copying(py, total, || writer.put_raw(key, parts))?;
-    Ok(ShmHandle::from_handle(handle))
-}
-
-/// The single writer of a ring (`ShmObjectStore.create`).
-#[pyclass(frozen, extends = ShmObjectStore, module = "mmcache._core")]
-pub(crate) struct ShmWriter {
-    writer: Open<Writer>,
-}
-
-#[pymethods]
-impl ShmWriter {
-    /// Store `data` (one buffer, or a list/tuple of them, written part by part) under `key`.
-    fn put(&self, py: Python<'_>, key: &str, data: &Bound<'_, PyAny>) -> PyResult<ShmHandle> {
-        let writer = self.writer.get()?;
-        let buffers = collect_buffers(data)?;
-        put_parts(py, &writer, key, &raw_parts(&buffers))
-    }
-
-    /// Encode `item` (a mapping of tensors, arrays and small values) and store it under
-    /// `key`, in one pass: the header and every tensor's bytes go straight into the chunk.
-    fn put_item(&self, py: Python<'_>, key: &str, item: &Bound<'_, PyAny>) -> PyResult<ShmHandle> {
-        let writer = self.writer.get()?;
-        let encoded = Encoded::new(item)?;
-        let parts = encoded.parts();
-        // `Encoded::copying`, not `put_parts`: it keeps the GIL when a part lies in a torch
-        // storage, which another thread may free while the GIL is released.
-        let handle = encoded.copying(py, || writer.put_raw(key, &parts))?;
-        Ok(ShmHandle::from_handle(handle))
-    }
-
-    fn is_cached(&self, key: &str) -> PyResult<bool> {
-        Ok(self.writer.get()?.is_cached(key)?)
-    }
-
-    /// One more reference to `key`'s object, as a handle (`KeyError` if absent).
-    fn issue(&self, key: &str) -> PyResult<ShmHandle> {
-        Ok(ShmHandle::from_handle(self.writer.get()?.get_cached(key)?))
-    }
-
-    /// `issue`, with `None` for an absent key instead of `KeyError` (P0's hot path).
-    fn issue_if_present(&self, key: &str) -> PyResult<Option<ShmHandle>> {
-        match self.writer.get()?.get_cached(key) {
-            Ok(h) => Ok(Some(ShmHandle::from_handle(h))),
-            Err(Error::KeyNotFound(_)) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// A copy of what is stored under `key`, issuing no reference (`KeyError` if absent).
-    fn read_stored<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
-        let writer = self.writer.get()?;
-        // The GIL is released whatever the size: only the core knows it, under its lock.
-        let bytes = py.detach(|| writer.read_key(key))?;
-        Ok(PyBytes::new(py, &bytes))
-    }
-
-    fn pin(&self, key: &str) -> PyResult<()> {
-        Ok(self.writer.get()?.pin(key)?)
-    }
-
-    /// `pin`, returning whether `key` was there to pin instead of raising `KeyError`.
-    fn pin_if_present(&self, key: &str) -> PyResult<bool> {
-        match self.writer.get()?.pin(key) {
-            Ok(()) => Ok(true),
-            Err(Error::KeyNotFound(_)) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    fn unpin(&self, key: &str) -> PyResult<()> {
-        Ok(self.writer.get()?.unpin(key)?)
-    }
-
-    fn release(&self, handle: &ShmHandle) -> PyResult<()> {
-        Ok(self.writer.get()?.release(&handle.to_handle()?)?)
-    }
-
-    fn verify(&self, handle: &ShmHandle, key: &str) -> PyResult<bool> {
-        let writer = self.writer.get()?;
-        match handle.to_handle() {
-            Ok(h) => Ok(writer.verify(&h, key)?),
-            Err(_) => Ok(false), // a signature of the wrong length names no entry
-        }
-    }
-
-    fn invalidate(&self, key: &str) -> PyResult<()> {
-        Ok(self.writer.get()?.invalidate(key)?)
-    }
-
-    fn clear(&self) -> PyResult<()> {
-        Ok(self.writer.get()?.clear()?)
-    }
-
-    fn keys(&self) -> PyResult<Vec<String>> {
-        Ok(self.writer.get()?.keys()?)
-    }
-
-    /// Alias of `issue` (the name SPEC.md gives it).
-    fn get_cached(&self, key: &str) -> PyResult<ShmHandle> {
-        self.issue(key)
-    }
-
-    /// Alias of `issue_if_present`.
-    fn try_get_cached(&self, key: &str) -> PyResult<Option<ShmHandle>> {
-        self.issue_if_present(key)
-    }
-
-    /// Alias of `read_stored`.
-    fn get_stored<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
-        self.read_stored(py, key)
-    }
-
-    /// Alias of `pin_if_present`.
-    fn try_pin(&self, key: &str) -> PyResult<bool> {
-        self.pin_if_present(key)
-    }
 }
 
 /// One reader of a ring, in a reader slot of its own (`ShmObjectStore.attach`).

@@ -15,17 +15,18 @@
 //! read-write, is `!Send`, and has not been released since 2022 (see ARCHITECTURE.md).
 //!
 //! Liveness is told by **open-file-description locks** (`F_OFD_SETLK`) on byte ranges of
-//! the segment's file: the creator holds one for the segment's life and each reader one on
-//! its slot. The kernel drops them when the holder's last descriptor goes, however it dies,
+//! the segment's file: every live writer holds a shared one on the first word and an
+//! exclusive one on its writer slot, each reader one on its slot. The kernel drops them when the holder's last descriptor goes, however it dies,
 //! and any process that can open the file can test them, whatever its PID namespace. Locks
 //! are taken through a second open file description that is never mapped: a mapping holds
 //! its file description open, so a forked child that keeps its parent's mappings would
 //! otherwise keep its parent's locks too.
 //!
-//! Submodules: `naming` (which names are allowed, and the ones we generate), `os` (the files
-//! in `/dev/shm` and their locks, processes, randomness: everything that is not one
-//! mapping), [`fork`] (what a `fork()` changes in the child) and [`fault`] (making a
-//! SIGSEGV/SIGBUS in a mapping explain itself). What `naming` and `os` offer is re-exported
+//! Submodules: `locks` (the OFD liveness locks and futex calls on a segment), `naming` (which
+//! names are allowed, and the ones we generate), `os` (the files in `/dev/shm` and their
+//! locks, processes, randomness: everything that is not one mapping), [`fork`] (what a
+//! `fork()` changes in the child) and [`fault`] (making a SIGSEGV/SIGBUS in a mapping explain
+//! itself). What `naming` and `os` offer is re-exported
 //! here, so callers name everything `segment::…`.
 
 use std::io;
@@ -37,6 +38,7 @@ use crate::error::{Error, Result};
 
 pub mod fault;
 pub mod fork;
+mod locks;
 mod naming;
 mod os;
 
@@ -44,10 +46,10 @@ pub use fork::{Process, Registration, register_view};
 use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};
 pub use os::{
-    FileProbe, SHM_DIR, current_pid, list_names, pid_exists, probe_file, process_alive,
+    FileProbe, SHM_DIR, current_pid, kill_self, list_names, pid_exists, probe_file, process_alive,
     process_start_time, random_bytes, read_prefix, shm_free_bytes, unlink,
 };
-use os::{flock, lock_held, locks_unsupported, ofd_fcntl, open_error, open_regular};
+use os::{flock, locks_unsupported, ofd_fcntl, open_error, open_regular};
 
 /// How a segment is mapped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,9 +70,13 @@ pub struct Segment {
     view_base: Option<NonNull<u8>>,
     len: usize,
     access: Access,
-    /// The pid that created (and alone may unlink) the segment; `None` for openers.
-    creator_pid: Option<u32>,
+    /// The pid that may unlink the segment (its creator, or a writer that opened it);
+    /// `None` for readers and inspectors.
+    owner_pid: Option<u32>,
     unlinked: AtomicBool,
+    /// Whether dropping the segment unlinks it (a segment being created; its writer takes
+    /// the decision over once the store is made).
+    unlink_on_drop: AtomicBool,
     /// The descriptor the mappings were made from (a mapping keeps its open file
     /// description alive, in a forked child too, so it never holds a lock).
     fd: OwnedFd,
@@ -183,10 +189,12 @@ impl Segment {
     /// reserved and mapped now, so that a host without enough shared memory fails here with
     /// `ShmTooSmall` and never with a SIGBUS at first touch.
     ///
-    /// The creator takes the OFD lock `creator_lock` right after creating the name, before
-    /// the file has a size, and holds it for the segment's life: whoever finds the name can
-    /// tell a segment being made or used from one left behind. [`Segment::holds_locks`] says
-    /// whether it got it (false only where the kernel has no OFD locks).
+    /// The creator takes a shared OFD lock on `creator_lock` right after creating the name,
+    /// before the file has a size, and holds it until it gives it back: whoever finds the
+    /// name can tell a segment being made or used from one left behind (other writers take
+    /// the same shared lock). [`Segment::holds_locks`] says whether it got it (false only
+    /// where the kernel has no OFD locks). Until [`Segment::keep_on_drop`], dropping the
+    /// segment unlinks it.
     pub fn create(name: &str, len: usize, creator_lock: LockRange) -> Result<Segment> {
         if len == 0 {
             return Err(Error::InvalidArgument(
@@ -224,7 +232,7 @@ impl Segment {
         let creator_locked = match ofd_fcntl(
             &lock_fd,
             libc::F_OFD_SETLK,
-            &mut flock(libc::F_WRLCK as _, creator_lock),
+            &mut flock(libc::F_RDLCK as _, creator_lock),
         ) {
             Ok(()) => true,
             Err(e) if locks_unsupported(&e) => false,
@@ -261,8 +269,9 @@ impl Segment {
             view_base: None,
             len,
             access: Access::ReadWrite,
-            creator_pid: Some(current_pid()),
+            owner_pid: Some(current_pid()),
             unlinked: AtomicBool::new(false),
+            unlink_on_drop: AtomicBool::new(true),
             fault_registrations: vec![fault::register(base.as_ptr(), len, fault::Mapping::Shared)],
             fd,
             lock_fd: Some((registration, lock_fd)),
@@ -273,6 +282,16 @@ impl Segment {
     /// Open an existing segment by name. Only a regular file in `/dev/shm` is opened (never
     /// through a symbolic link, never blocking on a FIFO), and it is mapped only if it is one.
     pub fn open(name: &str, access: Access) -> Result<Segment> {
+        Segment::open_as(name, access, None)
+    }
+
+    /// [`Segment::open`] read-write for a writer that joins the store: in this process (not
+    /// a forked child) it may unlink the segment, should it be the last writer to leave.
+    pub fn open_writer(name: &str) -> Result<Segment> {
+        Segment::open_as(name, Access::ReadWrite, Some(current_pid()))
+    }
+
+    fn open_as(name: &str, access: Access, owner_pid: Option<u32>) -> Result<Segment> {
         let (fd, len) = open_regular(name, access)?;
         if len == 0 {
             return Err(Error::Corrupt(format!("segment {name:?} is empty")));
@@ -301,61 +320,14 @@ impl Segment {
             view_base,
             len,
             access,
-            creator_pid: None,
+            owner_pid,
             unlinked: AtomicBool::new(false),
+            unlink_on_drop: AtomicBool::new(false),
             fd,
             lock_fd,
             creator_locked: false,
             fault_registrations: faults,
         })
-    }
-
-    /// Whether the creator took its liveness lock (false only where the kernel has no OFD
-    /// locks, and for segments opened rather than created).
-    pub fn holds_locks(&self) -> bool {
-        self.creator_locked
-    }
-
-    fn lock_fd(&self) -> Result<&OwnedFd> {
-        match &self.lock_fd {
-            Some((_, fd)) => Ok(fd),
-            None => Err(Error::InvalidArgument(
-                "a segment opened read-only takes no locks".into(),
-            )),
-        }
-    }
-
-    /// Take the OFD lock on `range` if no other open file description holds it: `Ok(true)`
-    /// when taken, `Ok(false)` when someone else holds it.
-    pub fn try_lock(&self, range: LockRange) -> Result<bool> {
-        match ofd_fcntl(
-            self.lock_fd()?,
-            libc::F_OFD_SETLK,
-            &mut flock(libc::F_WRLCK as _, range),
-        ) {
-            Ok(()) => Ok(true),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
-                Ok(false)
-            }
-            Err(e) => Err(Error::os("taking a liveness lock", e)),
-        }
-    }
-
-    /// Give back a lock taken with [`Segment::try_lock`] (closing the segment does too).
-    pub fn unlock(&self, range: LockRange) -> Result<()> {
-        ofd_fcntl(
-            self.lock_fd()?,
-            libc::F_OFD_SETLK,
-            &mut flock(libc::F_UNLCK as _, range),
-        )
-        .map_err(|e| Error::os("releasing a liveness lock", e))
-    }
-
-    /// Whether anyone (any process, any PID namespace, this segment's own lock descriptor
-    /// included) holds a lock on `range`. The probe goes through the mapping's descriptor,
-    /// which never holds one.
-    pub fn lock_held(&self, range: LockRange) -> Result<bool> {
-        lock_held(&self.fd, range)
     }
 
     pub fn name(&self) -> &str {
@@ -496,13 +468,21 @@ impl Segment {
             .map(|base| (base.as_ptr() as usize, self.len))
     }
 
-    /// Whether this handle is the creator's, in the creating process.
+    /// Whether this handle may unlink the segment: its creator's or a joined writer's, in
+    /// the process that made it.
     pub fn is_owner(&self) -> bool {
-        self.creator_pid == Some(current_pid())
+        self.owner_pid == Some(current_pid())
     }
 
-    /// Remove the segment's name: only by its creator, only in the creating process (never
-    /// by a forked child, whose copy of this struct has the parent's pid), at most once.
+    /// From now on dropping the segment leaves its name alone: the store decides when it
+    /// goes (its last writer unlinks it).
+    pub fn keep_on_drop(&self) {
+        self.unlink_on_drop.store(false, Ordering::Relaxed);
+    }
+
+    /// Remove the segment's name: only by its creator or a joined writer, only in its own
+    /// process (never by a forked child, whose copy of this struct has the parent's pid), at
+    /// most once.
     pub fn unlink(&self) -> Result<()> {
         if !self.is_owner()
             || self
@@ -525,7 +505,9 @@ fn out_of_range(offset: u64, len: usize) -> Error {
 impl Drop for Segment {
     fn drop(&mut self) {
         self.fault_registrations.clear(); // before the ranges are unmapped
-        let _ = self.unlink();
+        if self.unlink_on_drop.load(Ordering::Relaxed) {
+            let _ = self.unlink();
+        }
         // SAFETY: `base..base+len` is the mapping created in `create`/`open`; it is unmapped
         // exactly once, here, when the last owner (every view holds an `Arc<Segment>`) is gone.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };

@@ -96,7 +96,8 @@ pub struct FileProbe {
     pub size: u64,
     /// Seconds since the file last changed.
     pub age_secs: u64,
-    /// Whether a creator lock is held on `creator_lock` (OFD locks: any PID namespace).
+    /// Whether any lock (a writer's shared one included) is held on `creator_lock` (OFD
+    /// locks: any PID namespace).
     pub creator_lock_held: bool,
     /// Whether the file takes OFD locks at all (false: its creator, if alive, holds none).
     pub locks_supported: bool,
@@ -262,6 +263,15 @@ pub fn process_alive(pid: u32, start_time: u64) -> bool {
     // a year of uptime at 100 Hz before two start times could share them).
     let started = fields.nth(18).and_then(|t| t.parse::<u64>().ok());
     start_time == 0 || started.is_none_or(|t| t as u32 == start_time as u32)
+}
+
+/// End this process at once with SIGKILL, as a crash would (the store's crash-point tests).
+pub fn kill_self() -> ! {
+    // SAFETY: raising a signal has no memory-safety preconditions; SIGKILL cannot be caught,
+    // so the call does not return.
+    unsafe { libc::raise(libc::SIGKILL) };
+    // Unreachable unless SIGKILL was somehow not delivered; abort is the next best crash.
+    std::process::abort()
 }
 
 // ----------------------------------------------------------------------------------------

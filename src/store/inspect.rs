@@ -1,14 +1,14 @@
-//! Reading a segment without attaching: `inspect` (its header, counters and reader slots),
-//! `list_segments` (what this package left in `/dev/shm`) and `status` (whether a segment's
-//! writer lives: what `prune` decides).
+//! Reading a segment without attaching: `inspect` (its header, counters, reader and writer
+//! slots), `list_segments` (what this package left in `/dev/shm`) and `status` (whether any
+//! of a segment's writers lives: what `prune` decides).
 
 use std::sync::atomic::Ordering;
 
 use super::open_shared;
 use crate::error::{Error, Result};
 use crate::layout::{
-    self, Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, WRITER_CLOSED, WRITER_LOCK, header,
-    slot,
+    self, Counter, LAYOUT_VERSION, Layout, Liveness, STORE_CLOSED, SlotState, WRITER_LOCK,
+    WriterId, header, slot,
 };
 use crate::segment::{self, Access};
 
@@ -26,6 +26,17 @@ pub struct SlotInfo {
     pub stale: u64,
 }
 
+/// One writer slot as `inspect` sees it.
+#[derive(Debug, Clone)]
+pub struct WriterSlotInfo {
+    pub index: u32,
+    pub state: SlotState,
+    pub epoch: u32,
+    /// The occupant's pid in its own PID namespace (0 when free).
+    pub pid: u32,
+    pub alive: bool,
+}
+
 /// A segment's header, read through a read-only mapping (no slot claimed, nothing written).
 #[derive(Debug, Clone)]
 pub struct SegmentInfo {
@@ -34,18 +45,22 @@ pub struct SegmentInfo {
     pub liveness: Liveness,
     pub total_len: u64,
     pub creator_pid: u64,
+    /// Whether any writer of the store lives.
     pub creator_alive: bool,
+    /// Whether the last writer closed the store.
     pub writer_closed: bool,
-    /// Every [`Counter`] the writer published, by name, in the table's order.
+    /// Every [`Counter`], by name, in the table's order.
     pub counters: Vec<(&'static str, u64)>,
     pub readers: Vec<SlotInfo>,
+    pub writers: Vec<WriterSlotInfo>,
 }
 
-/// Read the header, counters and reader slots of the segment `name` (see [`SegmentInfo`]).
+/// Read the header, counters, reader and writer slots of the segment `name` (see
+/// [`SegmentInfo`]).
 pub fn inspect(name: &str) -> Result<SegmentInfo> {
     let sh = open_shared(name, Access::ReadOnly)?;
     let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
-    let writer_closed = load(header::WRITER_STATE)? == WRITER_CLOSED;
+    let writer_closed = load(header::STORE_STATE)? == STORE_CLOSED;
     let mut readers = Vec::new();
     for s in 0..sh.layout.n_readers {
         let (_, claim) = sh.claim(s)?;
@@ -60,9 +75,24 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
             stale: sh.slot(s, slot::STALE)?.load(Ordering::Relaxed),
         });
     }
+    let mut writers = Vec::new();
+    for s in 0..sh.layout.max_writers {
+        let (_, claim) = sh.writer_claim(s)?;
+        let writer = WriterId {
+            slot: s,
+            epoch: claim.epoch,
+        };
+        writers.push(WriterSlotInfo {
+            index: s,
+            state: claim.state,
+            epoch: claim.epoch,
+            pid: claim.pid,
+            alive: claim.is_occupied() && sh.writer_alive(writer)?,
+        });
+    }
     let counters = Counter::ALL
         .iter()
-        .map(|&c| Ok((c.name(), load(c.offset())?)))
+        .map(|&c| Ok((c.name(), sh.counter_value(c)?)))
         .collect::<Result<Vec<_>>>()?;
     Ok(SegmentInfo {
         name: sh.seg.name().to_owned(),
@@ -70,10 +100,11 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
         layout: sh.layout,
         liveness: sh.liveness,
         creator_pid: load(header::CREATOR_PID)?,
-        creator_alive: sh.writer_alive()?,
+        creator_alive: sh.any_writer_alive()?,
         writer_closed,
         counters,
         readers,
+        writers,
     })
 }
 
@@ -100,7 +131,7 @@ const CREATION_GRACE_SECS: u64 = 10;
 /// Whether a segment's writer lives, as `prune` must decide it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Status {
-    /// Its writer is alive (in any PID namespace): never remove it.
+    /// One of its writers is alive (in any PID namespace): never remove it.
     Live,
     /// Nobody will use it again: safe to remove. Says why.
     Orphaned(String),
@@ -109,11 +140,12 @@ pub enum Status {
     Undecided(String),
 }
 
-/// Decide whether the segment `name` is left behind. A writer's lock, held in any PID
-/// namespace, always means `Live`. The creator takes it before it gives the file a size, so
-/// a file that had a size while the lock was free is orphaned at once, valid or half-made;
-/// only an empty one is given [`CREATION_GRACE_SECS`]. A segment of the pid fallback, or of
-/// another layout version, is judged by its creator's pid.
+/// Decide whether the segment `name` is left behind. A writer's (shared) lock, held in any
+/// PID namespace by any of its writers, always means `Live`. The creator takes it before it
+/// gives the file a size, so a file that had a size while the lock was free is orphaned at
+/// once, valid or half-made; only an empty one is given [`CREATION_GRACE_SECS`]. A segment
+/// of the pid fallback (one writer), or of another layout version, is judged by its
+/// creator's pid.
 pub fn status(name: &str) -> Result<Status> {
     // The size is read before the lock is tested (see `probe_file`).
     let probe = segment::probe_file(name, WRITER_LOCK)?;
@@ -125,8 +157,8 @@ pub fn status(name: &str) -> Result<Status> {
             return Ok(match sh.liveness {
                 // A creator that finished creating after the probe holds its lock now.
                 Liveness::Locks if sh.seg.lock_held(WRITER_LOCK)? => Status::Live,
-                Liveness::Locks => Status::Orphaned("its writer is gone".into()),
-                Liveness::Pids if sh.writer_alive()? => Status::Live,
+                Liveness::Locks => Status::Orphaned("every writer is gone".into()),
+                Liveness::Pids if sh.any_writer_alive()? => Status::Live,
                 Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
             });
         }

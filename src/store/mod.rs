@@ -1,56 +1,90 @@
-//! The object store: one writer and up to `n_readers` readers over one segment.
+//! The object store: up to `max_writers` writers and `n_readers` readers over one segment.
 //!
-//! Each side of the protocol below has its file: `writer.rs` ([`Writer`]; what it may
-//! reclaim in `writer/reclaim.rs`, its private bookkeeping in `writer/state.rs`), `reader.rs`
-//! ([`Reader`], [`Lease`], [`View`]) and
-//! `inspect.rs` (reading a segment without attaching: [`inspect`], [`list_segments`],
-//! [`status`]). This file holds the protocol and what both sides share: [`ReaderInfo`] and
-//! the accessors of the segment's words (`Shared`).
+//! Each concern has its file: `writer.rs` ([`Writer`]: creating, joining, closing and every
+//! writer operation; its private bookkeeping in `writer/state.rs`), `index.rs` (the shared key
+//! index), `ring.rs` (the shared allocator: blocks, CLOCK, eviction, repair), `lock.rs` (the
+//! store lock), `members.rs` (writer slots and liveness), `reader.rs` ([`Reader`], [`Lease`],
+//! [`View`]), `inspect.rs` (reading a segment without attaching: [`inspect`],
+//! [`list_segments`], [`status`]) and `crash.rs` (the crash points tests kill writers at).
+//! This file holds the protocol and what every side shares: [`ReaderInfo`], [`WriterInfo`]
+//! and the accessors of the segment's words (`Shared`).
 //!
 //! # Protocol (each Acquire names the Release it pairs with)
 //!
-//! **Publication.** The writer fills a chunk's header fields, its per-slot words and its
-//! payload with plain or Relaxed stores, then stores the chunk's `id` with **Release** (P1).
-//! A reader loads `id` with **Acquire** (pairs with P1), so it sees the whole chunk.
+//! **Who changes what.** The *store lock* (`lock.rs`) serializes every change to the ring's
+//! blocks (their sizes and kinds), CLOCK's hand, the journal, the key index's buckets and
+//! the gauges (`bytes_in_use`, `objects`, `claims`, `last_id`). Without it: lookups (index
+//! reads), a hit's referenced bit, each writer's own pin word in a chunk, the reader words
+//! (writers add references, readers consume them), each writer's own counters in its slot,
+//! and filling a block a writer reserved. Payload copies never happen under the lock: a put reserves its block
+//! under it, fills the block outside it, and takes it once more to publish.
 //!
-//! **References.** Every handle the writer issues adds one `outstanding` reference to the
-//! word of every *claimed* reader slot (`layout::SlotWord`); the handle records which
-//! reader set that was (`handle::Handle::reader_set`), so `release` gives back exactly those
-//! references. A reader resolving a handle consumes one of *its own slot's* references with
-//! a single CAS that also takes a view lease (`outstanding - 1, views + 1`, **AcqRel**, pairs
-//! with the writer's Acquire loads in `holds`), reads, and drops the lease (`views - 1`,
-//! Release) unless it hands out a zero-copy view. A reader can never consume another slot's
-//! references, nor more than were issued to it, so a duplicated or replayed handle cannot
-//! free an object that someone else still needs. A handle replayed to a reader that owes
-//! nothing is read without any write to the segment and verified afterwards (seqlock,
-//! below). Counts never overflow: the writer refuses a reference that would
-//! (`Error::Saturated`), and a reader whose view count is full reads a verified copy.
+//! **Publication (P1).** A writer fills its reserved block (header fields, reader words,
+//! payload, long key, metadata) with plain or Relaxed stores, then, under the lock, stores
+//! the chunk's `id` with **Release** (P1), marks it LIVE and files it in the index. A reader
+//! loads `id` with **Acquire** (pairs with P1), so it sees the whole chunk.
 //!
-//! **Reclaim.** The writer evicts a chunk only when it is unpinned and, for every occupied
-//! slot, the word is stamped for an earlier occupant or holds no view and (for a claimed,
-//! not draining, slot) no reference (Acquire loads, pairing with the readers' AcqRel/Release
-//! CASes). Only the writer issues references, so once that holds, no reader can start a new
-//! lease on the chunk. Before reusing the bytes the writer stores `id = 0` and issues a
-//! **Release fence** (P2).
+//! **Index (I1, I2).** A bucket's second word is its version: a unique id (a chunk's id, or
+//! a claim's ticket from the same sequence) while it holds an entry, 0 while it is being
+//! changed or empty. A writer changing a bucket stores 0 there, issues a **Release fence**
+//! (I2), writes the head and the key slot, and stores the new id with **Release** (I1). A
+//! lookup loads the second word with **Acquire** (pairs with I1), reads the head and compares
+//! the key slot (atomic loads), issues an **Acquire fence** and loads the second word again:
+//! the same nonzero id means it read one entry whole (had it read any byte of a later change,
+//! the fence pairing with I2 would show it 0 or a newer id). So lookups take no lock.
 //!
-//! **Seqlock check for unprotected reads.** A reader without a lease copies the payload with
-//! atomic loads (`Segment::read_into_racy`), issues an **Acquire fence** (pairs with P2) and
-//! re-loads the id and signature words: if the writer reused any byte it copied, it sees the
-//! change and reports the handle stale.
+//! **Protection (S1, S2).** A writer that adds anything to a chunk it found through the
+//! index (references, a pin, a private copy) first names the chunk's id in one of its own
+//! hazard words (`layout::slot::HAZARD`, a **SeqCst** CAS of a free word, S1), then checks that
+//! the chunk is still LIVE with that id (**SeqCst** loads). The evictor first marks the chunk
+//! EVICTING (**SeqCst** CAS, S2), then loads every live writer's hazard words (**SeqCst**). In
+//! the single order of SeqCst operations one comes first: the writer sees EVICTING and backs
+//! off, or the evictor sees the hazard and keeps the chunk. While protected, a chunk's words
+//! are that chunk's (it cannot be reused), so writers may add references and pins to it; no
+//! writer ever modifies a chunk word it has not checked under protection (a stale index entry
+//! may name an address that now lies inside another block). A hazard is cleared with a
+//! **Release** store after the references it covered were added, so an evictor that sees it
+//! clear (SeqCst) also sees them.
 //!
-//! **Slots.** A slot's claim word holds `(epoch, pid, state)` (`layout::Claim`). A reader
-//! first takes the slot's OFD lock, then claims it with one CAS to `(epoch + 1, pid,
-//! CLAIMED)` (AcqRel, pairs with the previous occupant's freeing CAS): a live occupant always
-//! holds the lock, so liveness is never judged from an earlier occupant's pid, and a claim
-//! whose holder died is reclaimable at once (the kernel dropped its lock). `close()` with
-//! live views makes the slot `DRAINING` (no new references, unread ones stop counting); the
-//! last view frees it. The writer frees the slot of an occupant whose lock is gone (or, in
-//! the pid fallback, whose process is gone) with a CAS, which credits everything stamped
-//! with its epoch.
+//! **References.** Every handle a writer issues adds one `outstanding` reference to the word
+//! of every *claimed* reader slot (`layout::SlotWord`), under protection; the handle records
+//! which reader set that was (`handle::Handle::reader_set`), so that writer's `release` gives
+//! back exactly those references. A reader resolving a handle consumes one of *its own
+//! slot's* references with a single CAS that also takes a view lease (`outstanding - 1,
+//! views + 1`, **AcqRel**, pairs with the evictor's Acquire loads), reads, and drops the lease
+//! (`views - 1`, Release) unless it hands out a zero-copy view. A reader can never consume
+//! another slot's references, nor more than were issued to it, so a duplicated or replayed
+//! handle cannot free an object that someone else still needs. Counts never overflow: a
+//! writer refuses a reference that would (`Error::Saturated`), and a reader whose view count
+//! is full reads a verified copy.
+//!
+//! **Reclaim (P2, P3).** Under the lock, the evictor evicts a chunk only when, after marking
+//! it EVICTING (S2), no live writer's hazard names it nor (while it is keyed) pins it, and for every
+//! occupied reader slot the word is stamped for an earlier occupant or holds no view and (for
+//! a claimed, not draining, slot) no reference. It takes the chunk out of the index, stores
+//! `id = 0`, and issues a **Release fence** (P2) before any of its bytes change. A writer that
+//! later fills those bytes took the lock after the evictor released it, and issues its own
+//! **Release fence** (P3) before filling, so P2's guarantee carries over to its writes.
+//!
+//! **Seqlock check for unprotected reads.** A reader (or writer) without a lease or
+//! protection copies with atomic loads (`Segment::read_into_racy`), issues an **Acquire
+//! fence** (pairs with P2/P3) and re-loads the id and signature words: if any byte it copied
+//! was reused, it sees the change and reports the handle stale.
+//!
+//! **Slots.** A reader or writer slot's claim word holds `(epoch, pid, state)`
+//! (`layout::Claim`). An occupant first takes the slot's OFD lock, then claims it with one CAS
+//! to `(epoch + 1, pid, CLAIMED)` (AcqRel, pairs with the previous occupant's freeing CAS): a
+//! live occupant always holds the lock, so liveness is never judged from an earlier
+//! occupant's pid, and a claim whose holder died is reclaimable at once (the kernel dropped
+//! its lock). A writer's stamps (reservations, pins, hazards, claims, lock ownership)
+//! carry its epoch, so they are void the moment its lock is gone or its slot's epoch moves
+//! on. A reader's `close()` with live views makes its slot `DRAINING`; the last view frees it;
+//! a writer frees the slot of a reader whose lock is gone (or, in the pid fallback, whose
+//! process is gone) with a CAS, which credits everything stamped with its epoch.
 //!
 //! **Processes.** Every writer, reader and lease remembers the process it was made in
-//! (`segment::Process`): in a forked child the writer refuses every operation, the reader
-//! refuses to resolve, and inherited leases give nothing back (see `segment::fork`).
+//! (`segment::Process`): in a forked child a writer refuses every operation, a reader refuses
+//! to resolve, and inherited leases give nothing back (see `segment::fork`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,15 +92,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::error::{Error, Result};
 use crate::handle::MAC_LEN;
 use crate::layout::{
-    Claim, Layout, Liveness, SlotWord, WRITER_LIVE, WRITER_LOCK, chunk, header, slot,
+    Claim, Counter, Layout, Liveness, STORE_LIVE, SlotWord, WRITER_LOCK, WriterId, chunk, header,
+    slot,
 };
 use crate::segment::{self, Access, Segment};
 
+mod crash;
+mod index;
 mod inspect;
+mod lock;
+mod members;
 mod reader;
+mod ring;
 mod writer;
 
-pub use inspect::{SegmentInfo, SlotInfo, Status, inspect, list_segments, remove_orphans, status};
+pub use crash::POINTS as CRASH_POINTS;
+pub use inspect::{
+    SegmentInfo, SlotInfo, Status, WriterSlotInfo, inspect, list_segments, remove_orphans, status,
+};
 pub use reader::{Lease, Reader, View};
 pub use writer::Writer;
 
@@ -81,7 +124,20 @@ pub struct ReaderInfo {
     pub secret: [u8; 32],
 }
 
-/// Shared view of the segment used by both roles.
+/// Everything a writer needs to join a store (the Python `WriterHandle`): the store's
+/// geometry and its signing secret.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WriterInfo {
+    pub name: String,
+    pub capacity: u64,
+    pub n_readers: u32,
+    pub max_object_size: u64,
+    pub max_writers: u32,
+    pub layout_version: u64,
+    pub secret: [u8; 32],
+}
+
+/// Shared view of the segment used by every role.
 #[derive(Debug)]
 struct Shared {
     seg: Arc<Segment>,
@@ -107,16 +163,73 @@ impl Shared {
         self.seg.atomic(self.layout.slot_offset(index) + field)
     }
 
+    fn writer_slot(&self, index: u32, field: u64) -> Result<&AtomicU64> {
+        self.seg
+            .atomic(self.layout.writer_slot_offset(index) + field)
+    }
+
     fn chunk(&self, address: u64, field: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.chunk_offset(address) + field)
     }
 
+    /// Reader slot `slot_index`'s word on the chunk at `address`.
     fn word(&self, address: u64, slot_index: u32) -> Result<&AtomicU64> {
         self.chunk(address, chunk::WORDS + 8 * slot_index as u64)
     }
 
+    /// Writer slot `writer_slot`'s pin word on the chunk at `address`.
+    fn pin_word(&self, address: u64, writer_slot: u32) -> Result<&AtomicU64> {
+        self.chunk(address, self.layout.pin_word(writer_slot))
+    }
+
     fn payload_offset(&self, address: u64) -> u64 {
         self.layout.chunk_offset(address) + self.layout.chunk_header_size
+    }
+
+    /// Counter `c`'s header word (Relaxed: statistics and gauges).
+    fn counter(&self, c: Counter) -> Result<&AtomicU64> {
+        self.header(c.offset())
+    }
+
+    /// Count an event that happens outside the store lock and rarely (statistics: never
+    /// fails the operation it counts).
+    fn bump(&self, c: Counter, by: u64) {
+        if let Ok(word) = self.counter(c) {
+            word.fetch_add(by, Ordering::Relaxed);
+        }
+    }
+
+    /// Add `delta` to counter `c`, which changes only under the store lock (so a load and a
+    /// store suffice; wrapping, as a gauge may dip below zero only if a dead holder's
+    /// update was lost, and `repair` recounts those).
+    fn adjust(&self, _lock: &lock::LockGuard<'_>, c: Counter, delta: i64) -> Result<()> {
+        let word = self.counter(c)?;
+        let value = word.load(Ordering::Relaxed).wrapping_add(delta as u64);
+        word.store(value, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Counter `c`'s value: its header word, plus every writer slot's for a per-writer one.
+    fn counter_value(&self, c: Counter) -> Result<u64> {
+        let mut value = self.counter(c)?.load(Ordering::Relaxed);
+        if let Some(field) = c.writer_field() {
+            for s in 0..self.layout.max_writers {
+                value = value.wrapping_add(self.writer_slot(s, field)?.load(Ordering::Relaxed));
+            }
+        }
+        Ok(value)
+    }
+
+    /// Fold what writer slot `s` counted into the header words and zero it (its writer left,
+    /// or died and its slot is being taken over).
+    fn fold_writer_counters(&self, s: u32) -> Result<()> {
+        for &c in Counter::ALL {
+            if let Some(field) = c.writer_field() {
+                let counted = self.writer_slot(s, field)?.swap(0, Ordering::Relaxed);
+                self.counter(c)?.fetch_add(counted, Ordering::Relaxed);
+            }
+        }
+        Ok(())
     }
 
     /// The id and MAC words of the chunk at `address` equal the handle's. The id is loaded
@@ -140,7 +253,7 @@ impl Shared {
         Ok((word, claim))
     }
 
-    /// Every occupied (claimed or draining) slot.
+    /// Every occupied (claimed or draining) reader slot.
     fn occupants(&self) -> Result<Vec<Occupant>> {
         let mut out = Vec::new();
         for s in 0..self.layout.n_readers {
@@ -156,28 +269,22 @@ impl Shared {
         Ok(out)
     }
 
-    /// Whether the process occupying slot `s` (as `claim` says) is alive.
+    /// Whether the process occupying reader slot `s` (as `claim` says) is alive.
     fn occupant_alive(&self, s: u32, claim: Claim) -> Result<bool> {
         match self.liveness {
             Liveness::Locks => self.seg.lock_held(self.layout.slot_lock(s)),
             Liveness::Pids => {
                 let start = self.slot(s, slot::START)?.load(Ordering::Acquire);
-                // The start time counts only if it was written for this occupant.
-                let start = if (start >> 32) as u32 == claim.epoch {
-                    start & 0xffff_ffff
-                } else {
-                    0
-                };
-                Ok(claim.pid != 0 && segment::process_alive(claim.pid, start))
+                Ok(pid_alive(claim, start))
             }
         }
     }
 
-    /// Whether the writer still runs (its lock is held, or its pid exists) and has not
-    /// closed the segment.
-    fn writer_alive(&self) -> Result<bool> {
-        // Acquire pairs with the writer's Release store in `Writer::close`.
-        if self.header(header::WRITER_STATE)?.load(Ordering::Acquire) != WRITER_LIVE {
+    /// Whether any writer still runs (one holds the shared writer lock, or the creator's pid
+    /// exists) and the last one has not closed the store.
+    fn any_writer_alive(&self) -> Result<bool> {
+        // Acquire pairs with the last writer's Release store in `Writer::close`.
+        if self.header(header::STORE_STATE)?.load(Ordering::Acquire) != STORE_LIVE {
             return Ok(false);
         }
         match self.liveness {
@@ -189,6 +296,72 @@ impl Shared {
             }
         }
     }
+
+    /// Whether `writer` still occupies its slot and lives (its epoch is the slot's, the slot
+    /// is claimed, and its lock is held — or, in the pid fallback, its process runs).
+    fn writer_alive(&self, writer: WriterId) -> Result<bool> {
+        if writer.slot >= self.layout.max_writers {
+            return Ok(false);
+        }
+        let word = self
+            .writer_slot(writer.slot, slot::CLAIM)?
+            .load(Ordering::Acquire);
+        let Some(claim) = Claim::unpack(word) else {
+            return Ok(false);
+        };
+        if claim.epoch != writer.epoch || !claim.is_occupied() {
+            return Ok(false);
+        }
+        match self.liveness {
+            Liveness::Locks => self
+                .seg
+                .lock_held(self.layout.writer_slot_lock(writer.slot)),
+            Liveness::Pids => {
+                let start = self
+                    .writer_slot(writer.slot, slot::START)?
+                    .load(Ordering::Acquire);
+                Ok(pid_alive(claim, start))
+            }
+        }
+    }
+
+    /// Whether the bytes at segment offset `offset` (8-byte aligned, readable in whole words
+    /// up to `expected.len()` rounded up to 8) start with `expected`, read with atomic loads:
+    /// bytes another process may be changing (the caller validates afterwards).
+    fn racy_eq(&self, offset: u64, expected: &[u8]) -> Result<bool> {
+        for (i, part) in expected.chunks(8).enumerate() {
+            // Word against word (no call into memcmp or memcpy per word): the part read as a
+            // little-endian word (zero-padded), the loaded word masked to the part's length.
+            let (want, mask) = match <[u8; 8]>::try_from(part) {
+                Ok(whole) => (u64::from_le_bytes(whole), u64::MAX),
+                Err(_) => (
+                    part.iter()
+                        .rev()
+                        .fold(0u64, |word, &byte| (word << 8) | byte as u64),
+                    u64::MAX >> (64 - 8 * part.len()),
+                ),
+            };
+            let got = self
+                .seg
+                .atomic(offset + 8 * i as u64)?
+                .load(Ordering::Relaxed);
+            if got & mask != want {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Whether the pid in `claim` runs, judged with the start time word of its slot (it counts
+/// only if it was written for this occupant's epoch).
+fn pid_alive(claim: Claim, start_word: u64) -> bool {
+    let start = if (start_word >> 32) as u32 == claim.epoch {
+        start_word & 0xffff_ffff
+    } else {
+        0
+    };
+    claim.pid != 0 && segment::process_alive(claim.pid, start)
 }
 
 /// A chunk MAC as the two words the chunk header stores it in (`SIG_LO`, `SIG_HI`).
@@ -211,6 +384,11 @@ pub type Stats = Vec<(&'static str, u64)>;
 /// An existing segment, its layout and liveness mode read and validated.
 fn open_shared(name: &str, access: Access) -> Result<Shared> {
     let seg = Segment::open(name, access)?;
+    shared_over(seg)
+}
+
+/// `seg` with its layout and liveness mode read and validated.
+fn shared_over(seg: Segment) -> Result<Shared> {
     let (layout, liveness) = Layout::read(&seg)?;
     Ok(Shared {
         seg: Arc::new(seg),
@@ -220,4 +398,8 @@ fn open_shared(name: &str, access: Access) -> Result<Shared> {
 }
 
 #[cfg(test)]
+mod ring_tests;
+#[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod writers_tests;

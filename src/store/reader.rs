@@ -92,9 +92,9 @@ impl Reader {
                 info.name
             )));
         }
-        if !shared.writer_alive()? {
+        if !shared.any_writer_alive()? {
             return Err(Error::WriterGone(format!(
-                "the writer of {:?} closed it or exited",
+                "every writer of {:?} closed it or exited",
                 info.name
             )));
         }
@@ -235,9 +235,9 @@ impl Reader {
     }
 
     fn check_writer(&self) -> Result<()> {
-        if !self.shared.writer_alive()? {
+        if !self.shared.any_writer_alive()? {
             return Err(Error::WriterGone(format!(
-                "the writer of {:?} closed it or its process exited",
+                "every writer of {:?} closed it or exited",
                 self.name()
             )));
         }

@@ -1,5 +1,5 @@
 //! Store tests over real segments: protocol examples, a multi-threaded acknowledgement test,
-//! and a proptest state machine against a model.
+//! and a proptest state machine against a model (one writer; `writers_tests.rs` has several).
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
@@ -9,18 +9,18 @@ use crate::handle::Handle;
 use crate::layout::SlotState;
 use proptest::prelude::*;
 
-fn writer(capacity: u64, n_readers: u32) -> Writer {
+pub(super) fn writer(capacity: u64, n_readers: u32) -> Writer {
     Writer::create(capacity, n_readers, None, None).expect("create segment")
 }
 
-fn read(reader: &Arc<Reader>, handle: &Handle, key: &str) -> Result<Vec<u8>> {
+pub(super) fn read(reader: &Arc<Reader>, handle: &Handle, key: &str) -> Result<Vec<u8>> {
     let lease = reader.acquire(handle, key)?;
     let mut out = vec![0u8; lease.len()];
     lease.copy_to(&mut out)?;
     Ok(out)
 }
 
-fn payload(tag: u64, len: usize) -> Vec<u8> {
+pub(super) fn payload(tag: u64, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (tag as usize * 31 + i * 7) as u8)
         .collect()
@@ -237,7 +237,7 @@ fn pretend_dead(r: Arc<Reader>) {
     std::mem::forget(r);
 }
 
-fn stats_of(w: &Writer) -> HashMap<&'static str, u64> {
+pub(super) fn stats_of(w: &Writer) -> HashMap<&'static str, u64> {
     w.stats().unwrap().into_iter().collect()
 }
 
@@ -254,15 +254,17 @@ fn inspect_reads_back_the_counters_stats_reports() {
     w.clear().unwrap();
     let stats = stats_of(&w);
     let expected: Vec<(&str, u64)> = [
-        ("puts", 3),
-        ("hits", 1),
-        ("evictions", 1),
         ("bytes_in_use", 0),
         ("objects", 0),
-        ("refs_issued", 4),
         ("last_id", 3),
-        ("readers_reclaimed", 0),
+        ("claims", 0),
+        ("evictions", 1),
         ("clears", 1),
+        ("puts", 3),
+        ("hits", 1),
+        ("refs_issued", 4),
+        ("readers_reclaimed", 0),
+        ("writers_reclaimed", 0),
     ]
     .into();
     assert_eq!(inspect(w.name()).unwrap().counters, expected);

@@ -1,62 +1,81 @@
-//! The writer: stores objects, issues and takes back references, evicts. The orderings it
-//! keeps (P1, P2) are in the module docs of [`store`](super).
+//! A writer of the store: creating a store or joining one, closing, and the operations on
+//! stored objects. The orderings it keeps (P1–P3, I1/I2, S1/S2) are in the module docs of
+//! [`store`](super); puts are in `writer/put.rs`, claims in `writer/claims.rs`, clearing,
+//! invalidating and statistics in `writer/maintain.rs`, the private bookkeeping in
+//! `writer/state.rs`.
+//!
+//! A `Writer` may be used from many threads at once: everything shared lives in the segment
+//! (lock-free, or under the store lock), and its private bookkeeping is behind a mutex held
+//! for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
+//! Lock order: the store lock before the private mutex, never the other way round.
 
-use std::collections::HashMap;
-use std::sync::atomic::{Ordering, fence};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
-use super::{ReaderInfo, Shared, Stats, mac_words, update_word};
+use super::index::{Entry, Query};
+use super::lock::LockGuard;
+use super::{ReaderInfo, Shared, WriterInfo, crash, shared_over, update_word};
 use crate::error::{Error, Result};
-use crate::handle::{Handle, MAC_LEN, Signer, tag};
+use crate::handle::{Handle, Signer};
+use crate::keyhash::KeyHasher;
 use crate::layout::{
-    Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, WRITER_CLOSED, WRITER_LOCK,
-    align_up, chunk, header, part_offsets, slot,
+    BlockKind, BlockState, Config, Counter, LAYOUT_VERSION, Layout, Liveness, PinWord, SlotWord,
+    WRITER_LOCK, WriterId, chunk, header, slot,
 };
-use crate::ring::Ring;
-use crate::segment::{self, Process, RawBytes, Segment};
-use reclaim::unindex_evicted;
-use state::{ChunkMeta, Issuance, ReaderSet, Tally, WriterState};
+use crate::segment::{self, Process, Segment};
+use state::{Private, Release};
 
-mod reclaim;
+mod claims;
+mod maintain;
+mod put;
 mod state;
 
-/// The single writer of a segment.
+/// Lookups retried when the chunk they found was being evicted or replaced meanwhile.
+const ATTEMPTS: usize = 4;
+
+/// One writer of a store (the one that created it, or one that joined).
 #[derive(Debug)]
 pub struct Writer {
     /// The store's tests reach the segment through it.
     pub(super) shared: Shared,
     signer: Signer,
+    hasher: KeyHasher,
+    pub(super) me: WriterId,
     process: Process,
-    state: Mutex<WriterState>,
+    /// Set by `close`: no operation may take a hazard or a reservation after it (each
+    /// checks after taking one; `close` waits for those taken before).
+    pub(super) closing: AtomicBool,
+    private: Mutex<Private>,
+}
+
+/// One of this writer's hazard words, naming the chunk an operation holds (S1 in the
+/// protocol): while it names it, the chunk is not evicted, so its words are that chunk's.
+/// Given back with a Release store.
+pub(super) struct Protected<'a> {
+    hazard: &'a AtomicU64,
+}
+
+impl Drop for Protected<'_> {
+    fn drop(&mut self) {
+        self.hazard.store(0, Ordering::Release);
+    }
 }
 
 impl Writer {
-    /// A writer that tells liveness by pids even though locks work (tests of the fallback).
-    #[cfg(test)]
-    pub(super) fn create_with_liveness(
-        capacity: u64,
-        n_readers: u32,
-        liveness: Liveness,
-    ) -> Result<Writer> {
-        let mut w = Writer::create(capacity, n_readers, None, None)?;
-        if liveness == Liveness::Pids {
-            w.shared.seg.unlock(WRITER_LOCK)?;
-            w.shared
-                .header(header::LIVENESS)?
-                .store(liveness.code(), Ordering::Relaxed);
-        }
-        w.shared.liveness = liveness;
-        Ok(w)
-    }
-
-    /// Create a segment with a ring of `capacity` bytes.
+    /// Create a store of one writer (this one) with a ring of `capacity` bytes.
     pub fn create(
         capacity: u64,
         n_readers: u32,
         max_object_size: Option<u64>,
         name: Option<&str>,
     ) -> Result<Writer> {
-        let layout = Layout::new(capacity, n_readers, max_object_size)?;
+        Writer::create_with(&Config::new(capacity, n_readers, max_object_size), name)
+    }
+
+    /// Create a store, this writer its first.
+    pub fn create_with(config: &Config, name: Option<&str>) -> Result<Writer> {
+        let layout = Layout::new(config)?;
         let name = match name {
             Some(n) => segment::validate_name(n)?.to_owned(),
             None => segment::generate_name()?,
@@ -70,33 +89,113 @@ impl Writer {
         } else {
             Liveness::Pids
         };
+        if liveness == Liveness::Pids && layout.max_writers > 1 {
+            return Err(Error::InvalidArgument(
+                "max_writers > 1 needs open-file-description locks, which this kernel or \
+                 /dev/shm does not offer (Linux 3.15 or later, tmpfs)"
+                    .into(),
+            ));
+        }
+        let signer = Signer::new(segment::random_bytes::<32>()?);
         let pid = segment::current_pid();
         layout.write(
             &seg,
             pid,
             segment::process_start_time(pid).unwrap_or(0),
             liveness,
+            signer.verifier(),
         )?;
+        let shared = shared_over(seg)?;
+        let me = shared
+            .claim_writer_slot()?
+            .ok_or_else(|| Error::Corrupt("a new store has no free writer slot".into()))?;
+        // From here on the store's writers decide when the name goes (the last to close).
+        shared.seg.keep_on_drop();
+        Writer::new(shared, signer, me)
+    }
+
+    /// Join the store `info` names as one more writer (in this process or another).
+    pub fn join(info: &WriterInfo) -> Result<Writer> {
+        if info.layout_version != LAYOUT_VERSION {
+            return Err(Error::Corrupt(format!(
+                "writer handle is for layout version {}, this build reads version \
+                 {LAYOUT_VERSION}",
+                info.layout_version
+            )));
+        }
+        let shared = shared_over(Segment::open_writer(&info.name)?)?;
+        let l = shared.layout;
+        if (l.capacity, l.n_readers, l.max_object_size, l.max_writers)
+            != (
+                info.capacity,
+                info.n_readers,
+                info.max_object_size,
+                info.max_writers,
+            )
+        {
+            return Err(Error::Corrupt(format!(
+                "segment {:?} does not match its writer handle (capacity, n_readers, \
+                 max_object_size or max_writers differ)",
+                info.name
+            )));
+        }
+        let signer = Signer::new(info.secret);
+        let stored = [
+            shared.header(header::VERIFIER)?.load(Ordering::Relaxed),
+            shared.header(header::VERIFIER + 8)?.load(Ordering::Relaxed),
+        ];
+        if stored != signer.verifier() {
+            return Err(Error::InvalidHandle(format!(
+                "the writer handle's secret does not match store {:?}",
+                info.name
+            )));
+        }
+        if shared.liveness != Liveness::Locks {
+            return Err(Error::InvalidArgument(
+                "this store tells liveness by pids (no OFD locks): it has one writer".into(),
+            ));
+        }
+        let me = shared.join_writers()?;
+        let writer = Writer::new(shared, signer, me)?;
+        // Claims of writers that died (the one whose slot this may be among) are void;
+        // dropping them now keeps the claim count true.
+        writer.reap_dead_claims()?;
+        Ok(writer)
+    }
+
+    fn new(shared: Shared, signer: Signer, me: WriterId) -> Result<Writer> {
+        crash::init();
+        let first_set = u32::from_le_bytes(segment::random_bytes::<4>()?);
         Ok(Writer {
-            shared: Shared {
-                seg: Arc::new(seg),
-                layout,
-                liveness,
-            },
-            signer: Signer::new(segment::random_bytes::<32>()?),
+            hasher: KeyHasher::for_secret(signer.secret()),
+            private: Mutex::new(Private::new(me.slot, first_set)),
+            shared,
+            signer,
+            me,
             process: Process::current(),
-            state: Mutex::new(WriterState {
-                ring: Ring::new(layout.capacity),
-                keys: HashMap::new(),
-                last_id: 0,
-                tally: Tally::default(),
-                closed: false,
-                reader_set: ReaderSet {
-                    number: 0,
-                    members: Arc::new([]),
-                },
-            }),
+            closing: AtomicBool::new(false),
         })
+    }
+
+    /// A writer that tells liveness by pids even though locks work (tests of the fallback).
+    #[cfg(test)]
+    pub(super) fn create_with_liveness(
+        capacity: u64,
+        n_readers: u32,
+        liveness: Liveness,
+    ) -> Result<Writer> {
+        let mut w = Writer::create(capacity, n_readers, None, None)?;
+        if liveness == Liveness::Pids {
+            w.shared.seg.unlock(WRITER_LOCK)?;
+            w.shared
+                .seg
+                .unlock(w.shared.layout.writer_slot_lock(w.me.slot))?;
+            w.shared
+                .header(header::LIVENESS)?
+                .store(liveness.code(), Ordering::Relaxed);
+        }
+        w.shared.liveness = liveness;
+        Ok(w)
     }
 
     pub fn name(&self) -> &str {
@@ -111,354 +210,327 @@ impl Writer {
         self.shared.liveness
     }
 
+    /// This writer's slot in the store's writer table.
+    pub fn slot(&self) -> u32 {
+        self.me.slot
+    }
+
     pub fn reader_info(&self) -> ReaderInfo {
+        let l = self.shared.layout;
         ReaderInfo {
             name: self.name().to_owned(),
-            capacity: self.shared.layout.capacity,
-            n_readers: self.shared.layout.n_readers,
-            max_object_size: self.shared.layout.max_object_size,
+            capacity: l.capacity,
+            n_readers: l.n_readers,
+            max_object_size: l.max_object_size,
             layout_version: LAYOUT_VERSION,
             secret: *self.signer.secret(),
         }
     }
 
-    /// The writer's state, after checking that this is the process that created it and that
-    /// it is open.
-    fn lock(&self) -> Result<MutexGuard<'_, WriterState>> {
+    pub fn writer_info(&self) -> WriterInfo {
+        let l = self.shared.layout;
+        WriterInfo {
+            name: self.name().to_owned(),
+            capacity: l.capacity,
+            n_readers: l.n_readers,
+            max_object_size: l.max_object_size,
+            max_writers: l.max_writers,
+            layout_version: LAYOUT_VERSION,
+            secret: *self.signer.secret(),
+        }
+    }
+
+    /// Refuse use from a forked child or after `close`.
+    fn check_open(&self) -> Result<()> {
         if !self.process.is_current() {
             return Err(Error::WrongProcess("this shared-memory writer".into()));
         }
-        // A panic while holding the lock cannot leave shared memory inconsistent for readers
-        // (they verify ids), so a poisoned lock is still usable.
-        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.closed {
+        if self.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        Ok(state)
-    }
-
-    /// Store one object made of `parts`, each starting 64-byte aligned in the payload.
-    pub fn put(&self, key: &str, parts: &[&[u8]]) -> Result<Handle> {
-        let parts: Vec<RawBytes<'_>> = parts.iter().map(|&p| p.into()).collect();
-        self.put_raw(key, &parts)
-    }
-
-    /// [`Writer::put`] from bytes that are only ever copied, never borrowed as a slice (a
-    /// Python buffer that another thread may write while the copy runs without the GIL).
-    pub fn put_raw(&self, key: &str, parts: &[RawBytes<'_>]) -> Result<Handle> {
-        let mut guard = self.lock()?;
-        let state = &mut *guard;
-        if state.keys.contains_key(key) {
-            return Err(Error::DuplicateKey(key.to_owned()));
-        }
-        let shape = self.chunk_shape(parts)?;
-        let occupants = self.shared.occupants()?;
-        let reader_set = state.reader_set(&occupants);
-        let placement = self.make_room(&mut state.ring, &mut state.tally, shape.size, &occupants);
-        let Some(placement) = placement else {
-            self.publish(state);
-            return Err(Error::Full {
-                needed: shape.size,
-                capacity: self.shared.layout.capacity,
-            });
-        };
-        // Before any step that can fail: the index never names a reclaimed chunk.
-        unindex_evicted(&mut state.keys, &mut state.tally, &placement.evicted);
-        let address = placement.address;
-        state.last_id += 1;
-        let id = state.last_id;
-        let (mac, handle) = self.signer.sign(key, address, id, reader_set.number);
-        let written = self
-            .kill_evicted(&placement.evicted)
-            .and_then(|()| self.write_chunk(address, id, &mac, &reader_set, &shape, parts));
-        if let Err(err) = written {
-            // Never published, so nobody can hold it: its space is free again at once.
-            state.ring.remove(address);
-            self.publish(state);
-            return Err(err);
-        }
-        *placement.value = ChunkMeta {
-            key: Some(key.to_owned()),
-            id,
-            mac,
-            issued: vec![Issuance {
-                reader_set,
-                signature: handle.signature,
-                unreleased: 1,
-            }],
-            ..ChunkMeta::default()
-        };
-        state.keys.insert(key.to_owned(), address);
-        state.tally.bump(Counter::Puts);
-        state.tally.bump(Counter::RefsIssued);
-        self.publish(state);
-        Ok(handle)
-    }
-
-    /// Where `parts` go in a chunk, or `TooLarge` if they exceed `max_object_size` or the ring.
-    fn chunk_shape(&self, parts: &[RawBytes<'_>]) -> Result<ChunkShape> {
-        let layout = self.shared.layout;
-        let too_large = |size| Error::TooLarge {
-            size,
-            max: layout.max_object_size,
-        };
-        let (offsets, payload_len) =
-            part_offsets(parts.iter().map(|p| p.len() as u64)).ok_or(too_large(u64::MAX))?;
-        if payload_len > layout.max_object_size {
-            return Err(too_large(payload_len));
-        }
-        let size = align_up(layout.chunk_header_size + payload_len)
-            .filter(|&s| s <= layout.capacity)
-            .ok_or(too_large(payload_len))?;
-        Ok(ChunkShape {
-            offsets,
-            payload_len,
-            size,
-        })
-    }
-
-    /// Fill the chunk at `address` — its signature and length, one reference for each
-    /// member of `reader_set`, the payload — and publish it (P1).
-    fn write_chunk(
-        &self,
-        address: u64,
-        id: u64,
-        mac: &[u8; MAC_LEN],
-        reader_set: &ReaderSet,
-        shape: &ChunkShape,
-        parts: &[RawBytes<'_>],
-    ) -> Result<()> {
-        let sh = &self.shared;
-        let (lo, hi) = mac_words(mac);
-        sh.chunk(address, chunk::SIG_LO)?
-            .store(lo, Ordering::Relaxed);
-        sh.chunk(address, chunk::SIG_HI)?
-            .store(hi, Ordering::Relaxed);
-        sh.chunk(address, chunk::LEN)?
-            .store(shape.payload_len, Ordering::Relaxed);
-        sh.chunk(address, chunk::REFS)?.store(1, Ordering::Relaxed);
-        for s in 0..sh.layout.n_readers {
-            sh.word(address, s)?.store(0, Ordering::Relaxed);
-        }
-        for &(s, epoch) in reader_set.members.iter() {
-            sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
-            let word = SlotWord {
-                stamp: SlotWord::stamp_for(tag(mac), epoch as u64),
-                outstanding: 1,
-                views: 0,
-            };
-            sh.word(address, s)?.store(word.pack(), Ordering::Relaxed);
-        }
-        self.write_payload(address, shape, parts)?;
-        // P1: publish the chunk.
-        sh.chunk(address, chunk::ID)?.store(id, Ordering::Release);
         Ok(())
     }
 
-    /// Copy `parts` into the payload at `address`, each at its offset, zeroing the padding.
-    fn write_payload(
-        &self,
-        address: u64,
-        shape: &ChunkShape,
-        parts: &[RawBytes<'_>],
-    ) -> Result<()> {
-        let seg = &self.shared.seg;
-        let payload = self.shared.payload_offset(address);
-        let mut cursor = 0u64;
-        for (part, &offset) in parts.iter().zip(&shape.offsets) {
-            if offset > cursor {
-                seg.zero(payload + cursor, (offset - cursor) as usize)?;
+    /// Count `by` in this writer's own counter `c` (one of `Counter::writer_field`'s). The
+    /// caller holds the private mutex, so this writer's threads take turns: a load and a
+    /// store suffice.
+    fn count(&self, c: Counter, by: u64) {
+        if let Some(word) = c
+            .writer_field()
+            .and_then(|field| self.shared.writer_slot(self.me.slot, field).ok())
+        {
+            word.store(
+                word.load(Ordering::Relaxed).wrapping_add(by),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    fn private(&self) -> MutexGuard<'_, Private> {
+        // Nothing in the private state is left inconsistent by a panic: still usable.
+        self.private.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The store lock; repairs what a holder that died left half done, if it was taken over.
+    fn lock(&self) -> Result<LockGuard<'_>> {
+        let guard = self.shared.lock(self.me)?;
+        if guard.taken_over {
+            self.shared.repair(&guard)?;
+        }
+        Ok(guard)
+    }
+
+    pub(super) fn query<'k>(&self, key: &'k str) -> Query<'k> {
+        Query::new(&self.hasher, key)
+    }
+
+    /// Protect the chunk `entry` names (S1), if it is still LIVE with that id: name it in a
+    /// free hazard word of this writer (SeqCst CAS), then check it. With every hazard word in
+    /// use (that many of this writer's threads in the middle of an operation), wait for one.
+    pub(super) fn protect(&self, entry: &Entry) -> Result<Option<Protected<'_>>> {
+        let hazard = loop {
+            let mut taken = None;
+            for h in 0..slot::HAZARDS {
+                let word = self
+                    .shared
+                    .writer_slot(self.me.slot, slot::HAZARD + 8 * h)?;
+                if word
+                    .compare_exchange(0, entry.id, Ordering::SeqCst, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    taken = Some(word);
+                    break;
+                }
             }
-            seg.write_from(payload + offset, *part)?;
-            cursor = offset + part.len() as u64;
+            match taken {
+                Some(word) => break word,
+                None => std::thread::yield_now(),
+            }
+        };
+        let protected = Protected { hazard };
+        // SeqCst, after the SeqCst CAS: `close` sets the flag, then looks for hazards.
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
         }
-        Ok(())
+        let state = self
+            .shared
+            .chunk(entry.address, chunk::STATE)?
+            .load(Ordering::SeqCst);
+        let id = self
+            .shared
+            .chunk(entry.address, chunk::ID)?
+            .load(Ordering::SeqCst);
+        Ok(
+            (BlockState::unpack(state).kind == BlockKind::Live && id == entry.id)
+                .then_some(protected),
+        )
     }
 
+    /// [`Writer::protect`], and if that fails because the chunk is mid-eviction, settle it
+    /// and try once more: the store lock is taken (and given back), which waits for the
+    /// writer deciding about it, or takes over from one that died and repairs what it left,
+    /// so a chunk that was only being judged is live again. `None`: gone.
+    fn protect_settled(&self, entry: &Entry) -> Result<Option<Protected<'_>>> {
+        if let Some(protected) = self.protect(entry)? {
+            return Ok(Some(protected));
+        }
+        drop(self.lock()?);
+        self.protect(entry)
+    }
+
+    /// Find `key`'s chunk and protect it: `None` if the key is not stored.
+    fn find_protected(&self, query: &Query<'_>) -> Result<Option<(Entry, Protected<'_>)>> {
+        for _ in 0..ATTEMPTS {
+            let Some(entry) = self.shared.lookup(query)? else {
+                return Ok(None);
+            };
+            if let Some(protected) = self.protect_settled(&entry)? {
+                return Ok(Some((entry, protected)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `key` is stored (no reference, hit or recency change; no lock).
     pub fn is_cached(&self, key: &str) -> Result<bool> {
-        Ok(self.lock()?.keys.contains_key(key))
+        self.check_open()?;
+        Ok(self.shared.lookup(&self.query(key))?.is_some())
     }
 
+    /// Every stored key (a snapshot).
     pub fn keys(&self) -> Result<Vec<String>> {
-        Ok(self.lock()?.keys.keys().cloned().collect())
+        self.check_open()?;
+        self.shared.keys()
     }
 
     /// Issue one more reference to a stored object. `Error::Saturated` (nothing changed)
     /// when a reader slot already holds as many unread references to it as it can count.
     pub fn get_cached(&self, key: &str) -> Result<Handle> {
-        let mut guard = self.lock()?;
-        let state = &mut *guard;
-        let not_found = || Error::KeyNotFound(key.to_owned());
-        let address = *state.keys.get(key).ok_or_else(not_found)?;
-        let occupants = self.shared.occupants()?;
-        let reader_set = state.reader_set(&occupants);
-        let meta = state.ring.get_mut(address).ok_or_else(not_found)?;
-        let sig_tag = tag(&meta.mac);
-        // Check every slot before changing any: only this writer raises counts, so a count
-        // below the limit now is still below it when we add one.
-        for &(s, epoch) in reader_set.members.iter() {
-            let w = SlotWord::unpack(self.shared.word(address, s)?.load(Ordering::Acquire));
-            if w.stamp == SlotWord::stamp_for(sig_tag, epoch as u64)
-                && w.outstanding >= SlotWord::MAX_OUTSTANDING
-            {
+        self.check_open()?;
+        let query = self.query(key);
+        let Some((entry, _protected)) = self.find_protected(&query)? else {
+            return Err(Error::KeyNotFound(key.to_owned()));
+        };
+        let sh = &self.shared;
+        let sig_tag = sh
+            .chunk(entry.address, chunk::SIG_LO)?
+            .load(Ordering::Relaxed) as u32;
+        let mut private = self.private();
+        let members = &private.reader_set(sh)?.members;
+        self.add_references(key, entry.address, sig_tag, members)?;
+        let n_members = members.len() as u64;
+        crash::point("issue.protected");
+        let state = sh.chunk(entry.address, chunk::STATE)?;
+        if state.load(Ordering::Relaxed) & BlockState::REFERENCED_BIT == 0 {
+            state.fetch_or(BlockState::REFERENCED_BIT, Ordering::Relaxed);
+        }
+        let handle = private.issue(&self.signer, key, (entry.address, entry.id));
+        self.count(Counter::Hits, 1);
+        self.count(Counter::RefsIssued, n_members);
+        Ok(handle)
+    }
+
+    /// One more reference per member of a reader set on the (protected) chunk at `address`.
+    /// Other writers may be adding theirs, so each word's limit is checked in its own CAS,
+    /// and a refusal undoes the ones before (`Error::Saturated`, nothing changed).
+    fn add_references(
+        &self,
+        key: &str,
+        address: u64,
+        sig_tag: u32,
+        members: &[(u32, u32)],
+    ) -> Result<()> {
+        let sh = &self.shared;
+        for (i, &(s, epoch)) in members.iter().enumerate() {
+            let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
+            let mut saturated = false;
+            update_word(sh.word(address, s)?, |w| {
+                if w.stamp != stamp {
+                    // Stamped for an earlier occupant, who is gone: start afresh (the chunk
+                    // is protected, so this word is its own).
+                    return Some(SlotWord {
+                        stamp,
+                        outstanding: 1,
+                        views: 0,
+                    });
+                }
+                saturated = w.outstanding >= SlotWord::MAX_OUTSTANDING;
+                (!saturated).then_some(SlotWord {
+                    outstanding: w.outstanding + 1,
+                    ..w
+                })
+            });
+            if saturated {
+                for &(s, epoch) in &members[..i] {
+                    self.credit(address, sig_tag, s, epoch)?;
+                }
                 return Err(Error::Saturated {
                     key: key.to_owned(),
                     slot: s,
                     limit: SlotWord::MAX_OUTSTANDING,
                 });
             }
+            sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
         }
-        for &(s, epoch) in reader_set.members.iter() {
-            let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
-            update_word(self.shared.word(address, s)?, |w| {
-                Some(if w.stamp == stamp {
-                    SlotWord {
-                        outstanding: w.outstanding + 1,
-                        ..w
-                    }
-                } else {
-                    // Stamped for an earlier occupant, who is gone: start afresh.
-                    SlotWord {
-                        stamp,
-                        outstanding: 1,
-                        views: 0,
-                    }
-                })
-            });
-            self.shared
-                .slot(s, slot::REFS)?
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        self.shared
-            .chunk(address, chunk::REFS)?
-            .fetch_add(1, Ordering::Relaxed);
-        meta.referenced = true;
-        let handle = meta.issue(&self.signer, key, address, &reader_set);
-        state.tally.bump(Counter::Hits);
-        state.tally.bump(Counter::RefsIssued);
-        self.publish(state);
-        Ok(handle)
-    }
-
-    /// Protect a stored object from eviction until a matching `unpin` (pins are counted).
-    pub fn pin(&self, key: &str) -> Result<()> {
-        let mut state = self.lock()?;
-        let meta = state
-            .stored(key)
-            .ok_or_else(|| Error::KeyNotFound(key.to_owned()))?;
-        meta.pins = meta.pins.saturating_add(1);
         Ok(())
     }
 
-    /// Undo one `pin`; a no-op for an absent or unpinned key.
-    pub fn unpin(&self, key: &str) -> Result<()> {
-        if let Some(meta) = self.lock()?.stored(key) {
-            meta.pins = meta.pins.saturating_sub(1);
+    /// Take back one reference of reader slot `(s, epoch)` on the chunk tagged `sig_tag`.
+    fn credit(&self, address: u64, sig_tag: u32, s: u32, epoch: u32) -> Result<()> {
+        let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
+        let given_back = update_word(self.shared.word(address, s)?, |w| {
+            (w.stamp == stamp && w.outstanding > 0).then(|| SlotWord {
+                outstanding: w.outstanding - 1,
+                ..w
+            })
+        });
+        if given_back {
+            // Acknowledged on the reader's behalf (it will never see the handle), so its
+            // outstanding count (refs - acks, `inspect`) returns to where it was. Only for the
+            // occupant the reference was issued to: the word's stamp matched.
+            self.shared
+                .slot(s, slot::ACKS)?
+                .fetch_add(1, Ordering::Relaxed);
         }
+        Ok(())
+    }
+
+    /// Change this writer's pin count on `key`'s chunk by `f` (under protection: the word is
+    /// that chunk's). Whether the key was stored.
+    fn change_pins(&self, key: &str, f: impl Fn(u32) -> u32) -> Result<bool> {
+        self.check_open()?;
+        let Some((entry, _protected)) = self.find_protected(&self.query(key))? else {
+            return Ok(false);
+        };
+        let epoch = self.me.epoch;
+        let word = self.shared.pin_word(entry.address, self.me.slot)?;
+        // Only this writer changes its word (its threads one CAS at a time).
+        let _ = word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+            let pin = PinWord::unpack(w).for_epoch(epoch);
+            Some(
+                PinWord {
+                    pins: f(pin.pins),
+                    ..pin
+                }
+                .pack(),
+            )
+        });
+        Ok(true)
+    }
+
+    /// Protect a stored object from eviction until a matching `unpin` (pins are counted per
+    /// writer; a writer's pins end with it, and with the key's invalidation).
+    pub fn pin(&self, key: &str) -> Result<()> {
+        if self.change_pins(key, |pins| pins.saturating_add(1))? {
+            Ok(())
+        } else {
+            Err(Error::KeyNotFound(key.to_owned()))
+        }
+    }
+
+    /// Undo one of this writer's `pin`s; a no-op for an absent or unpinned key.
+    pub fn unpin(&self, key: &str) -> Result<()> {
+        self.change_pins(key, |pins| pins.saturating_sub(1))?;
         Ok(())
     }
 
     /// Give back the references one undelivered handle holds (the request carrying it was
     /// dropped): one for each reader slot it was issued to, and no other (a reader that
-    /// attached later keeps what later handles owe it). A no-op if the object is gone, or if
-    /// every handle issued to that reader set was given back already.
+    /// attached later keeps what later handles owe it). Only handles this writer issued are
+    /// given back; a no-op for another writer's handle, if the object is gone, or if every
+    /// handle issued to that reader set was given back already.
     pub fn release(&self, handle: &Handle) -> Result<()> {
-        let mut state = self.lock()?;
-        let Some(meta) = state.ring.get_mut(handle.address) else {
-            return Ok(());
+        self.check_open()?;
+        let entry = Entry {
+            bucket: 0,
+            address: handle.address,
+            id: handle.monotonic_id,
         };
-        if meta.id != handle.monotonic_id {
+        if !self.shared.layout.valid_chunk_address(handle.address) {
             return Ok(());
         }
-        let sig_tag = tag(&meta.mac);
-        let Some(issuance) = meta
-            .issued
-            .iter_mut()
-            .find(|i| i.reader_set.number == handle.reader_set())
-        else {
-            return Ok(()); // never issued to that set here (or cleared since)
+        // The private mutex is never held while waiting for the store lock (`clear` takes
+        // them the other way round).
+        let reader_set = match self.private().release(handle) {
+            Release::Credit(set) if !set.members.is_empty() => set,
+            Release::Credit(_) | Release::Nothing => return Ok(()), // nothing to give back
+            Release::Mismatch => {
+                return Err(Error::InvalidHandle(
+                    "signature does not match the object".into(),
+                ));
+            }
         };
-        if issuance.signature != handle.signature {
-            return Err(Error::InvalidHandle(
-                "signature does not match the object".into(),
-            ));
+        let Some(_protected) = self.protect_settled(&entry)? else {
+            self.private().forget(handle.address, handle.monotonic_id);
+            return Ok(()); // gone: its references no longer matter
+        };
+        let sig_tag = self
+            .shared
+            .chunk(handle.address, chunk::SIG_LO)?
+            .load(Ordering::Relaxed) as u32;
+        for &(s, epoch) in reader_set.members.iter() {
+            self.credit(handle.address, sig_tag, s, epoch)?;
         }
-        if issuance.unreleased == 0 {
-            return Ok(()); // every such handle was given back already
-        }
-        issuance.unreleased -= 1;
-        for &(s, epoch) in issuance.reader_set.members.iter() {
-            let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
-            let given_back = update_word(self.shared.word(handle.address, s)?, |w| {
-                (w.stamp == stamp && w.outstanding > 0).then(|| SlotWord {
-                    outstanding: w.outstanding - 1,
-                    ..w
-                })
-            });
-            if given_back {
-                // Acknowledged on the reader's behalf (it will never see the handle), so its
-                // outstanding count (refs - acks, `inspect`) returns to where it was. Only for
-                // the occupant the reference was issued to: the word's stamp matched.
-                self.shared
-                    .slot(s, slot::ACKS)?
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        Ok(())
-    }
-
-    /// Forget `key`; its chunk is reclaimed once nobody holds it. A no-op if absent.
-    pub fn invalidate(&self, key: &str) -> Result<()> {
-        let mut state = self.lock()?;
-        if let Some(meta) = state.stored(key) {
-            meta.key = None;
-            meta.pins = 0;
-            meta.referenced = false;
-        }
-        state.keys.remove(key);
-        self.publish(&state);
-        Ok(())
-    }
-
-    /// Forget every key, drop every undelivered or unread reference (so the references of
-    /// requests abandoned without `release` stop pinning the ring), and reclaim at once every
-    /// chunk that no live view holds. A handle issued before either still reads its own
-    /// bytes (the reader verifies them) or is stale; ids keep counting, so it can never match
-    /// anything stored after.
-    pub fn clear(&self) -> Result<()> {
-        let mut state = self.lock()?;
-        state.keys.clear();
-        let occupants = self.shared.occupants()?;
-        let mut checked = HashMap::new();
-        let mut tally = state.tally;
-        let mut free = Vec::new();
-        for (address, meta) in state.ring.iter_mut() {
-            meta.key = None;
-            meta.pins = 0;
-            meta.referenced = false;
-            meta.issued.clear();
-            let sig_tag = tag(&meta.mac);
-            for o in &occupants {
-                let stamp = SlotWord::stamp_for(sig_tag, o.claim.epoch as u64);
-                update_word(self.shared.word(address, o.slot)?, |w| {
-                    (w.stamp == stamp && w.outstanding > 0).then_some(SlotWord {
-                        outstanding: 0,
-                        ..w
-                    })
-                });
-            }
-            if self.reclaimable(address, meta, &occupants, &mut checked, &mut tally) {
-                free.push(address);
-            }
-        }
-        for address in free {
-            self.kill(address)?;
-            state.ring.remove(address);
-        }
-        fence(Ordering::Release);
-        tally.bump(Counter::Clears);
-        state.tally = tally;
-        self.publish(&state);
         Ok(())
     }
 
@@ -466,20 +538,35 @@ impl Writer {
     /// naming the chunk `key` is stored in now. No side effect: no reference is issued, no
     /// hit counted, no recency changed (for validating handles a client sent back).
     pub fn verify(&self, handle: &Handle, key: &str) -> Result<bool> {
-        let state = self.lock()?;
+        self.check_open()?;
         if self.signer.verify(key, handle).is_none() {
             return Ok(false);
         }
-        Ok(state.keys.get(key) == Some(&handle.address)
-            && state
-                .ring
-                .get(handle.address)
-                .is_some_and(|meta| meta.id == handle.monotonic_id))
+        Ok(self
+            .shared
+            .lookup(&self.query(key))?
+            .is_some_and(|e| e.address == handle.address && e.id == handle.monotonic_id))
     }
 
-    /// Copy out the payload of the chunk at `address` (the writer's lock keeps it from
-    /// changing). The length comes from shared memory, so it is checked before allocating.
-    fn copy_payload(&self, address: u64) -> Result<Vec<u8>> {
+    /// Copy `len` bytes at `offset` into the payload of a protected chunk (its length comes
+    /// from shared memory, so it is checked before anything is allocated).
+    fn copy_out(&self, address: u64, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let fits = offset
+            .checked_add(len)
+            .is_some_and(|n| self.shared.layout.fits(address, n));
+        if !fits {
+            return Err(Error::Corrupt(format!(
+                "chunk at {address} claims {len} bytes at {offset}, more than fit"
+            )));
+        }
+        let mut out = vec![0u8; len as usize];
+        self.shared
+            .seg
+            .read_into(self.shared.payload_offset(address) + offset, &mut out)?;
+        Ok(out)
+    }
+
+    fn payload_len(&self, address: u64) -> Result<u64> {
         let len = self
             .shared
             .chunk(address, chunk::LEN)?
@@ -489,16 +576,12 @@ impl Writer {
                 "chunk at {address} claims {len} bytes, more than fit"
             )));
         }
-        let mut out = vec![0u8; len as usize];
-        self.shared
-            .seg
-            .read_into(self.shared.payload_offset(address), &mut out)?;
-        Ok(out)
+        Ok(len)
     }
 
-    /// Copy an object out through a handle: the writer's own read.
+    /// Copy an object out through a handle: the writer's own read (any writer's handle).
     pub fn read(&self, handle: &Handle, key: &str) -> Result<Vec<u8>> {
-        let state = self.lock()?;
+        self.check_open()?;
         if !self.shared.layout.valid_chunk_address(handle.address) {
             return Err(Error::InvalidHandle(format!(
                 "address {} is out of range",
@@ -508,108 +591,90 @@ impl Writer {
         if self.signer.verify(key, handle).is_none() {
             return Err(Error::InvalidHandle("bad signature".into()));
         }
-        match state.ring.get(handle.address) {
-            Some(meta) if meta.id == handle.monotonic_id => {}
-            _ => return Err(Error::Stale),
-        }
-        self.copy_payload(handle.address)
+        let entry = Entry {
+            bucket: 0,
+            address: handle.address,
+            id: handle.monotonic_id,
+        };
+        let Some(_protected) = self.protect_settled(&entry)? else {
+            return Err(Error::Stale);
+        };
+        self.copy_out(handle.address, 0, self.payload_len(handle.address)?)
     }
 
     /// Copy out the object stored under `key`, issuing no reference (`KeyNotFound` if
-    /// absent): how P0 serves a cached item it cannot hand out a handle for.
+    /// absent): how a writer serves a cached item it cannot hand out a handle for.
     pub fn read_key(&self, key: &str) -> Result<Vec<u8>> {
-        let state = self.lock()?;
-        let address = *state
-            .keys
-            .get(key)
-            .ok_or_else(|| Error::KeyNotFound(key.to_owned()))?;
-        self.copy_payload(address)
+        self.check_open()?;
+        let Some((entry, _protected)) = self.find_protected(&self.query(key))? else {
+            return Err(Error::KeyNotFound(key.to_owned()));
+        };
+        self.copy_out(entry.address, 0, self.payload_len(entry.address)?)
     }
 
-    /// Publish every counter in the segment header, for `inspect`. Statistics only, so it
-    /// cannot fail the operation it counts: a word out of reach (impossible, `Layout` puts
-    /// every counter in the header) is skipped.
-    fn publish(&self, state: &WriterState) {
-        for &counter in Counter::ALL {
-            if let Ok(word) = self.shared.header(counter.offset()) {
-                word.store(state.counter(counter), Ordering::Relaxed);
-            }
+    /// The metadata stored with `key`'s object and that object's id (its handles'
+    /// `monotonic_id`). With `id`, only that object's: `KeyNotFound` if `key` now names
+    /// another object (or none).
+    pub fn read_meta(&self, key: &str, id: Option<u64>) -> Result<(u64, Vec<u8>)> {
+        self.check_open()?;
+        let not_found = || Error::KeyNotFound(key.to_owned());
+        let Some((entry, _protected)) = self.find_protected(&self.query(key))? else {
+            return Err(not_found());
+        };
+        if id.is_some_and(|id| id != entry.id) {
+            return Err(not_found());
         }
+        let len = self.payload_len(entry.address)?;
+        let extra = self
+            .shared
+            .chunk(entry.address, chunk::EXTRA)?
+            .load(Ordering::Relaxed);
+        let (meta_len, key_len) = (extra >> 32, extra & 0xffff_ffff);
+        let meta = self.copy_out(entry.address, len + key_len, meta_len)?;
+        Ok((entry.id, meta))
     }
 
-    pub fn stats(&self) -> Result<Stats> {
-        let state = self.lock()?;
-        let occupants = self.shared.occupants()?;
-        let mut outstanding = 0u64;
-        let mut views = 0u64;
-        let mut pinned = 0u64;
-        for (address, _, meta) in state.ring.iter() {
-            pinned += (meta.pins > 0) as u64;
-            for o in &occupants {
-                let w =
-                    SlotWord::unpack(self.shared.word(address, o.slot)?.load(Ordering::Acquire));
-                if w.stamp == SlotWord::stamp_for(tag(&meta.mac), o.claim.epoch as u64) {
-                    if o.claim.state == SlotState::Claimed {
-                        outstanding += w.outstanding as u64;
-                    }
-                    views += w.views as u64;
-                }
-            }
-        }
-        let draining = occupants
-            .iter()
-            .filter(|o| o.claim.state == SlotState::Draining)
-            .count() as u64;
-        let l = self.shared.layout;
-        let mut stats = vec![
-            ("capacity", l.capacity),
-            ("n_readers", l.n_readers as u64),
-            ("max_object_size", l.max_object_size),
-        ];
-        stats.extend(Counter::ALL.iter().map(|&c| (c.name(), state.counter(c))));
-        stats.extend([
-            ("chunks", state.ring.len() as u64),
-            ("outstanding_refs", outstanding),
-            ("views", views),
-            ("pinned", pinned),
-            ("readers_attached", occupants.len() as u64 - draining),
-            ("readers_draining", draining),
-        ]);
-        Ok(stats)
-    }
-
-    /// Mark the segment closed for readers, remove its name and give up the writer's lock.
-    /// Only the creating process does this: in a forked child it does nothing (the copy just
-    /// stops working).
+    /// Leave the store: give back this writer's claims and slot; the last writer to leave
+    /// marks the store closed for readers and removes its name. Operations other threads have
+    /// in progress finish first (those that hold a hazard or a reservation: no new one
+    /// starts). Only the process that made the writer does this: in a forked child it does
+    /// nothing (the copy just stops working).
     pub fn close(&self) -> Result<()> {
-        if !self.process.is_current() {
+        if !self.process.is_current() || self.closing.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.closed {
-            return Ok(());
+        loop {
+            let lock = self.lock()?;
+            if !self.holds_anything(&lock)? {
+                self.drop_claims(&lock)?;
+                break;
+            }
+            drop(lock);
+            std::thread::sleep(Duration::from_micros(50));
         }
-        state.closed = true;
-        // The writer created the segment, and this is its process (checked above).
-        // Release pairs with the reader's Acquire load in `Shared::writer_alive`.
-        self.shared
-            .header(header::WRITER_STATE)?
-            .store(WRITER_CLOSED, Ordering::Release);
-        self.shared.seg.unlink()?;
-        if self.shared.liveness == Liveness::Locks {
-            self.shared.seg.unlock(WRITER_LOCK)?;
-        }
+        self.shared.leave_writers(self.me)?;
         Ok(())
     }
-}
 
-/// Where an object's parts go in its chunk.
-struct ChunkShape {
-    /// Each part's offset in the payload (64-byte aligned).
-    offsets: Vec<u64>,
-    payload_len: u64,
-    /// The whole chunk, header included, rounded up to `ALIGN`.
-    size: u64,
+    /// Whether one of this writer's operations holds a chunk (a hazard) or a block (a
+    /// reservation) right now.
+    fn holds_anything(&self, lock: &LockGuard<'_>) -> Result<bool> {
+        for h in 0..slot::HAZARDS {
+            let hazard = self
+                .shared
+                .writer_slot(self.me.slot, slot::HAZARD + 8 * h)?;
+            // SeqCst: the other half of the test in `protect`.
+            if hazard.load(Ordering::SeqCst) != 0 {
+                return Ok(true);
+            }
+        }
+        for block in self.shared.blocks(lock)? {
+            if block.state.kind == (BlockKind::Reserved { owner: self.me }) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
 }
 
 impl Drop for Writer {

@@ -1,0 +1,123 @@
+//! The key index's hash: a fast keyed 64-bit hash of a cache key, for placing it in the
+//! shared index (`store::index`) and telling keys apart at a glance.
+//!
+//! It is not a MAC and nothing depends on it being one: an index entry is confirmed against
+//! the key bytes stored with the chunk, and a handle against its keyed BLAKE3 signature
+//! (`handle`). The seed comes from the store's secret (every writer derives the same one), so
+//! keys cannot be chosen to pile into one stretch of the table without it.
+//!
+//! Construction: 16 bytes at a time, each pair of little-endian words is folded into the
+//! state with a 64×64→128-bit multiply whose halves are XORed (every input bit reaches every
+//! output bit of the product); the length enters first and the tail is zero-padded, so keys
+//! of different lengths never collide by padding.
+
+/// A keyed hash of cache keys (see the module docs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct KeyHasher {
+    seeds: [u64; 4],
+}
+
+impl std::fmt::Debug for KeyHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyHasher(<seeded>)")
+    }
+}
+
+/// The two halves of a 128-bit product, XORed.
+#[inline]
+fn fold(a: u64, b: u64) -> u64 {
+    let product = (a as u128) * (b as u128);
+    (product as u64) ^ ((product >> 64) as u64)
+}
+
+/// Up to 8 bytes as a little-endian word, zero-padded.
+#[inline]
+fn word(bytes: &[u8]) -> u64 {
+    let mut buf = [0u8; 8];
+    buf[..bytes.len()].copy_from_slice(bytes);
+    u64::from_le_bytes(buf)
+}
+
+impl KeyHasher {
+    /// The hasher of the store whose signing secret is `secret` (the same in every writer).
+    pub fn for_secret(secret: &[u8; 32]) -> KeyHasher {
+        let derived = blake3::derive_key("mmcache 2026 index key hash", secret);
+        let mut seeds = [0u64; 4];
+        for (seed, bytes) in seeds.iter_mut().zip(derived.chunks_exact(8)) {
+            *seed = word(bytes) | 1; // never zero: a zero factor would erase its partner
+        }
+        KeyHasher { seeds }
+    }
+
+    #[inline]
+    pub fn hash(&self, key: &[u8]) -> u64 {
+        let [s0, s1, s2, s3] = self.seeds;
+        let mut h = fold(s0 ^ key.len() as u64, s3);
+        let mut blocks = key.chunks_exact(16);
+        for block in &mut blocks {
+            let (a, b) = block.split_at(8);
+            h = fold(word(a) ^ s1, word(b) ^ s2 ^ h);
+        }
+        let tail = blocks.remainder();
+        if !tail.is_empty() {
+            let (a, b) = tail.split_at(tail.len().min(8));
+            h = fold(word(a) ^ s2, word(b) ^ s1 ^ h);
+        }
+        fold(h ^ s3, s0 ^ key.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn equal_keys_agree_and_distinct_keys_differ() {
+        let hasher = KeyHasher::for_secret(&[3; 32]);
+        assert_eq!(hasher, KeyHasher::for_secret(&[3; 32]));
+        assert_ne!(hasher, KeyHasher::for_secret(&[4; 32]));
+        assert_eq!(hasher.hash(b"abc"), hasher.hash(b"abc"));
+        // Padding cannot make keys of different lengths collide.
+        assert_ne!(hasher.hash(b""), hasher.hash(b"\0"));
+        assert_ne!(hasher.hash(b"a"), hasher.hash(b"a\0"));
+        assert_ne!(hasher.hash(&[0; 16]), hasher.hash(&[0; 17]));
+        // Many similar keys (content-hash-like and counters): no collisions in 64 bits, and
+        // the low bits (the bucket) spread evenly.
+        let mut seen = HashSet::new();
+        let mut buckets = [0u32; 64];
+        for i in 0..100_000u32 {
+            let key = format!("{:064x}", i);
+            let h = hasher.hash(key.as_bytes());
+            assert!(seen.insert(h), "collision at {i}");
+            buckets[(h & 63) as usize] += 1;
+            assert!(seen.insert(hasher.hash(format!("k{i}").as_bytes())));
+        }
+        let expected = 100_000 / 64;
+        for count in buckets {
+            assert!(
+                count.abs_diff(expected) < expected / 5,
+                "uneven buckets: {buckets:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn one_flipped_bit_changes_about_half_the_output() {
+        let hasher = KeyHasher::for_secret(&[9; 32]);
+        let key = b"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef".to_vec();
+        let base = hasher.hash(&key);
+        let mut total = 0u32;
+        let bits = key.len() * 8;
+        for bit in 0..bits {
+            let mut flipped = key.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            total += (hasher.hash(&flipped) ^ base).count_ones();
+        }
+        let mean = total as f64 / bits as f64;
+        assert!(
+            (28.0..36.0).contains(&mean),
+            "mean flipped output bits {mean}"
+        );
+    }
+}

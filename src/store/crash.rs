@@ -1,0 +1,71 @@
+//! Crash points: named places in the writer's code where a test can have the process killed
+//! with SIGKILL, to prove that a writer dying at that instant wedges nobody (ARCHITECTURE.md
+//! lists every point and the test that kills a writer there).
+//!
+//! `MMCACHE_CRASH_POINT=<name>` arms one point, read once, when the process makes its first
+//! writer; `MMCACHE_CRASH_AFTER=<n>` (default 1) kills at the point's n-th pass, so a test
+//! can let earlier operations through. Unarmed, a point costs one Relaxed load of a static.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::segment;
+
+/// Every crash point, in the order a put meets them (and then the others).
+pub const POINTS: &[&str] = &[
+    "alloc.locked",
+    "alloc.marked",
+    "alloc.evicted",
+    "alloc.coalesced",
+    "alloc.reserved",
+    "put.reserved",
+    "put.mid_copy",
+    "put.filled",
+    "publish.id",
+    "publish.live",
+    "put.published",
+    "issue.protected",
+    "claim.recorded",
+    "clear.partway",
+];
+
+static ARMED: AtomicBool = AtomicBool::new(false);
+static PASSES: AtomicU64 = AtomicU64::new(0);
+static ARMING: OnceLock<Option<(String, u64)>> = OnceLock::new();
+
+/// Read the environment once (on the process's first writer).
+pub(super) fn init() {
+    ARMING.get_or_init(|| {
+        let point = std::env::var("MMCACHE_CRASH_POINT").ok()?;
+        let after = std::env::var("MMCACHE_CRASH_AFTER")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1);
+        ARMED.store(true, Ordering::Relaxed);
+        Some((point, after))
+    });
+}
+
+/// Whether any point is armed (to do extra work only a crash test needs).
+#[inline]
+pub(super) fn armed() -> bool {
+    ARMED.load(Ordering::Relaxed)
+}
+
+/// Die here if `name` is the armed point and this is its n-th pass.
+#[inline]
+pub(super) fn point(name: &'static str) {
+    if armed() {
+        passed(name);
+    }
+}
+
+#[cold]
+fn passed(name: &'static str) {
+    debug_assert!(POINTS.contains(&name), "unlisted crash point {name}");
+    if let Some(Some((armed, after))) = ARMING.get() {
+        if armed == name && PASSES.fetch_add(1, Ordering::Relaxed) + 1 >= *after {
+            segment::kill_self();
+        }
+    }
+}

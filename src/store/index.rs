@@ -1,0 +1,513 @@
+//! The shared key index: an open-addressing table (linear probing) in the segment that maps
+//! each stored key to its chunk and each claimed key to its claimant, read by every writer
+//! without a lock.
+//!
+//! A bucket is a head word (`layout::Bucket`: kind, key length, a tag of the key's hash, the
+//! chunk address or the claimant), a version word (the entry's unique id, 0 while it
+//! changes), a hash word (the key's hash: where its probe starts) and a 64-byte key slot
+//! holding the key itself (keys of at most 64 bytes, content hashes as hex among them) or,
+//! for a longer key, its BLAKE3 digest (the key itself is then stored in the chunk, after the
+//! payload, for [`Shared::keys`]). So a lookup compares real keys and touches no chunk: a hit
+//! is a hash, one or two buckets and a key compare.
+//!
+//! Lookups read each bucket under a seqlock on its version word (I1/I2 in the protocol of
+//! [`store`](super)). Every change is made under the store lock: filing an entry or a claim,
+//! turning a claim into an entry in place, and removing one. A removal leaves no tombstone:
+//! the entries after it in its cluster whose probe would pass the gap are moved back into it
+//! (backward shift), so the table never silts up with deleted entries and probes stay as
+//! short as the load allows. A move copies the entry before its old place is reused, so an
+//! entry is always somewhere; a lookup that probed past a moving entry could still miss it,
+//! so a miss is confirmed by a second probe under the index's move count (a seqlock: odd
+//! while entries move). The table has at least twice as many buckets as it may hold entries
+//! and claims (`Layout::max_objects`); beyond that a put first evicts (the allocator's CLOCK),
+//! so an empty bucket always exists. A probe visits each bucket at most once: even a corrupt
+//! table cannot make it loop.
+
+use std::hint::spin_loop;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+use super::Shared;
+use super::lock::LockGuard;
+use crate::error::{Error, Result};
+use crate::keyhash::KeyHasher;
+use crate::layout::{Bucket, KEY_SLOT_SIZE, KeyRef, WriterId, chunk, header};
+use crate::segment::RawBytes;
+
+/// A key as the index looks for it: hashed once per operation.
+#[derive(Debug)]
+pub(super) struct Query<'k> {
+    pub(super) key: &'k str,
+    hash: u64,
+    kref: KeyRef,
+    /// The BLAKE3 digest of a key too long for its key slot.
+    digest: Option<[u8; 32]>,
+}
+
+impl<'k> Query<'k> {
+    pub(super) fn new(hasher: &KeyHasher, key: &'k str) -> Query<'k> {
+        let hash = hasher.hash(key.as_bytes());
+        let kref = KeyRef::new(hash, key.len());
+        Query {
+            key,
+            hash,
+            kref,
+            digest: kref
+                .is_long()
+                .then(|| *blake3::hash(key.as_bytes()).as_bytes()),
+        }
+    }
+
+    /// What the key slot holds for this key.
+    fn slot_bytes(&self) -> &[u8] {
+        match &self.digest {
+            Some(digest) => digest,
+            None => self.key.as_bytes(),
+        }
+    }
+
+    /// Whether the chunk stores the key itself (after its payload).
+    pub(super) fn is_long(&self) -> bool {
+        self.kref.is_long()
+    }
+}
+
+/// A stored key's entry: its bucket, its chunk's address and id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Entry {
+    pub(super) bucket: u64,
+    pub(super) address: u64,
+    pub(super) id: u64,
+}
+
+/// What a lock-free probe found for a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Seen {
+    Stored(Entry),
+    Claimed(WriterId),
+    /// Its bucket is being changed right now (a claim becoming an entry, say).
+    Changing,
+    Absent,
+}
+
+/// Where a key is, or would go, as the store lock's holder finds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Found {
+    Stored(Entry),
+    Claimed { bucket: u64, owner: WriterId },
+    Vacant { bucket: u64 },
+}
+
+/// One bucket as a scan sees it (under the store lock, or racily for statistics).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Filed {
+    pub(super) bucket: u64,
+    pub(super) head: Bucket,
+    pub(super) version: u64,
+}
+
+/// Lookups that found a move in progress try again this often before answering with what
+/// they saw (a holder that died moving leaves the count odd until the lock is taken over).
+const SEEK_ATTEMPTS: usize = 64;
+
+impl Shared {
+    fn bucket_head(&self, bucket: u64) -> Result<&AtomicU64> {
+        self.seg.atomic(self.layout.bucket_offset(bucket))
+    }
+
+    fn bucket_version(&self, bucket: u64) -> Result<&AtomicU64> {
+        self.seg.atomic(self.layout.bucket_offset(bucket) + 8)
+    }
+
+    fn bucket_hash(&self, bucket: u64) -> Result<&AtomicU64> {
+        self.seg.atomic(self.layout.bucket_hash_offset(bucket))
+    }
+
+    fn moves(&self) -> Result<&AtomicU64> {
+        self.header(header::INDEX_MOVES)
+    }
+
+    /// What bucket `bucket` holds now (the store lock's holder: it does not change meanwhile).
+    pub(super) fn bucket(&self, bucket: u64) -> Result<Bucket> {
+        Ok(Bucket::unpack(
+            self.bucket_head(bucket)?.load(Ordering::Relaxed),
+        ))
+    }
+
+    fn key_slot_matches(&self, bucket: u64, query: &Query<'_>) -> Result<bool> {
+        self.racy_eq(self.layout.key_slot_offset(bucket), query.slot_bytes())
+    }
+
+    /// The buckets a probe for `hash` visits, in order (each once).
+    fn probe(&self, hash: u64) -> impl Iterator<Item = u64> {
+        let n = self.layout.index_buckets;
+        let start = hash & (n - 1);
+        (0..n).map(move |i| (start + i) & (n - 1))
+    }
+
+    /// Where `query`'s key is stored or claimed, without a lock. A hit is always true (each
+    /// bucket is read whole under its seqlock); a miss is confirmed by a second probe that no
+    /// move overlapped (the move count, read with Acquire before and, after an Acquire fence,
+    /// again: pairs with `remove_bucket`'s Release stores of it).
+    pub(super) fn seek(&self, query: &Query<'_>) -> Result<Seen> {
+        let mut seen = self.probe_for(query)?;
+        if matches!(seen, Seen::Stored(_) | Seen::Claimed(_)) {
+            return Ok(seen);
+        }
+        let moves = self.moves()?;
+        for _ in 0..SEEK_ATTEMPTS {
+            let before = moves.load(Ordering::Acquire);
+            if before % 2 == 1 {
+                spin_loop();
+                continue;
+            }
+            seen = self.probe_for(query)?;
+            if matches!(seen, Seen::Stored(_) | Seen::Claimed(_)) {
+                return Ok(seen);
+            }
+            fence(Ordering::Acquire);
+            if moves.load(Ordering::Relaxed) == before {
+                return Ok(seen);
+            }
+        }
+        Ok(seen)
+    }
+
+    /// One probe for `query` (a seqlock read per bucket, I1/I2 in the protocol).
+    fn probe_for(&self, query: &Query<'_>) -> Result<Seen> {
+        for bucket in self.probe(query.hash) {
+            let mut spins = 0;
+            loop {
+                // Acquire pairs with I1: the head and key slot of that version are visible.
+                let version = self.bucket_version(bucket)?.load(Ordering::Acquire);
+                let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
+                let (kref, found) = match head {
+                    Bucket::Empty => return Ok(Seen::Absent),
+                    Bucket::Live { key, address } => (
+                        key,
+                        Seen::Stored(Entry {
+                            bucket,
+                            address,
+                            id: version,
+                        }),
+                    ),
+                    Bucket::Claim { key, owner } => (key, Seen::Claimed(owner)),
+                };
+                if kref != query.kref {
+                    break;
+                }
+                let same = version != 0 && self.key_slot_matches(bucket, query)?;
+                // Pairs with I2: had we read a byte of a later change, we see its version.
+                fence(Ordering::Acquire);
+                let unchanged = self.bucket_version(bucket)?.load(Ordering::Relaxed) == version;
+                if version != 0 && unchanged {
+                    if same {
+                        return Ok(found);
+                    }
+                    break;
+                }
+                // Changing under us: the lock's holder finishes within nanoseconds.
+                spins += 1;
+                if spins > 64 {
+                    return Ok(Seen::Changing);
+                }
+                spin_loop();
+            }
+        }
+        Ok(Seen::Absent)
+    }
+
+    /// The entry of a stored key, without a lock.
+    pub(super) fn lookup(&self, query: &Query<'_>) -> Result<Option<Entry>> {
+        Ok(match self.seek(query)? {
+            Seen::Stored(entry) => Some(entry),
+            _ => None,
+        })
+    }
+
+    /// Where `query`'s key is stored, claimed, or would be filed (the store lock's holder:
+    /// nothing changes meanwhile, so plain reads suffice).
+    pub(super) fn find(&self, _lock: &LockGuard<'_>, query: &Query<'_>) -> Result<Found> {
+        for bucket in self.probe(query.hash) {
+            let version = self.bucket_version(bucket)?.load(Ordering::Acquire);
+            match Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed)) {
+                Bucket::Empty => return Ok(Found::Vacant { bucket }),
+                Bucket::Live { key, address }
+                    if key == query.kref && self.key_slot_matches(bucket, query)? =>
+                {
+                    return Ok(Found::Stored(Entry {
+                        bucket,
+                        address,
+                        id: version,
+                    }));
+                }
+                Bucket::Claim { key, owner }
+                    if key == query.kref && self.key_slot_matches(bucket, query)? =>
+                {
+                    return Ok(Found::Claimed { bucket, owner });
+                }
+                _ => {}
+            }
+        }
+        Err(Error::Corrupt(
+            "the key index has no empty bucket (it is never filled past half)".into(),
+        ))
+    }
+
+    /// Make `bucket` hold `head` for a key of hash `hash` whose key slot is `slot`, with
+    /// version `version` (the store lock's holder; `bucket` is empty, holds that key's claim,
+    /// or is the gap of a move). I2 then I1.
+    fn file(&self, bucket: u64, head: Bucket, hash: u64, slot: &[u8], version: u64) -> Result<()> {
+        let version_word = self.bucket_version(bucket)?;
+        version_word.store(0, Ordering::Relaxed);
+        // I2: a lookup that reads any byte written below sees version 0 or the new one.
+        fence(Ordering::Release);
+        self.seg
+            .write_from(self.layout.key_slot_offset(bucket), RawBytes::from(slot))?;
+        self.bucket_hash(bucket)?.store(hash, Ordering::Relaxed);
+        self.bucket_head(bucket)?
+            .store(head.pack(), Ordering::Relaxed);
+        // I1: the head and key slot are visible to whoever loads this version with Acquire.
+        version_word.store(version, Ordering::Release);
+        Ok(())
+    }
+
+    /// File `query`'s key as stored in the chunk `(address, id)`, in `bucket` (empty, or
+    /// holding the key's claim, which the entry replaces).
+    pub(super) fn file_entry(
+        &self,
+        _lock: &LockGuard<'_>,
+        bucket: u64,
+        query: &Query<'_>,
+        address: u64,
+        id: u64,
+    ) -> Result<()> {
+        let head = Bucket::Live {
+            key: query.kref,
+            address,
+        };
+        self.file(bucket, head, query.hash, query.slot_bytes(), id)
+    }
+
+    /// File `owner`'s claim of `query`'s key in `bucket` (empty, or holding a claim of the
+    /// same key, which `owner` takes over), with the unique `ticket` as its version.
+    pub(super) fn file_claim(
+        &self,
+        _lock: &LockGuard<'_>,
+        bucket: u64,
+        query: &Query<'_>,
+        owner: WriterId,
+        ticket: u64,
+    ) -> Result<()> {
+        let head = Bucket::Claim {
+            key: query.kref,
+            owner,
+        };
+        self.file(bucket, head, query.hash, query.slot_bytes(), ticket)
+    }
+
+    /// Copy the entry in bucket `from` into bucket `to` (the gap of a removal), telling its
+    /// chunk where it is filed now.
+    fn move_entry(&self, from: u64, to: u64) -> Result<()> {
+        let head = Bucket::unpack(self.bucket_head(from)?.load(Ordering::Relaxed));
+        let version = self.bucket_version(from)?.load(Ordering::Relaxed);
+        let hash = self.bucket_hash(from)?.load(Ordering::Relaxed);
+        let mut slot = [0u8; KEY_SLOT_SIZE as usize];
+        self.seg
+            .read_into(self.layout.key_slot_offset(from), &mut slot)?;
+        self.file(to, head, hash, &slot, version)?;
+        if let Bucket::Live { address, .. } = head {
+            if self.layout.valid_chunk_address(address) {
+                self.chunk(address, chunk::BUCKET)?
+                    .store(to + 1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Empty `bucket`, moving back into the gap every later entry of its cluster whose probe
+    /// would otherwise have to pass it (backward shift): no tombstone is left. While entries
+    /// move the move count is odd, so lock-free misses retry.
+    pub(super) fn remove_bucket(&self, _lock: &LockGuard<'_>, bucket: u64) -> Result<()> {
+        let n = self.layout.index_buckets;
+        let mask = n - 1;
+        let moves = self.moves()?;
+        let mut moving = false;
+        let mut gap = bucket;
+        let mut next = (gap + 1) & mask;
+        for _ in 0..n {
+            if Bucket::unpack(self.bucket_head(next)?.load(Ordering::Relaxed)) == Bucket::Empty {
+                break;
+            }
+            let home = self.bucket_hash(next)?.load(Ordering::Relaxed) & mask;
+            // `next` may move into the gap unless its home lies cyclically in (gap, next].
+            let stays = if gap <= next {
+                gap < home && home <= next
+            } else {
+                gap < home || home <= next
+            };
+            if !stays {
+                if !moving {
+                    moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+                    // A lookup that reads any bucket changed below sees the count odd.
+                    fence(Ordering::Release);
+                    moving = true;
+                }
+                self.move_entry(next, gap)?;
+                gap = next;
+            }
+            next = (next + 1) & mask;
+        }
+        self.bucket_version(gap)?.store(0, Ordering::Relaxed);
+        self.bucket_head(gap)?
+            .store(Bucket::Empty.pack(), Ordering::Release);
+        if moving {
+            // Pairs with `seek`'s Acquire load: every move above is visible to a lookup that
+            // sees the count even again.
+            moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Take the chunk `(address, id)` out of the index, if `bucket` still files it there.
+    /// Whether it did.
+    pub(super) fn unindex(
+        &self,
+        lock: &LockGuard<'_>,
+        bucket: u64,
+        address: u64,
+        id: u64,
+    ) -> Result<bool> {
+        if bucket >= self.layout.index_buckets {
+            return Ok(false);
+        }
+        let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
+        let version = self.bucket_version(bucket)?.load(Ordering::Relaxed);
+        if !matches!(head, Bucket::Live { address: a, .. } if a == address) || version != id {
+            return Ok(false);
+        }
+        self.remove_bucket(lock, bucket)?;
+        Ok(true)
+    }
+
+    /// Every bucket that holds an entry or a claim (a snapshot per bucket; without the lock
+    /// it may be out of date by the time it returns).
+    pub(super) fn filed(&self) -> Result<Vec<Filed>> {
+        let mut out = Vec::new();
+        for bucket in 0..self.layout.index_buckets {
+            let version = self.bucket_version(bucket)?.load(Ordering::Acquire);
+            let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
+            if matches!(head, Bucket::Live { .. } | Bucket::Claim { .. }) {
+                out.push(Filed {
+                    bucket,
+                    head,
+                    version,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The key filed in `bucket` at `version` (a live entry), read without a lock: `None` if
+    /// the bucket changed meanwhile. A long key is read from its chunk.
+    pub(super) fn key_of(&self, filed: &Filed) -> Result<Option<String>> {
+        let Bucket::Live { key, address } = filed.head else {
+            return Ok(None);
+        };
+        let bytes = if key.is_long() {
+            if !self.layout.valid_chunk_address(address) {
+                return Ok(None);
+            }
+            let extra = self.chunk(address, chunk::EXTRA)?.load(Ordering::Relaxed);
+            let len = self.chunk(address, chunk::LEN)?.load(Ordering::Relaxed);
+            let key_len = extra & 0xffff_ffff;
+            if key_len as usize > crate::layout::MAX_KEY_LEN
+                || !self.layout.fits(address, len.saturating_add(key_len))
+            {
+                return Ok(None);
+            }
+            let mut bytes = vec![0u8; key_len as usize];
+            self.seg
+                .read_into_racy(self.payload_offset(address) + len, &mut bytes)?;
+            // Pairs with P2/P3: a reused chunk shows another id.
+            fence(Ordering::Acquire);
+            if self.chunk(address, chunk::ID)?.load(Ordering::Relaxed) != filed.version {
+                return Ok(None);
+            }
+            bytes
+        } else {
+            let mut bytes = vec![0u8; key.len as usize];
+            self.seg
+                .read_into_racy(self.layout.key_slot_offset(filed.bucket), &mut bytes)?;
+            bytes
+        };
+        fence(Ordering::Acquire);
+        if self.bucket_version(filed.bucket)?.load(Ordering::Relaxed) != filed.version {
+            return Ok(None);
+        }
+        Ok(String::from_utf8(bytes).ok())
+    }
+
+    /// Every stored key (a snapshot: keys put or removed meanwhile may be missing or present).
+    pub(super) fn keys(&self) -> Result<Vec<String>> {
+        let mut keys = Vec::new();
+        for filed in self.filed()? {
+            if let Some(key) = self.key_of(&filed)? {
+                keys.push(key);
+            }
+        }
+        Ok(keys)
+    }
+
+    /// After taking the lock over from a holder that died: rebuild the index from what it
+    /// holds (it may have died filing, removing or moving entries: a bucket half written, an
+    /// entry twice, a gap a lookup would stop at), and count entries and claims. Lookups
+    /// meanwhile see an odd move count and confirm their misses after.
+    pub(super) fn repair_index(&self, _lock: &LockGuard<'_>) -> Result<(u64, u64)> {
+        let moves = self.moves()?;
+        moves.store(moves.load(Ordering::Relaxed) | 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        let mut entries = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for bucket in 0..self.layout.index_buckets {
+            let version = self.bucket_version(bucket)?.load(Ordering::Relaxed);
+            let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
+            if head != Bucket::Empty && version != 0 && seen.insert(version) {
+                let hash = self.bucket_hash(bucket)?.load(Ordering::Relaxed);
+                let mut slot = [0u8; KEY_SLOT_SIZE as usize];
+                self.seg
+                    .read_into(self.layout.key_slot_offset(bucket), &mut slot)?;
+                entries.push((head, version, hash, slot));
+            }
+            self.bucket_version(bucket)?.store(0, Ordering::Relaxed);
+            self.bucket_head(bucket)?
+                .store(Bucket::Empty.pack(), Ordering::Relaxed);
+        }
+        let (mut objects, mut claims) = (0, 0);
+        for (head, version, hash, slot) in entries {
+            let mut empty = None;
+            for bucket in self.probe(hash) {
+                if Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed))
+                    == Bucket::Empty
+                {
+                    empty = Some(bucket);
+                    break;
+                }
+            }
+            let bucket = empty.ok_or_else(|| Error::Corrupt("the key index is full".into()))?;
+            self.file(bucket, head, hash, &slot, version)?;
+            match head {
+                Bucket::Live { address, .. } => {
+                    objects += 1;
+                    if self.layout.valid_chunk_address(address) {
+                        self.chunk(address, chunk::BUCKET)?
+                            .store(bucket + 1, Ordering::Relaxed);
+                    }
+                }
+                Bucket::Claim { .. } => claims += 1,
+                Bucket::Empty => {}
+            }
+        }
+        moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Release);
+        Ok((objects, claims))
+    }
+}

@@ -1,0 +1,120 @@
+//! The store lock: one word in the segment that serializes changes to the ring's blocks, the
+//! index's buckets, CLOCK's hand and the gauges (see the protocol in [`store`](super)).
+//!
+//! It is taken with one CAS and given back with one swap when nobody waits, so a single
+//! writer pays two uncontended atomic operations for it. A writer that finds it taken spins
+//! briefly, then sleeps on the word (a futex on the shared mapping, woken by the holder), at
+//! most [`RECHECK`] at a time: after each sleep it asks whether the holder the word names
+//! (slot and epoch, set in the same CAS that took it) still lives. A holder that died however
+//! it died — SIGKILL in the middle of an update included — is found dead as soon as its
+//! slot's OFD lock is gone (or its slot has a new occupant), and the waiter takes the lock
+//! over with a CAS on the exact word it saw; the guard then says so, and the new holder
+//! repairs what the dead one may have left half done before anything else (`ring::repair`).
+//!
+//! The holder's identity is its writer slot and epoch, not its thread: two threads of one
+//! writer exclude each other like two writers do (neither ever takes the lock twice).
+
+use std::hint::spin_loop;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::Shared;
+use crate::error::Result;
+use crate::layout::{LockWord, WriterId, header};
+
+/// How long a waiter sleeps before it checks that the holder still lives.
+const RECHECK: Duration = Duration::from_millis(2);
+/// Spins before sleeping (a critical section is a few hundred nanoseconds); half-way, the
+/// waiter yields its CPU once, in case the holder waits for it.
+const SPINS: u32 = 40;
+
+/// Proof that the store lock is held; released when dropped.
+pub(super) struct LockGuard<'a> {
+    word: &'a AtomicU64,
+    shared: &'a Shared,
+    /// The lock was taken over from a holder that died: the caller repairs first.
+    pub(super) taken_over: bool,
+}
+
+impl Shared {
+    /// Take the store lock as `me` (waiting while a live writer holds it).
+    pub(super) fn lock(&self, me: WriterId) -> Result<LockGuard<'_>> {
+        let word = self.header(header::LOCK)?;
+        let mine = LockWord {
+            holder: me,
+            waiters: false,
+        }
+        .pack();
+        // Acquire: pairs with the previous holder's Release swap in `drop`.
+        if word
+            .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+        {
+            return Ok(self.guard(word, false));
+        }
+        // Contended: whoever takes it from here on may have company, so it says so (the
+        // release then wakes one sleeper).
+        let mine = mine | LockWord::WAITERS;
+        let mut spins = 0;
+        loop {
+            let seen = word.load(Ordering::Relaxed);
+            let Some(held) = LockWord::unpack(seen) else {
+                if word
+                    .compare_exchange(seen, mine, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return Ok(self.guard(word, false));
+                }
+                continue;
+            };
+            if spins < SPINS {
+                spins += 1;
+                if spins == SPINS / 2 {
+                    std::thread::yield_now();
+                } else {
+                    spin_loop();
+                }
+                continue;
+            }
+            let sleeping_on = seen | LockWord::WAITERS;
+            if !held.waiters
+                && word
+                    .compare_exchange(seen, sleeping_on, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_err()
+            {
+                continue;
+            }
+            self.seg
+                .futex_wait(header::LOCK, sleeping_on as u32, RECHECK)?;
+            if word.load(Ordering::Relaxed) == sleeping_on && !self.writer_alive(held.holder)? {
+                // The holder died holding it. Take it over from exactly that holder.
+                if word
+                    .compare_exchange(sleeping_on, mine, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return Ok(self.guard(word, true));
+                }
+            }
+        }
+    }
+
+    fn guard<'a>(&'a self, word: &'a AtomicU64, taken_over: bool) -> LockGuard<'a> {
+        LockGuard {
+            word,
+            shared: self,
+            taken_over,
+        }
+    }
+}
+
+impl Drop for LockGuard<'_> {
+    fn drop(&mut self) {
+        // Release: everything changed under the lock happens before the next holder's
+        // Acquire CAS.
+        let before = self.word.swap(0, Ordering::Release);
+        if before & LockWord::WAITERS != 0 {
+            // Nothing better to do if waking fails: sleepers re-check within RECHECK anyway.
+            let _ = self.shared.seg.futex_wake(header::LOCK, 1);
+        }
+    }
+}

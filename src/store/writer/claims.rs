@@ -1,0 +1,170 @@
+//! Single flight: a writer about to compute an item claims its key, so the other writers
+//! that want it wait for its put instead of computing it too.
+//!
+//! A claim is an index bucket in state "claimed by writer `(slot, epoch)`" (`layout::Bucket`),
+//! filed under the store lock with a unique ticket as its version. It ends at anyone's put of
+//! the key (the entry replaces it in place), at its writer's `unclaim` or `close`, or at its
+//! writer's death: a claim whose writer's lock is gone, or whose slot's epoch moved on, is
+//! void at once for everyone (`Shared::writer_alive`), and is taken over by the next claim of
+//! the key, or dropped when the index needs room.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::super::crash;
+use super::super::index::{Found, Seen};
+use super::super::lock::LockGuard;
+use super::super::ring::Census;
+use super::Writer;
+use crate::error::Result;
+use crate::layout::{Bucket, Counter, WriterId};
+
+/// The first pause of `wait_for` between looks; it doubles up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_micros(50);
+const MAX_PAUSE: Duration = Duration::from_millis(2);
+
+impl Writer {
+    /// Claim `key` for this writer: `true` if this writer now holds the claim (it did
+    /// already, it took over a dead writer's, or the key was neither stored nor claimed);
+    /// `false` if the key is stored, or claimed by another live writer. When the index has
+    /// no room even after evicting, the claim is not recorded and the answer is `true` (the
+    /// caller computes the item, as it would without single flight).
+    pub fn claim(&self, key: &str) -> Result<bool> {
+        self.check_open()?;
+        let query = self.query(key);
+        // Without the lock first: most answers need none.
+        match self.shared.seek(&query)? {
+            Seen::Stored(_) => return Ok(false),
+            Seen::Claimed(owner) if owner == self.me => return Ok(true),
+            Seen::Claimed(owner) if self.shared.writer_alive(owner)? => return Ok(false),
+            _ => {}
+        }
+        let lock = self.lock()?;
+        let mut census = Census::new(&self.shared, self.me)?;
+        let mut found = self.shared.find(&lock, &query)?;
+        if matches!(found, Found::Vacant { .. }) {
+            if !self.make_index_room(&lock)? {
+                return Ok(true);
+            }
+            found = self.shared.find(&lock, &query)?;
+        }
+        let bucket = match found {
+            Found::Stored(_) => return Ok(false),
+            Found::Claimed { owner, .. } if owner == self.me => return Ok(true),
+            Found::Claimed { bucket, owner } => {
+                if census.writer_alive(&self.shared, owner)? {
+                    return Ok(false);
+                }
+                bucket // a dead writer's: ours now (the claim count stays)
+            }
+            Found::Vacant { bucket } => {
+                self.shared.adjust(&lock, Counter::Claims, 1)?;
+                bucket
+            }
+        };
+        let ticket = self.shared.next_id(&lock)?;
+        self.shared
+            .file_claim(&lock, bucket, &query, self.me, ticket)?;
+        crash::point("claim.recorded");
+        Ok(true)
+    }
+
+    /// Give up this writer's claim of `key` (a no-op if it holds none).
+    pub fn unclaim(&self, key: &str) -> Result<()> {
+        self.check_open()?;
+        let query = self.query(key);
+        if !matches!(self.shared.seek(&query)?, Seen::Claimed(owner) if owner == self.me) {
+            return Ok(());
+        }
+        let lock = self.lock()?;
+        if let Found::Claimed { bucket, owner } = self.shared.find(&lock, &query)? {
+            if owner == self.me {
+                self.shared.remove_bucket(&lock, bucket)?;
+                self.shared.adjust(&lock, Counter::Claims, -1)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait up to `timeout` for keys another live writer claimed to be put: for each key,
+    /// whether it is stored by the time this returns. Keys that are stored, or unclaimed, or
+    /// claimed by this writer (never waited on) or by a writer that gave up or died, are
+    /// answered at once; the wait polls with a pause that doubles from 50 µs to 2 ms, never
+    /// past `timeout`.
+    pub fn wait_for(&self, keys: &[&str], timeout: Duration) -> Result<Vec<bool>> {
+        self.check_open()?;
+        let deadline = Instant::now() + timeout;
+        let queries: Vec<_> = keys.iter().map(|key| self.query(key)).collect();
+        let mut stored = vec![false; keys.len()];
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let mut census = Census::new(&self.shared, self.me)?;
+            let mut still = Vec::with_capacity(pending.len());
+            for i in pending {
+                let waiting = match self.shared.seek(&queries[i])? {
+                    Seen::Stored(_) => {
+                        stored[i] = true;
+                        false
+                    }
+                    Seen::Claimed(owner) => {
+                        owner != self.me && census.writer_alive(&self.shared, owner)?
+                    }
+                    Seen::Changing => true,
+                    Seen::Absent => false,
+                };
+                if waiting {
+                    still.push(i);
+                }
+            }
+            pending = still;
+            let now = Instant::now();
+            let closing = self.closing.load(Ordering::Relaxed);
+            if pending.is_empty() || now >= deadline || closing {
+                return Ok(stored);
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(MAX_PAUSE);
+        }
+    }
+
+    /// Drop every claim whose writer is gone (the store lock's holder, when the index needs
+    /// room).
+    pub(super) fn reap_claims(&self, lock: &LockGuard<'_>, census: &mut Census) -> Result<()> {
+        self.drop_claims_where(lock, |owner| Ok(!census.writer_alive(&self.shared, owner)?))
+    }
+
+    /// Drop every claim whose writer is gone (taking the store lock).
+    pub(super) fn reap_dead_claims(&self) -> Result<()> {
+        let lock = self.lock()?;
+        let mut census = Census::new(&self.shared, self.me)?;
+        self.reap_claims(&lock, &mut census)
+    }
+
+    /// Drop this writer's own claims (it is leaving).
+    pub(super) fn drop_claims(&self, lock: &LockGuard<'_>) -> Result<()> {
+        let me = self.me;
+        self.drop_claims_where(lock, |owner| Ok(owner == me))
+    }
+
+    fn drop_claims_where(
+        &self,
+        lock: &LockGuard<'_>,
+        mut void: impl FnMut(WriterId) -> Result<bool>,
+    ) -> Result<()> {
+        // A removal moves later entries back into the gap, so the bucket just emptied is
+        // looked at again, and the scan goes forward from there (nothing moves behind it).
+        let mut bucket = 0;
+        while bucket < self.shared.layout.index_buckets {
+            if let Bucket::Claim { owner, .. } = self.shared.bucket(bucket)? {
+                if void(owner)? {
+                    self.shared.remove_bucket(lock, bucket)?;
+                    self.shared.adjust(lock, Counter::Claims, -1)?;
+                    continue;
+                }
+            }
+            bucket += 1;
+        }
+        Ok(())
+    }
+}

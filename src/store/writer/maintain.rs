@@ -1,0 +1,180 @@
+//! What any writer does to the whole store: invalidating a key, clearing everything, and the
+//! statistics (all under the store lock).
+
+use std::sync::atomic::{Ordering, fence};
+
+use super::super::index::Found;
+use super::super::ring::Census;
+use super::super::{Stats, crash, update_word};
+use super::Writer;
+use crate::error::Result;
+use crate::layout::{
+    BlockKind, BlockState, Counter, PinWord, SlotState, SlotWord, WriterId, chunk,
+};
+
+impl Writer {
+    /// Forget `key` for every writer; its chunk is reclaimed once nobody holds it (pins on it
+    /// stop counting). A no-op if absent.
+    pub fn invalidate(&self, key: &str) -> Result<()> {
+        self.check_open()?;
+        let query = self.query(key);
+        if self.shared.lookup(&query)?.is_none() {
+            return Ok(());
+        }
+        let lock = self.lock()?;
+        if let Found::Stored(entry) = self.shared.find(&lock, &query)? {
+            self.shared.remove_bucket(&lock, entry.bucket)?;
+            self.shared.adjust(&lock, Counter::Objects, -1)?;
+            let unkeyed = !(BlockState::REFERENCED_BIT | BlockState::KEYED_BIT);
+            self.shared
+                .chunk(entry.address, chunk::STATE)?
+                .fetch_and(unkeyed, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Forget every key, drop every undelivered or unread reference (so the references of
+    /// requests abandoned without `release` stop pinning the ring), and reclaim at once every
+    /// chunk that no live view (and no writer's operation in progress) holds. A handle issued
+    /// before still reads its own bytes (the reader verifies them) or is stale; ids keep
+    /// counting, so it can never match anything stored after. Claims stay.
+    pub fn clear(&self) -> Result<()> {
+        self.check_open()?;
+        let lock = self.lock()?;
+        let sh = &self.shared;
+        let mut census = Census::new(sh, self.me)?;
+        let mut cleared = 0;
+        let mut forgotten = Vec::new();
+        for block in sh.blocks(&lock)? {
+            if !matches!(block.state.kind, BlockKind::Live | BlockKind::Evicting) {
+                continue;
+            }
+            let address = block.address;
+            let id = sh.chunk(address, chunk::ID)?.load(Ordering::Relaxed);
+            if block.state.keyed {
+                let bucket = sh.chunk(address, chunk::BUCKET)?.load(Ordering::Relaxed);
+                if bucket > 0 && sh.unindex(&lock, bucket - 1, address, id)? {
+                    sh.adjust(&lock, Counter::Objects, -1)?;
+                }
+            }
+            let unkeyed = BlockState {
+                kind: BlockKind::Live,
+                referenced: false,
+                keyed: false,
+            };
+            sh.chunk(address, chunk::STATE)?
+                .store(unkeyed.pack(), Ordering::SeqCst);
+            let sig_tag = sh.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) as u32;
+            for o in census.occupants() {
+                let stamp = SlotWord::stamp_for(sig_tag, o.claim.epoch as u64);
+                update_word(sh.word(address, o.slot)?, |w| {
+                    (w.stamp == stamp && w.outstanding > 0).then_some(SlotWord {
+                        outstanding: 0,
+                        ..w
+                    })
+                });
+            }
+            forgotten.push((address, id));
+            if sh.evict_if_unheld(&lock, address, block.size, &mut census)? {
+                cleared += 1;
+                if cleared == 1 {
+                    crash::point("clear.partway");
+                }
+            }
+        }
+        // P2 for every chunk freed above.
+        fence(Ordering::Release);
+        sh.adjust(&lock, Counter::Clears, 1)?;
+        drop(lock);
+        // After the store lock: the private mutex is never taken while holding it.
+        let mut private = self.private();
+        for (address, id) in forgotten {
+            private.forget(address, id);
+        }
+        Ok(())
+    }
+
+    /// The store's counters and what the ring holds now (claims of writers that died are
+    /// dropped first, so `claims` counts live ones).
+    pub fn stats(&self) -> Result<Stats> {
+        self.check_open()?;
+        let sh = &self.shared;
+        let lock = self.lock()?;
+        let occupants = sh.occupants()?;
+        let (mut chunks, mut reserved, mut pinned, mut outstanding, mut views) = (0, 0, 0, 0, 0);
+        let mut census = Census::new(sh, self.me)?;
+        self.reap_claims(&lock, &mut census)?;
+        for block in sh.blocks(&lock)? {
+            let address = block.address;
+            match block.state.kind {
+                BlockKind::Free => continue,
+                BlockKind::Reserved { .. } => {
+                    reserved += 1;
+                    chunks += 1;
+                    continue;
+                }
+                BlockKind::Live | BlockKind::Evicting => chunks += 1,
+            }
+            if block.state.keyed {
+                for w in 0..sh.layout.max_writers {
+                    let pin = PinWord::unpack(sh.pin_word(address, w)?.load(Ordering::Acquire));
+                    let writer = WriterId {
+                        slot: w,
+                        epoch: pin.epoch,
+                    };
+                    if pin.pins > 0 && census.writer_alive(sh, writer)? {
+                        pinned += 1;
+                        break;
+                    }
+                }
+            }
+            let sig_tag = sh.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) as u32;
+            for o in &occupants {
+                let w = SlotWord::unpack(sh.word(address, o.slot)?.load(Ordering::Acquire));
+                if w.stamp == SlotWord::stamp_for(sig_tag, o.claim.epoch as u64) {
+                    if o.claim.state == SlotState::Claimed {
+                        outstanding += w.outstanding as u64;
+                    }
+                    views += w.views as u64;
+                }
+            }
+        }
+        drop(lock);
+        let draining = occupants
+            .iter()
+            .filter(|o| o.claim.state == SlotState::Draining)
+            .count() as u64;
+        let mut writers = 0;
+        for s in 0..sh.layout.max_writers {
+            let (_, claim) = sh.writer_claim(s)?;
+            let me = WriterId {
+                slot: s,
+                epoch: claim.epoch,
+            };
+            writers += (claim.state == SlotState::Claimed && census.writer_alive(sh, me)?) as u64;
+        }
+        let l = sh.layout;
+        let mut stats = vec![
+            ("capacity", l.capacity),
+            ("n_readers", l.n_readers as u64),
+            ("max_object_size", l.max_object_size),
+            ("max_writers", l.max_writers as u64),
+            ("max_objects", l.max_objects),
+            ("writer_slot", self.me.slot as u64),
+        ];
+        for &c in Counter::ALL {
+            stats.push((c.name(), sh.counter_value(c)?));
+        }
+        stats.extend([
+            ("chunks", chunks),
+            ("chunks_reserved", reserved),
+            ("outstanding_refs", outstanding),
+            ("views", views),
+            ("pinned", pinned),
+            ("readers_attached", occupants.len() as u64 - draining),
+            ("readers_draining", draining),
+            ("writers_attached", writers),
+        ]);
+        Ok(stats)
+    }
+}

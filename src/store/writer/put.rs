@@ -1,0 +1,305 @@
+//! Storing an object, in three steps: reserve a block under the store lock, fill it outside
+//! the lock (the payload copy, however large, holds no lock), and publish it under the lock
+//! (P1: its id with Release, then LIVE, then its index entry). A writer killed anywhere
+//! leaves at worst a reserved block nobody lives to fill, which the next sweep reclaims, or a
+//! published chunk that no key names, which it evicts: nothing half-written is ever readable.
+
+use std::sync::atomic::{Ordering, fence};
+
+use super::super::index::{Found, Query};
+use super::super::lock::LockGuard;
+use super::super::ring::Census;
+use super::super::{crash, mac_words};
+use super::Writer;
+use super::state::ReaderSet;
+use crate::error::{Error, Result};
+use crate::handle::Handle;
+use crate::handle::tag;
+use crate::layout::{
+    BlockKind, BlockState, Counter, MAX_KEY_LEN, MAX_META_LEN, SlotWord, align_up, chunk,
+    part_offsets, slot,
+};
+use crate::segment::RawBytes;
+
+/// A reserved block: its address, the id it will be published under, and the chunks
+/// (`(address, id)`) evicted to make room for it.
+pub(in crate::store) struct Reservation {
+    pub(in crate::store) address: u64,
+    id: u64,
+    evicted: Vec<(u64, u64)>,
+}
+
+/// Where an object's parts go in its block.
+struct Shape {
+    /// Each part's offset in the payload (64-byte aligned).
+    offsets: Vec<u64>,
+    payload_len: u64,
+    /// The whole block: header, payload, long key, metadata, rounded up to `ALIGN`.
+    size: u64,
+}
+
+impl Writer {
+    /// Store one object made of `parts`, each starting 64-byte aligned in the payload.
+    pub fn put(&self, key: &str, parts: &[&[u8]]) -> Result<Handle> {
+        let parts: Vec<RawBytes<'_>> = parts.iter().map(|&p| p.into()).collect();
+        self.put_raw(key, &parts, RawBytes::from(&[][..]))
+    }
+
+    /// [`Writer::put`] with a metadata blob stored alongside (any writer reads it back with
+    /// `read_meta`; readers never see it).
+    pub fn put_with_meta(&self, key: &str, parts: &[&[u8]], meta: &[u8]) -> Result<Handle> {
+        let parts: Vec<RawBytes<'_>> = parts.iter().map(|&p| p.into()).collect();
+        self.put_raw(key, &parts, meta.into())
+    }
+
+    /// [`Writer::put_with_meta`] from bytes that are only ever copied, never borrowed as a
+    /// slice (a Python buffer that another thread may write while the copy runs without the
+    /// GIL).
+    pub fn put_raw(&self, key: &str, parts: &[RawBytes<'_>], meta: RawBytes<'_>) -> Result<Handle> {
+        self.check_open()?;
+        if key.len() > MAX_KEY_LEN {
+            return Err(Error::InvalidArgument(format!(
+                "keys are at most {MAX_KEY_LEN} bytes, got {}",
+                key.len()
+            )));
+        }
+        if meta.len() > MAX_META_LEN {
+            return Err(Error::InvalidArgument(format!(
+                "metadata is at most {MAX_META_LEN} bytes, got {}",
+                meta.len()
+            )));
+        }
+        let query = self.query(key);
+        if self.shared.lookup(&query)?.is_some() {
+            return Err(Error::DuplicateKey(key.to_owned()));
+        }
+        let long_key = if query.is_long() { key.len() as u64 } else { 0 };
+        let shape = self.shape(parts, long_key + meta.len() as u64)?;
+        let reader_set = self.private().reader_set(&self.shared)?.clone();
+        let Reservation {
+            address,
+            id,
+            evicted,
+        } = self.reserve(shape.size)?;
+        crash::point("put.reserved");
+        // P3: our writes to these bytes come after the evictor's P2 (through the lock), and
+        // a reader whose unprotected copy sees them sees the old chunk's id gone.
+        fence(Ordering::Release);
+        let (mac, handle) = self.signer.sign(key, address, id, reader_set.number);
+        let filled = self.fill(
+            address,
+            &mac,
+            &reader_set,
+            &shape,
+            parts,
+            key,
+            long_key,
+            meta,
+        );
+        let published = filled.and_then(|()| {
+            crash::point("put.filled");
+            self.publish(&query, address, id)
+        });
+        if let Err(e) = published {
+            let lock = self.lock()?;
+            self.shared.unreserve(&lock, address)?;
+            return Err(e);
+        }
+        crash::point("put.published");
+        let mut private = self.private();
+        self.count(Counter::Puts, 1);
+        self.count(Counter::RefsIssued, reader_set.members.len() as u64);
+        for (address, id) in evicted {
+            private.forget(address, id);
+        }
+        if !reader_set.members.is_empty() {
+            // A handle with references to give back (`release`); one without has none.
+            private.record(&handle, reader_set);
+        }
+        let shared = &self.shared;
+        private.prune(|address, id| {
+            shared
+                .chunk(address, chunk::ID)
+                .is_ok_and(|w| w.load(Ordering::Relaxed) == id)
+        });
+        Ok(handle)
+    }
+
+    /// Where `parts` go in a block, plus `extra` bytes (long key and metadata) after them.
+    fn shape(&self, parts: &[RawBytes<'_>], extra: u64) -> Result<Shape> {
+        let l = self.shared.layout;
+        let too_large = |size| Error::TooLarge {
+            size,
+            max: l.max_object_size,
+        };
+        let (offsets, payload_len) =
+            part_offsets(parts.iter().map(|p| p.len() as u64)).ok_or(too_large(u64::MAX))?;
+        if payload_len > l.max_object_size {
+            return Err(too_large(payload_len));
+        }
+        let size = l
+            .chunk_header_size
+            .checked_add(payload_len)
+            .and_then(|n| n.checked_add(extra))
+            .and_then(align_up)
+            .filter(|&size| size <= l.capacity)
+            .ok_or(too_large(payload_len.saturating_add(extra)))?;
+        Ok(Shape {
+            offsets,
+            payload_len,
+            size,
+        })
+    }
+
+    /// Reserve a block of `size` bytes (the store lock held only for this) and draw its id.
+    pub(in crate::store) fn reserve(&self, size: u64) -> Result<Reservation> {
+        let mut census = Census::new(&self.shared, self.me)?;
+        let lock = self.lock()?;
+        crash::point("alloc.locked");
+        // Under the lock: `close` looks for reservations under it after setting the flag.
+        if self.closing.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        let address = self
+            .shared
+            .allocate(&lock, size, &mut census)?
+            .ok_or(Error::Full {
+                needed: size,
+                capacity: self.shared.layout.capacity,
+            })?;
+        Ok(Reservation {
+            address,
+            id: self.shared.next_id(&lock)?,
+            evicted: census.evicted,
+        })
+    }
+
+    /// Write everything but the id into the reserved block at `address` (no lock held).
+    #[allow(clippy::too_many_arguments)]
+    fn fill(
+        &self,
+        address: u64,
+        mac: &[u8; crate::handle::MAC_LEN],
+        reader_set: &ReaderSet,
+        shape: &Shape,
+        parts: &[RawBytes<'_>],
+        key: &str,
+        long_key: u64,
+        meta: RawBytes<'_>,
+    ) -> Result<()> {
+        let sh = &self.shared;
+        let (lo, hi) = mac_words(mac);
+        sh.chunk(address, chunk::SIG_LO)?
+            .store(lo, Ordering::Relaxed);
+        sh.chunk(address, chunk::SIG_HI)?
+            .store(hi, Ordering::Relaxed);
+        sh.chunk(address, chunk::LEN)?
+            .store(shape.payload_len, Ordering::Relaxed);
+        sh.chunk(address, chunk::EXTRA)?
+            .store(((meta.len() as u64) << 32) | long_key, Ordering::Relaxed);
+        sh.chunk(address, chunk::BUCKET)?
+            .store(0, Ordering::Relaxed);
+        for s in 0..sh.layout.n_readers {
+            sh.word(address, s)?.store(0, Ordering::Relaxed);
+        }
+        for w in 0..sh.layout.max_writers {
+            sh.pin_word(address, w)?.store(0, Ordering::Relaxed);
+        }
+        for &(s, epoch) in reader_set.members.iter() {
+            sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
+            let word = SlotWord {
+                stamp: SlotWord::stamp_for(tag(mac), epoch as u64),
+                outstanding: 1,
+                views: 0,
+            };
+            sh.word(address, s)?.store(word.pack(), Ordering::Relaxed);
+        }
+        let payload = sh.payload_offset(address);
+        let mut cursor = 0u64;
+        for (i, (part, &offset)) in parts.iter().zip(&shape.offsets).enumerate() {
+            if offset > cursor {
+                sh.seg.zero(payload + cursor, (offset - cursor) as usize)?;
+            }
+            sh.seg.write_from(payload + offset, *part)?;
+            cursor = offset + part.len() as u64;
+            if i == 0 {
+                crash::point("put.mid_copy");
+            }
+        }
+        if long_key > 0 {
+            sh.seg
+                .write_from(payload + shape.payload_len, key.as_bytes().into())?;
+        }
+        sh.seg
+            .write_from(payload + shape.payload_len + long_key, meta)?;
+        Ok(())
+    }
+
+    /// Publish the filled block at `address` as `query`'s key (P1), under the store lock:
+    /// `DuplicateKey` if another writer stored the key meanwhile, `Full` if the index has no
+    /// room and nothing can be evicted for it.
+    fn publish(&self, query: &Query<'_>, address: u64, id: u64) -> Result<()> {
+        let lock = self.lock()?;
+        let mut found = self.shared.find(&lock, query)?;
+        if matches!(found, Found::Vacant { .. }) {
+            if !self.make_index_room(&lock)? {
+                return Err(self.index_full());
+            }
+            found = self.shared.find(&lock, query)?;
+        }
+        let (bucket, claimed) = match found {
+            Found::Stored(_) => return Err(Error::DuplicateKey(query.key.to_owned())),
+            Found::Claimed { bucket, .. } => (bucket, true),
+            Found::Vacant { bucket } => (bucket, false),
+        };
+        let sh = &self.shared;
+        sh.chunk(address, chunk::BUCKET)?
+            .store(bucket + 1, Ordering::Relaxed);
+        // P1: the chunk is readable from here on.
+        sh.chunk(address, chunk::ID)?.store(id, Ordering::Release);
+        crash::point("publish.id");
+        let live = BlockState {
+            kind: BlockKind::Live,
+            referenced: false,
+            keyed: true,
+        };
+        sh.chunk(address, chunk::STATE)?
+            .store(live.pack(), Ordering::Release);
+        crash::point("publish.live");
+        sh.file_entry(&lock, bucket, query, address, id)?;
+        if claimed {
+            sh.adjust(&lock, Counter::Claims, -1)?;
+        }
+        sh.adjust(&lock, Counter::Objects, 1)
+    }
+
+    /// Make room in the index for one more entry or claim (the store lock's holder): first
+    /// by dropping claims of writers that are gone, then by evicting with CLOCK. Whether
+    /// there is room.
+    pub(super) fn make_index_room(&self, lock: &LockGuard<'_>) -> Result<bool> {
+        let sh = &self.shared;
+        let full = || -> Result<bool> {
+            let used = sh.counter(Counter::Objects)?.load(Ordering::Relaxed)
+                + sh.counter(Counter::Claims)?.load(Ordering::Relaxed);
+            Ok(used >= sh.layout.max_objects)
+        };
+        if !full()? {
+            return Ok(true);
+        }
+        let mut census = Census::new(sh, self.me)?;
+        self.reap_claims(lock, &mut census)?;
+        for _ in 0..4 {
+            if !full()? {
+                return Ok(true);
+            }
+            if !sh.evict_one(lock, &mut census)? {
+                break;
+            }
+        }
+        Ok(!full()?)
+    }
+
+    fn index_full(&self) -> Error {
+        Error::IndexFull(self.shared.layout.max_objects)
+    }
+}
