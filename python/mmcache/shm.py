@@ -278,30 +278,37 @@ class ShmSenderCache(BaseSenderCache):
     # -- updates ---------------------------------------------------------------------------
 
     def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
+        request = self._request
         with self._lock:
             self._lookups.total += 1
             try:
-                return self._update(item, mm_hash)
+                # The hot path first: a hit on an object whose prompt updates are kept here.
+                handle = self._store.issue_if_present(mm_hash)
+                if handle is not None:
+                    kept = self._prompt_updates.get(mm_hash)
+                    if kept is not None and kept[0] == handle.monotonic_id:
+                        self._lookups.hits += 1
+                        return handle, kept[1]
+                return self._update(item, mm_hash, handle)
+            except ReferencesSaturatedError:
+                self._lookups.hits += 1
+                return self._serve_saturated(item, mm_hash)
             finally:
                 # The handle's reference now protects the object; this thread's pin from the
                 # touch is not needed, and its claim has ended (a put) or is given up.
-                request = self._request
                 if request.holds:
                     self._pins.give(request.holds, mm_hash)
                 if request.claims:
                     self._claims.give(request.claims, mm_hash)
 
-    def _update(self, item: SenderInput, mm_hash: str) -> SenderOutput:
-        """A hit, or a put of the item (lock held)."""
+    def _update(self, item: SenderInput, mm_hash: str, handle: ShmHandle | None) -> SenderOutput:
+        """A hit on ``handle`` (just issued, if not ``None``) or a put of the item (lock
+        held; ``ReferencesSaturatedError`` when a reader holds the most references)."""
         for _ in range(_PUT_ATTEMPTS):
-            try:
-                handle = self._store.issue_if_present(mm_hash)
-            except ReferencesSaturatedError:
-                self._lookups.hits += 1
-                return self._serve_saturated(item, mm_hash)
             if handle is not None:
+                prompt_updates = self._hit_prompt_updates(handle, item, mm_hash)
                 self._lookups.hits += 1
-                return handle, self._hit_prompt_updates(handle, item, mm_hash)
+                return handle, prompt_updates
             data, prompt_updates = split_sender_input(item, mm_hash)
             try:
                 return self._put(mm_hash, data, prompt_updates), prompt_updates
@@ -310,19 +317,18 @@ class ShmSenderCache(BaseSenderCache):
                 # any other ValueError is the caller's.
                 if not self._store.is_cached(mm_hash):
                     raise
+            handle = self._store.issue_if_present(mm_hash)
         # Put by another writer and evicted again, every time: serve it from here.
         data, prompt_updates = split_sender_input(item, mm_hash)
         self._serve_uncached("full", f"item {mm_hash} was evicted as fast as it was stored")
         return data, prompt_updates
 
     def _hit_prompt_updates(self, handle: ShmHandle, item: SenderInput, mm_hash: str) -> Any:
-        """The prompt updates of the object ``handle`` names (just issued; lock held): kept
-        here, or read from the store; when they are not shareable, those ``item`` carries
-        (``CacheMissError``, the handle given back, if it carries none)."""
+        """The prompt updates of the object ``handle`` names (just issued, and not the object
+        whose prompt updates are kept here; lock held), read from the store; when they are
+        not shareable, those ``item`` carries (``CacheMissError``, the handle given back, if
+        it carries none)."""
         monotonic_id = handle.monotonic_id
-        kept = self._prompt_updates.get(mm_hash)
-        if kept is not None and kept[0] == monotonic_id:
-            return kept[1]
         prompt_updates = self._stored_prompt_updates(mm_hash, monotonic_id)
         if prompt_updates is NOT_SHAREABLE:
             try:
