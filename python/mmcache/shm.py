@@ -1,25 +1,30 @@
 """The shared-memory caches: P0 writes each item once into a ring, every worker reads it.
 
-P0's :class:`ShmSenderCache` is the single writer (a :class:`~mmcache._core.ShmWriter`) of one
-ring and hands out small :class:`ShmHandle` s; each worker's :class:`ShmReceiverCache` attaches
-as one reader (a :class:`~mmcache._core.ShmReader`) and turns handles back into items.  Every
-handle P0 issues holds one reference on its object, given back when every reader has read it
-(or by :meth:`ShmSenderCache.release_handles` for a request that never reaches the readers),
-so an object is never reclaimed while a handle to it is in flight.  Prompt updates stay in P0's
-memory and never enter shared memory.
+P0's :class:`ShmSenderCache` is a writer (a :class:`~mmcache._core.ShmWriter`) of one ring and
+hands out small :class:`ShmHandle` s; each worker's :class:`ShmReceiverCache` attaches as one
+reader (a :class:`~mmcache._core.ShmReader`) and turns handles back into items.  Every handle a
+writer issues holds one reference on its object, given back when every reader has read it (or
+by :meth:`ShmSenderCache.release_handles` for a request that never reaches the readers), so an
+object is never reclaimed while a handle to it is in flight.
+
+Several frontends may share one ring (SPEC §3.9): each other one is a cache
+:meth:`ShmSenderCache.join` ed from :meth:`ShmSenderCache.writer_handle`.  Prompt updates then
+travel with their item, as the store's metadata (:mod:`mmcache.prompt_updates`; readers never
+see it); each writer keeps the ones it put or decoded, tagged with the monotonic id of the
+object they belong to.  With a single writer they stay in its memory.
 
 Items go into the ring and come out of it through the native codec (``serde``'s format):
 ``put_item`` encodes straight into the object's chunk and ``resolve_item`` decodes straight
 out of it, so the cache API costs little more than the store itself.
 
-Threads: the core's writer and reader are thread-safe (each writer operation is atomic under
-the core's own mutex; references are issued there, so a handle is only ever issued for an
-object the ring still holds).  :class:`ShmSenderCache` adds its lock for its own state
-(prompt updates, pins, statistics), held across each call (a batched call checks and issues
-as one step no other thread's eviction can split), and takes it for every call into the
-core's writer, so that a thread waits on the lock, which releases the GIL, rather than on
-the core's mutex, which a put copying a large item holds.  Pins are counted across threads:
-two requests touching one item keep it pinned until both have updated it.
+Threads: the core's writer and reader are thread-safe (each writer operation is atomic; a
+handle is only ever issued for an object the ring still holds).  :class:`ShmSenderCache` adds
+its lock for its own state (prompt updates, pins, claims, statistics), held across each call
+(a batched call checks and issues as one step no other thread's eviction can split), and
+takes it for every call into the core's writer that may wait on a core lock, so that a
+thread waits on the Python lock, which releases the GIL; lookups (lock-free in the core) and
+waits for other writers' claims take none.  Pins and claims are counted across threads: two
+requests touching (or claiming) one item keep it pinned (claimed) until both let go.
 :class:`ShmReceiverCache` keeps no shared state in Python and takes no lock: worker threads
 resolve (and copy) in parallel.
 """
