@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
 from mmcache import _core
-from mmcache.errors import ItemNotEncodableError
 
 __all__ = ["MAX_META_BYTES", "NOT_SHAREABLE", "PromptUpdatesCodec", "PromptUpdatesCodecSpec"]
 
@@ -68,7 +67,7 @@ class PromptUpdatesCodec:
         encode them or they exceed :data:`MAX_META_BYTES`."""
         try:
             data = self.dumps(prompt_updates)
-        except (ItemNotEncodableError, pickle.PicklingError, TypeError, ValueError, AttributeError):
+        except Exception:  # whatever the codec refuses (the engine's pair raises its own)
             return b""
         if not isinstance(data, bytes | bytearray) or len(data) + 1 > MAX_META_BYTES:
             return b""
@@ -84,10 +83,6 @@ class PromptUpdatesCodec:
             return loads(meta[1:])
         except Exception:  # bytes another writer wrote: any failure means "not shareable"
             return NOT_SHAREABLE
-
-    def readable(self, meta: bytes) -> bool:
-        """Whether :meth:`decode` would try ``meta`` (its tag is this codec's or plain)."""
-        return meta[:1] == self.tag or meta[:1] == _PLAIN
 
 
 def _plain_dumps(prompt_updates: Any) -> bytes:
