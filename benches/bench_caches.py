@@ -166,7 +166,11 @@ def run_calls(number: int = 20_000) -> dict[str, float]:
         "lru writer hit (touch + update)": call_ns(lru_writer_hit, number),
         "lru receiver hit": call_ns(lambda: receiver.get_and_update_item(None, "h"), number),
     }
-    with ShmSenderCache(0.01) as shm, ShmReceiverCache(shm.handle()) as worker:
+    with (
+        ShmSenderCache(0.01, max_writers=2) as shm,
+        ShmSenderCache.join(shm.writer_handle()) as other,
+        ShmReceiverCache(shm.handle()) as worker,
+    ):
         shm.get_and_update_item((item, UPDATES), "h")
         n = number // 10  # each issued handle is read once: keep the unread ones few
         handles = iter([shm.get_and_update_item(None, "h")[0] for _ in range(15 * n)])
@@ -175,9 +179,15 @@ def run_calls(number: int = 20_000) -> dict[str, float]:
             shm.touch_sender_cache_item("h")
             worker.get_and_update_item(shm.get_and_update_item(None, "h")[0], "h")
 
+        def shm_foreign_hit() -> None:  # a hit on the item another writer put
+            other.touch_sender_cache_item("h")
+            worker.get_and_update_item(other.get_and_update_item(None, "h")[0], "h")
+
         rows["shm is_cached_item"] = call_ns(lambda: shm.is_cached_item("h"), number)
         resolve = call_ns(lambda: worker.get_and_update_item(next(handles), "h"), n)
         rows["shm writer hit (touch + update)"] = call_ns(shm_writer_hit, n) - resolve
+        shm_foreign_hit()  # the first one reads the prompt updates from the ring
+        rows["shm other writer's item hit (touch + update)"] = call_ns(shm_foreign_hit, n) - resolve
         rows["shm receiver hit (resolve, copy)"] = resolve
     return rows
 

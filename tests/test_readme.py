@@ -17,3 +17,15 @@ def test_readme_engine_example_runs() -> None:
     from mmcache import _core
 
     assert namespace["p0"].name not in _core.list_segments()  # type: ignore[attr-defined]
+
+
+def test_readme_several_frontends_example_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    block = next(b for b in blocks if "ShmSenderCache.join(" in b)
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    from mmcache import _core
+
+    front_a = namespace["front_a"]
+    assert namespace["updates_b"] == namespace["updates_a"] == ["<image>"] * 256
+    assert front_a.name not in _core.list_segments()  # type: ignore[attr-defined]

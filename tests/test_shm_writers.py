@@ -1,0 +1,542 @@
+"""Several P0 caches on one ring (SPEC §3.9): ``ShmSenderCache(..., max_writers=N)``,
+``writer_handle()`` and ``ShmSenderCache.join``, with real processes (spawned and forked):
+
+- a joined cache in another process hits the items the first one put, with the prompt updates
+  the putting writer gave, and the other way round; readers resolve both writers' handles to
+  the tensors put (every one checked);
+- prompt updates travel with the item, plain data by default, pickled or through the engine's
+  own pair only when asked; an item whose prompt updates a writer cannot decode is not cached
+  for it, and its update issues a handle to the stored object; a key evicted (or
+  invalidated) and put again by another writer gives that writer's updates;
+- single flight: a claim in one process makes the other wait for its put (one process
+  processes the item); a claimer killed with SIGKILL voids its claim at once; claims end with
+  the update, an item served uncached, ``release_sender_touches`` and a request that raised;
+  a writer never waits on its own claims;
+- threads of several processes hammer one small ring with claims and waits while a reader
+  checks every handle;
+- ``NoWriterSlotError``, the last close unlinks, ``make_caches(max_writers=)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import json
+import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from item_checks import same_item
+from mmcache import (
+    CacheMissError,
+    NoWriterSlotError,
+    ShmHandle,
+    ShmReceiverCache,
+    ShmSenderCache,
+    WriterHandle,
+    _core,
+    make_caches,
+)
+
+TIMEOUT = 120  # seconds to wait for a child's answer (a hang fails the test, not CI)
+NEVER = 3600.0  # a wait_s no test may sit out: only a claim that ends can end the wait
+
+CONTEXTS = ["spawn", "fork"]
+
+
+@pytest.fixture(autouse=True)
+def deadline() -> Iterator[None]:
+    """A hung call stops the run with a traceback instead of hanging it; it never judges how
+    long anything took."""
+    faulthandler.dump_traceback_later(600, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def item(key: str, n: int = 256) -> dict[str, torch.Tensor]:
+    """The item every writer computes for ``key`` (its values depend on the key)."""
+    seed = sum(key.encode()) * 7919 + len(key)
+    gen = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n + seed % 97, generator=gen), "i": torch.tensor([seed])}
+
+
+def updates(key: str, writer: str) -> list[Any]:
+    """Plain prompt updates naming the key and the writer that computed them."""
+    return [("key", key), {"writer": writer, "n": len(key)}, None, 1.5, b"\x00"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptUpdate:
+    """Prompt updates as vLLM has them: objects, which only pickle carries."""
+
+    key: str
+    writer: str
+
+
+def recv(conn: Any) -> Any:
+    assert conn.poll(TIMEOUT), "the child process did not answer"
+    return conn.recv()
+
+
+def check_handle(reader: ShmReceiverCache, data: Any, key: str, n: int = 256) -> None:
+    """``data`` is a handle: the reader resolves it to ``key``'s item, bit for bit."""
+    assert isinstance(data, ShmHandle), f"{key}: expected a handle, got {type(data)}"
+    assert same_item(reader.get_and_update_item(data, key), item(key, n)), key
+
+
+# -- a second writer in another process ------------------------------------------------------
+
+
+def _joined_writer(handle: WriterHandle, conn: Any) -> None:
+    """Join, hit the parent's item, put one of its own, report, and close when told."""
+    cache = ShmSenderCache.join(handle)
+    try:
+        seen = cache.is_cached(["p0-item", "p1-item"])
+        hit = cache.get_and_update_item(None, "p0-item")
+        put = cache.get_and_update_item((item("p1-item"), updates("p1-item", "p1")), "p1-item")
+        conn.send((seen, hit, put, tuple(cache.make_stats())))
+        recv(conn)  # the parent hit our item
+        conn.send(tuple(cache.make_stats()))
+    finally:
+        cache.close()
+    conn.send("closed")
+
+
+@pytest.mark.parametrize("method", CONTEXTS)
+def test_joined_writer_in_another_process(method: str) -> None:
+    ctx = mp.get_context(method)
+    with (
+        ShmSenderCache(0.02, max_writers=2) as p0,
+        ShmReceiverCache(p0.handle()) as reader,
+    ):
+        p0_out = p0.get_and_update_item((item("p0-item"), updates("p0-item", "p0")), "p0-item")
+        check_handle(reader, p0_out[0], "p0-item")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_joined_writer, args=(p0.writer_handle(), child))
+        proc.start()
+        try:
+            seen, (hit, hit_updates), (put, put_updates), child_stats = recv(parent)
+            assert seen == [True, False]
+            assert hit_updates == updates("p0-item", "p0"), "the putting writer's updates"
+            assert put_updates == updates("p1-item", "p1")
+            check_handle(reader, hit, "p0-item")
+            check_handle(reader, put, "p1-item")
+            assert child_stats == (1, 2), "a writer counts its own calls"
+            # The parent hits the child's item, with the child's prompt updates.
+            assert p0.is_cached_item("p1-item")
+            p0.touch_sender_cache_item("p1-item")
+            again, again_updates = p0.get_and_update_item(None, "p1-item")
+            assert again_updates == updates("p1-item", "p1")
+            check_handle(reader, again, "p1-item")
+            assert tuple(p0.make_stats()) == (1, 2)
+            store = p0.stats()
+            assert store["store_puts"] == 2 and store["store_writers_attached"] == 2, store
+            parent.send("go")
+            assert recv(parent) == (1, 2), "the parent's hits are not the child's"
+            assert recv(parent) == "closed"
+        finally:
+            proc.join(TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+        assert proc.exitcode == 0
+        # The child's item outlives the child; the segment lives while a writer lives.
+        assert p0.is_cached_item("p1-item")
+        assert p0.name in _core.list_segments()
+        name = p0.name
+    assert name not in _core.list_segments(), "the last writer to close unlinked it"
+
+
+def test_last_close_unlinks_and_slots_run_out() -> None:
+    first = ShmSenderCache(0.01, max_writers=2)
+    handle = pickle.loads(pickle.dumps(first.writer_handle()))
+    second = ShmSenderCache.join(handle)
+    assert second.max_writers == 2 and second.name == first.name
+    with pytest.raises(NoWriterSlotError, match="max_writers=2"):
+        ShmSenderCache.join(handle)
+    with pytest.raises(TypeError, match="WriterHandle"):
+        ShmSenderCache.join(first.handle())  # type: ignore[arg-type]
+    first.get_and_update_item((item("a"), None), "a")
+    first.close()
+    assert first.name in _core.list_segments(), "the joined writer still uses it"
+    assert second.is_cached_item("a"), "items stay cached after their writer closed"
+    third = ShmSenderCache.join(handle)  # the slot the first one left
+    second.close()
+    assert first.name in _core.list_segments()
+    third.close()
+    assert first.name not in _core.list_segments(), "the last writer to close unlinked it"
+
+
+def test_clear_and_invalidate_reach_every_writer() -> None:
+    with ShmSenderCache(0.01, max_writers=2) as a, ShmSenderCache.join(a.writer_handle()) as b:
+        for key in ("x", "y"):
+            handle, _ = a.get_and_update_item((item(key), updates(key, "a")), key)
+            a.release_handles([handle])
+        assert b.is_cached(["x", "y"]) == [True, True]
+        b.invalidate("x")
+        assert not a.is_cached_item("x") and a.is_cached_item("y")
+        b.clear_cache()
+        assert a.is_cached(["x", "y"]) == [False, False]
+
+
+def test_make_caches_max_writers() -> None:
+    p0, downstream = make_caches("shm", capacity_gb=0.01, max_writers=3)
+    assert isinstance(p0, ShmSenderCache) and p0.max_writers == 3
+    with p0, ShmSenderCache.join(p0.writer_handle()) as joined:
+        assert joined.name == p0.name
+        assert isinstance(downstream, _core.ReaderHandle) and downstream.name == p0.name
+
+
+# -- prompt updates travel with the item -----------------------------------------------------
+
+
+def test_unshareable_updates_are_not_cached_for_other_writers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """By default nothing is pickled: an object the plain codec cannot hold stays with its
+    writer, the others process the item, and their update issues the stored object."""
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        mine = PromptUpdate("k", "a")
+        put, put_updates = a.get_and_update_item((item("k"), mine), "k")
+        assert put_updates is mine and a.is_cached_item("k"), "the putting writer keeps them"
+        assert a.stats()["unshared_prompt_updates"] == 1
+        assert "prompt_updates_codec='pickle'" in caplog.text
+        assert b.is_cached(["k"]) == [False], "b cannot have the updates: it processes"
+        with pytest.raises(CacheMissError):
+            b.get_and_update([None], ["k"])
+        theirs = PromptUpdate("k", "b")
+        hit, hit_updates = b.get_and_update_item((item("k"), theirs), "k")
+        assert hit_updates is theirs
+        assert hit.monotonic_id == put.monotonic_id, "a handle to the stored object"
+        assert b.stats()["store_puts"] == 1
+        assert b.is_cached_item("k"), "b now has updates for that object"
+        for handle in (put, hit):
+            check_handle(reader, handle, "k")
+
+
+@pytest.mark.parametrize(
+    "codec",
+    ["pickle", (lambda u: json.dumps(dataclasses.asdict(u)).encode(), json.loads)],
+    ids=["pickle", "pair"],
+)
+def test_opt_in_codecs(codec: Any) -> None:
+    with (
+        ShmSenderCache(0.01, max_writers=3, prompt_updates_codec=codec) as a,
+        ShmSenderCache.join(a.writer_handle(), prompt_updates_codec=codec) as b,
+        ShmSenderCache.join(a.writer_handle()) as plain,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        a.get_and_update_item((item("k"), PromptUpdate("k", "a")), "k")
+        plain.get_and_update_item((item("plain"), updates("plain", "plain")), "plain")
+        assert b.is_cached(["k", "plain"]) == [True, True]
+        handle, got = b.get_and_update_item(None, "k")
+        want = PromptUpdate("k", "a")
+        assert got == (want if codec == "pickle" else dataclasses.asdict(want))
+        check_handle(reader, handle, "k")
+        # Plain ones are read by every writer; a writer that did not opt in never decodes
+        # the others.
+        handle, got = b.get_and_update_item(None, "plain")
+        assert got == updates("plain", "plain")
+        check_handle(reader, handle, "plain")
+        assert plain.is_cached(["k", "plain"]) == [False, True]
+    with pytest.raises(ValueError, match="prompt_updates_codec"):
+        ShmSenderCache(0.01, prompt_updates_codec="json")  # type: ignore[arg-type]
+
+
+def test_reput_key_gives_the_new_objects_updates() -> None:
+    """A key evicted (or invalidated) and put again by another writer never comes back with
+    the first object's prompt updates."""
+    with (
+        ShmSenderCache(1 / 1024, max_writers=2, max_object_size_mb=0.1) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        check_handle(reader, handle, "k")
+        # Evicted by b's puts (each handle read, so nothing stays protected).
+        n = 0
+        while a.is_cached_item("k"):
+            key = f"filler-{n}"
+            n += 1
+            filler, _ = b.get_and_update_item((item(key, 4096), None), key)
+            assert same_item(reader.get_and_update_item(filler, key), item(key, 4096))
+            assert n < 1000, "the ring never evicted k"
+        handle, _ = b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        check_handle(reader, handle, "k")
+        assert a.is_cached_item("k")
+        handle, got = a.get_and_update_item(None, "k")
+        assert got == updates("k", "b"), "the new object's updates"
+        check_handle(reader, handle, "k")
+        # Invalidated and put again: the same.
+        a.invalidate("k")
+        handle, _ = b.get_and_update_item((item("k"), updates("k", "b2")), "k")
+        check_handle(reader, handle, "k")
+        handle, got = a.get_and_update_item(None, "k")
+        assert got == updates("k", "b2")
+        check_handle(reader, handle, "k")
+
+
+def test_reput_with_unshareable_updates_never_gives_the_old_ones() -> None:
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle(), prompt_updates_codec="pickle") as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        check_handle(reader, handle, "k")
+        b.invalidate("k")
+        handle, _ = b.get_and_update_item((item("k"), PromptUpdate("k", "b")), "k")
+        check_handle(reader, handle, "k")
+        with pytest.raises(CacheMissError):  # not the old object's updates
+            a.get_and_update([None], ["k"])
+        handle, got = a.get_and_update_item((item("k"), updates("k", "a2")), "k")
+        assert got == updates("k", "a2")
+        check_handle(reader, handle, "k")
+
+
+def test_a_key_put_by_another_writer_meanwhile_is_issued() -> None:
+    """The engine processed a miss while another writer put the same key: the update issues
+    the stored object instead of failing on the duplicate."""
+    with (
+        ShmSenderCache(0.01, max_writers=2, prompt_updates_codec="pickle") as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        assert b.is_cached(["k"]) == [False]
+        put, _ = a.get_and_update_item((item("k"), PromptUpdate("k", "a")), "k")
+        hit, got = b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        assert got == updates("k", "b") and hit.monotonic_id == put.monotonic_id
+        assert b.stats()["store_puts"] == 1
+        for handle in (put, hit):
+            check_handle(reader, handle, "k")
+
+
+# -- single flight ---------------------------------------------------------------------------
+
+
+def _claimer(handle: WriterHandle, conn: Any, put: bool) -> None:
+    """Claim "new", report, then (told to) put it, or (``put=False``) wait to be killed."""
+    cache = ShmSenderCache.join(handle)
+    conn.send(cache.is_cached(["new", "old"], claim=True))
+    recv(conn)
+    if put:
+        out = cache.get_and_update_item((item("new"), updates("new", "claimer")), "new")
+        conn.send(out)
+    else:
+        time.sleep(NEVER)
+    cache.close()
+
+
+@pytest.mark.parametrize("method", CONTEXTS)
+def test_single_flight_across_processes(method: str) -> None:
+    ctx = mp.get_context(method)
+    with (
+        ShmSenderCache(0.02, max_writers=2) as p0,
+        ShmReceiverCache(p0.handle()) as reader,
+    ):
+        old, _ = p0.get_and_update_item((item("old"), updates("old", "p0")), "old")
+        check_handle(reader, old, "old")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_claimer, args=(p0.writer_handle(), child, True))
+        proc.start()
+        try:
+            assert recv(parent) == [False, True]
+            assert p0.stats()["store_claims"] == 1
+            # Claimed elsewhere: not claimed here, and waited for until it is put.
+            results: list[list[bool]] = []
+            waiter = threading.Thread(
+                target=lambda: results.append(p0.is_cached(["new"], claim=True, wait_s=NEVER))
+            )
+            waiter.start()
+            parent.send("go")
+            handle, got = recv(parent)
+            waiter.join(TIMEOUT)
+            assert not waiter.is_alive() and results == [[True]]
+            assert got == updates("new", "claimer")
+            p0.touch_sender_cache_item("new")
+            hit, hit_updates = p0.get_and_update_item(None, "new")
+            assert hit_updates == updates("new", "claimer")
+            stats = p0.stats()
+            assert stats["store_puts"] == 2 and stats["store_claims"] == 0, stats
+            for h in (handle, hit):
+                check_handle(reader, h, "new")
+        finally:
+            proc.join(TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+        assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("method", CONTEXTS)
+def test_a_dead_claimers_claim_is_void_at_once(method: str) -> None:
+    ctx = mp.get_context(method)
+    with ShmSenderCache(0.02, max_writers=2) as p0:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_claimer, args=(p0.writer_handle(), child, False))
+        proc.start()
+        try:
+            assert recv(parent) == [False, False]
+            results: list[list[bool]] = []
+            waiter = threading.Thread(
+                target=lambda: results.append(p0.is_cached(["new"], claim=True, wait_s=NEVER))
+            )
+            waiter.start()
+            os.kill(proc.pid, signal.SIGKILL)
+            # Only the claim's end can end a wait of NEVER seconds: it ends at the death.
+            waiter.join(TIMEOUT)
+            assert not waiter.is_alive(), "the waiter sat out the dead writer's claim"
+            assert results == [[False]], "not put: this writer processes it"
+        finally:
+            proc.join(TIMEOUT)
+        # The waiter took the claim over: the item is processed once, here.
+        assert p0.stats()["store_claims"] == 1
+        p0.get_and_update_item((item("new"), updates("new", "p0")), "new")
+        assert p0.stats()["store_claims"] == 0
+
+
+def test_claims_end_with_the_request() -> None:
+    with (
+        ShmSenderCache(0.01, max_writers=2, max_object_size_mb=0.01) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        assert a.is_cached(["big", "gone", "raised"], claim=True) == [False] * 3
+        assert a.stats()["store_claims"] == 3
+        assert b.is_cached(["big"], claim=True) == [False], "a holds it"
+        # Served uncached (too large): the claim is given up.
+        data, _ = a.get_and_update_item((item("big", 1 << 14), None), "big")
+        assert isinstance(data, dict) and a.stats()["uncached_oversize"] == 1
+        assert a.stats()["store_claims"] == 2
+        # A request that raised ends its items' claims ("gone" is not one of them).
+        with pytest.raises(TypeError):
+            a.get_and_update([("not", "an item", "pair")], ["raised"])  # type: ignore[list-item]
+        assert a.stats()["store_claims"] == 1
+        a.release_sender_touches()
+        assert a.stats()["store_claims"] == 0
+        # Inside a request bracket, its end ends every claim the request took.
+        a.begin_request()
+        assert a.is_cached(["gone"], claim=True) == [False]
+        assert a.stats()["store_claims"] == 1
+        a.end_request()
+        assert a.stats()["store_claims"] == 0
+        assert a.is_cached(["gone"], claim=True) == [False]
+        assert b.is_cached(["big", "gone"], claim=True) == [False, False]
+        assert b.stats()["store_claims"] == 2, "b claimed big, which a gave up, not gone"
+        b.close()
+        assert a.stats()["store_claims"] == 1, "a writer's claims end with it"
+
+
+def test_a_writer_never_waits_on_its_own_claims() -> None:
+    with ShmSenderCache(0.01, max_writers=2) as cache:
+        assert cache.is_cached(["k"], claim=True) == [False]
+        results: list[list[bool]] = []
+        other = threading.Thread(
+            target=lambda: results.append(cache.is_cached(["k"], claim=True, wait_s=NEVER))
+        )
+        other.start()
+        other.join(TIMEOUT)
+        assert not other.is_alive() and results == [[False]], "another thread's claim"
+        # Both requests hold the claim: it lasts until the last one lets go.
+        cache.release_sender_touches()
+        assert cache.stats()["store_claims"] == 1
+        other = threading.Thread(target=cache.release_sender_touches)
+        other.start()
+        other.join(TIMEOUT)
+        assert cache.stats()["store_claims"] == 1, "the other thread's request had let go"
+        with pytest.raises(ValueError, match="wait_s"):
+            cache.is_cached(["k"], wait_s=-1)
+
+
+# -- threads of several processes ------------------------------------------------------------
+
+KEYS = [f"img-{i}" for i in range(24)]
+
+
+def _hammer(handle: WriterHandle, who: str, out: Any, seed: int) -> None:
+    """Threads serving random requests through one joined cache: claims, waits, touches and
+    updates; every output's prompt updates checked here, every handle sent to the reader."""
+    cache = ShmSenderCache.join(handle)
+    errors: list[str] = []
+
+    def serve(thread: int) -> None:
+        rng = random.Random(seed * 100 + thread)
+        for _ in range(60):
+            keys = rng.sample(KEYS, rng.randint(1, 3))
+            cached = cache.is_cached(keys, claim=True, wait_s=0.05)
+            for key in keys:
+                cache.touch_sender_cache_item(key)
+            inputs = [
+                None if hit else (item(k, 8192), updates(k, f"{who}/{thread}"))
+                for k, hit in zip(keys, cached, strict=True)
+            ]
+            try:
+                outputs = cache.get_and_update(inputs, keys)
+            except CacheMissError as exc:  # evicted since the lookup: resend with data
+                for key in exc.mm_hashes:
+                    cache.invalidate(key)
+                inputs = [(item(k, 8192), updates(k, f"{who}/{thread}")) for k in keys]
+                outputs = cache.get_and_update(inputs, keys)
+            for key, (data, got) in zip(keys, outputs, strict=True):
+                if got[0] != ("key", key):
+                    errors.append(f"{key}: prompt updates {got}")
+                if isinstance(data, ShmHandle):
+                    out.put((key, data))
+                elif not same_item(data, item(key, 8192)):
+                    errors.append(f"{key}: uncached data differs")
+
+    threads = [threading.Thread(target=serve, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(("done", (who, errors, tuple(cache.make_stats()))))
+    cache.close()
+
+
+@pytest.mark.parametrize("method", CONTEXTS)
+def test_threads_of_several_processes(method: str) -> None:
+    ctx = mp.get_context(method)
+    with (
+        ShmSenderCache(0.25 / 1024, max_writers=3, max_object_size_mb=0.05) as p0,
+        ShmReceiverCache(p0.handle()) as reader,
+    ):
+        out = ctx.Queue()
+        procs = [
+            ctx.Process(target=_hammer, args=(p0.writer_handle(), f"w{i}", out, i))
+            for i in range(2)
+        ]
+        for proc in procs:
+            proc.start()
+        done: dict[str, tuple[list[str], tuple[int, int]]] = {}
+        resolved = 0
+        try:
+            while len(done) < len(procs):
+                key, data = out.get(timeout=TIMEOUT)
+                if key == "done":
+                    done[data[0]] = (data[1], data[2])
+                    continue
+                check_handle(reader, data, key, 8192)
+                resolved += 1
+        finally:
+            for proc in procs:
+                proc.join(TIMEOUT)
+                if proc.is_alive():
+                    proc.kill()
+        assert [p.exitcode for p in procs] == [0, 0]
+        for who, (errors, (_, total)) in done.items():
+            assert not errors, f"{who}: {errors[:5]}"
+            assert total >= 180, (who, total)
+        assert resolved > 0 and sum(hits for _, (hits, _) in done.values()) > 0
+        assert p0.stats()["store_claims"] == 0, "every claim ended"
+        assert p0.stats()["store_evictions"] > 0, "the ring was under pressure"
