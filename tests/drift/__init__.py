@@ -47,10 +47,39 @@ It prints what it exercised and exits with status 1 on the first oracle failure,
 how to replay the failing episode (``--seed S --episode E``).
 """
 
-from tests.drift.driver import FAULTS, MODELS, MODES, make_model, run_episode
-from tests.drift.engine import EngineModel, OracleFailure
-from tests.drift.stats import FuzzStats
-from tests.drift.truth import Universe, fingerprint
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.drift.driver import FAULTS, MODELS, MODES, make_model, run_episode
+    from tests.drift.engine import EngineModel, OracleFailure
+    from tests.drift.stats import FuzzStats
+    from tests.drift.truth import Universe, fingerprint
+
+# Imported on first use (PEP 562): a writer process of the multi-writer model imports
+# ``tests.drift.multi_writer_proc``, which must not pay for torch and the engine models.
+_EXPORTS = {
+    "FAULTS": "driver",
+    "MODELS": "driver",
+    "MODES": "driver",
+    "make_model": "driver",
+    "run_episode": "driver",
+    "EngineModel": "engine",
+    "OracleFailure": "engine",
+    "FuzzStats": "stats",
+    "Universe": "truth",
+    "fingerprint": "truth",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "FAULTS",
