@@ -13,8 +13,9 @@ joined with the store's ``WriterHandle``); every process but a position's last d
 * ``kill_external``: the coordinator SIGKILLs it at a random moment after it joined (often a
   claim holder: the writers hold claims across pauses, and the others ``wait_for`` them).
 
-When one dies, a replacement process joins in its place and must get a writer slot (the
-store has exactly one slot per position besides the coordinator's): the dead writer's.  The
+When one dies, a replacement process joins in its place and must get a writer slot: the
+store has exactly one slot per position besides the coordinator's, so once every slot has
+been taken, only the dead writer's.  The
 writers race on a small key space, so several put the same key at once (one wins, the others
 get "already stored" and take a hit), claim the same keys and wait for each other, evict
 each other's objects, invalidate and clear.  Every handle a writer issues travels (a frame on
@@ -27,7 +28,7 @@ Oracle:
     whichever writer put it;
 (b) no hang: every wait is bounded; an episode that has not ended after ``hang_s`` dumps the
     writers' stacks (SIGUSR1, ``faulthandler``) and fails;
-(c) a replacement always joins, in a slot a dead writer left; after the episode (every writer
+(c) a replacement always joins, never in a slot a live writer holds; after the episode (every writer
     gone) the store holds no claim and no reservation, every object reads back whole, a clear
     gives back every reference and the ring fills twice over; the segment is gone from
     ``/dev/shm`` once every process has closed it (the coordinator closes last, or, in every
@@ -89,6 +90,10 @@ class Incarnation:
     crash_point: str | None = None  # armed: dies at this point's ``crash_after``-th pass
     crash_after: int = 1
     kill_after_s: float | None = None  # killed by the coordinator this long after joining
+
+    @property
+    def is_last(self) -> bool:
+        return self.crash_point is None and self.kill_after_s is None
 
     def describe(self) -> str:
         if self.crash_point is not None:
@@ -175,6 +180,7 @@ class _Process:
     joined: threading.Event = field(default_factory=threading.Event)
     slot: int | None = None
     joined_at: float = 0.0
+    closing_at: float | None = None  # when it began its clean close (its clock)
     killed: bool = False
 
 
@@ -206,7 +212,10 @@ class _Episode:
             threading.Thread(target=self._read_loop, args=(r,), daemon=True)
             for r in range(plan.n_readers)
         ]
-        self.dead_slots: set[int] = set()
+        self.dead_slots: set[int] = set()  # slots a killed writer left
+        self.live_slots: dict[int, _Process] = {}
+        self.coordinator_slot: int | None = self.store.writer_slot
+        self.slot_suspects: list[tuple[_Process, _Process, float]] = []  # see _judge_slot
         self.running: dict[int, _Process] = {}
 
     def note(self, text: str) -> None:
@@ -264,6 +273,7 @@ class _Episode:
             crash_point=spec.crash_point,
             wait_s=0.5,
             hold_s=0.05,
+            linger=self.plan.coordinator_closes_first and spec.is_last,
         )
         # Closed when the process has exited (``_on_exit``, or the abort in ``run``).
         stderr = tempfile.TemporaryFile()  # noqa: SIM115
@@ -282,7 +292,10 @@ class _Episode:
         )
         proc.forwarder.start()
         popen.stdin.write(pickle.dumps(config))
-        popen.stdin.close()
+        if config.linger:
+            popen.stdin.flush()  # closed when the coordinator has left
+        else:
+            popen.stdin.close()
         self.running[position] = proc
         self.note(f"position {position} #{number} started (pid {popen.pid}): {spec.describe()}")
 
@@ -294,9 +307,9 @@ class _Episode:
                 for q in self.queues:
                     q.put((message[1], message[2]))
             elif kind == "joined":
-                proc.slot = message[1]
-                proc.joined_at = time.monotonic()
-                proc.joined.set()
+                self._joined(proc, message[1], message[2])
+            elif kind == "closing":
+                proc.closing_at = message[1]
             elif kind == "counts":
                 with self.lock:
                     self.stats.mw.update(message[1])
@@ -304,18 +317,47 @@ class _Episode:
                 self.fail(f"writer at position {proc.position} #{proc.number}: {message[1]}")
         stdout.close()
 
+    def _joined(self, proc: _Process, slot: int, at: float) -> None:
+        """Oracle (c): a writer joins in a slot no live writer holds (a replacement reuses a
+        dead writer's slot once every other slot has been taken).  A holder still running
+        may have closed already: it is judged when it exits (:meth:`_judge_slot`)."""
+        with self.lock:
+            holder = self.live_slots.get(slot)
+            if slot == self.coordinator_slot:
+                self.failures.append(
+                    f"(c) position {proc.position} #{proc.number} joined slot {slot}, the "
+                    f"coordinator's"
+                )
+            if holder is not None and _alive(holder.popen.pid):
+                self.slot_suspects.append((proc, holder, at))
+            if slot in self.dead_slots:
+                self.stats.mw["slot_reused"] += 1
+            self.live_slots[slot] = proc
+        proc.slot = slot
+        proc.joined_at = time.monotonic()
+        proc.joined.set()
+        self.note(f"position {proc.position} #{proc.number} joined slot {slot}")
+
+    def _judge_slot(self, holder: _Process) -> None:
+        """A writer joined the slot of ``holder`` while its process still ran: fine only if
+        ``holder`` had begun its clean close before that join (all its frames are read)."""
+        for proc, held, at in self.slot_suspects:
+            if held is holder and (holder.closing_at is None or holder.closing_at > at):
+                self.fail(
+                    f"(c) position {proc.position} #{proc.number} (pid {proc.popen.pid}) joined "
+                    f"slot {proc.slot} while pid {holder.popen.pid} held it"
+                )
+
     def _stderr_tail(self, proc: _Process) -> str:
         proc.stderr.seek(0)
         return proc.stderr.read().decode(errors="replace")[-3000:]
 
     def _on_exit(self, proc: _Process, rc: int) -> None:
         proc.forwarder.join(30)
-        # Oracle (c): a replacement joins in a slot a dead writer left.
-        if proc.slot is not None and proc.number > 0 and proc.slot not in self.dead_slots:
-            self.fail(
-                f"(c) the replacement at position {proc.position} joined slot {proc.slot}, "
-                f"not one a dead writer left ({sorted(self.dead_slots)})"
-            )
+        with self.lock:
+            if self.live_slots.get(proc.slot) is proc:
+                del self.live_slots[proc.slot]
+        self._judge_slot(proc)
         spec = proc.spec
         what = f"position {proc.position} #{proc.number} (slot {proc.slot})"
         if rc == -signal.SIGKILL and (proc.killed or spec.crash_point is not None):
@@ -361,7 +403,8 @@ class _Episode:
 
     def _maybe_close_coordinator(self) -> None:
         """In every other episode the coordinator leaves first, once every position runs its
-        last (clean) process: the last writer process to close unlinks the segment."""
+        last (clean) process, which waits for it: then the last writer process to close
+        unlinks the segment."""
         if not self.plan.coordinator_closes_first or self.store is None:
             return
         if len(self.running) < len(self.plan.positions):
@@ -370,9 +413,14 @@ class _Episode:
             last = proc.number + 1 == len(self.plan.positions[proc.position])
             if not last or not proc.joined.is_set():
                 return
+        with self.lock:
+            self.coordinator_slot = None  # from now on, a joiner may take it
         self.store.close()
         self.store = None
         self.note("coordinator closed its writer")
+        for proc in self.running.values():
+            assert proc.popen.stdin is not None
+            proc.popen.stdin.close()
 
     def run(self) -> None:
         for t in self.reader_threads:
@@ -403,6 +451,8 @@ class _Episode:
         finally:
             for proc in self.running.values():  # only after a failure
                 proc.popen.kill()
+                if proc.popen.stdin is not None:
+                    proc.popen.stdin.close()
                 proc.popen.wait()
                 proc.stderr.close()
             self.running.clear()
@@ -467,6 +517,15 @@ class _Episode:
         if path.exists():
             path.unlink()  # ours: this episode's segment, by its own name
             self.fail(f"(c) segment {self.name} left in /dev/shm after every process closed it")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no longer holds its writer slot: its locks are gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone (ENOENT, or ESRCH while it is being reaped)
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def run_multi_writer_episode(

@@ -64,6 +64,7 @@ class WriterConfig:
     crash_point: str | None  # armed point (the environment arms it; this biases the mix)
     wait_s: float  # bound of every wait_for
     hold_s: float  # how long a "held claim" is held before its put
+    linger: bool = False  # after its operations, wait for stdin's EOF before closing
 
 
 # -- the truth (shared with the coordinator) --------------------------------------------------
@@ -284,14 +285,19 @@ def main() -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1)  # the coordinator's "you hang: where?"
-    config: WriterConfig = pickle.load(sys.stdin.buffer)
+    config: WriterConfig = pickle.load(sys.stdin.buffer)  # one frame: stdin stays open
     store = ShmObjectStore.join(config.handle)
     writer = _Writer(config, store, out)
-    write_frame(out, writer.lock, ("joined", store.writer_slot, os.getpid()))
+    # Timestamps on CLOCK_MONOTONIC (one clock for every process of the host) let the
+    # coordinator order a join after another writer's close, whichever pipe it reads first.
+    write_frame(out, writer.lock, ("joined", store.writer_slot, time.monotonic()))
     try:
         writer.run()
+        if config.linger:  # the coordinator says when to close (it left first)
+            sys.stdin.buffer.read()
     finally:
         write_frame(out, writer.lock, ("counts", writer.counts))
+        write_frame(out, writer.lock, ("closing", time.monotonic()))
         store.close()
     return 0
 
