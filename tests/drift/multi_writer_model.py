@@ -30,7 +30,7 @@ Oracle:
     writers' stacks (SIGUSR1, ``faulthandler``) and fails;
 (c) a replacement always joins, never in a slot a live writer holds; after the episode (every writer
     gone) the store holds no claim and no reservation, every object reads back whole, a clear
-    gives back every reference and the ring fills twice over; the segment is gone from
+    gives back every reference and the ring fills three times over; the segment is gone from
     ``/dev/shm`` once every process has closed it (the coordinator closes last, or, in every
     other episode, closes first and the last writer process unlinks it);
 (d) nothing raises what the core must not (a writer's unexpected exception fails the run).
@@ -42,6 +42,7 @@ The schedule (which position dies how, at which pass or after how long) is deter
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import queue
@@ -180,7 +181,10 @@ class _Process:
     joined: threading.Event = field(default_factory=threading.Event)
     slot: int | None = None
     joined_at: float = 0.0
-    closing_at: float | None = None  # when it began its clean close (its clock)
+    # When it surely held its slot, by its own CLOCK_MONOTONIC stamps: from its join to the
+    # last frame it sent (its "closing" frame, or the last handle before it was killed).
+    held_from: float = 0.0
+    held_until: float = 0.0
     killed: bool = False
 
 
@@ -213,9 +217,9 @@ class _Episode:
             for r in range(plan.n_readers)
         ]
         self.dead_slots: set[int] = set()  # slots a killed writer left
-        self.live_slots: dict[int, _Process] = {}
-        self.coordinator_slot: int | None = self.store.writer_slot
-        self.slot_suspects: list[tuple[_Process, _Process, float]] = []  # see _judge_slot
+        # (slot, from, until, who): when each writer surely held its slot (_check_slots).
+        self.held: list[tuple[int, float, float, str]] = []
+        self.coordinator_slot = self.store.writer_slot
         self.running: dict[int, _Process] = {}
 
     def note(self, text: str) -> None:
@@ -306,10 +310,11 @@ class _Episode:
             if kind == "handle":
                 for q in self.queues:
                     q.put((message[1], message[2]))
+                proc.held_until = message[3]
             elif kind == "joined":
                 self._joined(proc, message[1], message[2])
             elif kind == "closing":
-                proc.closing_at = message[1]
+                proc.held_until = message[1]
             elif kind == "counts":
                 with self.lock:
                     self.stats.mw.update(message[1])
@@ -318,35 +323,28 @@ class _Episode:
         stdout.close()
 
     def _joined(self, proc: _Process, slot: int, at: float) -> None:
-        """Oracle (c): a writer joins in a slot no live writer holds (a replacement reuses a
-        dead writer's slot once every other slot has been taken).  A holder still running
-        may have closed already: it is judged when it exits (:meth:`_judge_slot`)."""
-        with self.lock:
-            holder = self.live_slots.get(slot)
-            if slot == self.coordinator_slot:
-                self.failures.append(
-                    f"(c) position {proc.position} #{proc.number} joined slot {slot}, the "
-                    f"coordinator's"
-                )
-            if holder is not None and _alive(holder.popen.pid):
-                self.slot_suspects.append((proc, holder, at))
-            if slot in self.dead_slots:
+        if slot in self.dead_slots:
+            with self.lock:
                 self.stats.mw["slot_reused"] += 1
-            self.live_slots[slot] = proc
         proc.slot = slot
+        proc.held_from = proc.held_until = at
         proc.joined_at = time.monotonic()
         proc.joined.set()
         self.note(f"position {proc.position} #{proc.number} joined slot {slot}")
 
-    def _judge_slot(self, holder: _Process) -> None:
-        """A writer joined the slot of ``holder`` while its process still ran: fine only if
-        ``holder`` had begun its clean close before that join (all its frames are read)."""
-        for proc, held, at in self.slot_suspects:
-            if held is holder and (holder.closing_at is None or holder.closing_at > at):
-                self.fail(
-                    f"(c) position {proc.position} #{proc.number} (pid {proc.popen.pid}) joined "
-                    f"slot {proc.slot} while pid {holder.popen.pid} held it"
-                )
+    def _check_slots(self) -> None:
+        """Oracle (c): no two writers held one slot at once (a replacement reuses a dead
+        writer's slot once every other slot has been taken).  Judged on the intervals each
+        writer surely held its slot (its own stamps), so no frame order between pipes can
+        fake an overlap."""
+        by_slot: dict[int | None, list[tuple[float, float, str]]] = {}
+        for slot, start, end, who in self.held:
+            by_slot.setdefault(slot, []).append((start, end, who))
+        for slot, spans in by_slot.items():
+            spans.sort()
+            for (_, end, who), (start, _, other) in itertools.pairwise(spans):
+                if start < end:
+                    self.fail(f"(c) {other} joined slot {slot} while {who} held it")
 
     def _stderr_tail(self, proc: _Process) -> str:
         proc.stderr.seek(0)
@@ -354,10 +352,9 @@ class _Episode:
 
     def _on_exit(self, proc: _Process, rc: int) -> None:
         proc.forwarder.join(30)
-        with self.lock:
-            if self.live_slots.get(proc.slot) is proc:
-                del self.live_slots[proc.slot]
-        self._judge_slot(proc)
+        if proc.slot is not None:
+            who = f"position {proc.position} #{proc.number} (pid {proc.popen.pid})"
+            self.held.append((proc.slot, proc.held_from, proc.held_until, who))
         spec = proc.spec
         what = f"position {proc.position} #{proc.number} (slot {proc.slot})"
         if rc == -signal.SIGKILL and (proc.killed or spec.crash_point is not None):
@@ -413,8 +410,7 @@ class _Episode:
             last = proc.number + 1 == len(self.plan.positions[proc.position])
             if not last or not proc.joined.is_set():
                 return
-        with self.lock:
-            self.coordinator_slot = None  # from now on, a joiner may take it
+        self.held.append((self.coordinator_slot, self.start, time.monotonic(), "the coordinator"))
         self.store.close()
         self.store = None
         self.note("coordinator closed its writer")
@@ -462,6 +458,11 @@ class _Episode:
                 t.join(self.hang_s)
                 if t.is_alive():
                     self.fail("(b) a reader did not finish its handles")
+        if self.store is not None:
+            self.held.append(
+                (self.coordinator_slot, self.start, time.monotonic(), "the coordinator")
+            )
+        self._check_slots()
         if not self.failures:
             self._check_store()
         self._close()
@@ -475,15 +476,7 @@ class _Episode:
         if store is None:
             return
         u = self.plan.seed
-        stats = store.stats()
-        for what in ("claims", "chunks_reserved"):
-            if stats[what] != 0:
-                self.fail(f"(c) {stats[what]} {what} left once every other writer was gone")
-        if not 0 <= stats["bytes_in_use"] <= stats["capacity"]:
-            self.fail(f"(c) bytes_in_use {stats['bytes_in_use']} out of range")
         keys = store.keys()
-        if stats["objects"] != len(keys):
-            self.fail(f"(c) {stats['objects']} objects counted, {len(keys)} keyed")
         for key in keys:
             self.stats.checks += 2
             if store.read_stored(key) != expected_payload(u, key, self.capacity):
@@ -493,9 +486,9 @@ class _Episode:
         store.clear()  # gives back the references dead writers left owed
         if store.stats()["outstanding_refs"] != 0:
             self.fail("(c) references outstanding after a clear")
-        # The dead writers' space came back: fill the ring twice over.
+        # The dead writers' space came back: fill the ring three times over.
         written, i = 0, 0
-        while written < 2 * self.capacity:
+        while written < 3 * self.capacity:
             key = f"fill{i}"
             handle = store.put(key, [key.encode() * 64, key.encode() * 256], meta=b"fill")
             for reader in self.readers:
@@ -503,6 +496,16 @@ class _Episode:
                     self.fail(f"(a) {key!r} resolved to foreign bytes after the episode")
             written += 320 * len(key)
             i += 1
+        # Dead writers' reservations are reclaimed by the allocator's sweep, their claims
+        # when the index needs room or by stats(): after the fill, nothing of theirs is left.
+        stats = store.stats()
+        for what in ("claims", "chunks_reserved"):
+            if stats[what] != 0:
+                self.fail(f"(c) {stats[what]} {what} left after the fill, every other writer gone")
+        if not 0 <= stats["bytes_in_use"] <= stats["capacity"]:
+            self.fail(f"(c) bytes_in_use {stats['bytes_in_use']} out of range")
+        if stats["objects"] != len(store.keys()):
+            self.fail(f"(c) {stats['objects']} objects counted, {len(store.keys())} keyed")
         self.stats.mw["episode_checks"] += 1
 
     def _close(self) -> None:
@@ -517,15 +520,6 @@ class _Episode:
         if path.exists():
             path.unlink()  # ours: this episode's segment, by its own name
             self.fail(f"(c) segment {self.name} left in /dev/shm after every process closed it")
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie no longer holds its writer slot: its locks are gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:  # gone (ENOENT, or ESRCH while it is being reaped)
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def run_multi_writer_episode(

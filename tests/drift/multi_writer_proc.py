@@ -151,7 +151,7 @@ class _Writer:
             self.counts[what] = self.counts.get(what, 0) + 1
 
     def send(self, key: str, handle: Any) -> None:
-        write_frame(self.out, self.lock, ("handle", key, handle))
+        write_frame(self.out, self.lock, ("handle", key, handle, time.monotonic()))
 
     def check_meta(self, key: str, monotonic_id: int) -> None:
         try:
