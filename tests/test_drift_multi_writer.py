@@ -2,8 +2,9 @@
 writer processes sharing one store, SIGKILLed at every crash point of the core and at random
 moments, replaced in the dead writer's slot, while readers check every handle.
 
-Two episodes with a deterministic schedule arm every point of ``_core.CRASH_POINTS`` once
-(about a minute on two loaded cores); the test fails unless each point actually killed a
+Two episodes with a deterministic schedule arm every point of ``_core.CRASH_POINTS`` once,
+the first with the core's writers, the second with ``ShmSenderCache.join`` caches (about a
+minute on two loaded cores); the test fails unless each point actually killed a
 writer, so a schedule that stops reaching a point is noticed.  Longer runs:
 ``python -m tests.drift --model multi_writer --seconds 600``.
 """
@@ -37,9 +38,12 @@ def test_every_crash_point_kills_a_writer_and_no_reader_sees_wrong_bytes() -> No
     half = (len(points) + 1) // 2
     log: list[str] = []
     try:
-        # Episode 0: the coordinator closes last; episode 1: the last writer process unlinks.
-        for episode, armed in enumerate((points[:half], points[half:])):
-            mw.run_multi_writer_episode(SEED, episode, stats, log=log, points=armed)
+        # Episode 0: the core's writers, the coordinator closes last; episode 1: writers are
+        # ShmSenderCache.join caches, the last writer process unlinks the segment.
+        for episode, (armed, layer) in enumerate(
+            ((points[:half], "store"), (points[half:], "cache"))
+        ):
+            mw.run_multi_writer_episode(SEED, episode, stats, log=log, points=armed, layer=layer)
     except OracleFailure:
         print("\n".join(log))
         raise
@@ -51,7 +55,7 @@ def test_every_crash_point_kills_a_writer_and_no_reader_sees_wrong_bytes() -> No
     assert stats.mw["slot_reused"] >= 1, summary  # a dead writer's slot was joined again
     assert stats.mw["episode_checks"] == 1, summary  # the episode the coordinator closed last
     # The writers raced: concurrent puts of one key, claims, hits, waits; readers resolved.
-    for what in ("put", "hit", "put_lost_race", "claimed", "claim_held", "verified"):
+    for what in ("put", "hit", "put_lost_race", "claimed", "claim_held", "verified", "handle"):
         assert stats.mw[what] > 0, f"{what} never happened:\n{summary}"
     assert stats.mw["handles_resolved"] > 100, summary
 
@@ -67,4 +71,4 @@ def test_the_oracle_catches_a_reader_that_gets_foreign_bytes(
 
     monkeypatch.setattr(mw, "expected_payload", wrong_for_k000)
     with pytest.raises(OracleFailure, match=r"\(a\).*k000"):
-        mw.run_multi_writer_episode(SEED, 2, FuzzStats(), points=[], fault_rate=0.0)
+        mw.run_multi_writer_episode(SEED, 2, FuzzStats(), points=[], layer="store")

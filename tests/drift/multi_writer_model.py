@@ -4,7 +4,10 @@ in each, while readers resolve every writer's handles, and writers die.
 Unlike the engine models this one is concurrent, not stepped: one episode is one store (a
 small ring, so puts keep evicting), 2-4 writer *positions* and 1-2 readers.  Each position
 runs a sequence of writer processes (:mod:`tests.drift.multi_writer_proc`, 2-3 threads each,
-joined with the store's ``WriterHandle``); every process but a position's last dies:
+joined with the store's ``WriterHandle``), at one of two layers: the core's ``ShmWriter``
+(``store``) or the engine's loop around ``ShmSenderCache.join`` (``cache``: ``is_cached`` with
+``claim``/``wait_s``, prompt updates stored with the item and checked on every hit, items of
+arrays).  Every process but a position's last dies:
 
 * ``crash:<point>``: armed with a crash point of the core (``_core.CRASH_POINTS``:
   ``MMCACHE_CRASH_POINT`` and a random ``MMCACHE_CRASH_AFTER``), it SIGKILLs itself there
@@ -24,15 +27,16 @@ its stdout) to every reader, a thread of the coordinator with its own reader slo
 Oracle:
 
 (a) every handle resolves to the truth for its key, bit for bit (or is stale after a clear);
-    a writer's ``read_stored`` and ``read_meta`` return the key's own bytes and metadata,
-    whichever writer put it;
+    a writer's ``read_stored`` and ``read_meta`` (``cache``: the prompt updates
+    ``get_and_update`` returns) are the key's own, whichever writer put it;
 (b) no hang: every wait is bounded; an episode that has not ended after ``hang_s`` dumps the
     writers' stacks (SIGUSR1, ``faulthandler``) and fails;
 (c) a replacement always joins, never in a slot a live writer holds; after the episode (every writer
     gone) the store holds no claim and no reservation, every object reads back whole, a clear
     gives back every reference and the ring fills three times over; the segment is gone from
     ``/dev/shm`` once every process has closed it (the coordinator closes last, or, in every
-    other episode, closes first and the last writer process unlinks it);
+    other episode, closes first and the last writer process unlinks it, once the readers
+    have read every handle: after the last writer, a reader gets ``WriterGoneError``);
 (d) nothing raises what the core must not (a writer's unexpected exception fails the run).
 
 The schedule (which position dies how, at which pass or after how long) is deterministic in
@@ -64,12 +68,17 @@ from mmcache._core import (
     ShmReader,
     ShmWriter,
     StaleHandleError,
+    pack_item,
 )
+from mmcache.prompt_updates import PromptUpdatesCodec
 from tests.drift.engine import OracleFailure
 from tests.drift.multi_writer_proc import (
     WriterConfig,
     expected_payload,
+    item,
+    item_matches,
     meta,
+    prompt_updates,
     read_frames,
 )
 from tests.drift.stats import FuzzStats
@@ -114,12 +123,13 @@ class EpisodePlan:
     coordinator_closes_first: bool
     positions: list[list[Incarnation]]
     seed: int
+    layer: str  # "store" (the core's writers) or "cache" (ShmSenderCache.join)
 
     def describe(self) -> list[str]:
         lines = [
             f"  ring {self.capacity // KiB} KiB, {self.n_readers} reader(s), {self.n_keys} "
             f"keys, {len(self.positions)} writer positions of {self.threads} threads, "
-            f"{self.ops_per_thread} ops a thread, coordinator closes "
+            f"{self.ops_per_thread} ops a thread, {self.layer} layer, coordinator closes "
             f"{'first' if self.coordinator_closes_first else 'last'}"
         ]
         for p, incarnations in enumerate(self.positions):
@@ -133,6 +143,7 @@ def plan_episode(
     *,
     points: Sequence[str] | None = None,
     fault_rate: float | None = None,
+    layer: str | None = None,
 ) -> EpisodePlan:
     """The episode's configuration and fault schedule.  ``points``: the crash points to arm,
     spread over the positions (default: a random draw from ``CRASH_POINTS``)."""
@@ -165,6 +176,7 @@ def plan_episode(
         coordinator_closes_first=episode % 2 == 1,
         positions=positions,
         seed=rng.randrange(2**32),
+        layer=layer if layer is not None else ("store", "cache")[episode // 2 % 2],
     )
 
 
@@ -179,6 +191,7 @@ class _Process:
     stderr: IO[bytes]
     forwarder: threading.Thread
     joined: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # lingering, ops done
     slot: int | None = None
     joined_at: float = 0.0
     # When it surely held its slot, by its own CLOCK_MONOTONIC stamps: from its join to the
@@ -217,6 +230,8 @@ class _Episode:
             for r in range(plan.n_readers)
         ]
         self.dead_slots: set[int] = set()  # slots a killed writer left
+        self.unread = 0  # handles forwarded to a reader and not resolved yet
+        self.released_last = False  # the lingering last writers were told to close
         # (slot, from, until, who): when each writer surely held its slot (_check_slots).
         self.held: list[tuple[int, float, float, str]] = []
         self.coordinator_slot = self.store.writer_slot
@@ -238,16 +253,26 @@ class _Episode:
         try:
             while (message := q.get()) is not None:
                 key, handle = message
+                copy = rng.random() < 0.5
                 try:
-                    got = reader.resolve(handle, key, copy=rng.random() < 0.5)
+                    if self.plan.layer == "cache":
+                        resolved = reader.resolve_item(handle, key, copy=copy)
+                        ok = item_matches(resolved, self.plan.seed, key, self.capacity)
+                        del resolved  # zero-copy views keep the object alive
+                    else:
+                        got = reader.resolve(handle, key, copy=copy)
+                        expected = expected_payload(self.plan.seed, key, self.capacity)
+                        ok = bytes(memoryview(got)) == expected
+                        del got
                 except StaleHandleError:  # a clear (or a killed clear) dropped it
                     with self.lock:
                         self.stats.mw["stale_handles"] += 1
                     continue
-                expected = expected_payload(self.plan.seed, key, self.capacity)
-                if bytes(memoryview(got)) != expected:
+                finally:
+                    with self.lock:
+                        self.unread -= 1
+                if not ok:
                     self.fail(f"(a) reader {r} resolved a handle of {key!r} to foreign bytes")
-                del got
                 with self.lock:
                     self.stats.mw["handles_resolved"] += 1
                     self.stats.items_checked += 1
@@ -278,6 +303,7 @@ class _Episode:
             wait_s=0.5,
             hold_s=0.05,
             linger=self.plan.coordinator_closes_first and spec.is_last,
+            layer=self.plan.layer,
         )
         # Closed when the process has exited (``_on_exit``, or the abort in ``run``).
         stderr = tempfile.TemporaryFile()  # noqa: SIM115
@@ -308,6 +334,8 @@ class _Episode:
         for message in read_frames(stdout):
             kind = message[0]
             if kind == "handle":
+                with self.lock:
+                    self.unread += len(self.queues)
                 for q in self.queues:
                     q.put((message[1], message[2]))
                 proc.held_until = message[3]
@@ -315,6 +343,8 @@ class _Episode:
                 self._joined(proc, message[1], message[2])
             elif kind == "closing":
                 proc.held_until = message[1]
+            elif kind == "done":
+                proc.done.set()
             elif kind == "counts":
                 with self.lock:
                     self.stats.mw.update(message[1])
@@ -400,9 +430,10 @@ class _Episode:
 
     def _maybe_close_coordinator(self) -> None:
         """In every other episode the coordinator leaves first, once every position runs its
-        last (clean) process, which waits for it: then the last writer process to close
-        unlinks the segment."""
-        if not self.plan.coordinator_closes_first or self.store is None:
+        last (clean) process, which waits for it; then, once those have done their work and
+        the readers have read every handle (after the last writer leaves, a reader gets
+        ``WriterGoneError``), the writer processes close: the last one unlinks the segment."""
+        if not self.plan.coordinator_closes_first or self.released_last:
             return
         if len(self.running) < len(self.plan.positions):
             return
@@ -410,13 +441,22 @@ class _Episode:
             last = proc.number + 1 == len(self.plan.positions[proc.position])
             if not last or not proc.joined.is_set():
                 return
-        self.held.append((self.coordinator_slot, self.start, time.monotonic(), "the coordinator"))
-        self.store.close()
-        self.store = None
-        self.note("coordinator closed its writer")
+        if self.store is not None:
+            self.held.append(
+                (self.coordinator_slot, self.start, time.monotonic(), "the coordinator")
+            )
+            self.store.close()
+            self.store = None
+            self.note("coordinator closed its writer")
+        with self.lock:
+            unread = self.unread
+        if unread or not all(proc.done.is_set() for proc in self.running.values()):
+            return
+        self.released_last = True
         for proc in self.running.values():
             assert proc.popen.stdin is not None
             proc.popen.stdin.close()
+        self.note("the last writers were told to close")
 
     def run(self) -> None:
         for t in self.reader_threads:
@@ -477,11 +517,18 @@ class _Episode:
             return
         u = self.plan.seed
         keys = store.keys()
+        codec = PromptUpdatesCodec()
         for key in keys:
             self.stats.checks += 2
-            if store.read_stored(key) != expected_payload(u, key, self.capacity):
+            if self.plan.layer == "cache":
+                payload = pack_item(item(u, key, self.capacity))
+                meta_ok = codec.decode(store.read_meta(key)) == prompt_updates(u, key)
+            else:
+                payload = expected_payload(u, key, self.capacity)
+                meta_ok = store.read_meta(key) == meta(u, key)
+            if store.read_stored(key) != payload:
                 self.fail(f"(a) {key!r} reads back other bytes after the episode")
-            if store.read_meta(key) != meta(u, key):
+            if not meta_ok:
                 self.fail(f"(a) {key!r} reads back other metadata after the episode")
         store.clear()  # gives back the references dead writers left owed
         if store.stats()["outstanding_refs"] != 0:
@@ -530,13 +577,16 @@ def run_multi_writer_episode(
     log: list[str] | None = None,
     points: Sequence[str] | None = None,
     fault_rate: float | None = None,
+    layer: str | None = None,
     hang_s: float = 120.0,
 ) -> None:
     """One episode of the ``multi_writer`` model (see the module's docstring); raises
     :class:`OracleFailure`.  The schedule is deterministic in ``(seed, episode)`` (and
-    ``points``, the crash points to arm; default: drawn at random)."""
+    ``points``, the crash points to arm; default: drawn at random).  ``layer``: what the
+    writers are, ``"store"`` (the core's ``ShmWriter``) or ``"cache"``
+    (``ShmSenderCache.join``); default: two episodes of each in turn."""
     rng = random.Random(f"{seed}:{episode}")
-    plan = plan_episode(rng, episode, points=points, fault_rate=fault_rate)
+    plan = plan_episode(rng, episode, points=points, fault_rate=fault_rate, layer=layer)
     log = log if log is not None else []
     log.append(f"episode {episode}: mode {MODE}")
     log.extend(plan.describe())

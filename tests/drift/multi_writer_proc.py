@@ -43,7 +43,17 @@ from mmcache._core import (
     part_offsets,
 )
 
-__all__ = ["WriterConfig", "expected_payload", "meta", "parts", "read_frames", "size_of"]
+__all__ = [
+    "WriterConfig",
+    "expected_payload",
+    "item",
+    "item_matches",
+    "meta",
+    "parts",
+    "prompt_updates",
+    "read_frames",
+    "size_of",
+]
 
 #: Item sizes, as fractions of the ring's capacity, and their weights: many small objects
 #: and a few large ones keep the small ring evicting; the last class exceeds
@@ -65,6 +75,7 @@ class WriterConfig:
     wait_s: float  # bound of every wait_for
     hold_s: float  # how long a "held claim" is held before its put
     linger: bool = False  # after its operations, wait for stdin's EOF before closing
+    layer: str = "store"  # "store": the core's ShmWriter; "cache": ShmSenderCache.join
 
 
 # -- the truth (shared with the coordinator) --------------------------------------------------
@@ -97,6 +108,31 @@ def expected_payload(universe: int, key: str, capacity: int) -> bytes:
 def meta(universe: int, key: str) -> bytes:
     """The metadata (prompt updates) stored with ``key``, whichever writer put it."""
     return f"prompt updates of {key} in {universe}".encode() * (1 + len(key) % 3)
+
+
+def item(universe: int, key: str, capacity: int) -> dict[str, Any]:
+    """Key ``key`` as an item (``cache`` layer): its two parts as arrays."""
+    import numpy as np  # only the cache layer pays for it
+
+    first, second = parts(universe, key, capacity)
+    return {"a": np.frombuffer(first, np.uint8), "b": np.frombuffer(second, np.uint8)}
+
+
+def item_matches(resolved: Any, universe: int, key: str, capacity: int) -> bool:
+    """Whether a resolved item is key ``key``'s, bit for bit."""
+    first, second = parts(universe, key, capacity)
+    return (
+        isinstance(resolved, dict)
+        and set(resolved) == {"a", "b"}
+        and all(str(resolved[k].dtype) == "uint8" for k in ("a", "b"))
+        and bytes(memoryview(resolved["a"])) == first
+        and bytes(memoryview(resolved["b"])) == second
+    )
+
+
+def prompt_updates(universe: int, key: str) -> dict[str, Any]:
+    """The prompt updates the engine gives with ``key`` (``cache`` layer; plain data)."""
+    return {"key": key, "universe": universe, "spans": [len(key), universe % 97]}
 
 
 def key_name(i: int) -> str:
@@ -279,6 +315,101 @@ class _Writer:
             raise SystemExit(3)
 
 
+class _CacheWriter(_Writer):
+    """The ``cache`` layer: the engine's loop around ``ShmSenderCache.join(writer_handle)``
+    (``is_cached`` with ``claim``/``wait_s``, touch, ``get_and_update``; on P0's own
+    ``CacheMissError`` the engine invalidates the request and retries it once with every
+    item's data).  Prompt updates must come back as the putting writer gave them, from any
+    writer; every handle goes to the readers."""
+
+    def __init__(self, config: WriterConfig, cache: Any, out: BinaryIO) -> None:
+        super().__init__(config, cache._store, out)
+        self.cache = cache
+
+    def request(self, rng: random.Random, keys: list[str], *, hold: bool = False) -> None:
+        from mmcache.errors import CacheMissError
+        from mmcache.items import ShmHandle
+
+        u, cache = self.config.universe, self.cache
+        claim = hold or rng.random() < self.claim_rate
+        wait_s = self.config.wait_s if rng.random() < 0.5 else 0.0
+        flags = cache.is_cached(keys, claim=claim, wait_s=wait_s)
+        if hold:  # compute for a while holding the claims (a SIGKILL may come now)
+            time.sleep(rng.uniform(0, self.config.hold_s))
+        for k in keys:
+            cache.touch_sender_cache_item(k)
+        inputs = [
+            None if f else (item(u, k, self.capacity), prompt_updates(u, k))
+            for f, k in zip(flags, keys, strict=True)
+        ]
+        try:
+            outputs = cache.get_and_update(inputs, keys)
+        except CacheMissError:  # cached when asked, gone since: the engine's one retry
+            cache.release_sender_touches()
+            self.count("p0_miss")
+            for k in dict.fromkeys(keys):
+                cache.invalidate(k)
+            for k in keys:
+                cache.touch_sender_cache_item(k)
+            outputs = cache.get_and_update(
+                [(item(u, k, self.capacity), prompt_updates(u, k)) for k in keys], keys
+            )
+        handles = []
+        for (data, updates), k in zip(outputs, keys, strict=True):
+            if updates != prompt_updates(u, k):
+                raise _Failure(f"(a) {k!r} came back with prompt updates {updates!r}")
+            if isinstance(data, ShmHandle):
+                handles.append((k, data))
+                self.count("handle")
+            elif not item_matches(data, u, k, self.capacity):
+                raise _Failure(f"(a) {k!r} was served uncached as another item")
+            else:
+                self.count("uncached")
+        if handles and rng.random() < 0.03:  # a rejected request: its references come back
+            cache.release_handles(h for _, h in handles)
+            self.count("released")
+            return
+        for k, h in handles:
+            self.send(k, h)
+
+    def run_thread(self, index: int) -> None:
+        config = self.config
+        rng = random.Random(f"{config.seed}:{index}")
+        n = config.n_keys
+        for _ in range(config.ops_per_thread):
+            keys = [
+                key_name(min(n - 1, int(rng.paretovariate(1.0)) - 1))
+                if rng.random() < 0.6
+                else key_name(rng.randrange(n))
+                for _ in range(rng.randint(1, 3))
+            ]
+            r = rng.random()
+            if r < 0.80:
+                self.request(rng, keys)
+            elif r < 0.88:
+                self.request(rng, keys, hold=True)
+            elif r < 0.95:
+                self.verify(keys[0])
+            elif r < 0.95 + self.clear_rate:
+                self.cache.clear_cache()
+                self.count("clear")
+            else:
+                self.cache.invalidate(keys[0])
+                self.count("invalidate")
+
+    def verify(self, key: str) -> None:
+        from mmcache._core import pack_item
+
+        try:
+            got = self.store.read_stored(key)
+        except KeyError:
+            self.count("verify_absent")
+            return
+        if got != pack_item(item(self.config.universe, key, self.capacity)):
+            raise _Failure(f"(a) read_stored({key!r}) returned bytes that are not its own")
+        self.count("verified")
+
+
 def main() -> int:
     # Frames go to the real stdout; anything printed goes to stderr.
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -286,14 +417,23 @@ def main() -> int:
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1)  # the coordinator's "you hang: where?"
     config: WriterConfig = pickle.load(sys.stdin.buffer)  # one frame: stdin stays open
-    store = ShmObjectStore.join(config.handle)
-    writer = _Writer(config, store, out)
+    writer: _Writer
+    if config.layer == "cache":
+        from mmcache.shm import ShmSenderCache
+
+        cache = ShmSenderCache.join(config.handle)
+        store: Any = cache
+        writer = _CacheWriter(config, cache, out)
+    else:
+        store = ShmObjectStore.join(config.handle)
+        writer = _Writer(config, store, out)
     # Timestamps on CLOCK_MONOTONIC (one clock for every process of the host) let the
     # coordinator order a join after another writer's close, whichever pipe it reads first.
-    write_frame(out, writer.lock, ("joined", store.writer_slot, time.monotonic()))
+    write_frame(out, writer.lock, ("joined", writer.store.writer_slot, time.monotonic()))
     try:
         writer.run()
         if config.linger:  # the coordinator says when to close (it left first)
+            write_frame(out, writer.lock, ("done",))
             sys.stdin.buffer.read()
     finally:
         write_frame(out, writer.lock, ("counts", writer.counts))
