@@ -34,23 +34,64 @@ Oracle, checked after every step (a failure raises :class:`~tests.drift.engine.O
 (d) nothing raises but :class:`~mmcache.CacheMissError`, and that only where a fault could
     have caused it.
 
+Mode ``multi_writer`` (:mod:`.multi_writer_model`) is concurrent rather than stepped: 2-4
+writer processes (:mod:`.multi_writer_proc`, threads in each) share one small ring and race
+on a small key space (concurrent puts of one key, claims and waits, evictions, invalidations,
+clears) while readers resolve every writer's handles; writers are SIGKILLed at each crash
+point of the core (``_core.CRASH_POINTS``) and at random moments (claim holders among them)
+and replaced by writers that join in the dead one's slot.  Its oracle is the same in kind:
+no wrong bytes or metadata ever, no hang (bounded waits, an episode deadline), no slot held
+twice, and after the episode a consistent store and no segment left in ``/dev/shm``.
+
 One module per concern: :mod:`.truth` (the items and their bit-exact fingerprints),
 :mod:`.engine` (:class:`EngineModel`: the engine's loop and the oracle), one model per mode
-(:mod:`.lru_model`, :mod:`.shm_model`, :mod:`.processor_only_model`, :mod:`.remote_model`),
+(:mod:`.lru_model`, :mod:`.shm_model`, :mod:`.processor_only_model`, :mod:`.remote_model`,
+:mod:`.multi_writer_model` with its writer process :mod:`.multi_writer_proc`),
 :mod:`.driver` (random episodes), :mod:`.stats` (what a run exercised).  The hypothesis
 state machines of ``tests/test_drift_fuzz.py`` drive the models; for long runs, from the
 repository root::
 
     python -m tests.drift --seconds 600 [--seed S] [--mode lru ...]
 
+(``--model`` is an alias of ``--mode``; every mode runs unless restricted.)
+
 It prints what it exercised and exits with status 1 on the first oracle failure, printing
 how to replay the failing episode (``--seed S --episode E``).
 """
 
-from tests.drift.driver import FAULTS, MODELS, MODES, make_model, run_episode
-from tests.drift.engine import EngineModel, OracleFailure
-from tests.drift.stats import FuzzStats
-from tests.drift.truth import Universe, fingerprint
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.drift.driver import FAULTS, MODELS, MODES, make_model, run_episode
+    from tests.drift.engine import EngineModel, OracleFailure
+    from tests.drift.stats import FuzzStats
+    from tests.drift.truth import Universe, fingerprint
+
+# Imported on first use (PEP 562): a writer process of the multi-writer model imports
+# ``tests.drift.multi_writer_proc``, which must not pay for torch and the engine models.
+_EXPORTS = {
+    "FAULTS": "driver",
+    "MODELS": "driver",
+    "MODES": "driver",
+    "make_model": "driver",
+    "run_episode": "driver",
+    "EngineModel": "engine",
+    "OracleFailure": "engine",
+    "FuzzStats": "stats",
+    "Universe": "truth",
+    "fingerprint": "truth",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "FAULTS",

@@ -33,7 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="seed (default: random)")
     parser.add_argument("--steps", type=int, default=400, help="operations per episode")
     parser.add_argument(
-        "--mode", choices=MODES, action="append", help="restrict to these modes (repeatable)"
+        "--mode",
+        "--model",
+        choices=MODES,
+        action="append",
+        help="restrict to these modes (repeatable; --model is an alias)",
     )
     parser.add_argument(
         "--episode", type=int, default=None, help="replay this one episode, printing each step"

@@ -1,5 +1,6 @@
 """Random episodes over the models: a fresh model of a random mode and configuration per
-episode, driven by random operations and faults; deterministic in ``(seed, episode)``."""
+episode, driven by random operations and faults; deterministic in ``(seed, episode)`` (the
+``multi_writer`` mode's schedule is; its processes' interleaving is not)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,25 @@ from typing import Any
 
 from tests.drift.engine import EngineModel
 from tests.drift.lru_model import LruModel
+from tests.drift.multi_writer_model import MODE as MULTI_WRITER
+from tests.drift.multi_writer_model import run_multi_writer_episode
 from tests.drift.processor_only_model import ProcessorOnlyModel
 from tests.drift.remote_model import RemoteModel
 from tests.drift.shm_model import ShmModel
 from tests.drift.stats import FuzzStats
 
-__all__ = ["FAULTS", "MODELS", "MODES", "make_model", "run_episode"]
+__all__ = ["ENGINE_MODES", "FAULTS", "MODELS", "MODES", "make_model", "run_episode"]
 
 KiB = 1 << 10
 
 MODELS: dict[str, type[EngineModel]] = {
     model.mode: model for model in (LruModel, ShmModel, ProcessorOnlyModel, RemoteModel)
 }
-MODES = tuple(MODELS)
+ENGINE_MODES = tuple(MODELS)
+"""The modes whose model is an :class:`EngineModel` (stepped, single process)."""
+MODES = (*ENGINE_MODES, MULTI_WRITER)
+"""Every mode: the engine models' and ``multi_writer`` (writer processes sharing one store,
+:mod:`tests.drift.multi_writer_model`)."""
 
 FAULTS: dict[str, tuple[str, ...]] = {mode: model.faults for mode, model in MODELS.items()}
 """Per mode, the faults :meth:`EngineModel.request` can inject (plus ``"none"``).  Two further
@@ -82,7 +89,7 @@ def run_episode(
     stats: FuzzStats,
     *,
     steps: int,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = ENGINE_MODES,
     log: list[str] | None = None,
     fault_rate: float | None = None,
     **model_options: Any,
@@ -91,9 +98,14 @@ def run_episode(
     operations.  ``fault_rate`` (by default drawn per episode, from fault-free to one
     request in three) is the share of requests that inject a fault; reorders and
     interleavings come at a tenth of it each.  Deterministic in ``(seed, episode)``; raises
-    :class:`OracleFailure` (or whatever the caches raised)."""
-    rng = random.Random(f"{seed}:{episode}")
+    :class:`OracleFailure` (or whatever the caches raised).  A ``multi_writer`` episode
+    (``modes`` includes it only when asked: it starts processes) takes neither ``steps`` nor
+    the engine models' options."""
     mode = modes[episode % len(modes)]
+    if mode == MULTI_WRITER:
+        run_multi_writer_episode(seed, episode, stats, log=log, fault_rate=fault_rate)
+        return
+    rng = random.Random(f"{seed}:{episode}")
     config = _episode_config(rng, mode)
     rate = rng.choice([0.0, 0.02, 0.1, 0.3]) if fault_rate is None else fault_rate
     if log is not None:

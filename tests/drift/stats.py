@@ -32,6 +32,7 @@ class FuzzStats:
     remote_misses: int = 0  # remote lookups that failed or did not verify (each a miss)
     faults: Counter[str] = field(default_factory=Counter)
     modes: Counter[str] = field(default_factory=Counter)
+    mw: Counter[str] = field(default_factory=Counter)  # multi_writer: what its writers did
 
     @property
     def total_faults(self) -> int:
@@ -53,4 +54,6 @@ class FuzzStats:
             f"remote tier: items served {self.remote_served}, failed or unverifiable lookups "
             f"{self.remote_misses}",
         ]
+        if self.mw:
+            lines.append(f"multi_writer: {dict(sorted(self.mw.items()))}")
         return "\n".join(lines)
