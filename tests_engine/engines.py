@@ -11,6 +11,7 @@ shows their end.  Every process records the caches it built (``probe.py``).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -20,8 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,7 +28,7 @@ import probe
 
 HERE = Path(__file__).resolve().parent
 
-START_DEADLINE_S = 900
+START_DEADLINE_S = 1800
 """Only stops a hung start: several engineers' jobs share this machine's two cores."""
 COMMAND_DEADLINE_S = 600
 EXIT_DEADLINE_S = 300
@@ -67,6 +66,8 @@ class ProcessTree:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             VLLM_CACHE_ROOT=str(directory / "vllm-cache"),
             VLLM_NO_USAGE_STATS="1",
+            # A connection a test keeps open stays with its API server between requests.
+            VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(COMMAND_DEADLINE_S),
             HF_HUB_OFFLINE="1",
             HF_HOME=str(directory / "hf-home"),
         )
@@ -208,20 +209,18 @@ class Server(ProcessTree):
     """vLLM's OpenAI-compatible API server for ``model`` with ``args`` (``vllm serve``'s
     flags) on a free loopback port, ready to answer.
 
-    It runs as ``python -m vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs:
-    vllm-cpu 0.32.0's ``vllm`` command itself dies before it parses anything, asking
-    ``importlib.metadata`` for the version of a distribution named ``vllm`` (vllm-cpu's is
-    named ``vllm-cpu``).
+    It runs as ``python serve_cli.py serve``: vLLM's own ``vllm`` command, which vllm-cpu
+    0.32.0's cannot run as it is (``serve_cli.py`` says why).  With ``--api-server-count N``
+    among ``args`` it is ready when one of them is.
     """
 
     def __init__(
         self, directory: Path, model: str, args: list[str], *, mmcache: bool, probe_path: Path
     ) -> None:
         self.model = model
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        port = self.url.rpartition(":")[2]
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-        argv += ["--host", "127.0.0.1", "--port", port, *args]
+        self.port = _free_port()
+        argv = [sys.executable, str(HERE / "serve_cli.py"), "serve", model]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         super().__init__(directory, argv, mmcache=mmcache, probe_path=probe_path)
         deadline = time.monotonic() + START_DEADLINE_S
         while not self._healthy():
@@ -235,34 +234,71 @@ class Server(ProcessTree):
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            with self.connect(timeout=5) as connection:
+                return connection.get("/health") == 200
+        except (ConnectionError, TimeoutError, http.client.HTTPException):
             return False
 
+    def connect(self, *, timeout: float = COMMAND_DEADLINE_S) -> Connection:
+        """A connection of its own (HTTP/1.1 keep-alive: one API server answers all its
+        requests); use it in a ``with`` block."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        return Connection(self, connection)
+
     def chat(self, content: list[dict[str, Any]], max_tokens: int) -> list[int]:
-        """The greedy token ids of one user message of ``content`` parts (OpenAI's)."""
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-        request = urllib.request.Request(
-            f"{self.url}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=COMMAND_DEADLINE_S) as response:
-                reply = json.load(response)
-        except urllib.error.HTTPError as exc:
-            raise self.fail(f"the server answered {exc.code}: {exc.read()!r}") from None
-        token_ids: list[int] = reply["choices"][0]["token_ids"]
-        return token_ids
+        """The greedy token ids of one user message of ``content`` parts (OpenAI's), on a
+        connection of its own."""
+        with self.connect() as connection:
+            return connection.chat(content, max_tokens)
+
+    def frontend_stats(self) -> dict[int, dict[str, int]]:
+        """Each API server's cache statistics, by pid (``probe.read_stats``)."""
+        return probe.read_stats(self.records_dir)
 
     def stop(self) -> int:
         """Ctrl-C (SIGINT) to the server; its exit status (the tree is killed if it hangs)."""
         self.process.send_signal(signal.SIGINT)
         return self.wait_exit()
+
+
+class Connection:
+    """One HTTP connection to a :class:`Server`, kept open between requests."""
+
+    def __init__(self, server: Server, connection: http.client.HTTPConnection) -> None:
+        self._server = server
+        self._connection = connection
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._connection.close()
+
+    def get(self, path: str) -> int:
+        """The status of ``GET path``."""
+        self._connection.request("GET", path)
+        with self._connection.getresponse() as response:
+            response.read()
+            return response.status
+
+    def chat(self, content: list[dict[str, Any]], max_tokens: int) -> list[int]:
+        """The greedy token ids of one user message of ``content`` parts (OpenAI's)."""
+        body = {
+            "model": self._server.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        self._connection.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with self._connection.getresponse() as response:
+            payload = response.read()
+            if response.status != 200:
+                raise self._server.fail(f"the server answered {response.status}: {payload!r}")
+        token_ids: list[int] = json.loads(payload)["choices"][0]["token_ids"]
+        return token_ids

@@ -4,7 +4,10 @@ vLLM calls :func:`register` in every process it starts (the frontend, the engine
 worker), as it calls mmcache's.  It wraps the factory each process builds its multimodal cache
 with, so that every cache built writes one JSON record into the directory named by
 ``MMCACHE_ENGINE_PROBE_DIR``: the process's role and pid, and the cache's class (and, for
-the frontend, the name of the ring it published).
+the frontend, the name of the ring it published).  A frontend's cache also keeps
+``stats-PID.json`` there up to date (:func:`read_stats`): its lookups and hits after each
+request it released, and how often it was cleared (vLLM clears it once, when its API server
+is up).
 
 :func:`write_entry_point` makes the plugin visible to a Python whose ``PYTHONPATH`` holds
 the directory it is given (and this file's): a ``.dist-info`` with the entry point, which
@@ -37,10 +40,40 @@ def _record(role: str, factory: str, cache: object) -> None:
     record = {"role": role, "pid": os.getpid(), "factory": factory, "cache": class_name(cache)}
     if role == "frontend":
         record["ring"] = published_ring()
-    path = directory / f"{role}-{os.getpid()}-{next(_records)}.json"
+    _write(directory / f"{role}-{os.getpid()}-{next(_records)}.json", record)
+    if role == "frontend" and cache is not None:
+        _keep_stats(cache, directory / f"stats-{os.getpid()}.json")
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    """``record`` as ``path``, whole or not at all (for readers in other processes)."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
     tmp.rename(path)
+
+
+def _keep_stats(cache: Any, path: Path) -> None:
+    """Rewrite ``path`` with ``cache``'s statistics after each request it releases and each
+    clear."""
+    clears = 0
+
+    def write() -> None:
+        hits, total = cache.make_stats()
+        _write(path, {"pid": os.getpid(), "hits": hits, "total": total, "clears": clears})
+
+    release, clear = cache.release_sender_touches, cache.clear_cache
+
+    def release_sender_touches() -> None:
+        release()
+        write()
+
+    def clear_cache() -> None:
+        nonlocal clears
+        clear()
+        clears += 1
+        write()
+
+    cache.release_sender_touches, cache.clear_cache = release_sender_touches, clear_cache
 
 
 def published_ring() -> str | None:
@@ -82,8 +115,19 @@ def register() -> None:
 
 
 def read_records(directory: Path) -> list[dict[str, Any]]:
-    """Every record the engine's processes wrote into ``directory``."""
-    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    """Every record of a cache built that the engine's processes wrote into ``directory``."""
+    return [
+        json.loads(p.read_text())
+        for p in sorted(directory.glob("*.json"))
+        if not p.name.startswith("stats-")
+    ]
+
+
+def read_stats(directory: Path) -> dict[int, dict[str, int]]:
+    """Each frontend's latest cache statistics in ``directory``, by pid: ``hits``, ``total``
+    (lookups) and ``clears``."""
+    stats = (json.loads(p.read_text()) for p in directory.glob("stats-*.json"))
+    return {record["pid"]: record for record in stats}
 
 
 def write_entry_point(directory: Path) -> None:

@@ -258,7 +258,7 @@ def test_an_invalidation_inside_a_request_waits_for_its_end(
 
 @on(ALL_CASES)
 def test_every_process_built_mmcaches_cache(run: Run) -> None:
-    check_every_process_built(run.records, run.case.mode, run.case.world_size, run.frontend_pid)
+    check_every_process_built(run.records, run.case.mode, run.case.world_size, [run.frontend_pid])
 
 
 @on(ALL_CASES)

@@ -154,20 +154,21 @@ def is_mmcache_class(qualified: str | None, expected: str | None) -> bool:
 
 
 def check_every_process_built(
-    records: list[dict[str, Any]], mode: str, world_size: int, frontend_pid: int
+    records: list[dict[str, Any]], mode: str, world_size: int, frontend_pids: list[int]
 ) -> None:
-    """The frontend, the engine core and ``world_size`` workers, each a process of its own,
-    built mmcache's cache of ``mode`` (vLLM's factories, mmcache's classes)."""
+    """The frontends (one per API server), the engine core and ``world_size`` workers, each a
+    process of its own, built mmcache's cache of ``mode`` (vLLM's factories, mmcache's
+    classes)."""
     expected = EXPECTED_CACHES[mode]
     by_role: dict[str, list[dict[str, Any]]] = {}
     for record in records:
         by_role.setdefault(record["role"], []).append(record)
     assert sorted(by_role) == ["engine_core", "frontend", "worker"]
-    assert [r["pid"] for r in by_role["frontend"]] == [frontend_pid]
+    assert sorted(r["pid"] for r in by_role["frontend"]) == sorted(frontend_pids)
     assert len(by_role["engine_core"]) == 1
     workers = {r["pid"] for r in by_role["worker"]}
     assert len(workers) == len(by_role["worker"]) == world_size
-    assert by_role["engine_core"][0]["pid"] not in workers | {frontend_pid}
+    assert by_role["engine_core"][0]["pid"] not in workers | set(frontend_pids)
     for role, role_records in by_role.items():
         for record in role_records:
             assert is_mmcache_class(record["cache"], expected[role]), record

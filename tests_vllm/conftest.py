@@ -34,6 +34,9 @@ collect_ignore = ["upstream"]
 def installed() -> Iterator[None]:
     """Every test runs with mmcache installed into vLLM and no ring published before it."""
     mmcache.vllm.install()
-    os.environ.pop(mmcache.vllm.READER_HANDLE_ENV, None)
+    published = (mmcache.vllm.READER_HANDLE_ENV, mmcache.vllm.WRITER_HANDLE_ENV)
+    for env in published:
+        os.environ.pop(env, None)
     yield
-    os.environ.pop(mmcache.vllm.READER_HANDLE_ENV, None)
+    for env in published:
+        os.environ.pop(env, None)

@@ -30,8 +30,12 @@ def vllm_config(
     world_size: int = 1,
     max_object_mb: int = 16,
     data_parallel_size: int = 1,
+    api_process_count: int = 1,
+    api_process_rank: int = 0,
 ) -> Any:
-    """A config whose cache factories pick ``mode`` (``processor_only``: through DP=2)."""
+    """A config whose cache factories pick ``mode`` (``processor_only``: through DP=2), of
+    API server ``api_process_rank`` among ``api_process_count`` (``-1``: their launcher and
+    engine core)."""
     shm_only = {"mm_shm_cache_max_object_size_mb": max_object_mb} if mode == "shm" else {}
     return VllmConfig(
         model_config=ModelConfig(
@@ -43,6 +47,8 @@ def vllm_config(
         parallel_config=ParallelConfig(
             tensor_parallel_size=world_size,
             data_parallel_size=2 if mode == "processor_only" else data_parallel_size,
+            _api_process_count=api_process_count,
+            _api_process_rank=api_process_rank,
         ),
     )
 

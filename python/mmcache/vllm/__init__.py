@@ -5,8 +5,9 @@ every process it starts, before it builds caches, and it calls :func:`install` o
 ``MMCACHE_VLLM=1``.  So this module is the entry point only: importing it and calling
 :func:`register` imports nothing of vLLM or torch, and cannot fail a vLLM that did not opt
 in.  :func:`install` checks vLLM's version (:data:`SUPPORTED_VLLM`), wraps two methods of
-vLLM's frontend (:mod:`mmcache.vllm.frontend`), then rebinds the five cache classes vLLM's
-factories build (install the extra: ``mmcache[vllm]``):
+vLLM's frontend (:mod:`mmcache.vllm.frontend`) and two of its engine launcher
+(:mod:`mmcache.vllm.launcher`), then rebinds the five cache classes vLLM's factories build
+and the function that picks their mode (install the extra: ``mmcache[vllm]``):
 
 * ``MultiModalProcessorOnlyCache``: :class:`MmcacheProcessorOnlyCache` (``ProcessorOnlyCache``)
 * ``LruKeyReplicatedSenderCache``: :class:`MmcacheLruSenderCache` (``SenderCache``)
@@ -21,8 +22,11 @@ The adapter's modules, each imported on first use of one of its names here
   vLLM's callers expect them;
 * ``wire``: vLLM items as mmcache items and back, handles as items vLLM's IPC carries,
   vLLM's item sizes;
-* ``publish``: P0's ``ReaderHandle`` in ``MMCACHE_VLLM_READER_HANDLE`` for the workers;
+* ``publish``: P0's ``ReaderHandle`` in ``MMCACHE_VLLM_READER_HANDLE`` for the workers (and
+  the launcher's ``WriterHandle`` in ``MMCACHE_VLLM_WRITER_HANDLE`` for several API servers);
 * ``sender``: P0's three caches and vLLM's request bracket;
+* ``prompt_codec``: vLLM's prompt updates as bytes, stored with each item of a shared ring;
+* ``launcher``: one ring for ``vllm serve --api-server-count N``'s API servers;
 * ``receiver``: P1's ``lru`` cache and the workers' ``shm`` cache;
 * ``factories``: the names :func:`install` rebinds;
 * ``frontend``: the methods of vLLM's frontend :func:`install` wraps, so that a request vLLM
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mmcache.vllm.errors import InvalidShmHandleError, StaleShmHandleError
     from mmcache.vllm.factories import REPLACEMENTS
-    from mmcache.vllm.publish import READER_HANDLE_ENV
+    from mmcache.vllm.publish import READER_HANDLE_ENV, WRITER_HANDLE_ENV
     from mmcache.vllm.receiver import (
         REPLAY_SHARE,
         MmcacheLruReceiverCache,
@@ -64,6 +68,7 @@ __all__ = [
     "REPLACEMENTS",
     "REPLAY_SHARE",
     "SUPPORTED_VLLM",
+    "WRITER_HANDLE_ENV",
     "InvalidShmHandleError",
     "MmcacheLruReceiverCache",
     "MmcacheLruSenderCache",
@@ -101,6 +106,7 @@ _LAZY = {
     "item_to_mmcache": "wire",
     "vllm_item_size": "wire",
     "READER_HANDLE_ENV": "publish",
+    "WRITER_HANDLE_ENV": "publish",
     "MmcacheProcessorOnlyCache": "sender",
     "MmcacheLruSenderCache": "sender",
     "MmcacheShmSenderCache": "sender",
@@ -133,6 +139,7 @@ def install() -> None:
     """
     _check_vllm_version()
     _load("frontend").wrap()
+    _load("launcher").wrap()
     _load("factories").rebind()
 
 

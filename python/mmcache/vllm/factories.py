@@ -4,23 +4,30 @@
 factory is called, so rebinding those names makes the frontend (P0), the engine core (P1)
 and every worker build mmcache-backed caches from vLLM's own factories, with no patch to
 vLLM.  vLLM's own classes stay importable from their modules.
+
+The factories also look up ``_get_cache_type``, which decides the mode of every process's
+cache: :func:`cache_type` answers ``shm`` where several API servers share one ring
+(:mod:`mmcache.vllm.launcher`), and vLLM's answer everywhere else.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.multimodal import cache as vllm_cache
 from vllm.multimodal.cache import factories as vllm_factories
 
+from mmcache.vllm.publish import WRITER_HANDLE_ENV
 from mmcache.vllm.receiver import MmcacheLruReceiverCache, MmcacheShmReceiverCache
 from mmcache.vllm.sender import (
     MmcacheLruSenderCache,
     MmcacheProcessorOnlyCache,
     MmcacheShmSenderCache,
+    shares_one_ring,
 )
 
-__all__ = ["REPLACEMENTS", "rebind"]
+__all__ = ["REPLACEMENTS", "cache_type", "rebind"]
 
 REPLACEMENTS: dict[str, type[Any]] = {
     "MultiModalProcessorOnlyCache": MmcacheProcessorOnlyCache,
@@ -31,11 +38,23 @@ REPLACEMENTS: dict[str, type[Any]] = {
 }
 """vLLM's cache class names and the classes :func:`rebind` binds to them."""
 
+_vllm_cache_type = vllm_factories._get_cache_type
+
+
+def cache_type(vllm_config: Any) -> Any:
+    """vLLM's ``_get_cache_type``, but ``shm`` for an engine whose API servers share one ring:
+    in every process that inherited the launcher's writer handle (the API servers, the
+    engine core, the workers), so they all agree (:mod:`mmcache.vllm.launcher`)."""
+    if WRITER_HANDLE_ENV in os.environ and shares_one_ring(vllm_config):
+        return "shm"
+    return _vllm_cache_type(vllm_config)
+
 
 def rebind() -> None:
     """Bind :data:`REPLACEMENTS` in ``vllm.multimodal.cache.factories`` (where the factories
     look them up) and in ``vllm.multimodal.cache`` (for code that imports them from there
-    afterwards).  Idempotent."""
+    afterwards), and :func:`cache_type` as the factories' ``_get_cache_type``.  Idempotent."""
     for module in (vllm_factories, vllm_cache):
         for name, cls in REPLACEMENTS.items():
             setattr(module, name, cls)
+    vllm_factories._get_cache_type = cache_type

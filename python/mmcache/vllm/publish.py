@@ -1,12 +1,17 @@
-"""How P0 tells the engine core and the workers where its ring is.
+"""How the process that makes the ring tells the others where it is.
 
 P0's shared-memory sender publishes its ``ReaderHandle`` (segment name, layout and signing
 secret) in the environment variable :data:`READER_HANDLE_ENV`, which the engine core and the
 workers inherit: vLLM builds P0's cache before it starts them, and a worker attaches in its
-cache's constructor.  A process's environment is readable by its own user only
-(``/proc/PID/environ`` is 0400), the same boundary the segment already has (mode 0600):
-whoever can read the secret there can read and write the segment anyway.  The secret is what
-keeps API clients from forging handles, and they never see it.
+cache's constructor.  With several API servers (``vllm serve --api-server-count N``) the
+launcher makes the ring before it starts any of them (:mod:`mmcache.vllm.launcher`) and
+publishes its ``WriterHandle`` in :data:`WRITER_HANDLE_ENV` too, by which each API server
+joins the ring as one of its writers.
+
+A process's environment is readable by its own user only (``/proc/PID/environ`` is 0400),
+the same boundary the segment already has (mode 0600): whoever can read the secret there can
+read and write the segment anyway.  The secret is what keeps API clients from forging
+handles, and they never see it; nothing here logs it.
 
 Imports nothing of vLLM or torch.
 """
@@ -15,52 +20,92 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
-from mmcache._core import ReaderHandle
+from mmcache._core import ReaderHandle, WriterHandle
 
-__all__ = ["READER_HANDLE_ENV", "publish", "published_handle", "withdraw"]
+__all__ = [
+    "READER_HANDLE_ENV",
+    "WRITER_HANDLE_ENV",
+    "publish",
+    "publish_writer",
+    "published_handle",
+    "published_writer_handle",
+    "withdraw",
+]
 
 READER_HANDLE_ENV = "MMCACHE_VLLM_READER_HANDLE"
 """Where P0's shared-memory sender publishes its ``ReaderHandle`` for the workers (JSON;
 empty when P0 runs without a ring)."""
 
+WRITER_HANDLE_ENV = "MMCACHE_VLLM_WRITER_HANDLE"
+"""Where the launcher of several API servers publishes the ring's ``WriterHandle`` for them
+(JSON; empty when it could not make a ring)."""
+
+_FIELDS = ("name", "capacity", "n_readers", "max_object_size", "layout_version")
+
+
+def _encode(handle: ReaderHandle | WriterHandle | None, extra: tuple[str, ...] = ()) -> str:
+    """``handle`` as the JSON of its fields (the secret in hex); ``""`` for ``None``."""
+    if handle is None:
+        return ""
+    fields: dict[str, Any] = {name: getattr(handle, name) for name in _FIELDS + extra}
+    fields["secret"] = handle.secret.hex()
+    return json.dumps(fields)
+
+
+def _decode(env: str, remedy: str) -> dict[str, Any] | None:
+    """The fields published in ``env``, ``None`` when published empty; ``RuntimeError``
+    naming ``remedy`` when nothing was published."""
+    value = os.environ.get(env)
+    if value is None:
+        raise RuntimeError(f"no shared-memory ring was published ({env} is not set): {remedy}")
+    if not value:
+        return None
+    fields: dict[str, Any] = json.loads(value)
+    fields["secret"] = bytes.fromhex(fields["secret"])
+    return fields
+
 
 def publish(handle: ReaderHandle | None) -> str:
     """Put ``handle`` (``None``: no ring) where child processes find it; returns the value."""
-    value = ""
-    if handle is not None:
-        value = json.dumps(
-            {
-                "name": handle.name,
-                "capacity": handle.capacity,
-                "n_readers": handle.n_readers,
-                "max_object_size": handle.max_object_size,
-                "layout_version": handle.layout_version,
-                "secret": handle.secret.hex(),
-            }
-        )
+    value = _encode(handle)
     os.environ[READER_HANDLE_ENV] = value
     return value
 
 
-def withdraw(value: str) -> None:
-    """Take back what :func:`publish` returned, unless something else was published since."""
-    if os.environ.get(READER_HANDLE_ENV) == value:
-        del os.environ[READER_HANDLE_ENV]
+def publish_writer(handle: WriterHandle | None) -> str:
+    """Put the writer handle ``handle`` (``None``: no ring) where the API servers find it;
+    returns the value."""
+    value = _encode(handle, ("max_writers",))
+    os.environ[WRITER_HANDLE_ENV] = value
+    return value
+
+
+def withdraw(value: str, env: str = READER_HANDLE_ENV) -> None:
+    """Take back what :func:`publish` (or, with :data:`WRITER_HANDLE_ENV`,
+    :func:`publish_writer`) returned, unless something else was published since."""
+    if os.environ.get(env) == value:
+        del os.environ[env]
 
 
 def published_handle() -> ReaderHandle | None:
     """The ``ReaderHandle`` P0 published, ``None`` when it runs without a ring;
     ``RuntimeError`` when nothing was published."""
-    value = os.environ.get(READER_HANDLE_ENV)
-    if value is None:
-        raise RuntimeError(
-            f"no shared-memory ring was published ({READER_HANDLE_ENV} is not set): the "
-            "frontend must run vLLM with mmcache too (MMCACHE_VLLM=1) and build its cache "
-            "before it starts the engine"
-        )
-    if not value:
-        return None
-    fields = json.loads(value)
-    fields["secret"] = bytes.fromhex(fields["secret"])
-    return ReaderHandle(**fields)
+    fields = _decode(
+        READER_HANDLE_ENV,
+        "the frontend must run vLLM with mmcache too (MMCACHE_VLLM=1) and build its cache "
+        "before it starts the engine",
+    )
+    return None if fields is None else ReaderHandle(**fields)
+
+
+def published_writer_handle() -> WriterHandle | None:
+    """The ``WriterHandle`` the launcher of several API servers published, ``None`` when it
+    made no ring; ``RuntimeError`` when nothing was published."""
+    fields = _decode(
+        WRITER_HANDLE_ENV,
+        "the launcher of the API servers (vllm serve --api-server-count N) must run with "
+        "mmcache too (MMCACHE_VLLM=1)",
+    )
+    return None if fields is None else WriterHandle(**fields)

@@ -36,12 +36,14 @@ from vllm.multimodal.cache.lru import LruKeyReplicatedSenderCache
 from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
 from vllm.utils.cache import CacheInfo as VllmCacheInfo
 
+from mmcache._core import WriterHandle
 from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache
 from mmcache.errors import ShmTooSmallError
 from mmcache.items import ShmHandle
 from mmcache.shm import ShmSenderCache
 from mmcache.vllm.errors import invalid_handle, vllm_errors
-from mmcache.vllm.publish import publish, withdraw
+from mmcache.vllm.prompt_codec import PROMPT_UPDATES_CODEC
+from mmcache.vllm.publish import publish, published_writer_handle, withdraw
 from mmcache.vllm.wire import (
     handle_as_item,
     handle_from_item,
@@ -56,7 +58,10 @@ __all__ = [
     "MmcacheProcessorOnlyCache",
     "MmcacheShmSenderCache",
     "capacity_gb",
+    "join_ring",
+    "make_ring",
     "rendering",
+    "shares_one_ring",
 ]
 
 logger = logging.getLogger(__name__)
@@ -260,40 +265,80 @@ class MmcacheLruSenderCache(_SenderAdapter, LruKeyReplicatedSenderCache):  # typ
         self._cache = KeysView(sender.keys)
 
 
+def shares_one_ring(vllm_config: VllmConfig) -> bool:
+    """Whether this is an engine whose several API servers share one ring: a multimodal
+    model with a ``shm`` processor cache, several API processes and one engine (what vLLM
+    itself serves processor-only, for want of one ring; see :mod:`mmcache.vllm.launcher`)."""
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if not model_config.supports_multimodal_inputs:
+        return False
+    mm_config = model_config.get_multimodal_config()
+    return bool(
+        mm_config.mm_processor_cache_gb > 0
+        and mm_config.mm_processor_cache_type == "shm"
+        and parallel._api_process_count > 1
+        and (parallel.data_parallel_size == 1 or parallel.data_parallel_external_lb)
+    )
+
+
+def make_ring(vllm_config: VllmConfig, *, max_writers: int = 1) -> ShmSenderCache | None:
+    """A ring of ``mm_processor_cache_gb`` with one reader slot per worker and
+    ``max_writers`` writer slots, this one included; ``None``, with one warning, when
+    ``/dev/shm`` cannot hold it."""
+    mm_config = vllm_config.model_config.get_multimodal_config()
+    size_gb = capacity_gb(vllm_config.model_config)
+    try:
+        return ShmSenderCache(
+            size_gb,
+            max_object_size_mb=mm_config.mm_shm_cache_max_object_size_mb,
+            n_readers=vllm_config.parallel_config.world_size,
+            max_writers=max_writers,
+            prompt_updates_codec=PROMPT_UPDATES_CODEC,
+        )
+    except ShmTooSmallError as exc:
+        logger.warning(
+            "mmcache: no shared-memory ring of %.4g GiB (%s); serving multi-modal items "
+            "through IPC with a processor-only cache instead. Give /dev/shm more room "
+            "(e.g. docker run --shm-size) or lower --mm-processor-cache-gb to use the "
+            "shared-memory cache.",
+            size_gb,
+            exc,
+        )
+        return None
+
+
+def join_ring(writer_handle: WriterHandle) -> ShmSenderCache:
+    """One more writer of the ring ``writer_handle`` names, whose prompt updates it reads."""
+    return ShmSenderCache.join(writer_handle, prompt_updates_codec=PROMPT_UPDATES_CODEC)
+
+
 class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type: ignore[misc]
-    """vLLM's P0 cache in ``shm`` mode, on :class:`ShmSenderCache`: the writer of a ring of
+    """vLLM's P0 cache in ``shm`` mode, on :class:`ShmSenderCache`: a writer of a ring of
     ``mm_processor_cache_gb`` with one reader slot per worker (``world_size``).
 
-    Builds the ring and publishes its ``ReaderHandle`` to the processes P0 starts later (see
-    :mod:`mmcache.vllm.publish`).  When ``/dev/shm`` cannot hold the ring it logs one warning
-    and runs as a :class:`ProcessorOnlyCache` instead (items then always travel with their
-    data and the workers pass them through): a small container never stops the frontend.
+    With one API server, P0 builds the ring and publishes its ``ReaderHandle`` to the
+    processes it starts later (see :mod:`mmcache.vllm.publish`).  With several
+    (``--api-server-count``), each joins, as one writer, the ring the launcher made for them
+    (see :mod:`mmcache.vllm.launcher`); their items and prompt updates are every server's.
+    When ``/dev/shm`` cannot hold the ring it logs one warning and runs as a
+    :class:`ProcessorOnlyCache` instead (items then always travel with their data and the
+    workers pass them through): a small container never stops the frontend.
     """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        mm_config = vllm_config.model_config.get_multimodal_config()
         self.world_size = vllm_config.parallel_config.world_size
-        size_gb = capacity_gb(vllm_config.model_config)
-        try:
-            ring: ShmSenderCache | None = ShmSenderCache(
-                size_gb,
-                max_object_size_mb=mm_config.mm_shm_cache_max_object_size_mb,
-                n_readers=self.world_size,
-            )
-        except ShmTooSmallError as exc:
-            logger.warning(
-                "mmcache: no shared-memory ring of %.4g GiB (%s); serving multi-modal items "
-                "through IPC with a processor-only cache instead. Give /dev/shm more room "
-                "(e.g. docker run --shm-size) or lower --mm-processor-cache-gb to use the "
-                "shared-memory cache.",
-                size_gb,
-                exc,
-            )
-            ring = None
+        self._published = ""
+        if shares_one_ring(vllm_config):
+            writer_handle = published_writer_handle()
+            ring = None if writer_handle is None else join_ring(writer_handle)
+        else:
+            ring = make_ring(vllm_config)
+            self._published = publish(None if ring is None else ring.handle())
         self._ring = ring
+        size_gb = capacity_gb(vllm_config.model_config)
         self._adopt(ring or ProcessorOnlyCache(size_gb, getsizeof=vllm_item_size))
         self._shm_cache = self._sender
-        self._published = publish(None if ring is None else ring.handle())
 
     @property
     def ring(self) -> ShmSenderCache | None:
@@ -345,6 +390,7 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
             self._ring.clear_cache(keep_in_flight=True)
 
     def close(self) -> None:
-        """Close the ring (unlinking the segment) and withdraw what was published."""
+        """Leave the ring (the last writer to leave unlinks the segment) and withdraw what
+        was published."""
         withdraw(self._published)
         self._sender.close()

@@ -1,0 +1,112 @@
+"""``vllm serve --api-server-count N``: the N API servers share one ring.
+
+vLLM 0.32 and 0.33 launch several API servers the same way
+(``vllm.entrypoints.cli.serve.run_multi_api_server``): the launcher process builds the engine
+config (``_api_process_count = N``, ``_api_process_rank = -1``), starts the engine core
+(``launch_core_engines``, through a ``CoreEngineProcManager``; the core starts the workers,
+which build their caches as they start), then the N API servers (``APIServerProcessManager``,
+``spawn``; each builds its renderer's processor cache), and at the end shuts the API servers
+down first, then the engine core.  vLLM itself gives each API server a processor-only cache
+there (``_get_cache_type`` wants one API process), since nothing could tell the workers of N
+separate rings.
+
+With mmcache, when that is the only reason (``shm`` asked for, one engine:
+:func:`~mmcache.vllm.sender.shares_one_ring`), the launcher makes the ring, with one reader
+slot per worker and ``N + 1`` writer slots, as it starts the engine core (before any process
+that needs it exists), and publishes its reader handle for the workers and its writer handle
+for the API servers (:mod:`mmcache.vllm.publish`).  Each API server joins it as a writer
+(:class:`~mmcache.vllm.sender.MmcacheShmSenderCache`), and ``_get_cache_type`` answers
+``shm`` in every process that inherited the writer handle
+(:func:`mmcache.vllm.factories.cache_type`), so the workers read what any API server wrote.
+The launcher keeps its own writer slot, which it never writes through, for the life of the
+engine: the segment then outlives any one API server, and the last writer to leave unlinks it
+(the launcher, as it shuts the engine core down after the API servers, or at its exit).  A
+tree killed with SIGKILL leaves it to ``mmcache prune`` (or the next store's creation).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.engine.utils import CoreEngineProcManager
+
+from mmcache.vllm.publish import (
+    WRITER_HANDLE_ENV,
+    publish,
+    publish_writer,
+    withdraw,
+)
+from mmcache.vllm.sender import make_ring, shares_one_ring
+
+__all__ = ["open_ring", "wrap"]
+
+_ORIGINAL = "__mmcache_original__"
+_RING_FINALIZER = "_mmcache_ring_finalizer"
+
+
+def open_ring(vllm_config: VllmConfig) -> Callable[[], None]:
+    """Make the ring of the API servers about to start and publish its handles (a ring of
+    ``mm_processor_cache_gb`` with one reader slot per worker and a writer slot per API
+    server plus the caller's); the function that closes it and withdraws them."""
+    ring = make_ring(vllm_config, max_writers=vllm_config.parallel_config._api_process_count + 1)
+    published = publish(None if ring is None else ring.handle())
+    published_writer = publish_writer(None if ring is None else ring.writer_handle())
+
+    def close() -> None:
+        withdraw(published)
+        withdraw(published_writer, WRITER_HANDLE_ENV)
+        if ring is not None:
+            ring.close()
+
+    return close
+
+
+def _start(original: Callable[..., None]) -> Callable[..., None]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        vllm_config = signature.bind(self, *args, **kwargs).arguments["vllm_config"]
+        # Only the launcher of several API servers starts an engine core with rank -1.
+        if not (
+            shares_one_ring(vllm_config) and vllm_config.parallel_config._api_process_rank == -1
+        ):
+            original(self, *args, **kwargs)
+            return
+        close = open_ring(vllm_config)
+        try:
+            original(self, *args, **kwargs)
+        except BaseException:
+            close()
+            raise
+        # Closed by shutdown() (after the API servers'), or at the latest at exit.
+        setattr(self, _RING_FINALIZER, weakref.finalize(self, close))
+
+    return __init__
+
+
+def _shutdown(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            if (finalizer := getattr(self, _RING_FINALIZER, None)) is not None:
+                finalizer()
+
+    return shutdown
+
+
+def wrap() -> None:
+    """Wrap ``CoreEngineProcManager``'s constructor and ``shutdown`` (idempotent)."""
+    for name, wrapper in (("__init__", _start), ("shutdown", _shutdown)):
+        method = getattr(CoreEngineProcManager, name)
+        if not hasattr(method, _ORIGINAL):
+            wrapped = wrapper(method)
+            setattr(wrapped, _ORIGINAL, method)
+            setattr(CoreEngineProcManager, name, wrapped)

@@ -1,0 +1,157 @@
+"""Several API servers on one ring (``vllm serve --api-server-count N``), in one process:
+the launcher's ring, the API servers' joined writers, a worker reading what either wrote, and
+vLLM's prompt updates stored with the items (``mmcache.vllm.prompt_codec``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.multimodal.cache import (
+    engine_receiver_cache_from_config,
+    processor_cache_from_config,
+    worker_receiver_cache_from_config,
+)
+from vllm.multimodal.cache import factories as vllm_factories
+from vllm.multimodal.processing.processor import (
+    PromptIndexTargets,
+    PromptInsertion,
+    PromptReplacement,
+    PromptUpdateDetails,
+    apply_token_matches,
+    find_mm_placeholders,
+)
+
+import mmcache.vllm as mv
+from mmcache.vllm import launcher, prompt_codec
+from mmcache.vllm.publish import published_handle
+from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+
+LOCK = object()
+IMAGE, START, END = 7, 1, 2
+
+
+def config(rank: int) -> Any:
+    """The config of API server ``rank`` of two (``-1``: their launcher and engine core)."""
+    return vllm_config("shm", 4 * MiB, api_process_count=2, api_process_rank=rank)
+
+
+def prompt_updates() -> dict[str, list[list[Any]]]:
+    """Prompt updates of two images as vLLM's processors resolve them: content whose
+    ``is_embed`` is a closure, and targets that are closures (``PromptIndexTargets``)."""
+    replacement = PromptReplacement(
+        "image",
+        target=[IMAGE],
+        replacement=lambda i: PromptUpdateDetails.select_token_id(
+            [START] + [IMAGE] * (i + 2) + [END], IMAGE
+        ),
+    )
+    insertion = PromptInsertion(
+        "image",
+        target=PromptIndexTargets.prefix([START]),
+        insertion=lambda i: PromptUpdateDetails.select_token_ids([9, IMAGE, 9], [IMAGE]),
+    )
+    return {"image": [[replacement.resolve(i), insertion.resolve(i)] for i in range(2)]}
+
+
+def placeholders(updates: dict[str, list[list[Any]]], prompt: list[int]) -> list[Any]:
+    found = find_mm_placeholders(prompt, updates)["image"]
+    return [(p.item_idx, p.start_idx, p.tokens, p.is_embed.tolist()) for p in found]
+
+
+# -- prompt updates ----------------------------------------------------------------------------
+
+
+def test_prompt_updates_need_the_codec() -> None:
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(prompt_updates())
+
+
+def test_decoded_prompt_updates_update_prompts_as_vllms_own() -> None:
+    original = prompt_updates()
+    decoded = prompt_codec.loads(prompt_codec.dumps(original))
+    prompt = [START, 5, IMAGE, 6, IMAGE, 8]
+    assert apply_token_matches(prompt, decoded) == apply_token_matches(prompt, original)
+    updated, _ = apply_token_matches(prompt, original)
+    assert placeholders(decoded, updated) == placeholders(original, updated)
+    assert placeholders(original, updated)  # the updated prompt has placeholders to find
+    inserted = [START, 9, IMAGE, 9, 3]
+    target = decoded["image"][0][1].target
+    assert target.get_match_index(inserted) == original["image"][0][1].target.get_match_index(
+        inserted
+    )
+
+
+def test_a_decoded_is_embed_gives_its_mask_for_its_own_tokens_only() -> None:
+    details = PromptUpdateDetails.select_token_id([START, IMAGE, IMAGE, END], IMAGE)
+    decoded = prompt_codec.loads(prompt_codec.dumps(details))
+    assert isinstance(decoded.is_embed, prompt_codec.PrecomputedMask)
+    mask = decoded.is_embed(decoded.full)
+    assert torch.equal(mask, details.is_embed(details.full))
+    mask[0] = True  # each call's mask is the caller's own
+    assert not decoded.is_embed(decoded.full)[0]
+    with pytest.raises(ValueError, match="other tokens"):
+        decoded.is_embed([IMAGE])
+    plain = PromptUpdateDetails.from_seq([IMAGE])
+    assert prompt_codec.loads(prompt_codec.dumps(plain)) == plain
+
+
+# -- one ring, several API servers -------------------------------------------------------------
+
+
+def test_without_the_launchers_ring_vllm_serves_processor_only() -> None:
+    # Looked up where the factories look it up: mmcache rebinds it there.
+    assert vllm_factories._get_cache_type(config(0)) == "processor_only"
+    close = launcher.open_ring(config(-1))
+    try:
+        assert {vllm_factories._get_cache_type(config(rank)) for rank in (-1, 0, 1)} == {"shm"}
+    finally:
+        close()
+    assert mv.WRITER_HANDLE_ENV not in os.environ
+
+
+def test_api_servers_hit_what_the_other_put_and_workers_read_it() -> None:
+    close = launcher.open_ring(config(-1))
+    published = published_handle()
+    assert published is not None
+    ring = Path("/dev/shm") / published.name
+    servers = [processor_cache_from_config(config(rank)) for rank in (0, 1)]
+    worker = worker_receiver_cache_from_config(config(-1), LOCK)
+    try:
+        assert all(type(s) is mv.MmcacheShmSenderCache for s in servers)
+        assert engine_receiver_cache_from_config(config(-1)) is None
+        first, second = servers
+        assert first.ring is not None and second.ring is not None
+        assert first.ring.name == second.ring.name == published.name
+        item, updates = kwargs_item(1), prompt_updates()["image"][0]
+
+        assert first.is_cached(["a"]) == [False]
+        first.touch_sender_cache_item("a")
+        put, _ = first.get_and_update_item((item, updates), "a")
+        first.release_sender_touches()
+
+        assert second.is_cached(["a"]) == [True]
+        second.touch_sender_cache_item("a")
+        hit, hit_updates = second.get_and_update_item(None, "a")
+        second.release_sender_touches()
+
+        prompt = [START, IMAGE, 4]
+        assert apply_token_matches(prompt, {"image": [hit_updates]}) == apply_token_matches(
+            prompt, {"image": [updates]}
+        )
+        features = [feature(put, "a"), feature(hit, "a")]
+        worker.get_and_update_features(features)
+        assert all(same_item(item, f.data) for f in features)
+        assert second.make_stats().hits == 1 and first.make_stats().hits == 0
+    finally:
+        worker._shm_cache.close()
+        for server in servers:
+            server.close()
+    # The launcher's writer slot keeps the ring after every API server left.
+    assert ring.exists()
+    close()
+    assert not ring.exists()
