@@ -17,6 +17,8 @@ Commands (``op``):
   engine core reported missing, from the event loop, while the renderer's thread may be
   processing a request).  Also answers ``invalidated`` (those hashes) and ``still_cached``
   (whether the frontend's cache held each after the call).
+* ``generate_stepped``: ``requests`` added, stepped and aborted one engine step at a time
+  (see :func:`generate_stepped`): for preemption and aborts.
 * ``reset_engine_cache``: clear the caches of the engine core and the workers, not the
   frontend's (``reset_mm_cache`` of the engine-core client): the frontend's view of them
   drifts.
@@ -31,6 +33,7 @@ A command that raises answers ``error`` with the traceback, and the process goes
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -86,6 +89,71 @@ def invalidating_after_first_lookup(cache: Any) -> list[str]:
     return invalidated
 
 
+def generate_stepped(llm: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """``requests`` through the engine one step at a time (``LLMEngine``'s ``add_request``,
+    ``step``, ``abort_request``: the engine core gets the abort as from ``AsyncLLM.abort``).
+
+    Each request: ``prompt``, ``max_tokens``, optional ``priority``; ``start_after``
+    ``[i, n]`` adds it once request ``i`` has ``n`` tokens (or finished), else it is added
+    first; ``abort_after`` ``n`` aborts it once it has ``n`` tokens (``0``: as soon as it is
+    added, before the engine core can have scheduled it behind the requests running).
+    Answers each request's ``request_ids`` (the frontend's), ``token_ids``,
+    ``finish_reasons`` and ``tokens_at_abort``."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    call = next(_stepped)
+    ids = [f"stepped-{call}-{i}" for i in range(len(requests))]
+    tokens: list[list[int]] = [[] for _ in requests]
+    reasons: list[str | None] = [None] * len(requests)
+    added: set[int] = set()
+    aborted: dict[int, int] = {}
+
+    def done(i: int) -> bool:
+        return reasons[i] is not None or i in aborted
+
+    def add_ready() -> None:
+        for i, spec in enumerate(requests):
+            after = spec.get("start_after")
+            if i in added or (after and not (done(after[0]) or len(tokens[after[0]]) >= after[1])):
+                continue
+            # The tiny models' end-of-text token would end a request before its preemption.
+            params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+            engine.add_request(
+                ids[i], media(spec["prompt"]), params, priority=spec.get("priority", 0)
+            )
+            added.add(i)
+
+    def abort_ready() -> None:
+        for i, spec in enumerate(requests):
+            limit = spec.get("abort_after")
+            if i in added and not done(i) and limit is not None and len(tokens[i]) >= limit:
+                engine.abort_request([ids[i]])
+                aborted[i] = len(tokens[i])
+
+    add_ready()
+    abort_ready()
+    while not all(done(i) for i in range(len(requests))):
+        for output in engine.step():
+            i = ids.index(output.request_id)
+            if i in aborted:
+                continue
+            tokens[i] = list(output.outputs[0].token_ids)
+            if output.finished:
+                reasons[i] = output.outputs[0].finish_reason
+        add_ready()
+        abort_ready()
+    return {
+        "request_ids": ids,
+        "token_ids": tokens,
+        "finish_reasons": reasons,
+        "tokens_at_abort": [aborted.get(i) for i in range(len(requests))],
+    }
+
+
+_stepped = itertools.count()
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
     replies = os.fdopen(os.dup(1), "w", buffering=1)
@@ -121,6 +189,8 @@ def main() -> None:
                 if op == "generate_invalidating":
                     reply["invalidated"] = invalidated
                     reply["still_cached"] = [cache.is_cached_item(h) for h in invalidated]
+            elif op == "generate_stepped":
+                reply = generate_stepped(llm, command["requests"])
             elif op == "reset_engine_cache":
                 llm.llm_engine.engine_core.reset_mm_cache()
                 reply = {}

@@ -7,7 +7,8 @@ with, so that every cache built writes one JSON record into the directory named 
 the frontend, the name of the ring it published).  A frontend's cache also keeps
 ``stats-PID.json`` there up to date (:func:`read_stats`): its lookups and hits after each
 request it released, and how often it was cleared (vLLM clears it once, when its API server
-is up).
+is up).  It also records, in ``events/`` there, each request the scheduler preempts and the
+requests each step gives a worker's cache.
 
 :func:`write_entry_point` makes the plugin visible to a Python whose ``PYTHONPATH`` holds
 the directory it is given (and this file's): a ``.dist-info`` with the entry point, which
@@ -76,6 +77,53 @@ def _keep_stats(cache: Any, path: Path) -> None:
     cache.release_sender_touches, cache.clear_cache = release_sender_touches, clear_cache
 
 
+def _record_event(event: str, request_ids: list[str]) -> None:
+    """One event of this process (a preemption, a worker given requests), in ``events/``."""
+    directory = Path(os.environ[PROBE_DIR_ENV]) / "events"
+    directory.mkdir(exist_ok=True)
+    record = {"event": event, "pid": os.getpid(), "request_ids": request_ids}
+    path = directory / f"{event}-{os.getpid()}-{next(_records)}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.rename(path)
+
+
+def _watch_preemptions(scheduler: type) -> None:
+    """Record each request the engine core's scheduler preempts."""
+    original = scheduler._preempt_request  # type: ignore[attr-defined]
+    if getattr(original, "_probed", False):
+        return
+
+    @functools.wraps(original)
+    def preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _record_event("preempted", [request.request_id])
+        return original(self, request, *args, **kwargs)
+
+    preempt_request._probed = True  # type: ignore[attr-defined]
+    scheduler._preempt_request = preempt_request  # type: ignore[attr-defined]
+
+
+def _watch_deliveries(wrapper: type) -> None:
+    """Record the requests with multimodal data each step gives a worker's cache."""
+    original = wrapper._apply_mm_cache  # type: ignore[attr-defined]
+    if getattr(original, "_probed", False):
+        return
+
+    @functools.wraps(original)
+    def apply_mm_cache(self: Any, scheduler_output: Any) -> Any:
+        given = [
+            r.req_id
+            for r in scheduler_output.scheduled_new_reqs
+            if any(f.data is not None for f in r.mm_features or ())
+        ]
+        if given:
+            _record_event("delivered", given)
+        return original(self, scheduler_output)
+
+    apply_mm_cache._probed = True  # type: ignore[attr-defined]
+    wrapper._apply_mm_cache = apply_mm_cache  # type: ignore[attr-defined]
+
+
 def published_ring() -> str | None:
     """The name of the ring this process's frontend cache published (``None``: none)."""
     from mmcache.vllm import READER_HANDLE_ENV
@@ -106,12 +154,15 @@ def register() -> None:
     if PROBE_DIR_ENV not in os.environ:
         return
     from vllm.renderers import base as renderer
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import core as engine_core
     from vllm.v1.worker import worker_base
 
     _wrap(renderer, "processor_cache_from_config", "frontend")
     _wrap(engine_core, "engine_receiver_cache_from_config", "engine_core")
     _wrap(worker_base, "worker_receiver_cache_from_config", "worker")
+    _watch_preemptions(Scheduler)
+    _watch_deliveries(worker_base.WorkerWrapperBase)
 
 
 def read_records(directory: Path) -> list[dict[str, Any]]:
@@ -128,6 +179,13 @@ def read_stats(directory: Path) -> dict[int, dict[str, int]]:
     (lookups) and ``clears``."""
     stats = (json.loads(p.read_text()) for p in directory.glob("stats-*.json"))
     return {record["pid"]: record for record in stats}
+
+
+def read_events(directory: Path, event: str) -> list[str]:
+    """The request ids of the ``event``s the engine's processes recorded in ``directory``,
+    one per request and event (a request preempted twice is there twice)."""
+    paths = sorted((directory / "events").glob(f"{event}-*.json"))
+    return [rid for path in paths for rid in json.loads(path.read_text())["request_ids"]]
 
 
 def write_entry_point(directory: Path) -> None:

@@ -30,7 +30,10 @@ The adapter's modules, each imported on first use of one of its names here
 * ``receiver``: P1's ``lru`` cache and the workers' ``shm`` cache;
 * ``factories``: the names :func:`install` rebinds;
 * ``frontend``: the methods of vLLM's frontend :func:`install` wraps, so that a request vLLM
-  rejects after rendering it gives its handles back.
+  rejects after rendering it gives its handles back;
+* ``aborts``: the methods of vLLM's scheduler and workers :func:`install` wraps, so that a
+  request the engine core finishes before a worker read it (an abort) gives its handles
+  back.
 """
 
 from __future__ import annotations
@@ -140,6 +143,7 @@ def install() -> None:
     _check_vllm_version()
     _load("frontend").wrap()
     _load("launcher").wrap()
+    _load("aborts").wrap()
     _load("factories").rebind()
 
 

@@ -12,8 +12,9 @@ for the requests vLLM replays.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import cachetools
@@ -25,6 +26,7 @@ from vllm.utils.platform_utils import is_pin_memory_available
 from mmcache import pinning
 from mmcache._core import ReaderHandle
 from mmcache.caches import ReceiverCache
+from mmcache.errors import StaleHandleError
 from mmcache.items import Feature, ShmHandle, item_size
 from mmcache.shm import ShmReceiverCache
 from mmcache.vllm.errors import (
@@ -114,6 +116,12 @@ class _VllmShmReader(ShmReceiverCache):
             self._leases[lease] = views
         return item_from_mmcache(views, pin_memory=self._pin_memory)
 
+    def give_back(self, handle: ShmHandle, mm_hash: str) -> None:
+        """Give back this reader's reference of a handle never delivered to it: read it
+        without decoding (a miss: it was reclaimed, there is nothing to give back)."""
+        with contextlib.suppress(StaleHandleError):
+            self._store.resolve(handle, mm_hash, copy=False)
+
     def clear_cache(self) -> None:
         """Let the objects kept for replays go."""
         self._leases.clear()
@@ -153,6 +161,8 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
                 lease_bytes=handle.capacity // REPLAY_SHARE,
             )
         self._shm_cache = self._reader
+        self._delivered: set[str] = set()
+        """The requests scheduled to this worker that have not finished."""
 
     def _incoming(self, data: Any, mm_hash: str) -> Any:
         """A feature's data as the reader takes it: handle items become handles."""
@@ -197,6 +207,28 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
             return incoming
         with vllm_errors(StaleShmHandleError):
             return self._reader.get_and_update_item(incoming, mm_hash)
+
+    def settle_requests(
+        self,
+        *,
+        delivered: Iterable[str],
+        unread: Mapping[str, list[Any]],
+        finished: Iterable[str],
+    ) -> None:
+        """One step's requests (:mod:`mmcache.vllm.aborts`): those ``delivered`` to this
+        worker (it read their handles); the handle features of requests the engine core
+        finished, ``unread`` if never delivered here, whose references are given back now;
+        the ``finished`` ones, forgotten."""
+        self._delivered.update(delivered)
+        for request_id, features in unread.items():
+            if request_id in self._delivered or self._reader is None:
+                continue
+            for feature in features:
+                mm_hash = feature.mm_hash or feature.identifier
+                incoming = self._incoming(feature.data, mm_hash)
+                if isinstance(incoming, ShmHandle):
+                    self._reader.give_back(incoming, mm_hash)
+        self._delivered.difference_update(finished)
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
         """Nothing to do: P0 took the references, reading gives them back."""
