@@ -83,7 +83,10 @@ impl Writer {
         let total = usize::try_from(layout.total_len())
             .map_err(|_| Error::InvalidArgument("capacity too large for this host".into()))?;
         super::remove_orphans(); // what dead creators left goes first (SPEC §5, guarantee 10)
-        let seg = Segment::create(&name, total, WRITER_LOCK)?;
+        // The header and the slot tables are read by every process from the start; the key
+        // index and the ring are reserved in the background and by the puts that need them.
+        let eager = usize::try_from(layout.bucket_offset(0)).unwrap_or(total);
+        let seg = Segment::create(&name, total, WRITER_LOCK, eager)?;
         let liveness = if seg.holds_locks() {
             Liveness::Locks
         } else {
@@ -644,7 +647,13 @@ impl Writer {
             return Ok(());
         }
         loop {
-            let lock = self.lock()?;
+            let lock = match self.lock() {
+                Ok(lock) => lock,
+                // The key index could not be reserved (tmpfs is full), so no writer ever
+                // took the lock (which reserves it first): this one holds no claim, no block.
+                Err(Error::ShmTooSmall { .. }) => break,
+                Err(e) => return Err(e),
+            };
             if !self.holds_anything(&lock)? {
                 self.drop_claims(&lock)?;
                 break;
