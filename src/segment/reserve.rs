@@ -239,6 +239,7 @@ pub(super) fn start_background(fd: &OwnedFd, len: usize, from: usize) -> Result<
     let spawned = std::thread::Builder::new()
         .name("mmcache-reserve".into())
         .spawn(move || {
+            super::os::lower_thread_priority();
             if let Some(d) = delay {
                 std::thread::sleep(d);
             }
