@@ -256,18 +256,18 @@ def bench_create(nbytes: int, n: int) -> dict[str, float]:
     mmcache's background reservation stop), so no creation pays for another's teardown."""
     times: dict[str, list[float]] = {"vllm": [], "core": []}
     for _ in range(n):
-        for system in times:
+        for system, samples in times.items():
             gc.collect()
             time.sleep(0.3)
             start = time.perf_counter()
             if system == "vllm":
                 ring = SingleWriterShmRingBuffer(nbytes, create=True)
                 SingleWriterShmObjectStorage(2 * MiB, 1, ring, MsgpackSerde)
-                times[system].append(time.perf_counter() - start)
+                samples.append(time.perf_counter() - start)
                 ring.close()
             else:
                 store = ShmObjectStore.create(nbytes, n_readers=1)
-                times[system].append(time.perf_counter() - start)
+                samples.append(time.perf_counter() - start)
                 store.close()
     return {system: statistics.median(t) for system, t in times.items()}
 

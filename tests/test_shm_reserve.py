@@ -126,7 +126,7 @@ def private_tmpfs_works() -> bool:
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 @pytest.mark.parametrize("delay", ["60", "0"], ids=["puts-reserve", "background-reserves"])
 def test_a_tmpfs_filled_after_creation_gives_shm_too_small_at_a_put_never_sigbus(delay):
-    script = f"mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
+    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
     done = subprocess.run(
         ["unshare", "-rm", "sh", "-c", script, FULL_TMPFS],
         capture_output=True,
