@@ -249,6 +249,29 @@ def bench_hits_and_lookups(lock: Any) -> dict[str, float]:
     return out
 
 
+def bench_create(nbytes: int, n: int) -> dict[str, float]:
+    """Median seconds to create a writer over a new ring of ``nbytes`` (vLLM: its ring and its
+    object store; mmcache: ``ShmObjectStore.create``, ring and key index) and to close it.
+    The systems alternate; a pause after each close lets the previous ring's memory go (and
+    mmcache's background reservation stop), so no creation pays for another's teardown."""
+    times: dict[str, list[float]] = {"vllm": [], "core": []}
+    for _ in range(n):
+        for system, samples in times.items():
+            gc.collect()
+            time.sleep(0.3)
+            start = time.perf_counter()
+            if system == "vllm":
+                ring = SingleWriterShmRingBuffer(nbytes, create=True)
+                SingleWriterShmObjectStorage(2 * MiB, 1, ring, MsgpackSerde)
+                samples.append(time.perf_counter() - start)
+                ring.close()
+            else:
+                store = ShmObjectStore.create(nbytes, n_readers=1)
+                samples.append(time.perf_counter() - start)
+                store.close()
+    return {system: statistics.median(t) for system, t in times.items()}
+
+
 def bench_memcpy(nbytes: int, n: int) -> float:
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
@@ -345,13 +368,18 @@ class EndToEnd:
 # ------------------------------------------------------------------------------------------
 
 
-def run(rounds: int) -> dict[str, Any]:
+def run(rounds: int, only_create: bool = False) -> dict[str, Any]:
     lock = mp.get_context("spawn").Lock()
     samples: dict[str, list[float]] = {}
 
     def add(prefix: str, figures: dict[str, float]) -> None:
         for name, value in figures.items():
             samples.setdefault(f"{prefix} {name}".strip(), []).append(value)
+
+    if only_create:
+        for _ in range(rounds):
+            add("create 4GiB", bench_create(4 * GiB, 3))
+        return {name: statistics.median(values) for name, values in samples.items()}
 
     e2e = EndToEnd(4 * KiB, lock)
     try:
@@ -364,9 +392,18 @@ def run(rounds: int) -> dict[str, Any]:
             add("memcpy", {"1MiB": bench_memcpy(MiB, 200)})
             add("put 1MiB", bench_puts(MiB, 40, lock))
             add("resolve 1MiB", bench_resolves(MiB, 40, lock))
+            add("create 4GiB", bench_create(4 * GiB, 3))
     finally:
         e2e.close()
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def create_row(m: dict[str, float]) -> str:
+    return "| create a 4 GiB ring (writer ready), ms | {:.2f} | {:.2f} ({:.2f}x vLLM) |".format(
+        m["create 4GiB vllm"] * 1e3,
+        m["create 4GiB core"] * 1e3,
+        m["create 4GiB core"] / m["create 4GiB vllm"],
+    )
 
 
 def report(m: dict[str, float], load: tuple[str, str]) -> str:
@@ -434,6 +471,7 @@ def report(m: dict[str, float], load: tuple[str, str]) -> str:
         ("cache API resolve, zero-copy", "resolve 1MiB cache zero-copy"),
     ]:
         lines.append(f"| {name} | {us(m[key])} | {m[key] / memcpy:.2f} |")
+    lines += ["", "| start-up | vLLM 0.33 | mmcache core |", "|---|---|---|", create_row(m)]
     return "\n".join(lines)
 
 
@@ -441,10 +479,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the medians as JSON")
+    parser.add_argument(
+        "--only-create", action="store_true", help="only the ring creation row (seconds)"
+    )
     args = parser.parse_args()
     start_load = f"{os.getloadavg()[0]:.2f}"
-    medians = run(args.rounds)
-    print(report(medians, (start_load, f"{os.getloadavg()[0]:.2f}")))
+    medians = run(args.rounds, args.only_create)
+    end_load = f"{os.getloadavg()[0]:.2f}"
+    if args.only_create:
+        print(f"median of rounds; load average {start_load} (start) / {end_load} (end)")
+        print(create_row(medians))
+    else:
+        print(report(medians, (start_load, end_load)))
     if args.json:
         args.json.write_text(json.dumps(medians, indent=2) + "\n")
 

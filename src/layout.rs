@@ -694,7 +694,7 @@ mod tests {
     fn scratch_segment(len: usize) -> Segment {
         let r = u32::from_le_bytes(crate::segment::random_bytes::<4>().unwrap());
         let name = format!("mmct_hdr_{}_{r:x}", crate::segment::current_pid());
-        let seg = Segment::create(&name, len, WRITER_LOCK).unwrap();
+        let seg = Segment::create(&name, len, WRITER_LOCK, len).unwrap();
         seg.unlink().unwrap(); // the mapping stays; nothing is left in /dev/shm
         seg
     }

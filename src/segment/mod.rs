@@ -10,9 +10,17 @@
 //! * the mapping lives as long as the `Segment`, which every view holds through an `Arc`.
 //!
 //! We use `libc` directly rather than the `shared_memory` crate: that crate
-//! hides the file descriptor (so no `posix_fallocate`, which is what turns "`/dev/shm` too
-//! small" into an error at creation instead of a SIGBUS later, and no OFD locks), maps only
-//! read-write, is `!Send`, and has not been released since 2022 (see ARCHITECTURE.md).
+//! hides the file descriptor and the mapping (so no reservation that turns "`/dev/shm` too
+//! small" into an error instead of a SIGBUS, and no OFD locks), maps only read-write, is
+//! `!Send`, and has not been released since 2022 (see ARCHITECTURE.md).
+//!
+//! **No SIGBUS.** A page of the file is allocated at its first touch, which is a SIGBUS when
+//! tmpfs is full. Creation checks the free space, reserves the first bytes (header and slot
+//! tables) and leaves the rest to `reserve`: a background thread of the creator reserves the
+//! file front to back, and every access of a writer's mapping first makes sure its range is
+//! reserved (one load once it is), so tmpfs running out is an `Error::ShmTooSmall` at the
+//! access that needed the space. Readers and read-only mappings touch only reserved pages
+//! (the header and tables, and published objects, which a writer reserved before writing).
 //!
 //! Liveness is told by **open-file-description locks** (`F_OFD_SETLK`) on byte ranges of
 //! the segment's file: every live writer holds a shared one on the first word and an
@@ -41,15 +49,18 @@ pub mod fork;
 mod locks;
 mod naming;
 mod os;
+mod reserve;
 
 pub use fork::{Process, Registration, register_view};
 use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};
 pub use os::{
-    FileProbe, SHM_DIR, current_pid, kill_self, list_names, pid_exists, probe_file, process_alive,
-    process_start_time, random_bytes, read_prefix, shm_free_bytes, unlink,
+    FileProbe, SHM_DIR, current_pid, kill_self, list_names, lower_thread_priority, pid_exists,
+    probe_file, process_alive, process_start_time, random_bytes, read_prefix, shm_free_bytes,
+    unlink,
 };
 use os::{flock, locks_unsupported, ofd_fcntl, open_error, open_regular};
+use reserve::{Background, Reserved, Unpopulated};
 
 /// How a segment is mapped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,6 +99,10 @@ pub struct Segment {
     creator_locked: bool,
     /// Keeps faults in our mappings explained while they exist.
     fault_registrations: Vec<fault::Registered>,
+    /// What of `base` is reserved: checked before every access of a writer's mapping.
+    reserved: Reserved,
+    /// The creator's background reservation (stopped when the segment goes).
+    _background: Option<Background>,
 }
 
 /// A byte range of a segment's file used as a liveness lock (not as bytes: locks are
@@ -148,12 +163,12 @@ unsafe impl Send for Segment {}
 // SAFETY: see `Send`: all access through `&Segment` is atomic or a raw copy.
 unsafe impl Sync for Segment {}
 
-fn map(fd: &OwnedFd, len: usize, access: Access, populate: bool) -> io::Result<NonNull<u8>> {
+fn map(fd: &OwnedFd, len: usize, access: Access) -> io::Result<NonNull<u8>> {
     let prot = match access {
         Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
         Access::ReadOnly => libc::PROT_READ,
     };
-    let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
+    let flags = libc::MAP_SHARED;
     // SAFETY: we ask the kernel for a fresh mapping (null hint) of an fd we own; the result is
     // checked against MAP_FAILED before use.
     let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd.as_raw_fd(), 0) };
@@ -185,9 +200,12 @@ fn open_lock_fd(name: &str) -> Result<(Registration, OwnedFd)> {
 }
 
 impl Segment {
-    /// Create a new segment of `len` bytes, private to this user (mode 0600), with every page
-    /// reserved and mapped now, so that a host without enough shared memory fails here with
-    /// `ShmTooSmall` and never with a SIGBUS at first touch.
+    /// Create a new segment of `len` bytes, private to this user (mode 0600). A host whose
+    /// `/dev/shm` has less than `len` bytes free fails here with `ShmTooSmall`. The first
+    /// `eager` bytes are reserved now, the rest by a background thread and by the accesses
+    /// that need it first (see `reserve`), so creation costs no more for a large segment than
+    /// for a small one, and tmpfs filling up later is an `ShmTooSmall` at an access, never a
+    /// SIGBUS.
     ///
     /// The creator takes a shared OFD lock on `creator_lock` right after creating the name,
     /// before the file has a size, and holds it until it gives it back: whoever finds the
@@ -195,7 +213,12 @@ impl Segment {
     /// the same shared lock). [`Segment::holds_locks`] says whether it got it (false only
     /// where the kernel has no OFD locks). Until [`Segment::keep_on_drop`], dropping the
     /// segment unlinks it.
-    pub fn create(name: &str, len: usize, creator_lock: LockRange) -> Result<Segment> {
+    pub fn create(
+        name: &str,
+        len: usize,
+        creator_lock: LockRange,
+        eager: usize,
+    ) -> Result<Segment> {
         if len == 0 {
             return Err(Error::InvalidArgument(
                 "segment length must be positive".into(),
@@ -247,23 +270,10 @@ impl Segment {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(fail(Error::os("ftruncate", io::Error::last_os_error())));
         }
-        // SAFETY: posix_fallocate on an fd we own; it returns an error number, not -1.
-        let rc = unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t) };
-        if rc == libc::ENOSPC || rc == libc::ENOMEM {
-            return Err(fail(Error::ShmTooSmall {
-                needed: len as u64,
-                available: shm_free_bytes().unwrap_or(0),
-            }));
-        } else if rc != 0 && rc != libc::EOPNOTSUPP {
-            return Err(fail(Error::os(
-                "reserving shared memory",
-                io::Error::from_raw_os_error(rc),
-            )));
-        }
         pause_in_creation_for_tests();
-        let base = map(&fd, len, Access::ReadWrite, true)
+        let base = map(&fd, len, Access::ReadWrite)
             .map_err(|e| fail(Error::os("mapping shared memory", e)))?;
-        Ok(Segment {
+        let mut seg = Segment {
             name: validate_name(name)?.to_owned(),
             base,
             view_base: None,
@@ -276,7 +286,49 @@ impl Segment {
             fd,
             lock_fd: Some((registration, lock_fd)),
             creator_locked,
-        })
+            reserved: Reserved::prefix(len, 0),
+            _background: None,
+        };
+        seg.reserve_at_creation(eager)?; // on failure, dropping `seg` unlinks the name
+        Ok(seg)
+    }
+
+    /// Reserve the first `eager` bytes now and start reserving the rest in the background;
+    /// where the kernel cannot populate without a signal (before Linux 5.14), reserve the
+    /// whole file now, as `posix_fallocate` does.
+    fn reserve_at_creation(&mut self, eager: usize) -> Result<()> {
+        let eager = eager
+            .min(self.len)
+            .div_ceil(4096)
+            .saturating_mul(4096)
+            .min(self.len);
+        // SAFETY: `base..base + eager` lies inside our read-write mapping of `len` bytes.
+        match unsafe { reserve::populate(self.base.as_ptr(), eager, self.len) } {
+            Ok(()) => {
+                self.reserved = Reserved::prefix(self.len, eager);
+                self._background = Some(reserve::start_background(&self.fd, self.len, eager)?);
+                Ok(())
+            }
+            Err(Unpopulated::Unsupported) => {
+                let len = self.len as libc::off_t;
+                // SAFETY: posix_fallocate on an fd we own; it returns an error number.
+                let rc = unsafe { libc::posix_fallocate(self.fd.as_raw_fd(), 0, len) };
+                if rc == libc::ENOSPC || rc == libc::ENOMEM {
+                    return Err(Error::ShmTooSmall {
+                        needed: self.len as u64,
+                        available: shm_free_bytes().unwrap_or(0),
+                    });
+                } else if rc != 0 && rc != libc::EOPNOTSUPP {
+                    return Err(Error::os(
+                        "reserving shared memory",
+                        io::Error::from_raw_os_error(rc),
+                    ));
+                }
+                self.reserved = Reserved::all(self.len);
+                Ok(())
+            }
+            Err(Unpopulated::Failed(e)) => Err(e),
+        }
     }
 
     /// Open an existing segment by name. Only a regular file in `/dev/shm` is opened (never
@@ -296,10 +348,11 @@ impl Segment {
         if len == 0 {
             return Err(Error::Corrupt(format!("segment {name:?} is empty")));
         }
-        let base =
-            map(&fd, len, access, false).map_err(|e| Error::os("mapping shared memory", e))?;
+        let base = map(&fd, len, access).map_err(|e| Error::os("mapping shared memory", e))?;
+        // Not populated: a reader's views fault their pages in as they are read (read faults
+        // map several pages at a time), and attaching costs the same whatever the size.
         let view_base = match access {
-            Access::ReadWrite => Some(map(&fd, len, Access::ReadOnly, true).map_err(|e| {
+            Access::ReadWrite => Some(map(&fd, len, Access::ReadOnly).map_err(|e| {
                 // SAFETY: `base` is the mapping made just above; nothing refers to it yet.
                 unsafe { libc::munmap(base.as_ptr().cast(), len) };
                 Error::os("mapping shared memory read-only", e)
@@ -327,6 +380,13 @@ impl Segment {
             lock_fd,
             creator_locked: false,
             fault_registrations: faults,
+            // A writer checks what it touches; readers and read-only mappings touch only
+            // reserved pages (see the module docs).
+            reserved: match owner_pid {
+                Some(_) => Reserved::prefix(len, 0),
+                None => Reserved::all(len),
+            },
+            _background: None,
         })
     }
 
@@ -342,12 +402,27 @@ impl Segment {
         self.len == 0
     }
 
+    /// The start of `len` bytes at `offset` after checking they lie inside the segment and
+    /// are reserved (reserving them first if needed: `ShmTooSmall` if tmpfs cannot).
     fn check(&self, offset: u64, len: usize) -> Result<usize> {
         let start = usize::try_from(offset).map_err(|_| out_of_range(offset, len))?;
         match start.checked_add(len) {
-            Some(end) if end <= self.len => Ok(start),
+            Some(end) if end <= self.len => {
+                if !self.reserved.covers(end) {
+                    // SAFETY: `base` is our read-write mapping of `len` bytes (a read-only
+                    // one records everything reserved), mapped while `self` lives.
+                    unsafe { self.reserved.reserve(self.base, start, end) }?;
+                }
+                Ok(start)
+            }
             _ => Err(out_of_range(offset, len)),
         }
+    }
+
+    /// Make sure `len` bytes at `offset` are reserved, before a step that must not fail
+    /// halfway (`ShmTooSmall` if tmpfs cannot hold them).
+    pub fn reserve(&self, offset: u64, len: usize) -> Result<()> {
+        self.check(offset, len).map(|_| ())
     }
 
     fn check_writable(&self) -> Result<()> {
@@ -531,7 +606,7 @@ mod tests {
     }
 
     fn create(name: &str, len: usize) -> Result<Segment> {
-        Segment::create(name, len, CREATOR)
+        Segment::create(name, len, CREATOR, 0)
     }
 
     #[test]

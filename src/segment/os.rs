@@ -210,6 +210,18 @@ pub(super) fn lock_held(fd: &OwnedFd, range: LockRange) -> Result<bool> {
 // Processes
 // ----------------------------------------------------------------------------------------
 
+/// Let the calling thread yield the CPU to everything else (nice 19): for work that may lag,
+/// such as the background reservation and the orphan sweep, so that it never slows the
+/// thread that started it on a busy host. Best effort.
+pub fn lower_thread_priority() {
+    // SAFETY: gettid has no preconditions; setpriority on our own thread id (Linux applies a
+    // thread id to that thread alone) changes only its scheduling weight.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
+    }
+}
+
 /// The calling process's id.
 pub fn current_pid() -> u32 {
     std::process::id()

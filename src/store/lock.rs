@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::Shared;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layout::{LockWord, WriterId, header};
 
 /// How long a waiter sleeps before it checks that the holder still lives.
@@ -39,6 +39,12 @@ pub(super) struct LockGuard<'a> {
 impl Shared {
     /// Take the store lock as `me` (waiting while a live writer holds it).
     pub(super) fn lock(&self, me: WriterId) -> Result<LockGuard<'_>> {
+        // Whatever changes under the lock never fails halfway for want of memory: the key
+        // index is reserved first (one load once it is), the ring window by `allocate`.
+        let index = self.layout.bucket_offset(0);
+        let index_len = usize::try_from(self.layout.header_size - index)
+            .map_err(|_| Error::Corrupt("key index larger than this host's memory".into()))?;
+        self.seg.reserve(index, index_len)?;
         let word = self.header(header::LOCK)?;
         let mine = LockWord {
             holder: me,

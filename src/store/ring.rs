@@ -362,6 +362,16 @@ impl Shared {
                 continue;
             }
             let end = cursor + size;
+            // Reserve the block and the remainder's header before anything changes, so that
+            // tmpfs running out is a clean error here (nothing marked, nothing journaled).
+            let header_end = (end + self.layout.chunk_header_size).min(capacity);
+            let reach_len = usize::try_from(header_end - cursor).map_err(|_| {
+                Error::Corrupt(format!(
+                    "block of {size} bytes larger than this host's memory"
+                ))
+            })?;
+            self.seg
+                .reserve(self.layout.chunk_offset(cursor), reach_len)?;
             self.journal(cursor, size)?;
             // Judge the blocks in the window; `reach` ends the last one.
             let mut reach = cursor;

@@ -607,7 +607,7 @@ fn creation_removes_only_segments_whose_writer_is_gone() {
     complete_dead.shared.seg.unlock(WRITER_LOCK).unwrap();
     // Sized and headerless, but locked: a live creator half-way.
     let half_made_live = segment::generate_name().unwrap();
-    let making = Segment::create(&half_made_live, 4096, WRITER_LOCK).unwrap();
+    let making = Segment::create(&half_made_live, 4096, WRITER_LOCK, 4096).unwrap();
     // Empty and unlocked: the instant between a creator's shm_open and its lock.
     let just_opened = segment::generate_name().unwrap();
     std::fs::write(path(&just_opened), b"").unwrap();

@@ -1,0 +1,143 @@
+"""A ring is ready at once and reserved afterwards (SPEC §5, guarantee 5 kept).
+
+Creation reserves only the header and slot tables; a background thread of the creator reserves
+the rest, and every access of a writer reserves what it touches first. These tests check that
+creation leaves the ring unreserved, that puts into space nobody reserved yet work and read
+back, that the background reservation finishes, and that a tmpfs filled up after creation
+gives `ShmTooSmallError` at a put, never a SIGBUS (in a private tmpfs: `unshare -rm`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from mmcache._core import ShmObjectStore
+
+SHM = "/dev/shm"
+MiB = 1 << 20
+
+
+def allocated(name: str) -> tuple[int, int]:
+    """(bytes of the segment's file allocated in tmpfs, its size)."""
+    st = os.stat(os.path.join(SHM, name))
+    return st.st_blocks * 512, st.st_size
+
+
+def content(i: int, size: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def test_puts_into_space_nobody_reserved_yet_work_and_read_back(monkeypatch):
+    # The background reservation waits, so every put below lands in unreserved pages.
+    monkeypatch.setenv("MMCACHE_TEST_RESERVE_DELAY_S", "5")
+    writer = ShmObjectStore.create(64 * MiB, n_readers=1)
+    try:
+        held, size = allocated(writer.name)
+        assert held < size // 8, f"creation reserved {held} of {size} bytes"
+        reader = ShmObjectStore.attach(writer.handle())
+        # ~3 laps of the ring: the first reserves as it goes, the next reuse what it did.
+        for i in range(150):
+            data = content(i, MiB - 1000 + i)
+            handle = writer.put(f"k{i}", data)
+            assert bytes(reader.resolve(handle, f"k{i}")) == data
+        held, size = allocated(writer.name)
+        assert held > size // 2, "the puts reserved the ring they wrote"
+        reader.close()
+    finally:
+        writer.close()
+
+
+def test_the_background_reservation_reserves_the_whole_segment():
+    writer = ShmObjectStore.create(64 * MiB)
+    try:
+        deadline = time.monotonic() + 120  # only stops a hung test
+        while (state := allocated(writer.name))[0] < state[1]:
+            assert time.monotonic() < deadline, f"reserved {state[0]} of {state[1]}"
+            time.sleep(0.02)
+    finally:
+        writer.close()
+
+
+def test_a_joined_writer_reserves_what_it_touches(monkeypatch):
+    monkeypatch.setenv("MMCACHE_TEST_RESERVE_DELAY_S", "5")
+    first = ShmObjectStore.create(32 * MiB, n_readers=1, max_writers=2)
+    try:
+        second = ShmObjectStore.join(first.writer_handle())
+        reader = ShmObjectStore.attach(first.handle())
+        for i in range(40):
+            w = (first, second)[i % 2]
+            data = content(i, MiB + i)
+            assert bytes(reader.resolve(w.put(f"k{i}", data), f"k{i}")) == data
+        reader.close()
+        second.close()
+    finally:
+        first.close()
+
+
+# A private tmpfs of 32 MiB holds a ring of 24 MiB, which creation accepts; a file then takes
+# what is left, so the ring's pages nobody reserved yet cannot be allocated any more.
+FULL_TMPFS = textwrap.dedent(
+    """
+    import os, sys
+    from mmcache._core import ShmObjectStore, ShmTooSmallError
+    MiB = 1 << 20
+    writer = ShmObjectStore.create(24 * MiB, n_readers=1)
+    reader = ShmObjectStore.attach(writer.handle())
+    with open("/dev/shm/filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"x" * MiB)
+                f.flush()
+        except OSError:
+            pass
+    stored = refused = 0
+    for i in range(60):
+        data = bytes([i % 251]) * (MiB + i)
+        try:
+            handle = writer.put(f"k{i}", data)
+        except ShmTooSmallError as exc:
+            assert isinstance(exc, MemoryError) and "shm-size" in str(exc), exc
+            refused += 1
+            continue
+        assert bytes(reader.resolve(handle, f"k{i}")) == data, i
+        stored += 1
+    reader.close()
+    writer.close()
+    print(f"stored {stored} refused {refused}")
+    """
+)
+
+
+def private_tmpfs_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+@pytest.mark.parametrize("delay", ["60", "0"], ids=["puts-reserve", "background-reserves"])
+def test_a_tmpfs_filled_after_creation_gives_shm_too_small_at_a_put_never_sigbus(delay):
+    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, FULL_TMPFS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": delay},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    stored, refused = (int(w) for w in done.stdout.split()[1::2])
+    assert stored + refused == 60
+    if delay != "0":
+        # Nothing reserved the ring ahead of the filler: the puts that needed more found none.
+        assert refused > 0
