@@ -82,21 +82,9 @@ impl Writer {
         };
         let total = usize::try_from(layout.total_len())
             .map_err(|_| Error::InvalidArgument("capacity too large for this host".into()))?;
-        // What dead creators left goes (SPEC §5, guarantee 10): first, where this store needs
-        // their space; otherwise beside the creation (a listing of `/dev/shm` and a probe per
-        // file cost more than the rest of a creation, on a host with many files there).
-        if segment::shm_free_bytes().is_some_and(|free| free < total as u64) {
-            super::remove_orphans();
-        } else if std::thread::Builder::new()
-            .name("mmcache-prune".into())
-            .spawn(|| {
-                segment::lower_thread_priority();
-                super::remove_orphans()
-            })
-            .is_err()
-        {
-            super::remove_orphans();
-        }
+        // What dead creators left goes first (SPEC §5, guarantee 10): the new store may need
+        // their space, and "the next store's creation frees it" is the promise.
+        super::remove_orphans();
         // The header and the slot tables are read by every process from the start; the key
         // index and the ring are reserved in the background and by the puts that need them.
         let eager = usize::try_from(layout.bucket_offset(0)).unwrap_or(total);
