@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
 .PHONY: build simulate test test-rust test-python test-vllm test-engine test-wheel wheel lint \
-	typecheck bench bench-vllm clean mooncake-libs
+	typecheck bench bench-vllm bench-engine clean mooncake-libs
 
 # vLLM 0.33 pins torch 2.14 while the rest of the tests use 2.15: its tests run in a venv of
 # their own, with vLLM installed without its dependencies plus exactly what its cache
@@ -156,6 +156,13 @@ bench: build
 bench-vllm: build $(VLLM_STAMP)
 	VIRTUAL_ENV=$(abspath $(VENV_VLLM)) $(VENV)/bin/maturin develop --release --quiet --extras cli
 	$(VLLM_ENV) $(VENV_VLLM)/bin/python benches/bench_vllm.py
+
+# vLLM's own processor caches against mmcache's (lru, shm) in running engines on the tiny
+# Qwen2-VL, with its real processors (a few minutes; BENCH_ENGINE_ARGS="--rounds 2 --json x").
+# `cli` brings msgpack, which mmcache.simulate (its request stream) imports.
+bench-engine: build $(ENGINE_STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV_ENGINE)) $(VENV)/bin/maturin develop --release --quiet --extras cli
+	$(VENV_ENGINE)/bin/python benches/bench_engine.py $(BENCH_ENGINE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) $(VENV_ENGINE) target
