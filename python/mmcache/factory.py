@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 from mmcache._core import ReaderHandle
 from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, ReceiverCache, SenderCache
 from mmcache.items import Item, item_size
+from mmcache.prompt_updates import PromptUpdatesCodecSpec
 from mmcache.shm import ShmSenderCache
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ def make_caches(
     getsizeof: Callable[[Item], int] = item_size,
     remote: RemoteStore | None = None,
     name: str | None = None,
+    max_writers: int = 1,
+    prompt_updates_codec: PromptUpdatesCodecSpec = "plain",
 ) -> tuple[BaseSenderCache | None, ReceiverCache | ReaderHandle | None]:
     """The P0 cache of ``mode`` and what P1/workers need, as ``(p0_cache, downstream)``:
 
@@ -41,8 +44,11 @@ def make_caches(
                                                   calls ``ShmReceiverCache(downstream)``
     ================== ========================== ===============================================
 
-    ``n_readers`` (the number of workers), ``max_object_size_mb`` and ``name`` (the ring's
-    segment name; default: a fresh one) apply to ``shm`` only;
+    ``n_readers`` (the number of workers), ``max_object_size_mb``, ``name`` (the ring's
+    segment name; default: a fresh one), ``max_writers`` (how many P0 caches may share the
+    ring: the others join it with ``ShmSenderCache.join(p0_cache.writer_handle())``) and
+    ``prompt_updates_codec`` (how prompt updates travel between them: see
+    :class:`~mmcache.shm.ShmSenderCache`) apply to ``shm`` only;
     ``getsizeof`` (the size an item counts for) to ``processor_only`` and ``lru`` (the ring
     counts bytes).  With ``remote`` (a :class:`~mmcache.remote.RemoteStore`), ``p0_cache`` is
     that mode's P0 cache behind the shared remote tier (a
@@ -69,7 +75,12 @@ def make_caches(
         downstream = ReceiverCache(capacity_gb, getsizeof=getsizeof)
     else:
         shm = ShmSenderCache(
-            capacity_gb, max_object_size_mb=max_object_size_mb, n_readers=n_readers, name=name
+            capacity_gb,
+            max_object_size_mb=max_object_size_mb,
+            n_readers=n_readers,
+            name=name,
+            max_writers=max_writers,
+            prompt_updates_codec=prompt_updates_codec,
         )
         sender, downstream = shm, shm.handle()
     if remote is not None and sender is not None:

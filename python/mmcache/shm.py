@@ -27,19 +27,28 @@ resolve (and copy) in parallel.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mmcache import pinning, serde
-from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, ShmWriter, StaleHandleError
+from mmcache._core import (
+    ReaderHandle,
+    ShmObjectStore,
+    ShmReader,
+    ShmWriter,
+    StaleHandleError,
+    WriterHandle,
+)
 from mmcache.caches import (
     BaseReceiverCache,
     BaseSenderCache,
     SenderInput,
     SenderOutput,
     capacity_bytes,
+    logger,
     split_sender_input,
 )
 from mmcache.errors import (
@@ -50,15 +59,34 @@ from mmcache.errors import (
 )
 from mmcache.items import Item, ShmHandle
 from mmcache.lru import CacheInfo, HitCounter
-from mmcache.protection import Holds
+from mmcache.prompt_updates import (
+    MAX_META_BYTES,
+    NOT_SHAREABLE,
+    PromptUpdatesCodec,
+    PromptUpdatesCodecSpec,
+)
+from mmcache.protection import Hold, Holds, RequestState
 
 __all__ = ["ShmReceiverCache", "ShmSenderCache"]
 
 MiB = 1 << 20
+_PUT_ATTEMPTS = 3  # lookups and puts of one item, each put losing to another writer's
+
+
+class _Request(RequestState):
+    """One thread's request, as :class:`ShmSenderCache` sees it: the base's (whether it is
+    open; ``holds``: the items it pinned) and the single-flight claims it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims: dict[str, Hold] = {}
+
+    def __reduce__(self) -> tuple[type[_Request], tuple[()]]:
+        return _Request, ()
 
 
 class ShmSenderCache(BaseSenderCache):
-    """P0's cache in ``shm`` mode: the writer of a shared-memory ring.
+    """P0's cache in ``shm`` mode: a writer of a shared-memory ring.
 
     A hit returns ``(ShmHandle, prompt_updates)`` and issues one reference; a miss writes the
     item into the ring and returns its handle.  An item larger than ``max_object_size_mb``,
@@ -75,6 +103,17 @@ class ShmSenderCache(BaseSenderCache):
     ``MemoryError``, at creation if ``/dev/shm`` cannot hold it); ``n_readers`` is the
     number of workers, each of which must read every handle. Items whose payload exceeds
     ``max_object_size_mb`` (or what the ring can hold) are served uncached.
+
+    Several writers (SPEC §3.9): ``max_writers`` caches may share the store at once, this one
+    included; each other one is made by :meth:`join` with :meth:`writer_handle`'s handle, in
+    any process.  Every writer hits every writer's items and returns the prompt updates the
+    putting writer gave: they are stored with the item, encoded by ``prompt_updates_codec``
+    (:mod:`mmcache.prompt_updates`: ``"plain"`` data by default, never pickled unless
+    ``"pickle"`` or a ``(dumps, loads)`` pair is passed).  An item whose prompt updates this
+    writer cannot decode is not cached for it (:meth:`is_cached_item` is False, so the engine
+    processes it; its update then issues a handle to the stored object).
+    :meth:`is_cached` with ``claim``/``wait_s`` makes writers that receive the same new item
+    at once process it once.
     """
 
     def __init__(
@@ -84,58 +123,230 @@ class ShmSenderCache(BaseSenderCache):
         max_object_size_mb: float = 128,
         n_readers: int = 1,
         name: str | None = None,
+        max_writers: int = 1,
+        prompt_updates_codec: PromptUpdatesCodecSpec = "plain",
     ) -> None:
         super().__init__()
         if not max_object_size_mb > 0:
             raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
+        codec = PromptUpdatesCodec(prompt_updates_codec)
         # The core clamps the limit to what the ring can hold (a small ring with the default
         # limit is no error).
         capacity = capacity_bytes(capacity_gb)
         if capacity >= 2**64:
             raise ValueError(f"capacity_gb={capacity_gb!r} is more shared memory than any host has")
-        self._store: ShmWriter = ShmObjectStore.create(
+        store = ShmObjectStore.create(
             capacity,
             n_readers=n_readers,
             # A limit beyond what the ring holds is clamped (by the core, to the ring).
             max_object_size=max(1, int(min(max_object_size_mb * MiB, 2**63))),
             name=name,
+            max_writers=max_writers,
         )
-        self._max_object_size = self._store.max_object_size
-        self._asked_max_object_size_mb = max_object_size_mb
-        self._prompt_updates: dict[str, Any] = {}
+        self._start(store, max_object_size_mb, codec)
+
+    @classmethod
+    def join(
+        cls, writer_handle: WriterHandle, *, prompt_updates_codec: PromptUpdatesCodecSpec = "plain"
+    ) -> ShmSenderCache:
+        """One more writer of the store ``writer_handle`` names (from :meth:`writer_handle`),
+        in this process or another: a P0 cache over the same ring
+        (:class:`~mmcache.errors.NoWriterSlotError`, naming ``max_writers``, when every
+        writer slot is taken; ``InvalidHandleError`` for a handle that is not the store's;
+        ``WriterGoneError`` once every writer left)."""
+        if not isinstance(writer_handle, WriterHandle):
+            raise TypeError(
+                f"ShmSenderCache.join takes a WriterHandle (from writer_handle()), not a "
+                f"{type(writer_handle).__qualname__}"
+            )
+        codec = PromptUpdatesCodec(prompt_updates_codec)
+        cache = cls.__new__(cls)
+        BaseSenderCache.__init__(cache)
+        store = ShmObjectStore.join(writer_handle)
+        cache._start(store, store.max_object_size / MiB, codec)
+        return cache
+
+    def _start(self, store: ShmWriter, asked_mb: float, codec: PromptUpdatesCodec) -> None:
+        """Set up around ``store``, this cache's writer (``asked_mb``: the object size limit
+        asked for, which the core may have lowered)."""
+        self._store = store
+        self._max_object_size = store.max_object_size
+        self._asked_max_object_size_mb = asked_mb
+        self._codec = codec
+        # Only a store other writers can join needs the prompt updates beside each item.
+        self._shares_updates = store.max_writers > 1
+        # mm_hash -> (monotonic id of the object they belong to, or None: not known yet,
+        # prompt updates). Written under the lock; read without it (one dict lookup).
+        self._prompt_updates: dict[str, tuple[int | None, Any]] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
+        self._request: _Request = _Request()  # the calling thread's
         # One core pin per item touched by any request in flight, until the last one's update.
-        self._pins = Holds(self._store.pin_if_present, self._store.unpin)
+        self._pins = Holds(store.pin_if_present, store.unpin)
+        # One core claim per miss claimed by any request in flight, until the last one lets go.
+        self._claims = Holds(store.claim, store.unclaim)
         self._lookups = HitCounter()
+        self._unshared = 0  # puts whose prompt updates no other writer can read
 
     @property
     def name(self) -> str:
         """The shared-memory segment's name."""
         return self._store.name
 
+    @property
+    def max_writers(self) -> int:
+        """How many writers (this one included) may share the store at once."""
+        return self._store.max_writers
+
     def handle(self) -> ReaderHandle:
         """Everything a worker needs to attach: ``ShmReceiverCache(cache.handle())``."""
         return self._store.handle()
+
+    def writer_handle(self) -> WriterHandle:
+        """Everything another process needs to :meth:`join` this store as one more writer
+        (picklable; it carries the signing secret: same trust as :meth:`handle`)."""
+        return self._store.writer_handle()
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def is_cached_item(self, mm_hash: str) -> bool:
+        # No lock: the core's lookup is lock-free, and so is one lookup in a dict. A key
+        # without prompt updates here is another writer's (or being put by this one's other
+        # thread): learning them takes the lock.
+        return self._store.is_cached(mm_hash) and (
+            mm_hash in self._prompt_updates or self._learn_prompt_updates(mm_hash)
+        )
+
+    def _learn_prompt_updates(self, mm_hash: str) -> bool:
+        """Read and keep the prompt updates another writer stored with ``mm_hash``; whether
+        they could be had (the key is stored and they are shareable with this writer)."""
+        with self._lock:
+            if mm_hash in self._prompt_updates:  # this writer's other thread just put it
+                return True
+            try:
+                meta = self._store.read_meta(mm_hash)
+            except KeyError:
+                return False
+            prompt_updates = self._codec.decode(meta)
+            if prompt_updates is NOT_SHAREABLE:
+                return False
+            # Which object they belong to is checked by the hit that returns them.
+            self._keep_prompt_updates(mm_hash, None, prompt_updates)
+            return True
+
+    def is_cached(
+        self, mm_hashes: Sequence[str], *, claim: bool = False, wait_s: float = 0.0
+    ) -> list[bool]:
+        """:meth:`is_cached_item` for each hash, with single flight between the writers of the
+        store (SPEC §3.9).
+
+        With ``claim``, each miss is claimed by this writer, for the calling thread's request,
+        until this thread updates it (a put ends it for every writer; an item served uncached
+        gives it up), :meth:`release_sender_touches`, the end of the request if it raised,
+        :meth:`close`, or this process's death.  A miss another writer already claimed is not
+        claimed.  With ``wait_s``, misses another live writer claimed are waited for, at most
+        ``wait_s`` seconds for the whole call, and reported cached if they were put in time;
+        claims of this writer (any of its threads) are never waited on, and a claim whose
+        writer gave up or died ends the wait for it at once (with ``claim``, this writer then
+        claims it)."""
+        if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
+            raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
+        cached = [self.is_cached_item(h) for h in mm_hashes]
+        if not (claim or wait_s > 0) or all(cached):
+            return cached
+        misses = list(dict.fromkeys(h for h, hit in zip(mm_hashes, cached, strict=True) if not hit))
+        if claim:
+            self._claim(misses)
+        if wait_s > 0:
+            # Without the lock: the other threads' calls go on meanwhile (the wait polls the
+            # core lock-free, the GIL released).
+            self._store.wait_for(misses, float(wait_s))
+            if claim:
+                self._claim([h for h in misses if not self._store.is_cached(h)])
+        found = {h for h in misses if self.is_cached_item(h)}
+        return [hit or h in found for h, hit in zip(mm_hashes, cached, strict=True)]
+
+    def _claim(self, mm_hashes: Sequence[str]) -> None:
+        """Claim each of ``mm_hashes`` nobody else holds, for this thread's request."""
+        with self._lock:
+            claims = self._request.claims
+            for mm_hash in mm_hashes:
+                # Asked of the core every time: a claim another request of this writer took
+                # may have ended since (another writer put the item).
+                if self._store.claim(mm_hash):
+                    self._claims.take(claims, mm_hash)
+
+    # -- updates ---------------------------------------------------------------------------
 
     def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         with self._lock:
             self._lookups.total += 1
             try:
-                try:
-                    handle = self._store.issue_if_present(mm_hash)
-                except ReferencesSaturatedError:
-                    self._lookups.hits += 1
-                    return self._serve_saturated(item, mm_hash)
-                if handle is None:
-                    data, prompt_updates = split_sender_input(item, mm_hash)
-                    return self._put(mm_hash, data, prompt_updates), prompt_updates
-                self._lookups.hits += 1
-                return handle, self._prompt_updates[mm_hash]
+                return self._update(item, mm_hash)
             finally:
                 # The handle's reference now protects the object; this thread's pin from the
-                # touch is not needed.
-                if holds := self._request.holds:
-                    self._pins.give(holds, mm_hash)
+                # touch is not needed, and its claim has ended (a put) or is given up.
+                request = self._request
+                if request.holds:
+                    self._pins.give(request.holds, mm_hash)
+                if request.claims:
+                    self._claims.give(request.claims, mm_hash)
+
+    def _update(self, item: SenderInput, mm_hash: str) -> SenderOutput:
+        """A hit, or a put of the item (lock held)."""
+        for _ in range(_PUT_ATTEMPTS):
+            try:
+                handle = self._store.issue_if_present(mm_hash)
+            except ReferencesSaturatedError:
+                self._lookups.hits += 1
+                return self._serve_saturated(item, mm_hash)
+            if handle is not None:
+                self._lookups.hits += 1
+                return handle, self._hit_prompt_updates(handle, item, mm_hash)
+            data, prompt_updates = split_sender_input(item, mm_hash)
+            try:
+                return self._put(mm_hash, data, prompt_updates), prompt_updates
+            except ValueError:
+                # A duplicate key: another writer put it since the lookup (issue its object);
+                # any other ValueError is the caller's.
+                if not self._store.is_cached(mm_hash):
+                    raise
+        # Put by another writer and evicted again, every time: serve it from here.
+        data, prompt_updates = split_sender_input(item, mm_hash)
+        self._serve_uncached("full", f"item {mm_hash} was evicted as fast as it was stored")
+        return data, prompt_updates
+
+    def _hit_prompt_updates(self, handle: ShmHandle, item: SenderInput, mm_hash: str) -> Any:
+        """The prompt updates of the object ``handle`` names (just issued; lock held): kept
+        here, or read from the store; when they are not shareable, those ``item`` carries
+        (``CacheMissError``, the handle given back, if it carries none)."""
+        monotonic_id = handle.monotonic_id
+        kept = self._prompt_updates.get(mm_hash)
+        if kept is not None and kept[0] == monotonic_id:
+            return kept[1]
+        prompt_updates = self._stored_prompt_updates(mm_hash, monotonic_id)
+        if prompt_updates is NOT_SHAREABLE:
+            try:
+                _, prompt_updates = split_sender_input(item, mm_hash)
+            except BaseException:
+                self._store.release(handle)
+                raise
+        self._keep_prompt_updates(mm_hash, monotonic_id, prompt_updates)
+        return prompt_updates
+
+    def _stored_prompt_updates(self, mm_hash: str, monotonic_id: int | None) -> Any:
+        """The prompt updates stored with ``mm_hash``'s object (the one ``monotonic_id``
+        names, if given), or ``NOT_SHAREABLE``."""
+        try:
+            return self._codec.decode(self._store.read_meta(mm_hash, monotonic_id=monotonic_id))
+        except KeyError:  # invalidated or replaced since the handle was issued
+            return NOT_SHAREABLE
+
+    def _keep_prompt_updates(
+        self, mm_hash: str, monotonic_id: int | None, prompt_updates: Any
+    ) -> None:
+        self._prompt_updates[mm_hash] = (monotonic_id, prompt_updates)
+        if len(self._prompt_updates) >= self._prune_at:
+            self._drop_dangling_prompt_updates()
 
     def _serve_saturated(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         """``mm_hash`` is cached, but a reader already holds as many unread references to it
@@ -149,7 +360,11 @@ class ShmSenderCache(BaseSenderCache):
         )
         if item is not None:
             return split_sender_input(item, mm_hash)
-        return serde.decode(self._store.read_stored(mm_hash)), self._prompt_updates[mm_hash]
+        kept = self._prompt_updates.get(mm_hash)
+        prompt_updates = kept[1] if kept is not None else self._stored_prompt_updates(mm_hash, None)
+        if prompt_updates is NOT_SHAREABLE:
+            raise CacheMissError([mm_hash])
+        return serde.decode(self._store.read_stored(mm_hash)), prompt_updates
 
     def _too_large(self) -> str:
         """Why an item too large for the ring is, naming the setting that would change it."""
@@ -167,8 +382,11 @@ class ShmSenderCache(BaseSenderCache):
         )
 
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
+        """Store the item with its prompt updates and return its handle, or serve it uncached
+        (``ValueError`` for a key another writer stored meanwhile)."""
+        meta = self._shared_prompt_updates(mm_hash, prompt_updates)
         try:
-            handle = self._store.put_item(mm_hash, data)
+            handle = self._store.put_item(mm_hash, data, meta=meta)
         except ObjectTooLargeError:
             self._serve_uncached("oversize", f"item {mm_hash} {self._too_large()}")
             return data
@@ -180,23 +398,37 @@ class ShmSenderCache(BaseSenderCache):
                 "up and aborted requests call release_handles)",
             )
             return data
-        self._prompt_updates[mm_hash] = prompt_updates
-        if len(self._prompt_updates) >= self._prune_at:
-            self._drop_dangling_prompt_updates()
+        self._keep_prompt_updates(mm_hash, handle.monotonic_id, prompt_updates)
         return handle
+
+    def _shared_prompt_updates(self, mm_hash: str, prompt_updates: Any) -> bytes:
+        """The metadata that carries ``prompt_updates`` to the other writers (none with a
+        single writer); empty, counted and logged once, when the codec cannot encode them."""
+        if not self._shares_updates:
+            return b""
+        meta = self._codec.encode(prompt_updates)
+        if not meta:
+            self._unshared += 1
+            if "unshared" not in self._warned:
+                self._warned.add("unshared")
+                logger.warning(
+                    "the prompt updates of item %s cannot be shared with the other writers "
+                    "(the %r codec cannot encode a %s, or they exceed %d bytes): the other "
+                    "writers process the item again. Pass prompt_updates_codec='pickle' (or a "
+                    "(dumps, loads) pair); further ones are counted in "
+                    "stats()['unshared_prompt_updates'].",
+                    mm_hash,
+                    self._codec.name,
+                    type(prompt_updates).__qualname__,
+                    MAX_META_BYTES,
+                )
+        return meta
 
     def _drop_dangling_prompt_updates(self) -> None:
         """Forget prompt updates of evicted objects (amortised: the threshold doubles)."""
         live = set(self._store.keys())
         self._prompt_updates = {h: p for h, p in self._prompt_updates.items() if h in live}
         self._prune_at = max(64, 2 * len(self._prompt_updates))
-
-    def is_cached_item(self, mm_hash: str) -> bool:
-        # The core answers atomically under its own mutex, but a thread blocked on that
-        # mutex (while another thread's put copies without the GIL) blocks holding the GIL,
-        # stalling every thread of the process; waiting for this lock releases it.
-        with self._lock:
-            return self._store.is_cached(mm_hash)
 
     def verify(self, handle: object, mm_hash: str) -> bool:
         """Whether ``handle`` is ``mm_hash``'s current entry in the ring: an
@@ -215,19 +447,23 @@ class ShmSenderCache(BaseSenderCache):
             self._pins.take(self._request.holds, mm_hash)
 
     def release_sender_touches(self) -> None:
-        """Unpin every item this thread touched whose update never came (an abandoned
-        request)."""
+        """Unpin every item this thread touched, and give up every claim it took, whose
+        update never came (an abandoned request)."""
         with self._lock:
             self._pins.give_all(self._request.holds)
+            self._claims.give_all(self._request.claims)
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
-        # Every item of a request that succeeded was unpinned by its update; those of a
-        # request that raised will never get one.
+        # Every item of a request that succeeded was unpinned (and its claim ended) by its
+        # update; those of a request that raised will never get one.
+        request = self._request
         if keys is None:
-            self._pins.give_all(self._request.holds)
+            self._pins.give_all(request.holds)
+            self._claims.give_all(request.claims)
             return
         for mm_hash in keys:
-            self._pins.give(self._request.holds, mm_hash)
+            self._pins.give(request.holds, mm_hash)
+            self._claims.give(request.claims, mm_hash)
 
     def _abandon(self, outputs: Sequence[SenderOutput]) -> None:
         # The request raised: the engine never sees these handles, so it cannot release them.
@@ -243,16 +479,18 @@ class ShmSenderCache(BaseSenderCache):
                     self._store.release(handle)
 
     def invalidate(self, mm_hash: str) -> None:
-        """Drop ``mm_hash`` from the ring.  Handles to it that are already in flight either
-        still read their own data (their unread references protect it) or are a miss, never
-        another item's data; the next update of ``mm_hash`` writes it anew."""
+        """Drop ``mm_hash`` from the ring, for every writer.  Handles to it that are already
+        in flight either still read their own data (their unread references protect it) or
+        are a miss, never another item's data; the next update of ``mm_hash`` writes it
+        anew."""
         with self._lock:
             self._store.invalidate(mm_hash)  # drops its pins too
             self._pins.forget(mm_hash)
             self._prompt_updates.pop(mm_hash, None)
 
     def clear_cache(self, *, keep_in_flight: bool = False) -> None:
-        """Drop every object and reset the hit statistics.  Handles issued before either
+        """Drop every object (of every writer: the store is shared) and reset this cache's
+        hit statistics.  Handles issued before either
         still read their own data or are a miss, never another item's data: monotonic ids
         keep counting, so they can never alias new data.
 
@@ -273,10 +511,13 @@ class ShmSenderCache(BaseSenderCache):
             self._lookups.reset()
 
     def close(self) -> None:
-        """Close the ring (the creator unlinks the segment); idempotent."""
+        """Leave the store, giving up this writer's pins and claims; the last writer to close
+        unlinks the segment (the items this one put stay cached for the others).
+        Idempotent."""
         with self._lock:
             if not self._store.closed:
                 self._pins.forget_all()
+                self._claims.forget_all()
                 self._store.close()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
@@ -284,13 +525,16 @@ class ShmSenderCache(BaseSenderCache):
             return self._lookups.info(delta=delta)
 
     def stats(self) -> dict[str, int]:
-        """Hit counters, items served uncached, and the store's counters (``store_*``)."""
+        """This writer's hit counters, items served uncached and puts whose prompt updates
+        no other writer can read (``unshared_prompt_updates``), and the store's counters
+        (``store_*``, shared by every writer)."""
         with self._lock:
             store = {f"store_{k}": v for k, v in self._store.stats().items()}
             own = {
                 "hits": self._lookups.hits,
                 "total": self._lookups.total,
                 "max_object_size": self._max_object_size,
+                "unshared_prompt_updates": self._unshared,
             }
             return {**own, **super().stats(), **store}
 

@@ -1,0 +1,102 @@
+"""Prompt updates stored beside an item in the ring, so every writer of a store returns them.
+
+When several writers share one store (SPEC §3.9), a hit on an item another writer put must
+return the prompt updates that writer gave.  They travel with the item, as the store's
+metadata (``put_item(..., meta=)``; readers never see it), encoded by
+:class:`PromptUpdatesCodec`:
+
+* ``"plain"`` (the default): the package's native item codec, which holds plain data (``None``,
+  ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples and ``str``-keyed dicts of
+  them; tensors and arrays too) and never runs code when decoding;
+* ``"pickle"``: :mod:`pickle`, for engines whose prompt updates are objects (vLLM's are
+  dataclasses); only a writer that opted in decodes it (every writer of a store holds its
+  secret, so they trust each other as much as the process that made them);
+* ``(dumps, loads)``: the engine's own pair of functions.
+
+The first byte of the metadata says which was used, so a writer never decodes another
+codec's bytes: prompt updates it cannot decode (or that no codec could encode: the metadata
+is then empty) are *not shareable*, and the cache treats the item as not cached for this
+writer (:mod:`mmcache.shm`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any, Literal, TypeAlias
+
+from mmcache import _core
+from mmcache.errors import ItemNotEncodableError
+
+__all__ = ["MAX_META_BYTES", "NOT_SHAREABLE", "PromptUpdatesCodec", "PromptUpdatesCodecSpec"]
+
+MAX_META_BYTES = 1 << 20
+"""The most metadata the store keeps beside an object (longer prompt updates stay local)."""
+
+PromptUpdatesCodecSpec: TypeAlias = (
+    Literal["plain", "pickle"] | tuple[Callable[[Any], bytes], Callable[[bytes], Any]]
+)
+"""What ``prompt_updates_codec=`` takes: ``"plain"``, ``"pickle"`` or ``(dumps, loads)``."""
+
+NOT_SHAREABLE: Any = object()
+"""What :meth:`PromptUpdatesCodec.decode` returns for metadata this writer cannot decode."""
+
+_PLAIN, _PICKLE, _CUSTOM = b"p", b"k", b"c"
+
+
+class PromptUpdatesCodec:
+    """Prompt updates to metadata bytes and back, tagged with the codec that wrote them."""
+
+    def __init__(self, spec: PromptUpdatesCodecSpec = "plain") -> None:
+        self.dumps: Callable[[Any], bytes]
+        self.loads: Callable[[bytes], Any]
+        if spec == "plain":
+            self.tag, self.dumps, self.loads = _PLAIN, _plain_dumps, _plain_loads
+        elif spec == "pickle":
+            self.tag, self.dumps, self.loads = _PICKLE, _pickle_dumps, pickle.loads
+        elif isinstance(spec, tuple) and len(spec) == 2 and all(map(callable, spec)):
+            self.tag, (self.dumps, self.loads) = _CUSTOM, spec
+        else:
+            raise ValueError(
+                "prompt_updates_codec must be 'plain', 'pickle' or a (dumps, loads) pair of "
+                f"functions, not {spec!r}"
+            )
+        self.name = {_PLAIN: "plain", _PICKLE: "pickle", _CUSTOM: "custom"}[self.tag]
+
+    def encode(self, prompt_updates: Any) -> bytes:
+        """The metadata for ``prompt_updates``; ``b""`` (not shareable) when this codec cannot
+        encode them or they exceed :data:`MAX_META_BYTES`."""
+        try:
+            data = self.dumps(prompt_updates)
+        except (ItemNotEncodableError, pickle.PicklingError, TypeError, ValueError, AttributeError):
+            return b""
+        if not isinstance(data, bytes | bytearray) or len(data) + 1 > MAX_META_BYTES:
+            return b""
+        return self.tag + data
+
+    def decode(self, meta: bytes) -> Any:
+        """The prompt updates in ``meta``, or :data:`NOT_SHAREABLE` when it holds none this
+        writer may decode (empty, another codec's, or undecodable)."""
+        if meta[:1] != self.tag and meta[:1] != _PLAIN:
+            return NOT_SHAREABLE
+        loads = self.loads if meta[:1] == self.tag else _plain_loads
+        try:
+            return loads(meta[1:])
+        except Exception:  # bytes another writer wrote: any failure means "not shareable"
+            return NOT_SHAREABLE
+
+    def readable(self, meta: bytes) -> bool:
+        """Whether :meth:`decode` would try ``meta`` (its tag is this codec's or plain)."""
+        return meta[:1] == self.tag or meta[:1] == _PLAIN
+
+
+def _plain_dumps(prompt_updates: Any) -> bytes:
+    return _core.pack_item({"u": prompt_updates})
+
+
+def _plain_loads(data: bytes) -> Any:
+    return _core.decode_item(data)["u"]
+
+
+def _pickle_dumps(prompt_updates: Any) -> bytes:
+    return pickle.dumps(prompt_updates, protocol=pickle.HIGHEST_PROTOCOL)
