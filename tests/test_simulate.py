@@ -189,6 +189,12 @@ def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
         ({"requests": 0}, "--requests"),
         ({"mode": "shm", "capacity_gb": 1e6}, "/dev/shm"),
         ({"mode": "bogus"}, "unknown mode"),
+        ({"frontends": 0}, "--frontends"),
+        ({"frontends": 9}, "--frontends"),
+        ({"frontends": 3, "requests": 2}, "leaves a frontend without requests"),
+        ({"frontends": 2, "mode": "lru"}, "P1's cache mirrors the LRU of one P0"),
+        ({"claim_wait_s": float("nan")}, "--claim-wait-s"),
+        ({"claim_wait_s": -1.0}, "--claim-wait-s"),
     ],
 )
 def test_impossible_configurations_are_refused(changes: dict[str, Any], message: str) -> None:

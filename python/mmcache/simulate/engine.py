@@ -6,6 +6,11 @@ and forwards their tensors to every worker; without a cache of its own (``none``
 goes back to P0. Each worker resolves handles with its own
 :class:`~mmcache.ShmReceiverCache` (``shm``: zero-copy views of the ring), checks every
 tensor against the digest P0 recorded for its hash, and reports to P0.
+
+With several frontends P1 serves them all (each message tagged with its frontend's index)
+and every worker answers the frontend that sent the request. An item a frontend served from
+another frontend's work comes without a truth: the worker records the digests it received,
+per image, and the driver checks them against what that other frontend processed.
 """
 
 from __future__ import annotations

@@ -11,8 +11,13 @@ rejected before the engine sees it) and resubmits them, so the caches drift apar
 With a remote tier (``--remote``) P0's cache is a :class:`~mmcache.remote.TieredSenderCache`:
 ``is_cached`` also finds items another host (or this one, before an eviction) processed, and
 P0 skips processing them; what P0 does process is published for the other hosts.  P0 asks in
-single flight (``claim=True``, ``wait_s=``:data:`CLAIM_WAIT_S`): an item another host is
-processing at that moment is waited for rather than processed twice.
+single flight (``claim=True``, ``wait_s=claim_wait_s``): an item another host is processing
+at that moment is waited for rather than processed twice.
+
+With several frontends (``--frontends``) each P0 serves its turn of the host's requests; in
+``shm`` mode they share one store and ask it in single flight too (``claim=True``,
+``wait_s=claim_wait_s``): an image another frontend is processing is waited for, and counted
+in ``claim_waits``.
 
 P0 also keeps the truth: the digest of every tensor it produced for each hash, which every
 worker checks what it receives against.  For an item the remote tier supplied, P0 takes the

@@ -4,18 +4,21 @@ Started with the ``spawn`` method and wired with :mod:`multiprocessing` connecti
 :mod:`~mmcache.simulate.wire` messages (msgpack headers, tensors out of band)::
 
     driver (this process: names the rings, supervises, shows progress, removes what is left)
-      │ events ▲
-      P0 frontend ──requests──▶ P1 engine core ──requests──▶ worker 0 … worker N-1
-        ▲        ◀──misses────                                   │
-        └──────────────────────── results ───────────────────────┘
+      │ events ▲ (one pipe per P0)
+      P0 frontend 0..F-1 ──requests──▶ P1 engine core ──requests──▶ worker 0 … worker N-1
+        ▲               ◀──misses────                                   │
+        └─────────────────────────────── results (a pipe per P0) ───────┘
 
-With ``--hosts N`` the driver runs N such pipelines at once, each its own P0, P1, workers and
-ring (stand-ins for hosts), sharing only the remote tier (``--remote``; ``redis://auto`` and
-friends start a real server for the run).  :mod:`.frontend` is P0, :mod:`.engine` is P1 and
-the workers. Ctrl-C reaches the driver only; it then stops every child, and each P0 closes
-(unlinks) its shared-memory ring.  A child that dies ends the run with one line naming it.
-The driver names each ring before its P0 starts, so once every child has exited it removes
-whatever a P0 killed while creating or using its ring left, however the run ended.
+With ``--frontends F`` each host runs F P0s, dealt its requests in turn, sending to the one
+P1 and the same workers (in ``shm`` mode frontend 0 creates the ring and the others join it
+through P1). With ``--hosts N`` the driver runs N such pipelines at once, each its own P0s,
+P1, workers and ring (stand-ins for hosts), sharing only the remote tier (``--remote``;
+``redis://auto`` and friends start a real server for the run).  :mod:`.frontend` is P0,
+:mod:`.engine` is P1 and the workers. Ctrl-C reaches the driver only; it then stops every
+child, and the last P0 of a ring to close unlinks it.  A child that dies ends the run with
+one line naming it. The driver names each ring before its P0s start, so once every child
+has exited it removes whatever P0s killed while creating or using their ring left, however
+the run ended.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def run_config(
             _stop(processes, grace_s=10.0 if finished else 0.0)
             for pipeline in pipelines:
                 pipeline.cleanup()
-    return _combine(config, [r for p in pipelines for r in p.reports])
+    reports = [r for p in pipelines for r in p.reports]  # in the order they finished
+    return _combine(config, sorted(reports, key=lambda r: (r["host"], r["frontend"])))
 
 
 def _supervise(
