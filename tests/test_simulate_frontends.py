@@ -8,16 +8,18 @@ asserts a time.
 from __future__ import annotations
 
 from collections import Counter
+from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mmcache import Feature
+from mmcache import Feature, ShmHandle, ShmSenderCache, content_hash
 from mmcache.simulate import SimulationConfig, wire
 from mmcache.simulate.engine import _serve
+from mmcache.simulate.frontend import _Frontend, _Pending
 from mmcache.simulate.processes import _wrong_unverified_tensors
-from mmcache.simulate.workload import Catalogue, process, tensor_digests
+from mmcache.simulate.workload import TARGET_SIDE, Catalogue, process, tensor_digests
 from tests.test_simulate import TINY, figures, simulate
 
 
@@ -146,3 +148,22 @@ def test_items_another_frontend_processed_are_checked_against_its_truth() -> Non
     assert _wrong_unverified_tensors(reports([[7, truth_lists]])) == 2  # the tampered item
     # An image no frontend processed has no truth: everything received for it is wrong.
     assert _wrong_unverified_tensors(reports([])) == 3 * 2
+
+
+def test_an_item_evicted_between_lookup_and_update_is_processed_after_all() -> None:
+    # Another frontend's put may evict an item this P0 found cached before it touches it:
+    # its update then misses, and P0 processes the item and updates again.
+    config = SimulationConfig(frontends=2, catalogue=4)
+    with ShmSenderCache(0.05, max_writers=2) as store:
+        engine, _ = Pipe()
+        frontend = _Frontend(config, 0, 0, store, None, engine, [], engine)
+        image = 3
+        mm_hash = content_hash(frontend.catalogue[image], size=TARGET_SIDE)
+        pending = _Pending([image], [mm_hash], started=0.0)
+        inputs: list[Any] = [None]  # "cached" when P0 looked, gone now
+        ((handle, prompt_updates),) = frontend._update(store, inputs, pending)
+        assert isinstance(handle, ShmHandle)
+        assert prompt_updates == {"modality": "image", "num_tokens": 256}
+        assert inputs[0] is not None and frontend.counts.processed == 1
+        assert store.is_cached_item(mm_hash)
+        store.release_handles([handle])

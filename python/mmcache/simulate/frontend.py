@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from mmcache import Feature, ShmHandle, ShmSenderCache, content_hash, make_caches
+from mmcache import (
+    CacheMissError,
+    Feature,
+    ShmHandle,
+    ShmSenderCache,
+    content_hash,
+    make_caches,
+)
 from mmcache.caches import BaseSenderCache, SenderOutput
 from mmcache.factory import Mode
 from mmcache.simulate import wire
@@ -244,9 +251,10 @@ class _Frontend:
                 None if hit else self._process(h, i)
                 for h, i, hit in zip(hashes, pending.images, cached, strict=True)
             ]
-            for h in hashes:
-                self.cache.touch_sender_cache_item(h)
-            outputs = self.cache.get_and_update(inputs, hashes)
+            outputs = self._update(self.cache, inputs, pending)
+            # An item processed after all (evicted before the update) is no hit.
+            local = [was and item is None for was, item in zip(local, inputs, strict=True)]
+            waited = [other and item is None for other, item in zip(waited, inputs, strict=True)]
             self.counts.hits += sum(local) + sum(waited)
             self.counts.claim_waits += sum(waited)
             self.counts.shm_bytes += sum(
@@ -264,6 +272,26 @@ class _Frontend:
         ]
         handles = [data for data, _ in outputs if isinstance(data, ShmHandle)]
         return entries, buffers, handles
+
+    def _update(
+        self, cache: BaseSenderCache, inputs: list[Any], pending: _Pending
+    ) -> list[SenderOutput]:
+        """Touch every hash of the request, then update the cache item by item.
+
+        With frontends sharing the store, another one's put may evict an item between this
+        P0's ``is_cached`` and its touch: the update then raises (changing nothing) and P0
+        processes what it missed (``inputs`` gets the items) and updates again."""
+        while True:
+            for h in pending.hashes:
+                cache.touch_sender_cache_item(h)
+            try:
+                return cache.get_and_update(inputs, pending.hashes)
+            except CacheMissError as miss:
+                if self.shared is None:
+                    raise
+                for j, (h, image) in enumerate(zip(pending.hashes, pending.images, strict=True)):
+                    if inputs[j] is None and h in miss.mm_hashes:
+                        inputs[j] = self._process(h, image)
 
     def _is_cached(self, cache: BaseSenderCache, hashes: list[str]) -> list[bool]:
         """Which of ``hashes`` P0 need not process. In single flight where others may be
