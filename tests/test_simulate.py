@@ -189,6 +189,12 @@ def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
         ({"requests": 0}, "--requests"),
         ({"mode": "shm", "capacity_gb": 1e6}, "/dev/shm"),
         ({"mode": "bogus"}, "unknown mode"),
+        ({"frontends": 0}, "--frontends"),
+        ({"frontends": 9}, "--frontends"),
+        ({"frontends": 3, "requests": 2}, "leaves a frontend without requests"),
+        ({"frontends": 2, "mode": "lru"}, "P1's cache mirrors the LRU of one P0"),
+        ({"claim_wait_s": float("nan")}, "--claim-wait-s"),
+        ({"claim_wait_s": -1.0}, "--claim-wait-s"),
     ],
 )
 def test_impossible_configurations_are_refused(changes: dict[str, Any], message: str) -> None:
@@ -374,7 +380,7 @@ def test_a_worker_whose_ring_is_gone_before_it_attaches_exits_quietly(
     _, outbox = Pipe(duplex=False)
     wire.send(setup, {"type": "setup", "reader": pickle.dumps(handle)})
     with pytest.raises(SystemExit) as exit_status:
-        worker_main(0, inbox, outbox)
+        worker_main(0, inbox, [outbox])
     assert exit_status.value.code == 1
     assert capsys.readouterr().err == ""
 
@@ -382,7 +388,7 @@ def test_a_worker_whose_ring_is_gone_before_it_attaches_exits_quietly(
 def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:
     item = process(Catalogue(1, seed=0)[0]).tensors
     truth = tensor_digests(item)
-    assert _serve(*_request(item, truth), None) | {"rid": 0} == {
+    assert _serve(*_request(item, truth), None, Counter()) | {"rid": 0} == {
         "type": "done",
         "rid": 0,
         "attempt": 1,
@@ -391,9 +397,9 @@ def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:
         "wrong": 0,
     }
     tampered = dict(item, image_sizes=item["image_sizes"] + 1)
-    assert _serve(*_request(tampered, truth), None)["wrong"] == 1
+    assert _serve(*_request(tampered, truth), None, Counter())["wrong"] == 1
     missing_field = {"pixel_values": item["pixel_values"]}
-    assert _serve(*_request(missing_field, truth), None)["wrong"] == 1
+    assert _serve(*_request(missing_field, truth), None, Counter())["wrong"] == 1
 
 
 def test_wrong_tensors_make_the_command_fail(

@@ -51,6 +51,9 @@ examples:
                                             two hosts sharing a real Valkey started for the
                                             run, with and without the remote tier
   mmcache simulate --remote redis://cache.internal:6379 --hosts 2
+  mmcache simulate --frontends 2 --compare
+                                            two P0s sharing one store (single flight) beside
+                                            one P0, and the other modes
 """
 _BENCH_EXAMPLES = """\
 examples:
@@ -109,7 +112,7 @@ def _parser() -> _Parser:
         "--compare",
         action="store_true",
         help="run every mode on the same workload, side by side; with --remote: the mode "
-        "with and without the remote tier",
+        "with and without the remote tier; with --frontends N: also the mode with one frontend",
     )
     sim.add_argument(
         "--requests",
@@ -176,6 +179,22 @@ def _parser() -> _Parser:
         default=defaults.hosts,
         help="independent pipelines (each its own P0, P1, workers and ring) standing in for "
         "hosts; requests are per host (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--frontends",
+        type=_positive_int,
+        default=defaults.frontends,
+        help="P0 processes per host, each serving its turn of the requests, all sending to "
+        "the same P1 and workers; in shm mode they share one store, in single flight (lru "
+        "cannot: its P1 mirrors one P0; with --compare it runs with one) (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--claim-wait-s",
+        type=float,
+        default=defaults.claim_wait_s,
+        metavar="SECONDS",
+        help="how long a frontend waits for an item another frontend (or host, with --remote) "
+        "is processing before processing it itself (default: %(default)s)",
     )
     sim.add_argument("--json", type=Path, metavar="PATH", help="write the figures as JSON")
     sim.add_argument(
@@ -288,7 +307,7 @@ def _simulate(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
-    from mmcache.simulate import MODES, ConfigError, SimulationConfig, SimulationError, run_configs
+    from mmcache.simulate import ConfigError, SimulationConfig, SimulationError, run_configs
     from mmcache.simulate.report import render, write_json, write_plot
 
     _check_output(args.json, "--json")
@@ -313,13 +332,10 @@ def _simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         remote=args.remote,
         hosts=args.hosts,
+        frontends=args.frontends,
+        claim_wait_s=args.claim_wait_s,
     )
-    if not args.compare:
-        configs = [config]
-    elif config.remote is not None:
-        configs = [config.without_remote(), config]
-    else:
-        configs = [config.with_mode(mode) for mode in MODES]
+    configs = config.compared() if args.compare else [config]
     out = Console()
     err = Console(stderr=True)
     columns = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ MAX_ITEMS = 64
 MAX_SEED = 2**63 - 1
 MAX_REQUESTS = 10**15
 MAX_HOSTS = 8
+#: Frontends (P0 processes) of one host: each is a writer slot of the host's store.
+MAX_FRONTENDS = 8
+#: How long a frontend waits, by default, for an image another frontend is processing.
+CLAIM_WAIT_S = 5.0
 #: ``--remote`` URLs that start a server for the run instead of naming one.
 AUTO_REMOTES = ("redis://auto", "valkey://auto", "mooncake://auto")
 
@@ -56,6 +61,12 @@ class SimulationConfig:
     remote: str | None = None
     #: Independent pipelines (each its own P0, P1, workers and ring): stand-ins for hosts.
     hosts: int = 1
+    #: P0 processes per host, splitting its request stream and sharing its P1, workers and
+    #: store (``shm``: one ring, single flight; ``none``/``processor_only``: a cache each).
+    frontends: int = 1
+    #: With several frontends (or a remote tier): how long a frontend waits for an item
+    #: another one claimed (is processing) before processing it itself.
+    claim_wait_s: float = CLAIM_WAIT_S
 
     def with_mode(self, mode: str) -> SimulationConfig:
         """The same run in another cache mode."""
@@ -65,12 +76,46 @@ class SimulationConfig:
         """The same run without the remote tier."""
         return replace(self, remote=None)
 
+    def with_frontends(self, frontends: int) -> SimulationConfig:
+        """The same run with ``frontends`` P0 processes per host."""
+        return replace(self, frontends=frontends)
+
     @property
     def label(self) -> str:
-        """How a report names this run: the mode, and the remote tier's scheme if any."""
-        if self.remote is None:
-            return self.mode
-        return f"{self.mode} + {self.remote.split(':', 1)[0]}"
+        """How a report names this run: the mode, the remote tier's scheme if any, and the
+        number of frontends if more than one."""
+        label = self.mode
+        if self.remote is not None:
+            label += f" + {self.remote.split(':', 1)[0]}"
+        if self.frontends > 1:
+            label += f", {self.frontends} frontends"
+        return label
+
+    def compared(self, modes: Sequence[str] = MODES) -> list[SimulationConfig]:
+        """The runs ``--compare`` makes of this one: each of ``modes`` (with a remote tier:
+        this mode without and with it); with several frontends, also this run with one
+        frontend beside it, and ``lru`` with one frontend (its P1 mirrors one P0)."""
+        runs = (
+            [self.with_mode(mode) for mode in modes]
+            if self.remote is None
+            else [self.without_remote(), self]
+        )
+        if self.frontends == 1:
+            return runs
+        compared: list[SimulationConfig] = []
+        for run in runs:
+            if run.mode == "lru":
+                compared.append(run.with_frontends(1))
+                continue
+            if run == self:
+                compared.append(run.with_frontends(1))
+            compared.append(run)
+        return compared
+
+    def frontend_requests(self, frontend: int) -> int:
+        """How many of a host's requests ``frontend`` serves: the stream is dealt out in
+        turn (request ``i`` to frontend ``i % frontends``)."""
+        return len(range(frontend, self.requests, self.frontends))
 
     def validate(self) -> None:
         """Raise :class:`ConfigError`, with a one-line reason, for a run that cannot work."""
@@ -102,6 +147,7 @@ class SimulationConfig:
             )
         if not 1 <= self.hosts <= MAX_HOSTS:
             raise ConfigError(f"--hosts must be between 1 and {MAX_HOSTS}, not {self.hosts}")
+        self._validate_frontends()
         if self.remote is not None:
             self._validate_remote()
         if self.mode == "none":
@@ -123,6 +169,28 @@ class SimulationConfig:
                     "(docker: --shm-size)"
                 )
 
+    def _validate_frontends(self) -> None:
+        if not 1 <= self.frontends <= MAX_FRONTENDS:
+            raise ConfigError(
+                f"--frontends must be between 1 and {MAX_FRONTENDS}, not {self.frontends}"
+            )
+        if self.requests < self.frontends:
+            raise ConfigError(
+                f"--requests {self.requests} leaves a frontend without requests: use at least "
+                f"--frontends ({self.frontends})"
+            )
+        if not (math.isfinite(self.claim_wait_s) and self.claim_wait_s >= 0):
+            raise ConfigError(
+                f"--claim-wait-s must be a finite number of seconds >= 0, not {self.claim_wait_s}"
+            )
+        if self.mode == "lru" and self.frontends > 1:
+            raise ConfigError(
+                "--mode lru cannot run with --frontends above 1: P1's cache mirrors the LRU of "
+                "one P0, and a second P0 would drift from it on every request (vLLM turns the "
+                "IPC cache off with several API servers); use shm (one store every frontend "
+                "shares) or processor_only (a cache per frontend)"
+            )
+
     def _validate_remote(self) -> None:
         remote = self.remote or ""
         if self.mode == "none":
@@ -142,8 +210,9 @@ class SimulationConfig:
 
 @dataclass
 class RunMetrics:
-    """What one simulated run measured, summed over its hosts (see
-    :mod:`mmcache.simulate.report` for the meaning); ``per_host`` breaks it down."""
+    """What one simulated run measured, summed over its hosts and their frontends (see
+    :mod:`mmcache.simulate.report` for the meaning); ``per_host`` and ``per_frontend``
+    break it down."""
 
     mode: str
     requests: int
@@ -186,6 +255,9 @@ class RunMetrics:
     remote_put_p50_ms: float = 0.0
     remote_put_p99_ms: float = 0.0
     per_host: list[dict[str, Any]] = field(default_factory=list)
+    frontends: int = 1
+    claim_waits: int = 0
+    per_frontend: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.label = self.label or self.mode

@@ -11,8 +11,13 @@ rejected before the engine sees it) and resubmits them, so the caches drift apar
 With a remote tier (``--remote``) P0's cache is a :class:`~mmcache.remote.TieredSenderCache`:
 ``is_cached`` also finds items another host (or this one, before an eviction) processed, and
 P0 skips processing them; what P0 does process is published for the other hosts.  P0 asks in
-single flight (``claim=True``, ``wait_s=``:data:`CLAIM_WAIT_S`): an item another host is
-processing at that moment is waited for rather than processed twice.
+single flight (``claim=True``, ``wait_s=claim_wait_s``): an item another host is processing
+at that moment is waited for rather than processed twice.
+
+With several frontends (``--frontends``) each P0 serves its turn of the host's requests; in
+``shm`` mode they share one store and ask it in single flight too (``claim=True``,
+``wait_s=claim_wait_s``): an image another frontend is processing is waited for, and counted
+in ``claim_waits``.
 
 P0 also keeps the truth: the digest of every tensor it produced for each hash, which every
 worker checks what it receives against.  For an item the remote tier supplied, P0 takes the
@@ -27,6 +32,7 @@ not grow with ``--requests``.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import random
 import signal
@@ -37,11 +43,23 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from mmcache import Feature, ShmHandle, ShmSenderCache, content_hash, make_caches
+from mmcache import (
+    CacheMissError,
+    Feature,
+    ShmHandle,
+    ShmSenderCache,
+    content_hash,
+    make_caches,
+)
 from mmcache.caches import BaseSenderCache, SenderOutput
 from mmcache.factory import Mode
 from mmcache.simulate import wire
-from mmcache.simulate.config import ITEM_BYTES, SimulationConfig, SimulationError
+from mmcache.simulate.config import (
+    ITEM_BYTES,
+    MAX_FRONTENDS,
+    SimulationConfig,
+    SimulationError,
+)
 from mmcache.simulate.workload import (
     TARGET_SIDE,
     Catalogue,
@@ -55,8 +73,6 @@ if TYPE_CHECKING:
 
 #: Request latencies kept for the percentiles (a uniform sample of all of them).
 LATENCY_SAMPLES = 100_000
-#: With a remote tier: how long P0 waits for items another host claimed (is processing).
-CLAIM_WAIT_S = 5.0
 
 
 @dataclass
@@ -79,7 +95,8 @@ class _Counts:
     requests: int = 0  # completed requests
     items: int = 0  # items of completed requests
     lookups: int = 0  # items looked up in P0's cache, every attempt included
-    hits: int = 0  # lookups that found the item in P0's local cache
+    hits: int = 0  # lookups P0 did not process: found locally, or after a claim wait
+    claim_waits: int = 0  # ... that another frontend was processing: waited for, then found
     remote_hits: int = 0  # lookups the remote tier answered instead of processing
     cross_host_hits: int = 0  # ... for an item this host had not processed itself
     processed: int = 0  # items run through the processor
@@ -118,6 +135,7 @@ class _Frontend:
         self,
         config: SimulationConfig,
         host: int,
+        frontend: int,
         local: BaseSenderCache | None,
         tiered: TieredSenderCache | None,
         engine: Connection,
@@ -126,13 +144,18 @@ class _Frontend:
     ) -> None:
         self.config = config
         self.host = host
+        self.frontend = frontend
         self.local = local
         self.tiered = tiered
         self.cache: BaseSenderCache | None = tiered or local
+        # With several frontends, the store they share (single flight through it).
+        self.shared = local if config.frontends > 1 and isinstance(local, ShmSenderCache) else None
         self.engine = engine
         self.results = results
         self.events = events
-        self.requests = request_stream(
+        self.n_requests = config.frontend_requests(frontend)
+        # The host's stream, dealt out in turn between its frontends.
+        stream = request_stream(
             requests=config.requests,
             catalogue=config.catalogue,
             zipf=config.zipf,
@@ -140,14 +163,15 @@ class _Frontend:
             seed=config.seed,
             host=host,
         )
+        self.requests = itertools.islice(stream, frontend, None, config.frontends)
         self.catalogue = Catalogue(config.catalogue, config.seed)
-        self.drift = np.random.default_rng([config.seed, 0xD81F7, host])
+        self.drift = np.random.default_rng([config.seed, 0xD81F7, host, frontend])
         self.image_of: dict[str, int] = {}
         self.processed_truth: dict[str, dict[str, bytes]] = {}
         self.remote_truth: dict[str, dict[str, bytes]] = {}
         self.seen = np.zeros(config.catalogue, dtype=bool)
         self.pending: dict[int, _Pending] = {}
-        self.latencies = _LatencySample(LATENCY_SAMPLES, seed=host)
+        self.latencies = _LatencySample(LATENCY_SAMPLES, seed=host * MAX_FRONTENDS + frontend)
         self.traffic = wire.Traffic()
         self.counts = _Counts()
         self.processing_s = 0.0
@@ -156,15 +180,16 @@ class _Frontend:
     # The request loop
 
     def run(self) -> dict[str, Any]:
-        """Serve every request, stop the pipeline and return this host's figures."""
+        """Serve this frontend's requests, stop its part of the pipeline and return its
+        figures."""
         for conn in [self.engine, *self.results]:
             header, _ = wire.recv(conn)
             if header["type"] != "ready":
                 raise SimulationError(f"expected a ready message, got {header['type']!r}")
         started = time.perf_counter()
         submitted = 0
-        while submitted < self.config.requests or self.pending:
-            while submitted < self.config.requests and len(self.pending) < self.config.inflight:
+        while submitted < self.n_requests or self.pending:
+            while submitted < self.n_requests and len(self.pending) < self.config.inflight:
                 self._submit(submitted)
                 submitted += 1
             for ready in wait([self.engine, *self.results]):
@@ -215,34 +240,70 @@ class _Frontend:
             outputs = [self._process(h, i) for h, i in zip(hashes, pending.images, strict=True)]
         else:
             local = self.local.is_cached(hashes)
-            cached = (  # with a remote tier: remote hits too, in single flight
-                self.cache.is_cached(hashes)
-                if self.tiered is None
-                else self.tiered.is_cached(hashes, claim=True, wait_s=CLAIM_WAIT_S)
-            )
+            cached = self._is_cached(self.cache, hashes)
             self._note_remote_hits(hashes, local, cached)
+            # Neither here before nor fetched: another frontend put it meanwhile (waited for).
+            waited = [
+                hit and not was and (self.tiered is None or self.tiered.fetched(h) is None)
+                for h, was, hit in zip(hashes, local, cached, strict=True)
+            ]
             inputs = [
                 None if hit else self._process(h, i)
                 for h, i, hit in zip(hashes, pending.images, cached, strict=True)
             ]
-            for h in hashes:
-                self.cache.touch_sender_cache_item(h)
-            outputs = self.cache.get_and_update(inputs, hashes)
-            self.counts.hits += sum(local)
+            outputs = self._update(self.cache, inputs, pending)
+            # An item processed after all (evicted before the update) is no hit.
+            local = [was and item is None for was, item in zip(local, inputs, strict=True)]
+            waited = [other and item is None for other, item in zip(waited, inputs, strict=True)]
+            self.counts.hits += sum(local) + sum(waited)
+            self.counts.claim_waits += sum(waited)
             self.counts.shm_bytes += sum(
                 ITEM_BYTES
-                for hit, out in zip(local, outputs, strict=True)
-                if not hit and isinstance(out[0], ShmHandle)
+                for was, other, out in zip(local, waited, outputs, strict=True)
+                if not (was or other) and isinstance(out[0], ShmHandle)
             )
         buffers: list[memoryview] = []
         entries = [
             wire.encode_feature(
-                Feature(data=data, mm_hash=h, identifier=h, digests=self._truth(h)), buffers
+                Feature(data=data, mm_hash=h, identifier=h, digests=self._truth(h), image=i),
+                buffers,
             )
-            for h, (data, _prompt_updates) in zip(hashes, outputs, strict=True)
+            for h, i, (data, _prompt_updates) in zip(hashes, pending.images, outputs, strict=True)
         ]
         handles = [data for data, _ in outputs if isinstance(data, ShmHandle)]
         return entries, buffers, handles
+
+    def _update(
+        self, cache: BaseSenderCache, inputs: list[Any], pending: _Pending
+    ) -> list[SenderOutput]:
+        """Touch every hash of the request, then update the cache item by item.
+
+        With frontends sharing the store, another one's put may evict an item between this
+        P0's ``is_cached`` and its touch: the update then raises (changing nothing) and P0
+        processes what it missed (``inputs`` gets the items) and updates again."""
+        while True:
+            for h in pending.hashes:
+                cache.touch_sender_cache_item(h)
+            try:
+                return cache.get_and_update(inputs, pending.hashes)
+            except CacheMissError as miss:
+                if self.shared is None:
+                    raise
+                for j, (h, image) in enumerate(zip(pending.hashes, pending.images, strict=True)):
+                    if inputs[j] is None and h in miss.mm_hashes:
+                        inputs[j] = self._process(h, image)
+
+    def _is_cached(self, cache: BaseSenderCache, hashes: list[str]) -> list[bool]:
+        """Which of ``hashes`` P0 need not process. In single flight where others may be
+        processing the same items (another host through the remote tier, another frontend
+        through the shared store): each miss is claimed, and items claimed elsewhere are
+        waited for up to ``claim_wait_s``."""
+        wait_s = self.config.claim_wait_s
+        if self.tiered is not None:
+            return self.tiered.is_cached(hashes, claim=True, wait_s=wait_s)
+        if self.shared is not None:
+            return self.shared.is_cached(hashes, claim=True, wait_s=wait_s)
+        return cache.is_cached(hashes)
 
     def _note_remote_hits(self, hashes: list[str], local: list[bool], cached: list[bool]) -> None:
         """Count what the remote tier supplied and take the digests of what it fetched."""
@@ -261,9 +322,12 @@ class _Frontend:
             if known != digests:  # the tier supplied two different items for one hash
                 self.remote_truth[h] = dict.fromkeys(digests, b"")
 
-    def _truth(self, mm_hash: str) -> dict[str, bytes]:
+    def _truth(self, mm_hash: str) -> dict[str, bytes] | None:
+        """The digests this P0 recorded for ``mm_hash``; ``None`` for an item another
+        frontend of the store processed (the workers keep what they received of it, and the
+        driver checks that against what that frontend processed)."""
         truth = self.processed_truth.get(mm_hash) or self.remote_truth.get(mm_hash)
-        if truth is None:
+        if truth is None and self.shared is None:
             raise SimulationError(f"no truth for {mm_hash}: it was neither processed nor fetched")
         return truth
 
@@ -324,7 +388,8 @@ class _Frontend:
     # The end of the run
 
     def _finish(self, elapsed: float) -> dict[str, Any]:
-        """Stop P1 and the workers, gather their counters and return this host's figures."""
+        """Tell P1 and the workers this frontend is done, gather their counters for it and
+        return its figures."""
         wire.send(self.engine, {"type": "stop"}, traffic=self.traffic)
         engine, _ = wire.recv(self.engine)
         workers = [wire.recv(conn)[0] for conn in self.results]
@@ -332,14 +397,21 @@ class _Frontend:
             self.tiered.flush()  # what this host processed reaches the others before the end
         counts = self.counts
         stats = self.cache.stats() if self.cache is not None else {}
+        deferred: dict[tuple[int, tuple[tuple[str, bytes], ...]], int] = {}
+        for worker in workers:
+            for image, digests, times in worker["deferred"]:
+                key = (image, tuple((name, digest) for name, digest in digests))
+                deferred[key] = deferred.get(key, 0) + times
         report: dict[str, Any] = {
             "host": self.host,
+            "frontend": self.frontend,
             "requests": counts.requests,
             "items": counts.items,
             "elapsed_s": elapsed,
             "latencies_ms": self.latencies.values,
             "lookups": counts.lookups,
             "hits": counts.hits,
+            "claim_waits": counts.claim_waits,
             "remote_hits": counts.remote_hits,
             "cross_host_hits": counts.cross_host_hits,
             "processed": counts.processed,
@@ -349,12 +421,16 @@ class _Frontend:
             "baseline_bytes": counts.baseline_bytes,
             "shm_bytes": counts.shm_bytes,
             "evictions": self._evictions(stats),
+            # The store's counter, the same for every frontend sharing it (not theirs to add).
+            "evictions_shared": "store_evictions" in stats,
             "served_uncached": stats.get("uncached_oversize", 0) + stats.get("uncached_full", 0),
             "dropped": counts.dropped,
             "retries": counts.retries,
             "unrecovered": counts.unrecovered,
             "tensors_checked": sum(w["checked"] for w in workers),
             "wrong_tensors": sum(w["wrong"] for w in workers),
+            # What the workers received for items without a truth here: [image, digests, n].
+            "deferred_truth": [[i, list(d), n] for (i, d), n in deferred.items()],
             "seen": np.packbits(self.seen).tobytes(),
             # The driver checks what the tier supplied against what any host processed.
             "processed_truth": self._by_image(self.processed_truth),
@@ -391,18 +467,21 @@ class _Frontend:
 def frontend_main(
     config: SimulationConfig,
     host: int,
+    frontend: int,
     remote: dict[str, str] | None,
     ring: str | None,
     engine: Connection,
     results: list[Connection],
     events: Connection,
 ) -> None:
-    """P0's process: make the cache of ``config.mode`` (behind the remote tier ``remote``:
-    its ``url``, ``namespace`` and ``secret``; in mode ``shm`` a ring named ``ring``), hand
-    P1 and the workers what they need, serve the workload, report the figures to the driver.
-    SIGTERM closes the cache (unlinking a shared-memory ring) before exiting."""
+    """A P0 process: make the cache of ``config.mode`` (behind the remote tier ``remote``:
+    its ``url``, ``namespace`` and ``secret``; in mode ``shm`` a ring named ``ring``, which
+    frontend 0 creates and the host's other frontends join), hand P1 and the workers what
+    they need, serve this frontend's share of the workload, report the figures to the
+    driver. SIGTERM closes the cache (the last writer of a ring unlinks it) before exiting."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     tiered: TieredSenderCache | None = None
+    local: BaseSenderCache | None = None
     try:
         store = None
         if remote is not None:
@@ -411,16 +490,24 @@ def frontend_main(
             store = RemoteStore(
                 remote["url"], namespace=remote["namespace"], secret=remote["secret"]
             )
-        cache, downstream = make_caches(
-            cast(Mode, config.mode),
-            capacity_gb=config.capacity_gb,
-            n_readers=config.workers,
-            remote=store,
-            name=ring,
-        )
-        if store is not None:
-            tiered = cast("TieredSenderCache", cache)
-        local = tiered.local if tiered is not None else cache
+        setup: dict[str, Any] = {"type": "setup"}
+        if frontend > 0 and config.mode == "shm":
+            local = _join(engine)
+        else:
+            local, downstream = make_caches(
+                cast(Mode, config.mode),
+                capacity_gb=config.capacity_gb,
+                n_readers=config.workers,
+                name=ring,
+                max_writers=config.frontends,
+            )
+            setup["downstream"] = pickle.dumps(downstream)
+            if config.frontends > 1 and isinstance(local, ShmSenderCache):
+                setup["writer"] = pickle.dumps(local.writer_handle())
+        if store is not None and local is not None:
+            from mmcache.remote import TieredSenderCache
+
+            tiered = TieredSenderCache(local, store)
     except (MemoryError, ValueError, ImportError) as exc:
         wire.send(
             events,
@@ -430,16 +517,26 @@ def frontend_main(
                 "message": f"cannot create the {config.label} cache: {exc}",
             },
         )
+        if local is not None:
+            local.close()
         return
     try:
-        wire.send(engine, {"type": "setup", "downstream": pickle.dumps(downstream)})
-        report = _Frontend(config, host, local, tiered, engine, results, events).run()
-        wire.send(events, {"type": "result", "host": report})
+        wire.send(engine, setup)
+        report = _Frontend(config, host, frontend, local, tiered, engine, results, events).run()
+        wire.send(events, {"type": "result", "report": report})
     finally:
         if tiered is not None:
             tiered.close()  # publishes what is queued, closes the local cache too
         elif local is not None:
             local.close()
+
+
+def _join(engine: Connection) -> ShmSenderCache:
+    """Join the store frontend 0 created, with the writer handle P1 relays."""
+    message, _ = wire.recv(engine)
+    if message["type"] != "join":
+        raise SimulationError(f"expected a join message, got {message['type']!r}")
+    return ShmSenderCache.join(pickle.loads(message["writer"]))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -4,18 +4,21 @@ Started with the ``spawn`` method and wired with :mod:`multiprocessing` connecti
 :mod:`~mmcache.simulate.wire` messages (msgpack headers, tensors out of band)::
 
     driver (this process: names the rings, supervises, shows progress, removes what is left)
-      │ events ▲
-      P0 frontend ──requests──▶ P1 engine core ──requests──▶ worker 0 … worker N-1
-        ▲        ◀──misses────                                   │
-        └──────────────────────── results ───────────────────────┘
+      │ events ▲ (one pipe per P0)
+      P0 frontend 0..F-1 ──requests──▶ P1 engine core ──requests──▶ worker 0 … worker N-1
+        ▲               ◀──misses────                                   │
+        └─────────────────────────────── results (a pipe per P0) ───────┘
 
-With ``--hosts N`` the driver runs N such pipelines at once, each its own P0, P1, workers and
-ring (stand-ins for hosts), sharing only the remote tier (``--remote``; ``redis://auto`` and
-friends start a real server for the run).  :mod:`.frontend` is P0, :mod:`.engine` is P1 and
-the workers. Ctrl-C reaches the driver only; it then stops every child, and each P0 closes
-(unlinks) its shared-memory ring.  A child that dies ends the run with one line naming it.
-The driver names each ring before its P0 starts, so once every child has exited it removes
-whatever a P0 killed while creating or using its ring left, however the run ended.
+With ``--frontends F`` each host runs F P0s, dealt its requests in turn, sending to the one
+P1 and the same workers (in ``shm`` mode frontend 0 creates the ring and the others join it
+through P1). With ``--hosts N`` the driver runs N such pipelines at once, each its own P0s,
+P1, workers and ring (stand-ins for hosts), sharing only the remote tier (``--remote``;
+``redis://auto`` and friends start a real server for the run).  :mod:`.frontend` is P0,
+:mod:`.engine` is P1 and the workers. Ctrl-C reaches the driver only; it then stops every
+child, and the last P0 of a ring to close unlinks it.  A child that dies ends the run with
+one line naming it. The driver names each ring before its P0s start, so once every child
+has exited it removes whatever P0s killed while creating or using their ring left, however
+the run ended.
 """
 
 from __future__ import annotations
@@ -53,51 +56,64 @@ PROCESSOR_ID = "mmcache-simulate/clip448@1"
 
 
 class _Pipeline:
-    """One host: P0, P1 and the workers, and the pipes between them."""
+    """One host: its P0s (frontends), P1 and the workers, and the pipes between them."""
 
     def __init__(
         self, ctx: Any, config: SimulationConfig, host: int, remote: dict[str, str] | None
     ) -> None:
         self.host = host
         of_host = f" of host {host}" if config.hosts > 1 else ""
-        to_engine, from_frontend = ctx.Pipe()
+        n = config.frontends
+        engine_ends = [ctx.Pipe() for _ in range(n)]  # (frontend's end, P1's end)
         inbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
-        outbox = [ctx.Pipe(duplex=False) for _ in range(config.workers)]
-        self.events, events_sender = ctx.Pipe(duplex=False)
-        # P0 creates the ring under the name the driver picks: the driver knows it even if
-        # P0 dies before it could say.
+        # outbox[k][rank]: worker rank -> frontend k
+        outbox = [[ctx.Pipe(duplex=False) for _ in range(config.workers)] for _ in range(n)]
+        events = [ctx.Pipe(duplex=False) for _ in range(n)]
+        self.events = [receiver for receiver, _ in events]
+        # Frontend 0 creates the ring under the name the driver picks (the others join it):
+        # the driver knows it even if every P0 dies before it could say.
         self.ring = _core.generate_segment_name() if config.mode == "shm" else None
         self.processes = [
-            ctx.Process(
-                target=frontend_main,
-                args=(
-                    config,
-                    host,
-                    remote,
-                    self.ring,
-                    to_engine,
-                    [r for r, _ in outbox],
-                    events_sender,
-                ),
-                name=f"P0 (frontend){of_host}",
+            *(
+                ctx.Process(
+                    target=frontend_main,
+                    args=(
+                        config,
+                        host,
+                        k,
+                        remote,
+                        self.ring,
+                        engine_ends[k][0],
+                        [r for r, _ in outbox[k]],
+                        events[k][1],
+                    ),
+                    name=f"P0 (frontend{f' {k}' if n > 1 else ''}){of_host}",
+                )
+                for k in range(n)
             ),
             ctx.Process(
                 target=engine_core_main,
-                args=(from_frontend, [w for _, w in inbox]),
+                args=([p1 for _, p1 in engine_ends], [w for _, w in inbox]),
                 name=f"P1 (engine core){of_host}",
             ),
             *(
                 ctx.Process(
                     target=worker_main,
-                    args=(rank, inbox[rank][0], outbox[rank][1]),
+                    args=(rank, inbox[rank][0], [outbox[k][rank][1] for k in range(n)]),
                     name=f"worker {rank}{of_host}",
                 )
                 for rank in range(config.workers)
             ),
         ]
-        self._child_ends = list(chain([to_engine, from_frontend, events_sender], *inbox, *outbox))
-        self.report: dict[str, Any] | None = None
-        self.done = 0
+        self._child_ends = list(
+            chain(
+                chain(*engine_ends),
+                (sender for _, sender in events),
+                *inbox,
+                *(chain(*pipes) for pipes in outbox),
+            )
+        )
+        self.reports: list[dict[str, Any]] = []
 
     def start(self) -> None:
         for proc in self.processes:
@@ -107,12 +123,13 @@ class _Pipeline:
 
     def cleanup(self) -> None:
         """Once every process of the pipeline has exited: close the driver's end and remove
-        the ring if P0 died before it could (while creating it, or later)."""
-        self.events.close()
+        the ring if every P0 died before one could (while creating it, or later)."""
+        for events in self.events:
+            events.close()
         if self.ring is None:
             return
         try:
-            # Only this run's P0 makes this name, and it is gone: the ring is left over
+            # Only this run's P0s use this name, and they are gone: the ring is left over
             # whatever its state (even an empty, unlocked file: `prune` would wait on it).
             if _core.segment_status(self.ring)[0] != "live":
                 _core.unlink_segment(self.ring)
@@ -145,7 +162,8 @@ def run_config(
             _stop(processes, grace_s=10.0 if finished else 0.0)
             for pipeline in pipelines:
                 pipeline.cleanup()
-    return _combine(config, [cast(dict[str, Any], p.report) for p in pipelines])
+    reports = [r for p in pipelines for r in p.reports]  # in the order they finished
+    return _combine(config, sorted(reports, key=lambda r: (r["host"], r["frontend"])))
 
 
 def _supervise(
@@ -155,11 +173,13 @@ def _supervise(
 ) -> None:
     """Relay the pipelines' events until every P0 reported its figures; raise
     :class:`SimulationError` naming the first process that failed."""
-    events = {p.events: p for p in pipelines}
+    events = {conn: p for p in pipelines for conn in p.events}
+    done = dict.fromkeys(events, 0)  # completed requests, per P0
     sentinels = {proc.sentinel: proc for p in pipelines for proc in p.processes}
     while events:
         for ready in wait([*events, *sentinels], timeout=1.0):
-            pipeline = events.get(cast(Connection, ready))
+            conn = cast(Connection, ready)
+            pipeline = events.get(conn)
             if pipeline is None:
                 proc = sentinels.pop(cast(int, ready))
                 proc.join()
@@ -167,20 +187,20 @@ def _supervise(
                     raise _failure(config, pipelines)
                 continue
             try:
-                header, _ = wire.recv(pipeline.events)
+                header, _ = wire.recv(conn)
             except (EOFError, OSError):  # P0 is gone without a word
                 raise _failure(config, pipelines) from None
             kind = header["type"]
             if kind == "progress":
-                pipeline.done = header["done"]
+                done[conn] = header["done"]
                 if on_progress is not None:
-                    on_progress(sum(p.done for p in pipelines))
+                    on_progress(sum(done.values()))
             elif kind == "error":
                 error = ConfigError if header["config"] else SimulationError
                 raise error(header["message"])
             elif kind == "result":
-                pipeline.report = header["host"]
-                del events[pipeline.events]
+                pipeline.reports.append(header["report"])
+                del events[conn]
 
 
 def _failure(config: SimulationConfig, pipelines: list[_Pipeline]) -> SimulationError:
@@ -286,7 +306,8 @@ def _child_environment() -> Iterator[None]:
 
 
 def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetrics:
-    """One run's metrics from its hosts' reports (see :mod:`.report` for the meanings)."""
+    """One run's metrics from its frontends' reports, every host's (see :mod:`.report` for
+    the meanings)."""
 
     def total(name: str) -> Any:
         return sum(r[name] for r in reports)
@@ -300,13 +321,14 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
     seen = np.zeros(config.catalogue, dtype=bool)
     for r in reports:
         seen |= np.unpackbits(np.frombuffer(r["seen"], np.uint8), count=config.catalogue) > 0
-    per_host = [_host_summary(r) for r in reports]
+    hosts = [[r for r in reports if r["host"] == host] for host in range(config.hosts)]
+    per_host = [_summary(of_host) for of_host in hosts]
     remote = [r["remote"] for r in reports if r["remote"] is not None]
     remote_latency = {
         op: np.array([v for r in remote for v in r["latencies_s"][op]]) * 1e3
         for op in ("get", "put")
     }
-    evictions = [r["evictions"] for r in reports]
+    evictions = [_evictions(of_host) for of_host in hosts]
     return RunMetrics(
         mode=config.mode,
         label=config.label,
@@ -328,13 +350,13 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         payload_bytes_moved=total("payload_bytes_moved"),
         bytes_saved=total("baseline_bytes") - total("payload_bytes_moved"),
         shm_bytes_written=total("shm_bytes"),
-        evictions=None if None in evictions else sum(evictions),
+        evictions=None if None in evictions else sum(e for e in evictions if e is not None),
         served_uncached=total("served_uncached"),
         dropped_updates=total("dropped"),
         retries=total("retries"),
         unrecovered=total("unrecovered"),
         tensors_checked=total("tensors_checked"),
-        wrong_tensors=total("wrong_tensors") + _wrong_remote_tensors(reports),
+        wrong_tensors=total("wrong_tensors") + _wrong_unverified_tensors(reports),
         distinct_images=int(seen.sum()),
         remote_hits=total("remote_hits"),
         cross_host_hits=total("cross_host_hits"),
@@ -350,38 +372,68 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
             for q in (50, 99)
         },
         per_host=per_host,
+        frontends=config.frontends,
+        claim_waits=total("claim_waits"),
+        per_frontend=[_summary([r]) for r in reports] if config.frontends > 1 else [],
     )
 
 
-def _wrong_remote_tensors(reports: list[dict[str, Any]]) -> int:
-    """Tensors the remote tier supplied that differ from what processing the same image
-    gave on any host (or that no host of the run processed at all)."""
+def _evictions(reports: list[dict[str, Any]]) -> int | None:
+    """One host's evictions: its shared store's counter (every frontend read it; the last
+    read is the highest), or the sum of its frontends' own caches'."""
+    counts: list[int | None] = [r["evictions"] for r in reports]
+    known = [c for c in counts if c is not None]
+    if len(known) < len(counts):
+        return None
+    return max(known) if reports[0]["evictions_shared"] else sum(known)
+
+
+def _wrong_unverified_tensors(reports: list[dict[str, Any]]) -> int:
+    """Tensors P0 could not give the workers a truth for, checked against what processing
+    the same image gave on any host or frontend (or that none of them processed at all):
+    those the remote tier supplied, and those a frontend served from another frontend's
+    work (the workers recorded what they received)."""
     truth: dict[int, list[Any]] = {}
     for r in reports:
         for image, digests in r["processed_truth"]:
             if truth.setdefault(image, digests) != digests:
-                raise SimulationError(f"two hosts processed image {image} into different tensors")
-    return sum(
+                raise SimulationError(f"image {image} was processed into different tensors twice")
+    remote: int = sum(
         len(digests)
         for r in reports
         for image, digests in r["remote_truth"]
         if truth.get(image) != digests
     )
+    shared: int = sum(
+        times * max(len(digests), len(truth.get(image, ())))
+        for r in reports
+        for image, digests, times in r["deferred_truth"]
+        if truth.get(image) != digests
+    )
+    return remote + shared
 
 
-def _host_summary(report: dict[str, Any]) -> dict[str, Any]:
-    lookups = report["lookups"]
-    remote = report["remote"] or {}
+def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One host's or one frontend's figures (``reports``: its frontends')."""
+
+    def total(name: str) -> Any:
+        return sum(r[name] for r in reports)
+
+    lookups = total("lookups")
+    summary: dict[str, Any] = {"host": reports[0]["host"]}
+    if len(reports) == 1:
+        summary["frontend"] = reports[0]["frontend"]
     return {
-        "host": report["host"],
-        "requests": report["requests"],
-        "requests_per_s": report["requests"] / report["elapsed_s"],
-        "hit_ratio": report["hits"] / lookups if lookups else 0.0,
-        "items_processed": report["processed"],
-        "remote_hits": report["remote_hits"],
-        "cross_host_hits": report["cross_host_hits"],
-        "remote_errors": remote.get("errors", 0),
-        "wrong_tensors": report["wrong_tensors"],
+        **summary,
+        "requests": total("requests"),
+        "requests_per_s": total("requests") / max(r["elapsed_s"] for r in reports),
+        "hit_ratio": total("hits") / lookups if lookups else 0.0,
+        "items_processed": total("processed"),
+        "claim_waits": total("claim_waits"),
+        "remote_hits": total("remote_hits"),
+        "cross_host_hits": total("cross_host_hits"),
+        "remote_errors": sum((r["remote"] or {}).get("errors", 0) for r in reports),
+        "wrong_tensors": total("wrong_tensors"),
     }
 
 

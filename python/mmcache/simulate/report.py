@@ -19,7 +19,20 @@ Metrics (one :class:`~mmcache.simulate.processes.RunMetrics` per mode):
   differs from what processing the image gave on any host): the last two must be 0.
 
 With ``--hosts N`` the figures are sums over the hosts (throughput: all requests over the
-longest host's time) and ``per_host`` breaks them down.  With ``--remote``:
+longest host's time) and ``per_host`` breaks them down.  With ``--frontends N`` (N P0s per
+host, each serving its turn of the host's requests) the figures are sums over the frontends
+too (throughput: all requests over the longest frontend's time), ``per_frontend`` breaks
+them down (``host``, ``frontend``, ``requests``, ``requests_per_s``, ``hit_ratio``,
+``items_processed``, ``claim_waits``, ...), and:
+
+- ``hit_ratio`` counts as hits the lookups P0 did not process: cached, or waited for;
+- ``claim_waits``: lookups of an item another frontend had claimed (was processing), waited
+  for and then found in the store (single flight; a wait that times out processes the item
+  again, which shows in ``processed_per_image``);
+- ``distinct_images`` and ``processed_per_image`` as below (1.0: each image processed once by
+  one frontend; evictions add to it as they do with one frontend).
+
+With ``--remote``:
 
 - ``distinct_images``: images requested on any host; ``processed_per_image``: items processed
   (on all hosts) per distinct image - 1.0 means each image was processed once, anywhere;
@@ -58,6 +71,10 @@ TARGET_SPEEDUP = 3.0
 TARGET_HIT_GAP = 0.02
 #: With the remote tier, items processed per distinct image across all hosts ("about once").
 TARGET_PROCESSED_PER_IMAGE = 1.1
+#: Several frontends against one: the least speed-up, and items processed per distinct image
+#: at most this multiple of one frontend's (single flight: no image processed twice at once).
+TARGET_FRONTENDS_SPEEDUP = 1.4
+TARGET_FRONTENDS_PROCESSED = 1.05
 
 
 def _bytes(value: float) -> str:
@@ -98,6 +115,11 @@ _HOST_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("distinct_images", "distinct images (all hosts)", "{:,}".format),
     ("processed_per_image", "items processed per distinct image", "{:.2f}".format),
 ]
+#: Rows shown when a run has several frontends.
+_FRONTEND_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("frontends", "frontends", "{:,}".format),
+    ("claim_waits", "claim waits (another frontend's item)", "{:,}".format),
+]
 _REMOTE_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("remote_hits", "remote hits", "{:,}".format),
     ("cross_host_hits", "cross-host hits", "{:,}".format),
@@ -122,11 +144,20 @@ def speedups(runs: Sequence[RunMetrics]) -> dict[str, float]:
     return {r.label: r.requests_per_s / base.requests_per_s for r in runs}
 
 
+def _local(runs: Sequence[RunMetrics], mode: str, frontends: int) -> RunMetrics | None:
+    """The run of ``mode`` with ``frontends`` frontends and no remote tier, if any."""
+    return next(
+        (r for r in runs if r.mode == mode and r.frontends == frontends and r.remote is None),
+        None,
+    )
+
+
 def targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
-    """The project's targets, where the runs include the modes they compare."""
+    """The project's targets, where the runs include the modes they compare (runs with the
+    same number of frontends; ``lru`` runs with one)."""
     found = _remote_targets(runs)
-    by_mode = {r.label: r for r in runs}
-    shm, lru, none = by_mode.get("shm"), by_mode.get("lru"), by_mode.get("none")
+    none = next((r for r in runs if r.mode == "none" and r.remote is None), None)
+    shm = _local(runs, "shm", none.frontends) if none else None
     if shm and none:
         ratio = shm.requests_per_s / none.requests_per_s
         found.append(
@@ -136,6 +167,7 @@ def targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
                 "met": ratio >= TARGET_SPEEDUP,
             }
         )
+    lru, shm = _local(runs, "lru", 1), _local(runs, "shm", 1)
     if shm and lru:
         ratio = shm.requests_per_s / lru.requests_per_s
         found.append(
@@ -149,6 +181,47 @@ def targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
                 "met": gap >= -TARGET_HIT_GAP,
             }
         )
+    return found + _frontend_targets(runs)
+
+
+def _frontend_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
+    """Each run with several frontends against the same run with one: throughput, hit
+    ratio, and items processed per distinct image (single flight)."""
+    found = []
+    for many in runs:
+        one = next(
+            (
+                r
+                for r in runs
+                if r.frontends == 1 and r.mode == many.mode and r.remote == many.remote
+            ),
+            None,
+        )
+        if many.frontends == 1 or one is None or not one.processed_per_image:
+            continue
+        ratio = many.requests_per_s / one.requests_per_s
+        gap = many.hit_ratio - one.hit_ratio
+        per_image = many.processed_per_image / one.processed_per_image
+        n = f"{many.label}:"
+        found += [
+            {
+                "target": f"{n} requests/s >= {TARGET_FRONTENDS_SPEEDUP:g}x one frontend",
+                "value": f"{ratio:.2f}x",
+                "met": ratio >= TARGET_FRONTENDS_SPEEDUP,
+            },
+            {
+                "target": f"{n} hit ratio within {TARGET_HIT_GAP * 100:g} points of one frontend",
+                "value": f"{gap * 100:+.1f} points",
+                "met": gap >= -TARGET_HIT_GAP,
+            },
+            {
+                "target": f"{n} items processed per distinct image <= "
+                f"{TARGET_FRONTENDS_PROCESSED:g}x one frontend's",
+                "value": f"{many.processed_per_image:.3f} vs {one.processed_per_image:.3f} "
+                f"({per_image:.3f}x)",
+                "met": per_image <= TARGET_FRONTENDS_PROCESSED,
+            },
+        ]
     return found
 
 
@@ -185,6 +258,7 @@ def render(config: SimulationConfig, runs: Sequence[RunMetrics], console: Consol
     """Print the runs as one table (a column per run), then speed-ups and targets; with
     several hosts, a table per run with each host's figures."""
     hosts = f", {config.hosts} hosts" if config.hosts > 1 else ""
+    hosts += f", {config.frontends} frontends" if config.frontends > 1 else ""
     title = (
         f"mmcache simulate: {config.requests} requests of 1-{config.max_items} images"
         f"{' per host' if hosts else ''}, catalogue {config.catalogue} (zipf {config.zipf:g}), "
@@ -196,7 +270,9 @@ def render(config: SimulationConfig, runs: Sequence[RunMetrics], console: Consol
     for run in runs:
         table.add_column(run.label, justify="right")
     rows = list(_ROWS)
-    if any(run.hosts > 1 or run.remote is not None for run in runs):
+    if any(run.frontends > 1 for run in runs):
+        rows += _FRONTEND_ROWS
+    if any(run.hosts > 1 or run.frontends > 1 or run.remote is not None for run in runs):
         rows += _HOST_ROWS
     if any(run.remote is not None for run in runs):
         rows += _REMOTE_ROWS
@@ -218,6 +294,8 @@ def render(config: SimulationConfig, runs: Sequence[RunMetrics], console: Consol
     for run in runs:
         if run.hosts > 1:
             _render_hosts(run, console)
+        if run.frontends > 1:
+            _render_frontends(run, console)
     for target in targets(runs):
         mark = "[green]met[/]" if target["met"] else "[red]missed[/]"
         console.print(f"target: {target['target']}: {target['value']} ({mark})")
@@ -240,6 +318,28 @@ def _render_hosts(run: RunMetrics, console: Console) -> None:
         table.add_column(title, justify="right")
     for host in run.per_host:
         table.add_row(*(fmt.format(host[name]) for name, _, fmt in columns))
+    console.print(table)
+
+
+def _render_frontends(run: RunMetrics, console: Console) -> None:
+    table = Table(title=f"{run.label}: per frontend", title_justify="left")
+    columns = [
+        ("requests", "requests", "{:,}"),
+        ("requests_per_s", "req/s", "{:,.1f}"),
+        ("hit_ratio", "hits", "{:.1%}"),
+        ("items_processed", "processed", "{:,}"),
+        ("claim_waits", "claim waits", "{:,}"),
+        ("wrong_tensors", "wrong", "{:,}"),
+    ]
+    table.add_column("frontend", justify="right")
+    for _, title, _ in columns:
+        table.add_column(title, justify="right")
+    for frontend in run.per_frontend:
+        name = f"{frontend['host']}.{frontend['frontend']}" if run.hosts > 1 else ""
+        table.add_row(
+            name or str(frontend["frontend"]),
+            *(fmt.format(frontend[key]) for key, _, fmt in columns),
+        )
     console.print(table)
 
 

@@ -3,13 +3,15 @@
 One message on a :class:`multiprocessing.connection.Connection` is one frame holding the
 msgpack-encoded ``[header, buffer_count]`` followed by ``buffer_count`` raw frames, each a
 tensor's bytes sent straight from its memory (no pickle, no copy into the header). Every
-connection has a single sender, so the frames of two messages never interleave.
+connection has a single sender, so the frames of two messages never interleave (with several
+frontends, each worker has a connection to each of them).
 
 Items are flat mappings of field name to array; :func:`encode_item` describes each array by
 dtype and shape in the header and appends its bytes to the message's buffers, and
 :func:`decode_item` views them back without copying. A request's features travel as
-:func:`encode_feature` entries: the hash, the truth digests of its tensors, and its data, its
-shared-memory handle or nothing.
+:func:`encode_feature` entries: the hash, the truth digests of its tensors (or, for an item
+another frontend processed, its image index), and its data, its shared-memory handle or
+nothing.
 """
 
 from __future__ import annotations
@@ -92,8 +94,11 @@ def decode_handle(fields: list[Any]) -> ShmHandle:
 
 
 def encode_feature(feature: Feature, buffers: list[memoryview]) -> dict[str, Any]:
-    """A feature as a message entry: its hash, its digests, and its data, handle or nothing."""
+    """A feature as a message entry: its hash, its digests (``None`` where its P0 has no
+    truth for it: then its image index instead), and its data, handle or nothing."""
     entry: dict[str, Any] = {"hash": feature.mm_hash, "digests": feature.extra["digests"]}
+    if entry["digests"] is None:
+        entry["image"] = feature.extra["image"]
     if isinstance(feature.data, ShmHandle):
         entry["handle"] = encode_handle(feature.data)
     elif feature.data is not None:
@@ -110,5 +115,9 @@ def decode_feature(entry: dict[str, Any], buffers: list[bytes]) -> Feature:
     else:
         data = None
     return Feature(
-        data=data, mm_hash=entry["hash"], identifier=entry["hash"], digests=entry["digests"]
+        data=data,
+        mm_hash=entry["hash"],
+        identifier=entry["hash"],
+        digests=entry["digests"],
+        image=entry.get("image"),
     )
