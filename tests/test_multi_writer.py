@@ -32,6 +32,7 @@ import pytest
 
 from mmcache import (
     InvalidHandleError,
+    KeyExistsError,
     NoWriterSlotError,
     RingFullError,
     SegmentCorruptError,
@@ -148,9 +149,8 @@ def _racing_writer(handle: WriterHandle, seed: int, rounds: int, out: Any) -> No
                     writer.invalidate(key)
                 elif writer.claim(key):
                     out.put((key, wire(writer.put(key, content(key)))))
-            except ValueError as exc:  # another writer (or thread) stored it first
-                if "already stored" not in str(exc):
-                    raise
+            except KeyExistsError:
+                pass  # another writer (or thread) stored it first
             except RingFullError:
                 pass  # the reader has not caught up: ring full of unread objects
 

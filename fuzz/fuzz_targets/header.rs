@@ -12,7 +12,8 @@ fuzz_target!(|data: &[u8]| {
     let good = Layout::new(&Config::new(8192, 2, None)).expect("valid geometry");
     let name = format!("mmcf_hdr_{}", current_pid());
     let _ = mmcache::segment::unlink(&name);
-    let seg = Segment::create(&name, good.total_len() as usize, WRITER_LOCK).expect("segment");
+    let total = good.total_len() as usize;
+    let seg = Segment::create(&name, total, WRITER_LOCK, total).expect("segment");
     seg.unlink().expect("unlink");
     good.write(&seg, 1, 1, Liveness::Locks, [0, 0]).expect("header");
     // Overwrite the first words of the header with the input.

@@ -53,6 +53,10 @@ class ItemNotEncodableError(TypeError, ValueError):
 class ObjectTooLargeError(ValueError):
     """An object larger than the store's ``max_object_size``."""
 
+class KeyExistsError(ValueError):
+    """A put of a key that is already stored, by this writer or another (with several
+    writers, another writer's put won the race)."""
+
 class RingFullError(MemoryError):
     """No room in the ring: every chunk that could hold the object is still unread, pinned or
     viewed."""

@@ -3,7 +3,8 @@
 Everything the package raises on its own account derives from :class:`MmcacheError`;
 where a user already expects a builtin (``ValueError``, ``KeyError``, ``MemoryError``, ...)
 that builtin is raised instead, or a subclass of it where callers must tell cases apart:
-``ObjectTooLargeError`` (a ``ValueError``), ``ItemNotEncodableError`` (a ``TypeError`` and a
+``ObjectTooLargeError`` and ``KeyExistsError`` (``ValueError`` s: an object larger than the
+ring takes, a put of a key already stored), ``ItemNotEncodableError`` (a ``TypeError`` and a
 ``ValueError``: an item the codec cannot hold), and three ``MemoryError`` s:
 ``RingFullError`` (no reclaimable room in the ring), ``ReferencesSaturatedError`` (a reader
 holds the most unread references to an object it can count) and ``ShmTooSmallError``
@@ -18,6 +19,7 @@ from mmcache._core import (
     ClosedError,
     InvalidHandleError,
     ItemNotEncodableError,
+    KeyExistsError,
     MmcacheError,
     NoReaderSlotError,
     NoWriterSlotError,
@@ -36,6 +38,7 @@ __all__ = [
     "ClosedError",
     "InvalidHandleError",
     "ItemNotEncodableError",
+    "KeyExistsError",
     "MmcacheError",
     "NoReaderSlotError",
     "NoWriterSlotError",

@@ -40,6 +40,7 @@ from typing import Any
 
 from mmcache import pinning, serde
 from mmcache._core import (
+    KeyExistsError,
     ReaderHandle,
     ShmObjectStore,
     ShmReader,
@@ -317,11 +318,8 @@ class ShmSenderCache(BaseSenderCache):
             data, prompt_updates = split_sender_input(item, mm_hash)
             try:
                 return self._put(mm_hash, data, prompt_updates), prompt_updates
-            except ValueError:
-                # A duplicate key: another writer put it since the lookup (issue its object);
-                # any other ValueError is the caller's.
-                if not self._store.is_cached(mm_hash):
-                    raise
+            except KeyExistsError:
+                pass  # another writer put it since the lookup: issue its object, if still there
             handle = self._store.issue_if_present(mm_hash)
         # Put by another writer and evicted again, every time: serve it from here.
         data, prompt_updates = split_sender_input(item, mm_hash)
@@ -394,7 +392,7 @@ class ShmSenderCache(BaseSenderCache):
 
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
         """Store the item with its prompt updates and return its handle, or serve it uncached
-        (``ValueError`` for a key another writer stored meanwhile)."""
+        (``KeyExistsError`` for a key another writer stored meanwhile)."""
         meta = self._shared_prompt_updates(mm_hash, prompt_updates)
         try:
             handle = self._store.put_item(mm_hash, data, meta=meta)

@@ -79,6 +79,13 @@ create_exception!(
 );
 create_exception!(
     mmcache._core,
+    KeyExistsError,
+    PyValueError,
+    "A put of a key that is already stored, by this writer or another (a ValueError): with \
+     several writers, another writer's put won the race."
+);
+create_exception!(
+    mmcache._core,
     RingFullError,
     PyMemoryError,
     "No room in the ring: every chunk that could hold the object is still unread, pinned or \
@@ -103,7 +110,8 @@ impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let msg = err.to_string();
         match err {
-            Error::InvalidArgument(_) | Error::DuplicateKey(_) => PyValueError::new_err(msg),
+            Error::InvalidArgument(_) => PyValueError::new_err(msg),
+            Error::DuplicateKey(_) => KeyExistsError::new_err(msg),
             Error::TooLarge { .. } => ObjectTooLargeError::new_err(msg),
             Error::Full { .. } | Error::IndexFull(_) => RingFullError::new_err(msg),
             Error::Saturated { .. } => ReferencesSaturatedError::new_err(msg),
@@ -145,6 +153,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NoWriterSlotError", py.get_type::<NoWriterSlotError>())?;
     m.add("WrongProcessError", py.get_type::<WrongProcessError>())?;
     m.add("ObjectTooLargeError", py.get_type::<ObjectTooLargeError>())?;
+    m.add("KeyExistsError", py.get_type::<KeyExistsError>())?;
     m.add("RingFullError", py.get_type::<RingFullError>())?;
     m.add(
         "ReferencesSaturatedError",
