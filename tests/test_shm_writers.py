@@ -323,6 +323,46 @@ def test_a_key_put_by_another_writer_meanwhile_is_issued() -> None:
             check_handle(reader, handle, "k")
 
 
+def test_a_lost_race_whose_winner_is_gone_again_puts_anew() -> None:
+    """The engine processed a miss while another writer put the same key, and that object was
+    dropped again before this writer looked: the update stores its own item (no duplicate-key
+    error reaches the engine)."""
+    with (
+        ShmSenderCache(0.01, max_writers=2, prompt_updates_codec="pickle") as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        store = a._store
+        put_item = store.put_item
+        raced = []
+
+        class Racing:
+            """``a``'s writer, but ``b`` stores the key just before ``a``'s first put and
+            drops it just after."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def put_item(self, key: str, data: Any, *, meta: bytes = b"") -> ShmHandle:
+                if not raced:
+                    raced.append(b.get_and_update_item((item(key), updates(key, "b")), key))
+                    try:
+                        return put_item(key, data, meta=meta)
+                    finally:
+                        b.invalidate(key)
+                return put_item(key, data, meta=meta)
+
+        a._store = Racing()
+        try:
+            handle, got = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        finally:
+            a._store = store
+        assert raced and got == updates("k", "a")
+        assert a.stats()["store_puts"] == 2
+        b.release_handles([raced[0][0]])
+        check_handle(reader, handle, "k")
+
+
 # -- single flight ---------------------------------------------------------------------------
 
 
