@@ -211,7 +211,7 @@ pub(super) fn lock_held(fd: &OwnedFd, range: LockRange) -> Result<bool> {
 // ----------------------------------------------------------------------------------------
 
 /// Let the calling thread yield the CPU to everything else (nice 19): for work that may lag,
-/// such as the background reservation and the orphan sweep, so that it never slows the
+/// such as the background reservation, so that it never slows the
 /// thread that started it on a busy host. Best effort.
 pub fn lower_thread_priority() {
     // SAFETY: gettid has no preconditions; setpriority on our own thread id (Linux applies a
