@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,7 @@ from standin import write_hf_cache  # noqa: E402
 write_hf_cache(Path(os.environ["HF_HOME"]))
 
 import mmcache.vllm  # noqa: E402
+from vllm_helpers import MiB, vllm_config  # noqa: E402
 
 collect_ignore = ["upstream"]
 
@@ -40,3 +42,20 @@ def installed() -> Iterator[None]:
     yield
     for env in published:
         os.environ.pop(env, None)
+
+
+@pytest.fixture
+def shm_pair() -> Iterator[tuple[Any, Any]]:
+    """P0's cache and one worker's (its reader slot claimed, so references count); a module
+    may define its own."""
+    from vllm.multimodal.cache import (
+        processor_cache_from_config,
+        worker_receiver_cache_from_config,
+    )
+
+    config = vllm_config("shm", 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    worker = worker_receiver_cache_from_config(config, object())
+    yield p0, worker
+    worker._shm_cache.close()
+    p0.close()

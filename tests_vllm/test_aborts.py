@@ -4,36 +4,16 @@ of those they were never given, and only those."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-from vllm.multimodal.cache import processor_cache_from_config, worker_receiver_cache_from_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-import mmcache
 from mmcache.vllm import aborts
-from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+from vllm_helpers import feature, kwargs_item, outstanding, same_item
 
 TRUTH = {h: kwargs_item(i) for i, h in enumerate(["a", "b"])}
-
-
-@pytest.fixture
-def shm_pair() -> Iterator[tuple[Any, Any]]:
-    """P0's cache and one worker's (its reader slot claimed, so references count)."""
-    config = vllm_config("shm", 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    worker = worker_receiver_cache_from_config(config, object())
-    yield p0, worker
-    worker._shm_cache.close()
-    p0.close()
-
-
-def outstanding(p0: Any) -> int:
-    (reader,) = mmcache.inspect(p0.ring.name)["readers"]
-    return int(reader["outstanding"])
 
 
 def request_features(p0: Any, hashes: list[str]) -> list[Any]:

@@ -4,19 +4,17 @@ their handles give them back, and invalidations never land inside a request."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm.multimodal.cache import processor_cache_from_config, worker_receiver_cache_from_config
+from vllm.multimodal.cache import processor_cache_from_config
 from vllm.renderers.base import BaseRenderer
 from vllm.v1.engine.input_processor import InputProcessor
 
-import mmcache
 from mmcache.vllm import frontend
 from mmcache.vllm.sender import rendering
-from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+from vllm_helpers import MiB, feature, kwargs_item, outstanding, same_item, vllm_config
 
 TRUTH = {h: kwargs_item(i) for i, h in enumerate(["a", "b", "c"])}
 
@@ -33,22 +31,6 @@ def vllm_p0_request(p0: Any, hashes: list[str]) -> list[Any]:
         ]
     finally:
         p0.release_sender_touches()
-
-
-@pytest.fixture
-def shm_pair() -> Iterator[tuple[Any, Any]]:
-    """P0's cache and one worker's (its reader slot claimed, so references count)."""
-    config = vllm_config("shm", 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    worker = worker_receiver_cache_from_config(config, object())
-    yield p0, worker
-    worker._shm_cache.close()
-    p0.close()
-
-
-def outstanding(p0: Any) -> int:
-    (reader,) = mmcache.inspect(p0.ring.name)["readers"]
-    return int(reader["outstanding"])
 
 
 def test_install_wraps_the_two_methods_once() -> None:

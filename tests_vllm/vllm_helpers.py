@@ -16,6 +16,8 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 
+import mmcache
+
 MODEL = "llava-hf/llava-onevision-qwen2-0.5b-ov-hf"
 """The stand-in multimodal model the tests configure vLLM with (see standin.py)."""
 
@@ -106,3 +108,9 @@ def feature(data: Any, mm_hash: str, offset: int = 0) -> Any:
         mm_position=PlaceholderRange(offset=offset, length=4),
         mm_hash=mm_hash,
     )
+
+
+def outstanding(p0: Any) -> int:
+    """The references P0's ring has issued that its one reader has not read or given back."""
+    (reader,) = mmcache.inspect(p0.ring.name)["readers"]
+    return int(reader["outstanding"])
