@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 from collections.abc import Iterator
 
 import pytest
@@ -53,3 +54,14 @@ def own_server() -> Iterator[LocalServer]:
     """A server this test may kill, stall and restart."""
     with start_valkey() as srv:
         yield srv
+
+
+@pytest.fixture
+def hang_deadline() -> Iterator[None]:
+    """A hung call (a lock never released, a wait never ending, a survivor wedged by a dead
+    writer) stops the run with every thread's traceback instead of hanging it; it never
+    judges how long anything took. For modules of several processes: ``pytestmark =
+    pytest.mark.usefixtures("hang_deadline")``."""
+    faulthandler.dump_traceback_later(600, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import hashlib
 import multiprocessing as mp
 import os
@@ -50,13 +49,7 @@ TIMEOUT = 120  # seconds to wait for a child's answer (a hang fails the test, no
 ctx = mp.get_context("spawn")
 
 
-@pytest.fixture(autouse=True)
-def deadline() -> Iterator[None]:
-    """A hung core call (a lock never released, a wait never ending) stops the run with a
-    traceback instead of hanging it; it never judges how long anything took."""
-    faulthandler.dump_traceback_later(600, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+pytestmark = pytest.mark.usefixtures("hang_deadline")
 
 
 def content(key: str) -> bytes:

@@ -16,12 +16,10 @@ one object before dying in the next.
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -56,13 +54,7 @@ SCENARIOS: dict[str, tuple[str, int]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def deadline() -> Iterator[None]:
-    """A survivor wedged by the dead writer (a lock never taken over) stops the run with a
-    traceback instead of hanging it; it never judges how long anything took."""
-    faulthandler.dump_traceback_later(600, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+pytestmark = pytest.mark.usefixtures("hang_deadline")
 
 
 def parts(key: str) -> list[bytes]:

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -29,7 +28,6 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -53,13 +51,7 @@ NEVER = 3600.0  # a wait_s no test may sit out: only a claim that ends can end t
 CONTEXTS = ["spawn", "fork"]
 
 
-@pytest.fixture(autouse=True)
-def deadline() -> Iterator[None]:
-    """A hung call stops the run with a traceback instead of hanging it; it never judges how
-    long anything took."""
-    faulthandler.dump_traceback_later(600, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+pytestmark = pytest.mark.usefixtures("hang_deadline")
 
 
 def item(key: str, n: int = 256) -> dict[str, torch.Tensor]:
