@@ -3,7 +3,9 @@ their handles give them back, and invalidations never land inside a request."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,9 +35,13 @@ def vllm_p0_request(p0: Any, hashes: list[str]) -> list[Any]:
         p0.release_sender_touches()
 
 
-def test_install_wraps_the_two_methods_once() -> None:
+def test_install_wraps_the_three_methods_once() -> None:
     frontend.wrap()  # installed already (conftest): idempotent
-    for method in (BaseRenderer._process_multimodal, InputProcessor.process_inputs):
+    for method in (
+        BaseRenderer._process_multimodal,
+        InputProcessor.process_inputs,
+        InputProcessor.__init__,
+    ):
         original = method.__mmcache_original__
         assert not hasattr(original, "__mmcache_original__")
 
@@ -86,6 +92,65 @@ def test_a_rendered_prompt_process_inputs_rejects_gives_its_handles_back(
     assert outstanding(p0) == 3
     with pytest.raises(ValueError, match="maximum model length"):
         process_inputs(processor, request_id="r", prompt=rendered, params=None)
+    assert outstanding(p0) == 0
+
+
+def async_processor(p0: Any, executor: ThreadPoolExecutor, hashes: list[str]) -> Any:
+    """A stand-in for vLLM's InputProcessor as its wrapped constructor leaves it, whose
+    ``process_inputs`` renders ``hashes`` through P0's cache once ``go`` is set."""
+    started, go = threading.Event(), threading.Event()
+
+    def init(self: Any) -> None:
+        self.renderer = SimpleNamespace(_executor=executor, mm_processor_cache=p0)
+        self.process_inputs_async = "vLLM's binding"
+
+    def process_inputs(request_id: str) -> Any:
+        started.set()
+        assert go.wait(30)
+        with rendering():
+            items = vllm_p0_request(p0, hashes)
+        return SimpleNamespace(
+            mm_features=[feature(i, h) for i, h in zip(items, hashes, strict=True)]
+        )
+
+    processor = SimpleNamespace(process_inputs=process_inputs, started=started, go=go)
+    frontend._init(init)(processor)
+    return processor
+
+
+def test_a_request_cancelled_while_its_images_are_processed_gives_its_handles_back(
+    shm_pair: tuple[Any, Any],
+) -> None:
+    # AsyncLLM.add_request awaits process_inputs_async; the client goes away meanwhile.
+    p0, _ = shm_pair
+    with ThreadPoolExecutor(1) as executor:
+        processor = async_processor(p0, executor, ["a", "b"])
+
+        async def cancel_while_processing() -> None:
+            task = asyncio.ensure_future(processor.process_inputs_async("r"))
+            while not processor.started.is_set():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancel_while_processing())
+        processor.go.set()
+    assert outstanding(p0) == 0  # the executor's exit waited for the thread's release
+    assert p0.is_cached(["a", "b"]) == [True, True]  # the items stay cached for later
+
+
+def test_a_request_awaited_to_the_end_keeps_its_handles_for_the_workers(
+    shm_pair: tuple[Any, Any],
+) -> None:
+    p0, worker = shm_pair
+    with ThreadPoolExecutor(1) as executor:
+        processor = async_processor(p0, executor, ["a", "b"])
+        processor.go.set()
+        request = asyncio.run(processor.process_inputs_async("r"))
+    assert outstanding(p0) == 2
+    worker.get_and_update_features(request.mm_features)
+    assert all(same_item(TRUTH[h], f.data) for f, h in zip(request.mm_features, "ab", strict=True))
     assert outstanding(p0) == 0
 
 
