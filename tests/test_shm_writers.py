@@ -11,7 +11,8 @@
 - single flight: a claim in one process makes the other wait for its put (one process
   processes the item); a claimer killed with SIGKILL voids its claim at once; claims end with
   the update, an item served uncached, ``release_sender_touches`` and a request that raised;
-  a writer never waits on its own claims;
+  a writer never waits on its own claims, nor two requests that claimed each other's items
+  on each other;
 - threads of several processes hammer one small ring with claims and waits while a reader
   checks every handle;
 - ``NoWriterSlotError``, the last close unlinks, ``make_caches(max_writers=)``.
@@ -488,6 +489,35 @@ def test_a_writer_never_waits_on_its_own_claims() -> None:
         assert cache.stats()["store_claims"] == 1, "the other thread's request had let go"
         with pytest.raises(ValueError, match="wait_s"):
             cache.is_cached(["k"], wait_s=-1)
+
+
+def test_two_requests_that_claimed_each_others_items_never_wait_for_each_other() -> None:
+    # Two engines' requests for the same two images, each claiming one first: were they to
+    # wait holding their claims, each would wait for the other for wait_s.
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        claimed = threading.Barrier(2)
+        looked_up: dict[str, list[bool]] = {}
+
+        def request(cache: ShmSenderCache, mine: str, theirs: str) -> None:
+            assert cache.is_cached([mine], claim=True) == [False]
+            claimed.wait(TIMEOUT)
+            looked_up[mine] = cache.is_cached([mine, theirs], claim=True, wait_s=NEVER)
+            cache.release_sender_touches()
+
+        threads = [
+            threading.Thread(target=request, args=(a, "x", "y"), daemon=True),
+            threading.Thread(target=request, args=(b, "y", "x"), daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not any(t.is_alive() for t in threads), "the two requests waited for each other"
+        assert looked_up == {"x": [False, False], "y": [False, False]}
+        assert a.stats()["store_claims"] == 0
 
 
 # -- threads of several processes ------------------------------------------------------------

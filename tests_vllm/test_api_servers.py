@@ -1,11 +1,13 @@
 """Several API servers on one ring (``vllm serve --api-server-count N``), in one process:
-the launcher's ring, the API servers' joined writers, a worker reading what either wrote, and
-vLLM's prompt updates stored with the items (``mmcache.vllm.prompt_codec``)."""
+the launcher's ring, the API servers' joined writers, a worker reading what either wrote,
+vLLM's prompt updates stored with the items (``mmcache.vllm.prompt_codec``), and single
+flight: an item one server is processing is waited for by the other."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,9 @@ from vllm.multimodal.processing.processor import (
 )
 
 import mmcache.vllm as mv
-from mmcache.vllm import launcher, prompt_codec
+from mmcache.vllm import launcher, prompt_codec, sender
 from mmcache.vllm.publish import published_handle
+from mmcache.vllm.sender import rendering
 from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
 
 LOCK = object()
@@ -155,3 +158,76 @@ def test_api_servers_hit_what_the_other_put_and_workers_read_it() -> None:
     assert ring.exists()
     close()
     assert not ring.exists()
+
+
+# -- single flight between API servers ---------------------------------------------------------
+
+TIMEOUT = 120  # seconds a lookup may take before the test calls it hung
+
+
+def looked_up_in_thread(server: Any, hashes: list[str]) -> tuple[threading.Thread, list[Any]]:
+    """``server.is_cached(hashes)`` in a thread of its own (its answer in the list)."""
+    answer: list[Any] = []
+    thread = threading.Thread(target=lambda: answer.append(server.is_cached(hashes)), daemon=True)
+    thread.start()
+    return thread, answer
+
+
+def test_an_api_server_waits_for_the_item_the_other_is_processing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(sender.CLAIM_WAIT_ENV, "3600")  # only the claim's end ends a wait
+    close = launcher.open_ring(config(-1))
+    first, second = servers = [processor_cache_from_config(config(rank)) for rank in (0, 1)]
+    try:
+        assert first.is_cached(["a"]) == [False]  # first claims "a": it processes it
+        waiter, answer = looked_up_in_thread(second, ["a"])
+        waiter.join(0.2)
+        assert waiter.is_alive(), "second waits for first's item rather than processing it"
+        first.touch_sender_cache_item("a")
+        first.get_and_update_item((kwargs_item(1), prompt_updates()["image"][0]), "a")
+        first.release_sender_touches()
+        waiter.join(TIMEOUT)
+        assert answer == [[True]]
+        second.touch_sender_cache_item("a")
+        second.get_and_update_item(None, "a")
+        second.release_sender_touches()
+        assert second.make_stats().hits == 1
+
+        # A render that fails before vLLM's release (its processor raised) gives up its claims.
+        def render_that_fails() -> None:
+            with rendering():
+                assert first.is_cached(["b"]) == [False]
+                assert first.ring.stats()["store_claims"] == 1
+                raise RuntimeError("the HF processor failed")
+
+        with pytest.raises(RuntimeError, match="processor"):
+            render_that_fails()
+        assert first.ring.stats()["store_claims"] == 0
+        waiter, answer = looked_up_in_thread(second, ["b"])
+        waiter.join(TIMEOUT)
+        assert answer == [[False]], "nobody processes b: second claims it"
+        second.release_sender_touches()
+    finally:
+        for server in servers:
+            server.close()
+        close()
+
+
+def test_the_claim_wait_is_set_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    close = launcher.open_ring(config(-1))
+    try:
+        monkeypatch.setenv(sender.CLAIM_WAIT_ENV, "soon")
+        with pytest.raises(ValueError, match=sender.CLAIM_WAIT_ENV):
+            processor_cache_from_config(config(0))
+        monkeypatch.setenv(sender.CLAIM_WAIT_ENV, "0")  # no single flight
+        first, second = servers = [processor_cache_from_config(config(r)) for r in (0, 1)]
+        try:
+            assert first.is_cached(["a"]) == [False]
+            assert second.is_cached(["a"]) == [False]
+            assert first.ring.stats()["store_claims"] == 0
+        finally:
+            for server in servers:
+                server.close()
+    finally:
+        close()

@@ -253,26 +253,34 @@ class ShmSenderCache(BaseSenderCache):
         ``wait_s`` seconds for the whole call, and reported cached if they were put in time;
         claims of this writer (any of its threads) are never waited on, and a claim whose
         writer gave up or died ends the wait for it at once (with ``claim``, this writer then
-        claims it)."""
+        claims it).
+
+        A request never waits while it holds claims: before a wait, the request gives up
+        every claim it holds (they are claimed again after the wait if still missing), so
+        two requests that claimed each other's items in turns never wait for each other."""
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
         cached = [self.is_cached_item(h) for h in mm_hashes]
         if not (claim or wait_s > 0) or all(cached):
             return cached
         misses = list(dict.fromkeys(h for h, hit in zip(mm_hashes, cached, strict=True) if not hit))
-        if claim:
-            self._claim(misses)
-        if wait_s > 0:
+        contested = self._claim(misses) if claim else misses
+        if wait_s > 0 and contested:
+            if self._request.claims:
+                with self._lock:
+                    self._claims.give_all(self._request.claims)
             # Without the lock: the other threads' calls go on meanwhile (the wait polls the
             # core lock-free, the GIL released).
-            self._store.wait_for(misses, float(wait_s))
+            self._store.wait_for(contested, float(wait_s))
             if claim:
                 self._claim([h for h in misses if not self._store.is_cached(h)])
         found = {h for h in misses if self.is_cached_item(h)}
         return [hit or h in found for h, hit in zip(mm_hashes, cached, strict=True)]
 
-    def _claim(self, mm_hashes: Sequence[str]) -> None:
-        """Claim each of ``mm_hashes`` nobody else holds, for this thread's request."""
+    def _claim(self, mm_hashes: Sequence[str]) -> list[str]:
+        """Claim each of ``mm_hashes`` nobody else holds, for this thread's request; those
+        stored or claimed by another writer meanwhile."""
+        contested = []
         with self._lock:
             claims = self._request.claims
             for mm_hash in mm_hashes:
@@ -280,6 +288,9 @@ class ShmSenderCache(BaseSenderCache):
                 # may have ended since (another writer put the item).
                 if self._store.claim(mm_hash):
                     self._claims.take(claims, mm_hash)
+                else:
+                    contested.append(mm_hash)
+        return contested
 
     # -- updates ---------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         MmcacheShmReceiverCache,
     )
     from mmcache.vllm.sender import (
+        CLAIM_WAIT_ENV,
         MmcacheLruSenderCache,
         MmcacheProcessorOnlyCache,
         MmcacheShmSenderCache,
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "CLAIM_WAIT_ENV",
     "ENABLE_ENV",
     "READER_HANDLE_ENV",
     "REPLACEMENTS",
@@ -110,6 +112,7 @@ _LAZY = {
     "vllm_item_size": "wire",
     "READER_HANDLE_ENV": "publish",
     "WRITER_HANDLE_ENV": "publish",
+    "CLAIM_WAIT_ENV": "sender",
     "MmcacheProcessorOnlyCache": "sender",
     "MmcacheLruSenderCache": "sender",
     "MmcacheShmSenderCache": "sender",

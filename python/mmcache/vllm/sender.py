@@ -25,6 +25,8 @@ as their ``getsizeof``, so capacities mean what they mean in vLLM.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,11 +55,14 @@ from mmcache.vllm.wire import (
 )
 
 __all__ = [
+    "CLAIM_WAIT_ENV",
+    "CLAIM_WAIT_S",
     "KeysView",
     "MmcacheLruSenderCache",
     "MmcacheProcessorOnlyCache",
     "MmcacheShmSenderCache",
     "capacity_gb",
+    "claim_wait_s",
     "join_ring",
     "make_ring",
     "rendering",
@@ -86,6 +91,10 @@ def rendering() -> Iterator[None]:
     except BaseException:
         for cache, handles in issued:
             cache._abandon(handles)
+        for cache in {id(cache): cache for cache, _ in issued}.values():
+            # A render that failed before vLLM's release (its processor raised, say) still
+            # holds what its lookup claimed: another API server may be waiting for it.
+            cache._sender.release_sender_touches()
         raise
     else:
         if outer is not None:  # a render inside a render: the outer one may still fail
@@ -137,6 +146,10 @@ class _SenderAdapter:
             self._looking_up.add(me)
         if (issued := getattr(_render, "issued", None)) is not None:
             issued.append((self, []))  # so that the render closes this lookup
+        return self._look_up(mm_hashes)
+
+    def _look_up(self, mm_hashes: list[str]) -> list[bool]:
+        """The sender's lookup of a request's items."""
         return self._sender.is_cached(mm_hashes)
 
     def _end_lookup(self) -> None:
@@ -313,6 +326,25 @@ def join_ring(writer_handle: WriterHandle) -> ShmSenderCache:
     return ShmSenderCache.join(writer_handle, prompt_updates_codec=PROMPT_UPDATES_CODEC)
 
 
+CLAIM_WAIT_ENV = "MMCACHE_VLLM_CLAIM_WAIT_S"
+"""Seconds an API server's lookup waits for an item another API server is processing
+(single flight on a shared ring; ``0`` turns it off). Default :data:`CLAIM_WAIT_S`."""
+
+CLAIM_WAIT_S = 10.0
+
+
+def claim_wait_s() -> float:
+    """:data:`CLAIM_WAIT_ENV`'s value (:data:`CLAIM_WAIT_S` when unset)."""
+    text = os.environ.get(CLAIM_WAIT_ENV, "")
+    try:
+        wait_s = float(text) if text.strip() else CLAIM_WAIT_S
+    except ValueError:
+        wait_s = math.nan
+    if not 0 <= wait_s < math.inf:
+        raise ValueError(f"{CLAIM_WAIT_ENV} must be a number of seconds >= 0, not {text!r}")
+    return wait_s
+
+
 class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type: ignore[misc]
     """vLLM's P0 cache in ``shm`` mode, on :class:`ShmSenderCache`: a writer of a ring of
     ``mm_processor_cache_gb`` with one reader slot per worker (``world_size``).
@@ -320,7 +352,9 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
     With one API server, P0 builds the ring and publishes its ``ReaderHandle`` to the
     processes it starts later (see :mod:`mmcache.vllm.publish`).  With several
     (``--api-server-count``), each joins, as one writer, the ring the launcher made for them
-    (see :mod:`mmcache.vllm.launcher`); their items and prompt updates are every server's.
+    (see :mod:`mmcache.vllm.launcher`); their items and prompt updates are every server's,
+    and their lookups take single-flight claims: an item another API server is processing
+    is waited for (at most :data:`CLAIM_WAIT_ENV` seconds) instead of processed again.
     When ``/dev/shm`` cannot hold the ring it logs one warning and runs as a
     :class:`ProcessorOnlyCache` instead (items then always travel with their data and the
     workers pass them through): a small container never stops the frontend.
@@ -329,9 +363,11 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.world_size = vllm_config.parallel_config.world_size
         self._published = ""
+        self._claim_wait_s = 0.0
         if shares_one_ring(vllm_config):
             writer_handle = published_writer_handle()
             ring = None if writer_handle is None else join_ring(writer_handle)
+            self._claim_wait_s = claim_wait_s()
         else:
             ring = make_ring(vllm_config)
             self._published = publish(None if ring is None else ring.handle())
@@ -344,6 +380,11 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
     def ring(self) -> ShmSenderCache | None:
         """The shared-memory sender, or ``None`` when running without a ring."""
         return self._ring
+
+    def _look_up(self, mm_hashes: list[str]) -> list[bool]:
+        if self._ring is not None and self._claim_wait_s > 0:
+            return self._ring.is_cached(mm_hashes, claim=True, wait_s=self._claim_wait_s)
+        return self._sender.is_cached(mm_hashes)
 
     def _to_mmcache(self, mm_item: Any) -> Any:
         if self._ring is None or mm_item is None:
