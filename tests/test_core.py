@@ -17,6 +17,7 @@ from mmcache._core import (
     MmcacheError,
     NoReaderSlotError,
     ObjectTooLargeError,
+    ReaderHandle,
     ReferencesSaturatedError,
     RingFullError,
     SegmentCorruptError,
@@ -27,6 +28,7 @@ from mmcache._core import (
     ShmWriter,
     StaleHandleError,
     WriterGoneError,
+    WriterHandle,
 )
 
 SHM = "/dev/shm"
@@ -125,6 +127,47 @@ def test_handles_pickle_and_compare():
         ShmHandle(address=1, monotonic_id=2**64, signature=b"")
     with pytest.raises(TypeError):
         ShmHandle(64, 7, b"x")  # keywords only
+
+
+# Pickles made by an earlier version (protocol 4): processes of two versions may meet, so
+# both must read each other's handles, and these bytes must not change.
+EARLIER_PICKLES = {
+    "shm": b"\x80\x04\x95A\x00\x00\x00\x00\x00\x00\x00\x8c\rmmcache._core\x94\x8c\x0b_shm_handle"
+    b"\x94\x93\x94M\x00\x10K\x07C\x14\x00\x01\x02\x03\x04\x05\x06\x07\x08\t\n\x0b\x0c\r\x0e\x0f"
+    b"\x10\x11\x12\x13\x94\x87\x94R\x94.",
+    "reader": b"\x80\x04\x95f\x00\x00\x00\x00\x00\x00\x00\x8c\rmmcache._core\x94\x8c\x0e"
+    b"_reader_handle\x94\x93\x94(\x8c\tmmc_1_abc\x94J\x00\x00\x10\x00K\x03J\x00\x00\x01\x00K\tC "
+    b"\x00\x01\x02\x03\x04\x05\x06\x07\x08\t\n\x0b\x0c\r\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17"
+    b"\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f\x94t\x94R\x94.",
+    "writer": b"\x80\x04\x95h\x00\x00\x00\x00\x00\x00\x00\x8c\rmmcache._core\x94\x8c\x0e"
+    b"_writer_handle\x94\x93\x94(\x8c\tmmc_1_abc\x94J\x00\x00\x10\x00K\x03J\x00\x00\x01\x00K\x04"
+    b"K\tC \x00\x01\x02\x03\x04\x05\x06\x07\x08\t\n\x0b\x0c\r\x0e\x0f\x10\x11\x12\x13\x14\x15"
+    b"\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f\x94t\x94R\x94.",
+}
+
+
+def test_handles_pickled_by_an_earlier_version_unpickle_and_pickle_the_same():
+    secret = bytes(range(32))
+    geometry = {"name": "mmc_1_abc", "capacity": 1 << 20, "n_readers": 3}
+    geometry |= {"max_object_size": 65536, "layout_version": 9, "secret": secret}
+    expected = {
+        "shm": ShmHandle(address=4096, monotonic_id=7, signature=bytes(range(20))),
+        "reader": ReaderHandle(**geometry),
+        "writer": WriterHandle(**geometry, max_writers=4),
+    }
+    for kind, handle in expected.items():
+        old = pickle.loads(EARLIER_PICKLES[kind])
+        assert type(old) is type(handle) and old == handle, kind
+        assert pickle.dumps(handle, protocol=4) == EARLIER_PICKLES[kind], kind
+    writer = pickle.loads(EARLIER_PICKLES["writer"])
+    assert (writer.max_writers, writer.secret, writer.layout_version) == (4, secret, 9)
+    assert repr(writer) == 'WriterHandle(name="mmc_1_abc", capacity=1048576, max_writers=4)'
+    assert repr(pickle.loads(EARLIER_PICKLES["reader"])) == (
+        'ReaderHandle(name="mmc_1_abc", capacity=1048576, n_readers=3)'
+    )
+    for cls, extra in ((ReaderHandle, {}), (WriterHandle, {"max_writers": 4})):
+        with pytest.raises(ValueError, match="secret must be 32 bytes"):
+            cls(**(geometry | {"secret": secret[:31]}), **extra)
 
 
 def test_forged_truncated_out_of_range_and_foreign_handles_are_rejected(store):

@@ -27,6 +27,25 @@ fn u64_field(name: &str, value: &Bound<'_, PyAny>) -> PyResult<u64> {
         .map_err(|_| PyValueError::new_err(format!("{name} must be an integer in [0, 2**64)")))
 }
 
+/// The signing secret a `ReaderHandle` or `WriterHandle` carries: exactly 32 bytes.
+fn secret_field(secret: Vec<u8>) -> PyResult<[u8; 32]> {
+    secret
+        .try_into()
+        .map_err(|_| PyValueError::new_err("secret must be 32 bytes"))
+}
+
+/// A handle's `__reduce__`: `mmcache._core.<unpickler>(*args)`. The unpicklers take the
+/// constructors' fields in order, positionally, so pickles stay the same from one version to
+/// the next (`test_core.py` holds pickles of an earlier one).
+fn reduce<'py>(
+    py: Python<'py>,
+    unpickler: &str,
+    args: impl IntoPyObject<'py, Output = Bound<'py, PyTuple>, Error = PyErr>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let rebuild = py.import("mmcache._core")?.getattr(unpickler)?;
+    (rebuild, args.into_pyobject(py)?).into_pyobject(py)
+}
+
 impl ShmHandle {
     /// The core's handle; a signature of the wrong length cannot verify.
     pub(super) fn to_handle(&self) -> PyResult<Handle> {
@@ -82,16 +101,12 @@ impl ShmHandle {
     }
 
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let rebuild = py.import("mmcache._core")?.getattr("_shm_handle")?;
-        (
-            rebuild,
-            (
-                self.address,
-                self.monotonic_id,
-                PyBytes::new(py, &self.signature),
-            ),
+        let signature = PyBytes::new(py, &self.signature);
+        reduce(
+            py,
+            "_shm_handle",
+            (self.address, self.monotonic_id, signature),
         )
-            .into_pyobject(py)
     }
 }
 
@@ -134,9 +149,6 @@ impl ReaderHandle {
         layout_version: u64,
         secret: Vec<u8>,
     ) -> PyResult<Self> {
-        let secret: [u8; 32] = secret
-            .try_into()
-            .map_err(|_| PyValueError::new_err("secret must be 32 bytes"))?;
         Ok(ReaderHandle {
             info: ReaderInfo {
                 name,
@@ -144,7 +156,7 @@ impl ReaderHandle {
                 n_readers,
                 max_object_size,
                 layout_version,
-                secret,
+                secret: secret_field(secret)?,
             },
         })
     }
@@ -182,20 +194,17 @@ impl ReaderHandle {
     }
 
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let rebuild = py.import("mmcache._core")?.getattr("_reader_handle")?;
         let i = &self.info;
-        (
-            rebuild,
-            (
-                i.name.clone(),
-                i.capacity,
-                i.n_readers,
-                i.max_object_size,
-                i.layout_version,
-                PyBytes::new(py, &i.secret),
-            ),
-        )
-            .into_pyobject(py)
+        let secret = PyBytes::new(py, &i.secret);
+        let args = (
+            &i.name,
+            i.capacity,
+            i.n_readers,
+            i.max_object_size,
+            i.layout_version,
+            secret,
+        );
+        reduce(py, "_reader_handle", args)
     }
 }
 
@@ -252,9 +261,6 @@ impl WriterHandle {
         layout_version: u64,
         secret: Vec<u8>,
     ) -> PyResult<Self> {
-        let secret: [u8; 32] = secret
-            .try_into()
-            .map_err(|_| PyValueError::new_err("secret must be 32 bytes"))?;
         Ok(WriterHandle {
             info: WriterInfo {
                 name,
@@ -263,7 +269,7 @@ impl WriterHandle {
                 max_object_size,
                 max_writers,
                 layout_version,
-                secret,
+                secret: secret_field(secret)?,
             },
         })
     }
@@ -305,21 +311,18 @@ impl WriterHandle {
     }
 
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let rebuild = py.import("mmcache._core")?.getattr("_writer_handle")?;
         let i = &self.info;
-        (
-            rebuild,
-            (
-                i.name.clone(),
-                i.capacity,
-                i.n_readers,
-                i.max_object_size,
-                i.max_writers,
-                i.layout_version,
-                PyBytes::new(py, &i.secret),
-            ),
-        )
-            .into_pyobject(py)
+        let secret = PyBytes::new(py, &i.secret);
+        let args = (
+            &i.name,
+            i.capacity,
+            i.n_readers,
+            i.max_object_size,
+            i.max_writers,
+            i.layout_version,
+            secret,
+        );
+        reduce(py, "_writer_handle", args)
     }
 }
 

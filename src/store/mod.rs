@@ -401,5 +401,3 @@ fn shared_over(seg: Segment) -> Result<Shared> {
 mod ring_tests;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod writers_tests;

@@ -287,6 +287,7 @@ class _Frontend:
             try:
                 return cache.get_and_update(inputs, pending.hashes)
             except CacheMissError as miss:
+                # Not the cache's to fix: it has no bytes of an item evicted before the touch.
                 if self.shared is None:
                     raise
                 for j, (h, image) in enumerate(zip(pending.hashes, pending.images, strict=True)):

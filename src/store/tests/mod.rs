@@ -1,0 +1,72 @@
+//! Store tests over real segments, one file per concern, and the helpers they share. One
+//! writer: `basics` (puts, reads, handles), `protection` (what keeps an object: references,
+//! views, pins, `release`), `readers` (reader slots and liveness), `segments` (headers,
+//! `inspect`, orphans), `model` (a proptest state machine against a model). Several writers:
+//! `members` (sharing, joining, leaving, metadata), `claims` (single flight, a full index),
+//! `crash` (writers that die: their stamps void, a lock they held taken over and repaired),
+//! `writers_model` (three writers against a model). `race`: threads racing (readers against
+//! an evicting writer; several writers' threads on the same keys).
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::handle::Handle;
+use crate::layout::Config;
+
+mod basics;
+mod claims;
+mod crash;
+mod members;
+mod model;
+mod protection;
+mod race;
+mod readers;
+mod segments;
+mod writers_model;
+
+fn writer(capacity: u64, n_readers: u32) -> Writer {
+    Writer::create(capacity, n_readers, None, None).expect("create segment")
+}
+
+fn read(reader: &Arc<Reader>, handle: &Handle, key: &str) -> Result<Vec<u8>> {
+    let lease = reader.acquire(handle, key)?;
+    let mut out = vec![0u8; lease.len()];
+    lease.copy_to(&mut out)?;
+    Ok(out)
+}
+
+fn payload(tag: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (tag as usize * 31 + i * 7) as u8)
+        .collect()
+}
+
+fn stats_of(w: &Writer) -> HashMap<&'static str, u64> {
+    w.stats().unwrap().into_iter().collect()
+}
+
+/// How many writers the state machine (`writers_model`) and the race (`race`) run.
+const WRITERS: usize = 3;
+
+fn store(capacity: u64, n_readers: u32, max_writers: u32) -> Writer {
+    let config = Config {
+        max_writers,
+        ..Config::new(capacity, n_readers, None)
+    };
+    Writer::create_with(&config, None).expect("create segment")
+}
+
+fn join(w: &Writer) -> Writer {
+    Writer::join(&w.writer_info()).expect("join")
+}
+
+/// What the kernel does when a writer's process dies: its OFD locks go, and nothing else
+/// happens (its slot stays claimed, its stamps stay where they are). The writer is then
+/// dropped without leaving the store.
+fn pretend_writer_dead(w: Writer) {
+    let l = w.shared.layout;
+    w.shared.seg.unlock(l.writer_slot_lock(w.me.slot)).unwrap();
+    w.shared.seg.unlock(WRITER_LOCK).unwrap();
+    w.closing.store(true, Ordering::Relaxed);
+    drop(w);
+}

@@ -1,0 +1,173 @@
+//! Reader slots: claiming, freeing, reclaiming from dead readers; liveness (locks, the pid
+//! fallback); closing either side.
+
+use super::*;
+use crate::layout::SlotState;
+
+/// Make `r` look dead to the others without dropping it: give up its slot's lock (what the
+/// kernel does when its process dies). `r` must then be forgotten, not dropped.
+fn pretend_dead(r: Arc<Reader>) {
+    r.shared
+        .seg
+        .unlock(r.shared.layout.slot_lock(r.slot()))
+        .unwrap();
+    std::mem::forget(r);
+}
+
+/// The pid of a process that has exited.
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+/// Overwrite the pid in the claim word of `r`'s slot.
+fn set_claim_pid(w: &Writer, r: &Reader, pid: u32) {
+    let claim = w.shared.slot(r.slot(), slot::CLAIM).unwrap();
+    let current = Claim::unpack(claim.load(Ordering::Acquire)).unwrap();
+    claim.store(Claim { pid, ..current }.pack(), Ordering::Release);
+}
+
+#[test]
+fn slots_are_claimed_freed_and_reclaimed_from_dead_readers() {
+    let w = writer(2048, 1);
+    assert_eq!(w.liveness(), Liveness::Locks);
+    let info = w.reader_info();
+    let r = Reader::attach(&info).unwrap();
+    assert!(matches!(Reader::attach(&info), Err(Error::NoReaderSlot(1))));
+    drop(r);
+    let r = Reader::attach(&info).unwrap();
+    let _h = w.put("a", &[&[1u8; 896]]).unwrap();
+    w.put("b", &[&[1u8; 896]]).unwrap();
+    assert!(matches!(
+        w.put("c", &[&[1u8; 896]]),
+        Err(Error::Full { .. })
+    ));
+    pretend_dead(r);
+    w.put("c", &[&[1u8; 896]]).unwrap();
+    assert_eq!(stats_of(&w)["readers_reclaimed"], 1);
+    Reader::attach(&info).expect("the reclaimed slot is free again");
+}
+
+#[test]
+fn liveness_is_never_judged_from_a_pid() {
+    // A live reader whose claim word shows some other, long-dead pid (an earlier occupant's,
+    // say) keeps its slot: its lock says it lives.
+    let w = writer(2048, 1);
+    let info = w.reader_info();
+    let r = Reader::attach(&info).unwrap();
+    set_claim_pid(&w, &r, dead_pid());
+    let h = w.put("a", &[&[1u8; 896]]).unwrap();
+    w.put("b", &[&[1u8; 896]]).unwrap();
+    assert!(
+        matches!(w.put("c", &[&[1u8; 896]]), Err(Error::Full { .. })),
+        "r's slot was freed"
+    );
+    assert!(
+        matches!(Reader::attach(&info), Err(Error::NoReaderSlot(1))),
+        "r's slot was taken"
+    );
+    assert_eq!(read(&r, &h, "a").unwrap(), vec![1u8; 896]);
+    assert_eq!(stats_of(&w)["readers_reclaimed"], 0);
+}
+
+#[test]
+fn a_claim_whose_holder_died_before_finishing_is_taken_over() {
+    // A reader killed right after its claim CAS (before anything else): the slot shows
+    // CLAIMED by a pid nobody can check, but its lock is gone with the process.
+    let w = writer(2048, 1);
+    let info = w.reader_info();
+    let claim = w.shared.slot(0, slot::CLAIM).unwrap();
+    claim.store(
+        Claim {
+            epoch: 7,
+            pid: 0,
+            state: SlotState::Claimed,
+        }
+        .pack(),
+        Ordering::Release,
+    );
+    let r = Reader::attach(&info).expect("the half-made claim is reclaimable at once");
+    assert_eq!(r.slot(), 0);
+    assert_eq!(
+        Claim::unpack(claim.load(Ordering::Acquire)).unwrap().epoch,
+        8
+    );
+}
+
+#[test]
+fn pid_fallback_tells_live_from_dead_readers() {
+    let w = Writer::create_with_liveness(2048, 1, Liveness::Pids).unwrap();
+    let info = w.reader_info();
+    let r = Reader::attach(&info).unwrap();
+    assert!(matches!(Reader::attach(&info), Err(Error::NoReaderSlot(1))));
+    let h = w.put("a", &[&[1u8; 896]]).unwrap();
+    w.put("b", &[&[1u8; 896]]).unwrap();
+    assert!(matches!(
+        w.put("c", &[&[1u8; 896]]),
+        Err(Error::Full { .. })
+    ));
+    assert_eq!(read(&r, &h, "a").unwrap(), vec![1u8; 896]);
+    // Now make the occupant a process that has exited: the writer frees the slot.
+    set_claim_pid(&w, &r, dead_pid());
+    w.put("c", &[&[1u8; 896]]).unwrap();
+    w.put("d", &[&[1u8; 896]]).unwrap();
+    assert_eq!(stats_of(&w)["readers_reclaimed"], 1);
+    std::mem::forget(r);
+    Reader::attach(&info).expect("the freed slot is claimable");
+}
+
+#[test]
+fn a_closed_reader_with_a_live_view_drains() {
+    let w = writer(4096, 2);
+    let info = w.reader_info();
+    let closing = Reader::attach(&info).unwrap();
+    let other = Reader::attach(&info).unwrap();
+    let h = w.put("a", &[&[5u8; 896]]).unwrap();
+    let view = closing.acquire(&h, "a").unwrap().into_view().unwrap();
+    read(&other, &h, "a").unwrap();
+    closing.close();
+    assert!(matches!(closing.acquire(&h, "a"), Err(Error::Closed)));
+    let stats = stats_of(&w);
+    assert_eq!(
+        (stats["readers_attached"], stats["readers_draining"]),
+        (1, 1)
+    );
+    // New handles owe the draining slot nothing: the ring never fills on its account.
+    for i in 0..20 {
+        let key = format!("n{i}");
+        let hk = w.put(&key, &[&[i as u8; 896]]).unwrap();
+        read(&other, &hk, &key).unwrap();
+    }
+    assert!(
+        w.is_cached("a").unwrap(),
+        "the draining slot's view still protects its chunk"
+    );
+    assert_eq!(stats_of(&w)["outstanding_refs"], 0);
+    drop(view);
+    drop(closing);
+    let stats = stats_of(&w);
+    assert_eq!(
+        (stats["readers_attached"], stats["readers_draining"]),
+        (1, 0)
+    );
+    Reader::attach(&info).expect("freed with its last view");
+}
+
+#[test]
+fn closed_writer_is_reported_to_readers() {
+    let w = writer(1 << 16, 1);
+    let r = Reader::attach(&w.reader_info()).unwrap();
+    let h = w.put("k", &[b"x"]).unwrap();
+    let name = w.name().to_owned();
+    assert!(list_segments().contains(&name));
+    assert!(inspect(&name).unwrap().creator_alive);
+    w.close().unwrap();
+    assert!(matches!(w.put("j", &[b"x"]), Err(Error::Closed)));
+    assert!(matches!(r.acquire(&h, "k"), Err(Error::WriterGone(_))));
+    assert!(
+        !list_segments().contains(&name),
+        "the creator unlinks on close"
+    );
+}
