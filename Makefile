@@ -158,7 +158,8 @@ bench-vllm: build $(VLLM_STAMP)
 	$(VLLM_ENV) $(VENV_VLLM)/bin/python benches/bench_vllm.py
 
 # vLLM's own processor caches against mmcache's (lru, shm) in running engines on the tiny
-# Qwen2-VL, with its real processors (a few minutes; BENCH_ENGINE_ARGS="--rounds 2 --json x").
+# Qwen2-VL, with its real processors (a few minutes; BENCH_ENGINE_ARGS="--rounds 2 --json x";
+# "--frontends llm,serve" adds each configuration behind `vllm serve` with a load generator).
 # `cli` brings msgpack, which mmcache.simulate (its request stream) imports.
 bench-engine: build $(ENGINE_STAMP)
 	VIRTUAL_ENV=$(abspath $(VENV_ENGINE)) $(VENV)/bin/maturin develop --release --quiet --extras cli

@@ -1,8 +1,16 @@
 """vLLM's processor caches against mmcache's, in a running vLLM engine (``make bench-engine``).
 
-Four configurations, each its own engine (a process tree: this script as the frontend, the
+Four configurations (``--configs``), each its own engine (a process tree: the frontend, the
 engine core, its worker), started one after another with the same workload: vLLM's own
-``lru`` and ``shm`` caches, and mmcache's (``MMCACHE_VLLM=1``) in the same two modes.
+``lru`` and ``shm`` caches, and mmcache's (``MMCACHE_VLLM=1``) in the same two modes.  Two
+frontends (``--frontends``): ``llm``, this script's child running ``LLM``'s engine (below),
+and ``serve``, vLLM's API server under an HTTP load generator (``bench_serve.py``).  The
+workload, the model and the engine's arguments are both frontends' (``engine_workload.py``);
+within a frontend every configuration must give every request the same tokens (greedy
+decoding), or the script exits 1 after its table.
+
+The ``llm`` frontend
+--------------------
 
 The model is the tiny Qwen2-VL of ``tests_engine/models.py`` (vLLM's dummy weights) with its
 real image and video processors, allowed images of up to 1344 x 1344 pixels
@@ -21,7 +29,8 @@ Reported per configuration:
 * requests/s over the timed loop; TTFT p50/p99 from ``RequestOutput.metrics`` (vLLM's
   ``first_token_latency``: from the start of the request's render to the frontend's
   processing of its first token);
-* frontend CPU ms per request: ``getrusage`` of this process (every thread) over the loop;
+* frontend CPU ms per request: ``getrusage`` of this process (every thread) over the loop,
+  and its minor page faults per request (``frontend_page_faults``, in the JSON);
   render ms per request: wall time of ``add_request`` (the render and the send);
   engine CPU ms per request: the engine core and its worker (``psutil``);
 * bytes moved between processes per request: what the frontend's cache put into its ring
@@ -40,8 +49,10 @@ The caches are sized so that items of any size here are admitted
 
 Run (the engine's venv, ``.venv-engine`` of ``make test-engine``)::
 
-    make bench-engine                       # the defaults: a few minutes
+    make bench-engine                       # the defaults (llm only): a few minutes
     .venv-engine/bin/python benches/bench_engine.py --requests 120 --rounds 2 --json out.json
+    .venv-engine/bin/python benches/bench_engine.py --frontends llm,serve \\
+        --configs mmcache-shm,vllm-shm
 """
 
 from __future__ import annotations
@@ -63,71 +74,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-TESTS_ENGINE = HERE.parent / "tests_engine"
+import bench_serve
+from engine_workload import (
+    CONFIGS,
+    LARGE_BYTES,
+    MAX_TOKENS,
+    engine_env,
+    image_sides,
+    llm_args,
+    media,
+    percentile,
+    prompt_text,
+    segments_left,
+    workload,
+    write_model,
+)
 
-CONFIGS = {
-    "vllm-lru": {"mmcache": False, "mode": "lru"},
-    "vllm-shm": {"mmcache": False, "mode": "shm"},
-    "mmcache-lru": {"mmcache": True, "mode": "lru"},
-    "mmcache-shm": {"mmcache": True, "mode": "shm"},
-}
-
-MAX_SIDE = 1344
-MIN_SIDE = 448
-LARGE_MIN_HEIGHT = 1092
-"""A 1344 x 1092 image is 7488 patches of 2 x 14 x 14 x 3 bytes: 8.8 MB, over 8 MiB."""
-LARGE_BYTES = 8 << 20
-"""The slice of requests with an item at least this large (processed)."""
-VIDEOS = [[0, 16, 448, 448], [1, 12, 448, 448]]
-"""``[seed, frames, width, height]`` (each frame keeps 448 x 448: 9.6 and 7.2 MB)."""
-MAX_TOKENS = 4
 CHILD_DEADLINE_S = 1800
 """Only stops a hung engine (the machine is shared)."""
-
-
-# -- the workload ---------------------------------------------------------------------------
-
-
-def image_sides(seed: int, catalogue: int) -> list[tuple[int, int]]:
-    """Each catalogue image's ``(width, height)``, multiples of 28 from 448 to 1344; every
-    fourth is 1344 wide and 1092 to 1344 high, at least 8.8 MB processed."""
-    import numpy as np
-
-    rng = np.random.default_rng([seed, 0xB16])
-    steps = (MAX_SIDE - MIN_SIDE) // 28 + 1
-    large_steps = (MAX_SIDE - LARGE_MIN_HEIGHT) // 28 + 1
-    return [
-        (MAX_SIDE, LARGE_MIN_HEIGHT + 28 * int(rng.integers(large_steps)))
-        if index % 4 == 0
-        else (MIN_SIDE + 28 * int(rng.integers(steps)), MIN_SIDE + 28 * int(rng.integers(steps)))
-        for index in range(catalogue)
-    ]
-
-
-def workload(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The requests: ``images`` (catalogue indices) and ``video`` (an index or ``None``)."""
-    from mmcache.simulate.workload import request_stream
-
-    images = request_stream(
-        requests=args.requests,
-        catalogue=args.catalogue,
-        zipf=args.zipf,
-        max_items=2,
-        seed=args.seed,
-    )
-    return [
-        {"images": indices, "video": (i // args.video_every) % len(VIDEOS)}
-        if i % args.video_every == args.video_every - 1
-        else {"images": indices, "video": None}
-        for i, indices in enumerate(images)
-    ]
-
-
-def prompt_text(n_images: int, n_videos: int) -> str:
-    image = "<|vision_start|><|image_pad|><|vision_end|>"
-    video = "<|vision_start|><|video_pad|><|vision_end|>"
-    return image * n_images + video * n_videos + " w17 w23"
 
 
 # -- the child: one engine, the timed loop --------------------------------------------------
@@ -213,20 +177,7 @@ def engine_cpu_seconds() -> float:
 
 def child(config: dict[str, Any]) -> dict[str, Any]:
     """Run one engine (this process is its frontend) through the workload."""
-    import numpy as np
-    from PIL import Image
-
-    images = []
-    for index, (width, height) in enumerate(config["sides"]):
-        rng = np.random.default_rng([config["seed"], index])
-        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        images.append(Image.fromarray(pixels))
-    videos = [
-        np.random.default_rng([config["seed"], 0x1D, seed]).integers(
-            0, 256, (frames, height, width, 3), dtype=np.uint8
-        )
-        for seed, frames, width, height in VIDEOS
-    ]
+    images, videos = media(config["sides"], config["seed"])
 
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -278,15 +229,15 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
 
     # One request of an image outside the catalogue first: lazy initialisations are not
     # timed (the image stays cached, a few KiB).
-    warm = np.random.default_rng([config["seed"], 0xA1]).integers(0, 256, (224, 224, 3))
-    images.append(Image.fromarray(warm.astype(np.uint8)))
     run([{"images": [len(images) - 1], "video": None}])
     traffic.counts.clear()
     traffic.item_bytes.clear()
 
     requests = config["requests"]
     usage0, engine0 = resource.getrusage(resource.RUSAGE_SELF), engine_cpu_seconds()
-    profiler = cProfile.Profile() if config["profile"] else None
+    # The render thread's CPU time, not wall time: on a loaded machine the wall time of a
+    # call is mostly its wait for a core.
+    profiler = cProfile.Profile(time.thread_time) if config["profile"] else None
     wall0 = time.perf_counter()
     if profiler is not None:
         profiler.enable()
@@ -294,7 +245,8 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     if profiler is not None:
         profiler.disable()
     wall_s = time.perf_counter() - wall0
-    frontend_cpu_s = cpu_seconds(resource.getrusage(resource.RUSAGE_SELF)) - cpu_seconds(usage0)
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    frontend_cpu_s = cpu_seconds(usage1) - cpu_seconds(usage0)
     engine_cpu_s = engine_cpu_seconds() - engine0
 
     records = [done[k] for k in sorted(done, key=int)]
@@ -306,6 +258,7 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         "startup_s": startup_s,
         "wall_s": wall_s,
         "frontend_cpu_s": frontend_cpu_s,
+        "frontend_page_faults": usage1.ru_minflt - usage0.ru_minflt,
         "engine_cpu_s": engine_cpu_s,
         "traffic": dict(traffic.counts),
         "requests": records,
@@ -330,45 +283,12 @@ def child_main(config_path: str, result_path: str) -> None:
 # -- the parent: one engine per configuration, the table ------------------------------------
 
 
-def write_model(directory: Path) -> Path:
-    """The tests' tiny Qwen2-VL, with room for 8192 positions: a request here has up to
-    two 1344 x 1344 images (2304 tokens each) or an image and a video."""
-    sys.path.insert(0, str(TESTS_ENGINE))
-    import models
-
-    models.write_qwen2_vl(directory)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["text_config"]["max_position_embeddings"] = 8192
-    config_path.write_text(json.dumps(config))
-    return directory
-
-
-def llm_args(model: Path, mode: str, cache_gb: float) -> dict[str, Any]:
-    args: dict[str, Any] = {
-        "model": str(model),
-        "dtype": "float32",
-        "enforce_eager": True,
-        "seed": 0,
-        "disable_log_stats": False,  # RequestOutput.metrics (TTFT)
-        "max_model_len": 8192,
-        "max_num_batched_tokens": 8192,
-        "limit_mm_per_prompt": {"image": 2, "video": 1},
-        "mm_processor_kwargs": {"max_pixels": MAX_SIDE * MAX_SIDE},
-        "mm_processor_cache_type": mode,
-        "mm_processor_cache_gb": cache_gb,
-    }
-    if mode == "shm":
-        args["mm_shm_cache_max_object_size_mb"] = 64  # every item here is below 16 MiB
-    return args
-
-
 def run_engine(
     name: str, args: argparse.Namespace, model: Path, requests: list[Any], work: Path
 ) -> dict[str, Any]:
     """One configuration's engine, started and run to its end by a child process."""
     spec = CONFIGS[name]
-    directory = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
+    directory = Path(tempfile.mkdtemp(prefix=f"llm-{name}-", dir=work))
     config = {
         "mmcache": spec["mmcache"],
         "mode": spec["mode"],
@@ -380,17 +300,7 @@ def run_engine(
         "profile": str(args.profile / f"{name}.pstats") if args.profile else None,
     }
     (directory / "config.json").write_text(json.dumps(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMCACHE_VLLM")}
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        VLLM_CACHE_ROOT=str(directory / "vllm-cache"),
-        VLLM_NO_USAGE_STATS="1",
-        HF_HUB_OFFLINE="1",
-        HF_HOME=str(directory / "hf-home"),
-    )
-    if spec["mmcache"]:
-        env["MMCACHE_VLLM"] = "1"
+    env = engine_env(directory, spec["mmcache"])
     shm_before = set(os.listdir("/dev/shm"))
     result_path = directory / "result.json"
     argv = [sys.executable, __file__, "--child", str(directory / "config.json"), str(result_path)]
@@ -409,57 +319,54 @@ def run_engine(
         )
     result: dict[str, Any] = json.loads(result_path.read_text())
     time.sleep(0.5)
-    left = sorted(set(os.listdir("/dev/shm")) - shm_before)
-    result["shm_left"] = [n for n in left if n.startswith(("mmct", "mmcache", "vllm_mm_"))]
-    result["ring_left"] = result["ring"] is not None and result["ring"] in os.listdir("/dev/shm")
+    result["shm_left"] = segments_left(shm_before, result["ring"])
     return result
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def summary(result: dict[str, Any]) -> dict[str, Any]:
-    """One run's figures (times in ms, bytes in MB per request)."""
+    """One run's figures (times in ms, bytes in MB per request); what only the ``llm``
+    frontend measures (render, bytes moved) is missing from a ``serve`` run's."""
     records = result["requests"]
     n = len(records)
     large = [r for r in records if r["max_item_bytes"] >= LARGE_BYTES]
-    traffic = result["traffic"]
-    moved = traffic.get("ring_bytes", 0) + traffic.get("ipc_bytes", 0)
-    lookups = traffic.get("lookups", 0)
-    return {
+    row = {
         "requests": n,
         "startup_s": result["startup_s"],
         "rps": n / result["wall_s"],
         "ttft_p50_ms": 1e3 * percentile([r["ttft_s"] for r in records], 50),
         "ttft_p99_ms": 1e3 * percentile([r["ttft_s"] for r in records], 99),
         "frontend_cpu_ms": 1e3 * result["frontend_cpu_s"] / n,
-        "render_ms": 1e3 * statistics.fmean(r["render_s"] for r in records),
         "engine_cpu_ms": 1e3 * result["engine_cpu_s"] / n,
-        "moved_mb": moved / n / 1e6,
-        "ring_mb": traffic.get("ring_bytes", 0) / n / 1e6,
-        "ipc_mb": traffic.get("ipc_bytes", 0) / n / 1e6,
-        "ring_alloc_mb": traffic.get("ring_alloc_bytes", 0) / n / 1e6,
         # What the requests' items weigh, hits included: in ``lru`` the engine core sends
         # every item's data on to the worker with the scheduler's output.
         "items_mb": sum(r["item_bytes"] for r in records) / n / 1e6,
-        "render_thread_cpu_ms": 1e3 * statistics.fmean(r["render_thread_cpu_s"] for r in records),
-        "hit_ratio": 1 - traffic.get("misses", 0) / lookups if lookups else float("nan"),
         "large_requests": len(large),
         "large_ttft_p50_ms": 1e3 * percentile([r["ttft_s"] for r in large], 50),
         "large_ttft_p99_ms": 1e3 * percentile([r["ttft_s"] for r in large], 99),
-        "large_render_ms": 1e3 * statistics.fmean(r["render_s"] for r in large)
-        if large
-        else float("nan"),
+        "shm_left": result["shm_left"],
+    }
+    if "hits" in result:  # serve: the API server's cache statistics (probe.py)
+        row["hit_ratio"] = result["hits"] / result["lookups"] if result["lookups"] else NAN
+    if "traffic" not in result:
+        return row
+    traffic = result["traffic"]
+    lookups = traffic.get("lookups", 0)
+    return row | {
+        "render_ms": 1e3 * statistics.fmean(r["render_s"] for r in records),
+        "render_thread_cpu_ms": 1e3 * statistics.fmean(r["render_thread_cpu_s"] for r in records),
+        "frontend_page_faults": result["frontend_page_faults"] / n,
+        "moved_mb": (traffic.get("ring_bytes", 0) + traffic.get("ipc_bytes", 0)) / n / 1e6,
+        "ring_mb": traffic.get("ring_bytes", 0) / n / 1e6,
+        "ipc_mb": traffic.get("ipc_bytes", 0) / n / 1e6,
+        "ring_alloc_mb": traffic.get("ring_alloc_bytes", 0) / n / 1e6,
+        "hit_ratio": 1 - traffic.get("misses", 0) / lookups if lookups else NAN,
+        "large_render_ms": 1e3 * statistics.fmean(r["render_s"] for r in large) if large else NAN,
         "ipc_items": traffic.get("ipc_items", 0),
         "mmcache_puts": result.get("mmcache_stats", {}).get("store_puts"),
-        "shm_left": result["shm_left"] + ([result["ring"]] if result["ring_left"] else []),
     }
 
 
+NAN = float("nan")
 COLUMNS = [
     ("startup_s", "start-up s", "{:.1f}"),
     ("rps", "req/s", "{:.2f}"),
@@ -475,6 +382,7 @@ COLUMNS = [
     ("large_ttft_p99_ms", "≥8MiB TTFT p99", "{:.0f}"),
     ("large_render_ms", "≥8MiB render ms", "{:.0f}"),
 ]
+"""A figure a run does not have is ``–`` (``serve``: no render time, no bytes moved)."""
 
 
 def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
@@ -483,9 +391,27 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
         "|---|" + "---|" * len(COLUMNS),
     ]
     for name, row in rows:
-        cells = [fmt.format(row[key]) for key, _, fmt in COLUMNS]
+        cells = [fmt.format(row[key]) if key in row else "–" for key, _, fmt in COLUMNS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def token_mismatches(runs: list[dict[str, Any]]) -> list[str]:
+    """Each run whose requests' tokens differ from the first run's of its frontend (the
+    same requests, greedy decoding: every cache must give the same tokens)."""
+    first: dict[str, dict[str, Any]] = {}
+    mismatches = []
+    for run in runs:
+        reference = first.setdefault(run["frontend"], run)
+        tokens = [r["tokens"] for r in run["requests"]]
+        expected = [r["tokens"] for r in reference["requests"]]
+        if tokens != expected:
+            differ = sum(a != b for a, b in zip(tokens, expected, strict=True))
+            mismatches.append(
+                f"{run['frontend']} {run['config']} (round {run['round']}): {differ} of "
+                f"{len(tokens)} requests' tokens differ from {reference['config']}'s"
+            )
+    return mismatches
 
 
 def main() -> None:
@@ -504,46 +430,76 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1, help="each round runs every config")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
+    parser.add_argument(
+        "--frontends",
+        default="llm",
+        help="comma-separated: llm (LLM's engine in this script's child), serve (vllm serve "
+        "and an HTTP load generator)",
+    )
+    parser.add_argument(
+        "--image-format",
+        choices=["jpeg", "png"],
+        default="jpeg",
+        help="serve: how images travel in the chat requests (data URLs)",
+    )
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument(
         "--profile",
         type=Path,
-        help="cProfile the frontend's timed loop (the renderer's thread) into DIR/CONFIG.pstats",
+        help="llm: cProfile the frontend's timed loop (the renderer's thread, its CPU time) "
+        "into DIR/CONFIG.pstats",
     )
     args = parser.parse_args()
     names = args.configs.split(",")
     for name in names:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r} (one of {', '.join(CONFIGS)})")
+    frontends = args.frontends.split(",")
+    for frontend in frontends:
+        if frontend not in FRONTENDS:
+            parser.error(f"unknown frontend {frontend!r} (one of {', '.join(FRONTENDS)})")
 
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         args.profile = args.profile.resolve()
-    requests = workload(args)
+    requests = workload(args.requests, args.catalogue, args.zipf, args.video_every, args.seed)
     runs: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as work:
         model = write_model(Path(work) / "qwen2_vl")
-        for round_ in range(args.rounds):
-            order = names if round_ % 2 == 0 else names[::-1]
-            for name in order:
-                load = os.getloadavg()[0]
-                result = run_engine(name, args, model, requests, Path(work))
-                row = summary(result)
-                row.update(
-                    config=name, round=round_, load_before=load, load_after=os.getloadavg()[0]
-                )
-                runs.append(row)
-                raw.append({"config": name, "round": round_, **result})
-                print(f"round {round_} {name}: " + json.dumps(row), file=sys.stderr, flush=True)
-    rows = [(f"{r['config']} (round {r['round']})", r) for r in runs]
+        for frontend in frontends:
+            for round_ in range(args.rounds):
+                order = names if round_ % 2 == 0 else names[::-1]
+                for name in order:
+                    load = os.getloadavg()[0]
+                    result = FRONTENDS[frontend](name, args, model, requests, Path(work))
+                    row = summary(result)
+                    row.update(
+                        config=name,
+                        frontend=frontend,
+                        round=round_,
+                        load_before=load,
+                        load_after=os.getloadavg()[0],
+                    )
+                    runs.append(row)
+                    raw.append({"config": name, "frontend": frontend, "round": round_, **result})
+                    label = f"{frontend} round {round_} {name}"
+                    print(f"{label}: " + json.dumps(row), file=sys.stderr, flush=True)
+    rows = [(f"{r['config']} {r['frontend']} (round {r['round']})", r) for r in runs]
     print(table(rows))
     left = sorted({n for r in runs for n in r["shm_left"]})
     print(f"segments of ours left in /dev/shm: {left or 'none'}")
+    mismatches = token_mismatches(raw)
+    print("tokens: " + ("; ".join(mismatches) or "the same in every configuration"))
     if args.json:
         args.json.write_text(
             json.dumps({"args": vars(args), "runs": runs, "raw": raw}, indent=1, default=str)
         )
+    if mismatches:
+        raise SystemExit(1)
+
+
+FRONTENDS = {"llm": run_engine, "serve": bench_serve.run_server}
 
 
 if __name__ == "__main__":

@@ -198,6 +198,19 @@ class Engine(ProcessTree):
         return self.wait_exit()
 
 
+def cli_args(llm: dict[str, Any]) -> list[str]:
+    """``vllm serve``'s flags for ``LLM`` arguments (a flag ``False`` is left at its
+    default, off)."""
+    args = []
+    for key, value in llm.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False:
+            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return args
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

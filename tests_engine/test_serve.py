@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import START_DEADLINE_S, Connection, Server
+from engines import START_DEADLINE_S, Connection, Server, cli_args
 from workloads import (
     MAX_TOKENS,
     MODELS,
@@ -30,18 +29,6 @@ from workloads import (
 )
 
 import mmcache
-
-
-def cli_args(llm: dict[str, Any]) -> list[str]:
-    """``vllm serve``'s flags for ``LLM`` arguments."""
-    args = []
-    for key, value in llm.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            args.append(flag)
-        else:
-            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return args
 
 
 @dataclasses.dataclass
