@@ -40,6 +40,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
@@ -101,8 +102,11 @@ pub struct Segment {
     fault_registrations: Vec<fault::Registered>,
     /// What of `base` is reserved: checked before every access of a writer's mapping.
     reserved: Reserved,
-    /// The creator's background reservation (stopped when the segment goes).
-    _background: Option<Background>,
+    /// Where the creator's background reservation starts (`None`: nothing left for it).
+    background_from: Option<usize>,
+    /// The creator's background reservation, started by the first put (see
+    /// [`Segment::start_background_reservation`]; stopped when the segment goes).
+    background: OnceLock<Option<Background>>,
 }
 
 /// A byte range of a segment's file used as a liveness lock (not as bytes: locks are
@@ -287,15 +291,17 @@ impl Segment {
             lock_fd: Some((registration, lock_fd)),
             creator_locked,
             reserved: Reserved::prefix(len, 0),
-            _background: None,
+            background_from: None,
+            background: OnceLock::new(),
         };
         seg.reserve_at_creation(eager)?; // on failure, dropping `seg` unlinks the name
         Ok(seg)
     }
 
-    /// Reserve the first `eager` bytes now and start reserving the rest in the background;
-    /// where the kernel cannot populate without a signal (before Linux 5.14), reserve the
-    /// whole file now, as `posix_fallocate` does.
+    /// Reserve the first `eager` bytes now and leave the rest to the accesses that need it
+    /// and to the background reservation the first put starts; where the kernel cannot
+    /// populate without a signal (before Linux 5.14), reserve the whole file now, as
+    /// `posix_fallocate` does.
     fn reserve_at_creation(&mut self, eager: usize) -> Result<()> {
         let eager = eager
             .min(self.len)
@@ -306,7 +312,7 @@ impl Segment {
         match unsafe { reserve::populate(self.base.as_ptr(), eager, self.len) } {
             Ok(()) => {
                 self.reserved = Reserved::prefix(self.len, eager);
-                self._background = Some(reserve::start_background(&self.fd, self.len, eager)?);
+                self.background_from = Some(eager);
                 Ok(())
             }
             Err(Unpopulated::Unsupported) => {
@@ -386,7 +392,8 @@ impl Segment {
                 Some(_) => Reserved::prefix(len, 0),
                 None => Reserved::all(len),
             },
-            _background: None,
+            background_from: None,
+            background: OnceLock::new(),
         })
     }
 
@@ -423,6 +430,23 @@ impl Segment {
     /// halfway (`ShmTooSmall` if tmpfs cannot hold them).
     pub fn reserve(&self, offset: u64, len: usize) -> Result<()> {
         self.check(offset, len).map(|_| ())
+    }
+
+    /// Start the creator's background reservation of the rest of the file, once, in the
+    /// creator's process (a no-op anywhere else, and after the first call: one load). The
+    /// store calls it at its first put rather than at creation: a new thread is the costliest
+    /// step a creation would take (its start may take the creator's CPU on a busy host), and
+    /// until something is put nothing needs the pages. Not starting it is never unsafe:
+    /// every access reserves what it needs itself; the thread only does it ahead of them.
+    pub fn start_background_reservation(&self) {
+        let Some(from) = self.background_from else {
+            return;
+        };
+        if self.background.get().is_none() && self.is_owner() {
+            // A failure to start leaves the reservation to the accesses (see `reserve`).
+            self.background
+                .get_or_init(|| reserve::start_background(&self.fd, self.len, from).ok());
+        }
     }
 
     fn check_writable(&self) -> Result<()> {

@@ -292,11 +292,21 @@ pub fn kill_self() -> ! {
 
 /// `n` bytes from the kernel's random source.
 pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
-    use std::io::Read;
     let mut out = [0u8; N];
-    fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut out))
-        .map_err(|e| Error::os("reading /dev/urandom", e))?;
+    let mut filled = 0;
+    // One system call (not open, read and close of /dev/urandom): a creation asks three times.
+    while filled < N {
+        // SAFETY: `out[filled..]` is writable storage of `N - filled` bytes that we own.
+        let got = unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), N - filled, 0) };
+        if got < 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(Error::os("getrandom", err));
+        }
+        filled += got as usize;
+    }
     Ok(out)
 }
 
