@@ -230,7 +230,14 @@ pub fn current_pid() -> u32 {
 /// `/proc/<pid>/stat` after the command name (which may contain spaces and parentheses:
 /// everything up to its last ')' is skipped); its first field is field 3, the state.
 fn proc_stat_after_name(pid: u32) -> Option<String> {
-    let mut stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    use std::io::Read;
+    // Room for the whole line at once: `fs::read_to_string` would stat the file (size 0 in
+    // /proc) and read it in six growing pieces.
+    let mut stat = String::with_capacity(1024);
+    fs::File::open(format!("/proc/{pid}/stat"))
+        .ok()?
+        .read_to_string(&mut stat)
+        .ok()?;
     let end = stat.rfind(')')? + 1;
     stat.drain(..end);
     Some(stat)
