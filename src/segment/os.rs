@@ -127,16 +127,67 @@ pub fn probe_file(name: &str, creator_lock: LockRange) -> Result<FileProbe> {
     })
 }
 
-/// Names (without the leading '/') of every entry in `/dev/shm`.
-pub fn list_names() -> Vec<String> {
-    fs::read_dir(SHM_DIR)
-        .map(|dir| {
-            dir.filter_map(|e| e.ok())
-                .filter(|e| e.file_type().map(|t| t.is_file()).unwrap_or(false))
-                .filter_map(|e| e.file_name().into_string().ok())
-                .collect()
+/// Names (without the leading '/') of the regular files in `/dev/shm` that `by_name` accepts
+/// or whose first `N` bytes `by_prefix` accepts (a file shorter than that is not accepted).
+///
+/// Every store's creation lists `/dev/shm` this way (to remove orphans), so a file that is not
+/// accepted by name costs three system calls, not the four of [`read_prefix`]: it is opened
+/// through the directory's descriptor and read once, without an `fstat`, because its directory
+/// entry said it is a regular file (`O_NOFOLLOW | O_NONBLOCK`: something put under that name
+/// since is not followed and never blocks the open or the read).
+pub fn list_files<const N: usize>(
+    by_name: impl Fn(&str) -> bool,
+    by_prefix: impl Fn(&[u8; N]) -> bool,
+) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(SHM_DIR) else {
+        return Vec::new();
+    };
+    let dir = open_dir();
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| {
+            by_name(name)
+                || dir
+                    .as_ref()
+                    .and_then(|dir| prefix_at::<N>(dir, name))
+                    .is_some_and(|prefix| by_prefix(&prefix))
         })
-        .unwrap_or_default()
+        .collect()
+}
+
+/// A descriptor of `/dev/shm` itself, for `openat`.
+fn open_dir() -> Option<OwnedFd> {
+    let path = CString::new(SHM_DIR).ok()?;
+    // SAFETY: `path` is a valid NUL-terminated string; the returned fd is checked.
+    let raw = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    // SAFETY: a non-negative `raw` is a freshly opened fd that nothing else owns.
+    (raw >= 0).then(|| unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// The first `N` bytes of the file `name` in the directory `dir` (see [`list_files`]).
+fn prefix_at<const N: usize>(dir: &OwnedFd, name: &str) -> Option<[u8; N]> {
+    let name = CString::new(name).ok()?;
+    let flags =
+        libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
+    // SAFETY: `dir` is an open directory descriptor and `name` a valid NUL-terminated string;
+    // the returned fd is checked.
+    let raw = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: `raw` is a freshly opened fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut out = [0u8; N];
+    // SAFETY: `out` is writable storage of `N` bytes that we own.
+    let got = unsafe { libc::read(fd.as_raw_fd(), out.as_mut_ptr().cast(), N) };
+    (usize::try_from(got) == Ok(N)).then_some(out)
 }
 
 /// Remove a segment's name; its memory is freed when the last mapping goes.
