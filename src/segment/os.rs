@@ -282,8 +282,8 @@ pub fn current_pid() -> u32 {
 /// everything up to its last ')' is skipped); its first field is field 3, the state.
 fn proc_stat_after_name(pid: u32) -> Option<String> {
     use std::io::Read;
-    // Room for the whole line at once: `fs::read_to_string` would stat the file (size 0 in
-    // /proc) and read it in six growing pieces.
+    // Room for the whole line, so it comes in one read: `fs::read_to_string` takes the size
+    // a /proc file reports (0) as its hint and reads in six growing pieces.
     let mut stat = String::with_capacity(1024);
     fs::File::open(format!("/proc/{pid}/stat"))
         .ok()?
