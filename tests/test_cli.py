@@ -131,7 +131,7 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     ops = {row["op"] for row in rows}
-    core = {"memcpy (numpy)", "put", "lookup", "get (copy)", "get (zero-copy)"}
+    core = {"memcpy (numpy)", "put (first lap)", "put", "lookup", "get (copy)", "get (zero-copy)"}
     cache = {"cache put", "cache lookup", "cache hit", "cache get (copy)", "cache get (zero-copy)"}
     assert ops == core | cache
     assert {row["size"] for row in rows} == {4 << 10, 64 << 10, 1 << 20, 16 << 20}
@@ -144,6 +144,7 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     # Each size's rows: every cache row right after its core rows (1 and 2 readers).
     assert [row["op"] for row in rows if row["size"] == 4 << 10] == [
         "memcpy (numpy)",
+        "put (first lap)",
         "put",
         "cache put",
         "lookup",

@@ -1,10 +1,11 @@
 """A ring is ready at once and reserved afterwards (SPEC §5, guarantee 5 kept).
 
-Creation reserves only the header and slot tables; a background thread of the creator reserves
-the rest, and every access of a writer reserves what it touches first. These tests check that
-creation leaves the ring unreserved, that puts into space nobody reserved yet work and read
-back, that the background reservation finishes, and that a tmpfs filled up after creation
-gives `ShmTooSmallError` at a put, never a SIGBUS (in a private tmpfs: `unshare -rm`).
+Creation reserves only the header and slot tables; a background thread the creator's first put
+starts reserves the rest, and every access of a writer reserves what it touches first. These
+tests check that creation leaves the ring unreserved and starts no thread, that puts into space
+nobody reserved yet work and read back, that the background reservation finishes, and that a
+tmpfs filled up after creation gives `ShmTooSmallError` at a put, never a SIGBUS (in a private
+tmpfs: `unshare -rm`).
 """
 
 from __future__ import annotations
@@ -58,12 +59,42 @@ def test_puts_into_space_nobody_reserved_yet_work_and_read_back(monkeypatch):
 def test_the_background_reservation_reserves_the_whole_segment():
     writer = ShmObjectStore.create(64 * MiB)
     try:
+        writer.release(writer.put("first", b"starts the background reservation"))
         deadline = time.monotonic() + 120  # only stops a hung test
         while (state := allocated(writer.name))[0] < state[1]:
             assert time.monotonic() < deadline, f"reserved {state[0]} of {state[1]}"
             time.sleep(0.02)
     finally:
         writer.close()
+
+
+def test_the_first_put_starts_the_reservation_thread_not_the_creation():
+    # In a process of its own, so that no other store's thread is counted.
+    script = textwrap.dedent(
+        """
+        import os
+        from mmcache._core import ShmObjectStore
+
+        def threads():  # counted, not named: a new thread names itself a moment later
+            return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+        before = threads()
+        writer = ShmObjectStore.create(64 << 20)
+        print(threads() - before)
+        writer.release(writer.put("k", b"x" * 1000))
+        print(threads() - before)
+        writer.release(writer.put("k2", b"x" * 1000))
+        print(threads() - before)
+        writer.close()
+        """
+    )
+    # The delay keeps the thread alive while it is counted.
+    env = {**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": "5"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "1"], out.stdout
 
 
 def test_a_joined_writer_reserves_what_it_touches(monkeypatch):

@@ -30,7 +30,10 @@
 //! its file description open, so a forked child that keeps its parent's mappings would
 //! otherwise keep its parent's locks too.
 //!
-//! Submodules: `locks` (the OFD liveness locks and futex calls on a segment), `naming` (which
+//! This file holds the `Segment` itself: creating, opening, mapping, owning and unlinking
+//! one. Submodules: `access` (every access to its bytes: the checks, atomics, copies, view
+//! addresses, and [`RawBytes`]), `reserve` (reserving its pages without a SIGBUS), `locks`
+//! (the OFD liveness locks and futex calls on a segment), `naming` (which
 //! names are allowed, and the ones we generate), `os` (the files in `/dev/shm` and their
 //! locks, processes, randomness: everything that is not one mapping), [`fork`] (what a
 //! `fork()` changes in the child) and [`fault`] (making a SIGSEGV/SIGBUS in a mapping explain
@@ -40,10 +43,12 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{Error, Result};
 
+mod access;
 pub mod fault;
 pub mod fork;
 mod locks;
@@ -51,11 +56,12 @@ mod naming;
 mod os;
 mod reserve;
 
+pub use access::RawBytes;
 pub use fork::{Process, Registration, register_view};
 use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};
 pub use os::{
-    FileProbe, SHM_DIR, current_pid, kill_self, list_names, lower_thread_priority, pid_exists,
+    FileProbe, SHM_DIR, current_pid, kill_self, list_files, lower_thread_priority, pid_exists,
     probe_file, process_alive, process_start_time, random_bytes, read_prefix, shm_free_bytes,
     unlink,
 };
@@ -101,8 +107,11 @@ pub struct Segment {
     fault_registrations: Vec<fault::Registered>,
     /// What of `base` is reserved: checked before every access of a writer's mapping.
     reserved: Reserved,
-    /// The creator's background reservation (stopped when the segment goes).
-    _background: Option<Background>,
+    /// Where the creator's background reservation starts (`None`: nothing left for it).
+    background_from: Option<usize>,
+    /// The creator's background reservation, started by the first put (see
+    /// [`Segment::start_background_reservation`]; stopped when the segment goes).
+    background: OnceLock<Option<Background>>,
 }
 
 /// A byte range of a segment's file used as a liveness lock (not as bytes: locks are
@@ -111,49 +120,6 @@ pub struct Segment {
 pub struct LockRange {
     pub start: u64,
     pub len: u64,
-}
-
-/// Bytes owned by the caller but possibly written by another thread meanwhile (a Python
-/// buffer with the GIL released): never formed into a Rust slice, only copied from.
-#[derive(Clone, Copy, Debug)]
-pub struct RawBytes<'a> {
-    ptr: *const u8,
-    len: usize,
-    _borrow: std::marker::PhantomData<&'a [u8]>,
-}
-
-// SAFETY: `RawBytes` is a read-only borrow of memory valid for `'a` (its constructor's
-// contract); it is only ever copied from, which is as sound from another thread as from the
-// one that made it (a Python buffer stays pinned while the GIL is released).
-unsafe impl Send for RawBytes<'_> {}
-// SAFETY: as for `Send`: shared access only copies from the bytes.
-unsafe impl Sync for RawBytes<'_> {}
-
-impl<'a> RawBytes<'a> {
-    /// # Safety
-    /// `ptr` must be valid for reads of `len` bytes for the lifetime `'a`.
-    pub unsafe fn new(ptr: *const u8, len: usize) -> RawBytes<'a> {
-        RawBytes {
-            ptr,
-            len,
-            _borrow: std::marker::PhantomData,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl<'a> From<&'a [u8]> for RawBytes<'a> {
-    fn from(bytes: &'a [u8]) -> Self {
-        // SAFETY: a shared slice is valid for reads of its length for its lifetime.
-        unsafe { RawBytes::new(bytes.as_ptr(), bytes.len()) }
-    }
 }
 
 // SAFETY: `Segment` owns its mapping; the raw `base` pointer is only dereferenced through
@@ -287,15 +253,17 @@ impl Segment {
             lock_fd: Some((registration, lock_fd)),
             creator_locked,
             reserved: Reserved::prefix(len, 0),
-            _background: None,
+            background_from: None,
+            background: OnceLock::new(),
         };
         seg.reserve_at_creation(eager)?; // on failure, dropping `seg` unlinks the name
         Ok(seg)
     }
 
-    /// Reserve the first `eager` bytes now and start reserving the rest in the background;
-    /// where the kernel cannot populate without a signal (before Linux 5.14), reserve the
-    /// whole file now, as `posix_fallocate` does.
+    /// Reserve the first `eager` bytes now and leave the rest to the accesses that need it
+    /// and to the background reservation the first put starts; where the kernel cannot
+    /// populate without a signal (before Linux 5.14), reserve the whole file now, as
+    /// `posix_fallocate` does.
     fn reserve_at_creation(&mut self, eager: usize) -> Result<()> {
         let eager = eager
             .min(self.len)
@@ -306,7 +274,7 @@ impl Segment {
         match unsafe { reserve::populate(self.base.as_ptr(), eager, self.len) } {
             Ok(()) => {
                 self.reserved = Reserved::prefix(self.len, eager);
-                self._background = Some(reserve::start_background(&self.fd, self.len, eager)?);
+                self.background_from = Some(eager);
                 Ok(())
             }
             Err(Unpopulated::Unsupported) => {
@@ -386,7 +354,8 @@ impl Segment {
                 Some(_) => Reserved::prefix(len, 0),
                 None => Reserved::all(len),
             },
-            _background: None,
+            background_from: None,
+            background: OnceLock::new(),
         })
     }
 
@@ -402,145 +371,21 @@ impl Segment {
         self.len == 0
     }
 
-    /// The start of `len` bytes at `offset` after checking they lie inside the segment and
-    /// are reserved (reserving them first if needed: `ShmTooSmall` if tmpfs cannot).
-    fn check(&self, offset: u64, len: usize) -> Result<usize> {
-        let start = usize::try_from(offset).map_err(|_| out_of_range(offset, len))?;
-        match start.checked_add(len) {
-            Some(end) if end <= self.len => {
-                if !self.reserved.covers(end) {
-                    // SAFETY: `base` is our read-write mapping of `len` bytes (a read-only
-                    // one records everything reserved), mapped while `self` lives.
-                    unsafe { self.reserved.reserve(self.base, start, end) }?;
-                }
-                Ok(start)
-            }
-            _ => Err(out_of_range(offset, len)),
-        }
-    }
-
-    /// Make sure `len` bytes at `offset` are reserved, before a step that must not fail
-    /// halfway (`ShmTooSmall` if tmpfs cannot hold them).
-    pub fn reserve(&self, offset: u64, len: usize) -> Result<()> {
-        self.check(offset, len).map(|_| ())
-    }
-
-    fn check_writable(&self) -> Result<()> {
-        match self.access {
-            Access::ReadWrite => Ok(()),
-            Access::ReadOnly => Err(Error::InvalidArgument("segment is mapped read-only".into())),
-        }
-    }
-
-    /// The 8-byte-aligned word at `offset`, as an atomic.
-    pub fn atomic(&self, offset: u64) -> Result<&AtomicU64> {
-        let start = self.check(offset, 8)?;
-        if start % 8 != 0 {
-            return Err(Error::Corrupt(format!("misaligned atomic offset {offset}")));
-        }
-        // SAFETY: `start..start+8` lies inside the mapping (checked above) and is 8-byte
-        // aligned (the base is page-aligned). The mapping outlives the returned reference
-        // (it is tied to `&self`). All processes access this word only atomically, so viewing
-        // it as `AtomicU64` introduces no data race.
-        Ok(unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(start).cast::<u64>()) })
-    }
-
-    /// Copy `dst.len()` bytes out of the segment, starting at `offset`, from bytes that no
-    /// other process writes meanwhile: a chunk the caller protects (a lease, or the writer's
-    /// own lock), published with Release and observed with Acquire.
-    pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
-        let start = self.check(offset, dst.len())?;
-        // SAFETY: the source range is inside the mapping (checked), `dst` is a distinct
-        // exclusive Rust buffer, so the ranges cannot overlap; a byte copy has no alignment
-        // requirement. Per this function's contract nobody writes the source meanwhile, so
-        // the plain copy races with nothing.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.base.as_ptr().add(start),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
+    /// Start the creator's background reservation of the rest of the file, once, in the
+    /// creator's process (a no-op anywhere else, and after the first call: one load). The
+    /// store calls it at its first put rather than at creation: a new thread is the costliest
+    /// step a creation would take (its start may take the creator's CPU on a busy host), and
+    /// until something is put nothing needs the pages. Not starting it is never unsafe:
+    /// every access reserves what it needs itself; the thread only does it ahead of them.
+    pub fn start_background_reservation(&self) {
+        let Some(from) = self.background_from else {
+            return;
         };
-        Ok(())
-    }
-
-    /// Copy `dst.len()` bytes out of the segment from bytes the writer may be reusing at this
-    /// very moment (an unprotected read, verified afterwards by the caller's seqlock check).
-    ///
-    /// Every byte is read with an atomic (Relaxed) load — whole aligned words in the middle,
-    /// single bytes at the ends — so a concurrent write is a benign race in Rust's memory
-    /// model rather than undefined behaviour; the caller discards the copy if the chunk's id
-    /// changed.
-    pub fn read_into_racy(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
-        let start = self.check(offset, dst.len())?;
-        let src = self.base.as_ptr().wrapping_add(start);
-        let head = src.align_offset(8).min(dst.len());
-        let words = (dst.len() - head) / 8;
-        let load_byte = |i: usize| {
-            // SAFETY: `src + i` lies inside the mapping (the whole range was checked) and a
-            // byte is always aligned; shared bytes are only ever accessed atomically here or
-            // written by the writer, which is the race the seqlock check resolves.
-            unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed)
-        };
-        for (i, byte) in dst[..head].iter_mut().enumerate() {
-            *byte = load_byte(i);
+        if self.background.get().is_none() && self.is_owner() {
+            // A failure to start leaves the reservation to the accesses (see `reserve`).
+            self.background
+                .get_or_init(|| reserve::start_background(&self.fd, self.len, from).ok());
         }
-        for (w, out) in dst[head..head + words * 8].chunks_exact_mut(8).enumerate() {
-            // SAFETY: as above, and `src + head` is 8-byte aligned, so every word is.
-            let word = unsafe { AtomicU64::from_ptr(src.add(head + w * 8).cast::<u64>()) }
-                .load(Ordering::Relaxed);
-            out.copy_from_slice(&word.to_ne_bytes());
-        }
-        let tail = head + words * 8;
-        for (i, byte) in dst[tail..].iter_mut().enumerate() {
-            *byte = load_byte(tail + i);
-        }
-        Ok(())
-    }
-
-    /// Copy `src` into the segment at `offset` (writer only).
-    pub fn write_from(&self, offset: u64, src: RawBytes<'_>) -> Result<()> {
-        self.check_writable()?;
-        let start = self.check(offset, src.len)?;
-        // SAFETY: the destination range is inside a read-write mapping (checked); the writer
-        // owns this range (the ring allocator handed it out and no reader acts on it until
-        // the chunk's id is published with Release). `src` is valid for reads of `len` bytes
-        // (`RawBytes`'s contract) and is caller memory, not part of the destination range.
-        // It is read through a raw pointer, never as a slice, because another thread may
-        // write it meanwhile (a Python buffer with the GIL released): such a write can only
-        // change what is stored, which is that caller's own race.
-        unsafe { std::ptr::copy_nonoverlapping(src.ptr, self.base.as_ptr().add(start), src.len) };
-        Ok(())
-    }
-
-    /// Fill `len` bytes at `offset` with zeros (writer only).
-    pub fn zero(&self, offset: u64, len: usize) -> Result<()> {
-        self.check_writable()?;
-        let start = self.check(offset, len)?;
-        // SAFETY: as in `write_from`: an in-bounds range owned by the writer.
-        unsafe { std::ptr::write_bytes(self.base.as_ptr().add(start), 0, len) };
-        Ok(())
-    }
-
-    /// The address of `len` bytes at `offset` in the read-only mapping, for exporting a
-    /// view. Dereferencing it is the caller's responsibility (and needs the chunk to be
-    /// protected). Only openers have a read-only mapping; the writer exports no views.
-    pub fn view_address(&self, offset: u64, len: usize) -> Result<*const u8> {
-        let start = self.check(offset, len)?;
-        let base = match (self.view_base, self.access) {
-            (Some(view), _) => view,
-            (None, Access::ReadOnly) => self.base,
-            (None, Access::ReadWrite) => {
-                return Err(Error::InvalidArgument("the writer exports no views".into()));
-            }
-        };
-        Ok(base.as_ptr().wrapping_add(start).cast_const())
-    }
-
-    /// Address and length of the read-only mapping views point into (openers only).
-    pub fn view_mapping(&self) -> Option<(usize, usize)> {
-        self.view_base
-            .map(|base| (base.as_ptr() as usize, self.len))
     }
 
     /// Whether this handle may unlink the segment: its creator's or a joined writer's, in
@@ -573,10 +418,6 @@ impl Segment {
     }
 }
 
-fn out_of_range(offset: u64, len: usize) -> Error {
-    Error::Corrupt(format!("range {offset}+{len} lies outside the segment"))
-}
-
 impl Drop for Segment {
     fn drop(&mut self) {
         self.fault_registrations.clear(); // before the ranges are unmapped
@@ -600,12 +441,12 @@ mod tests {
 
     const CREATOR: LockRange = LockRange { start: 0, len: 8 };
 
-    fn unique(tag: &str) -> String {
+    pub(super) fn unique(tag: &str) -> String {
         let r = random_bytes::<4>().unwrap();
         format!("mmct_{tag}_{}_{:x}", current_pid(), u32::from_le_bytes(r))
     }
 
-    fn create(name: &str, len: usize) -> Result<Segment> {
+    pub(super) fn create(name: &str, len: usize) -> Result<Segment> {
         Segment::create(name, len, CREATOR, 0)
     }
 
@@ -631,35 +472,6 @@ mod tests {
             Segment::open(&name, Access::ReadOnly),
             Err(Error::NotFound(_))
         ));
-    }
-
-    #[test]
-    fn racy_copies_equal_plain_copies_at_every_alignment() {
-        let name = unique("racy");
-        let seg = create(&name, 4096).unwrap();
-        let bytes: Vec<u8> = (0..300u32).map(|i| (i * 7 + 3) as u8).collect();
-        seg.write_from(0, bytes.as_slice().into()).unwrap();
-        for offset in 0..17u64 {
-            for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 200] {
-                let mut plain = vec![0u8; len];
-                let mut racy = vec![0u8; len];
-                seg.read_into(offset, &mut plain).unwrap();
-                seg.read_into_racy(offset, &mut racy).unwrap();
-                assert_eq!(plain, racy, "offset {offset} len {len}");
-            }
-        }
-        assert!(seg.read_into_racy(4090, &mut [0u8; 8]).is_err());
-    }
-
-    #[test]
-    fn bounds_and_alignment_are_checked() {
-        let name = unique("b");
-        let seg = create(&name, 4096).unwrap();
-        assert!(seg.atomic(4096 - 8).is_ok());
-        assert!(seg.atomic(4096).is_err());
-        assert!(seg.atomic(12).is_err());
-        assert!(seg.read_into(4090, &mut [0u8; 8]).is_err());
-        assert!(seg.write_from(u64::MAX, b"a".as_slice().into()).is_err());
     }
 
     #[test]

@@ -127,16 +127,67 @@ pub fn probe_file(name: &str, creator_lock: LockRange) -> Result<FileProbe> {
     })
 }
 
-/// Names (without the leading '/') of every entry in `/dev/shm`.
-pub fn list_names() -> Vec<String> {
-    fs::read_dir(SHM_DIR)
-        .map(|dir| {
-            dir.filter_map(|e| e.ok())
-                .filter(|e| e.file_type().map(|t| t.is_file()).unwrap_or(false))
-                .filter_map(|e| e.file_name().into_string().ok())
-                .collect()
+/// Names (without the leading '/') of the regular files in `/dev/shm` that `by_name` accepts
+/// or whose first `N` bytes `by_prefix` accepts (a file shorter than that is not accepted).
+///
+/// Every store's creation lists `/dev/shm` this way (to remove orphans), so a file that is not
+/// accepted by name costs three system calls, not the four of [`read_prefix`]: it is opened
+/// through the directory's descriptor and read once, without an `fstat`, because its directory
+/// entry said it is a regular file (`O_NOFOLLOW | O_NONBLOCK`: something put under that name
+/// since is not followed and never blocks the open or the read).
+pub fn list_files<const N: usize>(
+    by_name: impl Fn(&str) -> bool,
+    by_prefix: impl Fn(&[u8; N]) -> bool,
+) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(SHM_DIR) else {
+        return Vec::new();
+    };
+    let dir = open_dir();
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| {
+            by_name(name)
+                || dir
+                    .as_ref()
+                    .and_then(|dir| prefix_at::<N>(dir, name))
+                    .is_some_and(|prefix| by_prefix(&prefix))
         })
-        .unwrap_or_default()
+        .collect()
+}
+
+/// A descriptor of `/dev/shm` itself, for `openat`.
+fn open_dir() -> Option<OwnedFd> {
+    let path = CString::new(SHM_DIR).ok()?;
+    // SAFETY: `path` is a valid NUL-terminated string; the returned fd is checked.
+    let raw = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    // SAFETY: a non-negative `raw` is a freshly opened fd that nothing else owns.
+    (raw >= 0).then(|| unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// The first `N` bytes of the file `name` in the directory `dir` (see [`list_files`]).
+fn prefix_at<const N: usize>(dir: &OwnedFd, name: &str) -> Option<[u8; N]> {
+    let name = CString::new(name).ok()?;
+    let flags =
+        libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
+    // SAFETY: `dir` is an open directory descriptor and `name` a valid NUL-terminated string;
+    // the returned fd is checked.
+    let raw = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: `raw` is a freshly opened fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut out = [0u8; N];
+    // SAFETY: `out` is writable storage of `N` bytes that we own.
+    let got = unsafe { libc::read(fd.as_raw_fd(), out.as_mut_ptr().cast(), N) };
+    (usize::try_from(got) == Ok(N)).then_some(out)
 }
 
 /// Remove a segment's name; its memory is freed when the last mapping goes.
@@ -230,20 +281,43 @@ pub fn current_pid() -> u32 {
 /// `/proc/<pid>/stat` after the command name (which may contain spaces and parentheses:
 /// everything up to its last ')' is skipped); its first field is field 3, the state.
 fn proc_stat_after_name(pid: u32) -> Option<String> {
-    let mut stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    use std::io::Read;
+    // Room for the whole line, so it comes in one read: `fs::read_to_string` takes the size
+    // a /proc file reports (0) as its hint and reads in six growing pieces.
+    let mut stat = String::with_capacity(1024);
+    fs::File::open(format!("/proc/{pid}/stat"))
+        .ok()?
+        .read_to_string(&mut stat)
+        .ok()?;
     let end = stat.rfind(')')? + 1;
     stat.drain(..end);
     Some(stat)
 }
 
 /// A process's start time in clock ticks since boot (field 22 of `/proc/<pid>/stat`), which
-/// together with the pid names a process uniquely even after the pid is reused.
+/// together with the pid names a process uniquely even after the pid is reused. This
+/// process's own is read once (a creation asks twice); a forked child, whose pid differs,
+/// reads its own.
 pub fn process_start_time(pid: u32) -> Option<u64> {
-    proc_stat_after_name(pid)?
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    static OWN_PID: AtomicU32 = AtomicU32::new(0);
+    static OWN_START: AtomicU64 = AtomicU64::new(0);
+    let own = pid == current_pid();
+    // Acquire: pairs with the Release store below, after OWN_START was written (threads that
+    // race here write the same values).
+    if own && OWN_PID.load(Ordering::Acquire) == pid {
+        return Some(OWN_START.load(Ordering::Relaxed));
+    }
+    let start = proc_stat_after_name(pid)?
         .split_whitespace()
         .nth(19)?
         .parse()
-        .ok()
+        .ok()?;
+    if own {
+        OWN_START.store(start, Ordering::Relaxed);
+        OWN_PID.store(pid, Ordering::Release);
+    }
+    Some(start)
 }
 
 /// Whether a process with this pid exists (one syscall; a zombie or a reused pid counts).
@@ -292,11 +366,21 @@ pub fn kill_self() -> ! {
 
 /// `n` bytes from the kernel's random source.
 pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
-    use std::io::Read;
     let mut out = [0u8; N];
-    fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut out))
-        .map_err(|e| Error::os("reading /dev/urandom", e))?;
+    let mut filled = 0;
+    // One system call (not open, read and close of /dev/urandom): a creation asks three times.
+    while filled < N {
+        // SAFETY: `out[filled..]` is writable storage of `N - filled` bytes that we own.
+        let got = unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), N - filled, 0) };
+        if got < 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(Error::os("getrandom", err));
+        }
+        filled += got as usize;
+    }
     Ok(out)
 }
 

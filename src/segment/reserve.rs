@@ -6,7 +6,8 @@
 //! reserves at creation only the bytes every process reads at once (the header and the slot
 //! tables) and the rest later, in two ways that each turn "tmpfs is full" into an error:
 //!
-//! * **in the background**: the creator starts a thread that walks the file front to back,
+//! * **in the background**: the creator's first put starts a thread (not the creation: see
+//!   [`super::Segment::start_background_reservation`]) that walks the file front to back,
 //!   `MADV_POPULATE_WRITE` over a mapping of its own (made before the thread starts, marked
 //!   `MADV_DONTFORK`, so a forked child never inherits it), and stops at the end, at the first
 //!   failure, or when the segment is dropped. It allocates (and zeroes) the pages ahead of the

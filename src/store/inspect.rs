@@ -112,14 +112,10 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
 /// content: a truncated or half-made segment has lost or not yet got its magic) and any
 /// regular file that starts with this package's magic (segments created with a chosen name).
 pub fn list_segments() -> Vec<String> {
-    segment::list_names()
-        .into_iter()
-        .filter(|name| {
-            name.starts_with(segment::NAME_PREFIX)
-                || segment::read_prefix::<8>(name)
-                    .is_ok_and(|m| u64::from_le_bytes(m) == layout::MAGIC)
-        })
-        .collect()
+    segment::list_files(
+        |name| name.starts_with(segment::NAME_PREFIX),
+        |first: &[u8; 8]| u64::from_le_bytes(*first) == layout::MAGIC,
+    )
 }
 
 /// Seconds a file that holds no writer lock and is not (yet) a valid segment is given to

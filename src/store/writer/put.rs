@@ -153,6 +153,8 @@ impl Writer {
 
     /// Reserve a block of `size` bytes (the store lock held only for this) and draw its id.
     pub(in crate::store) fn reserve(&self, size: u64) -> Result<Reservation> {
+        // Outside the lock: the first reservation starts a thread.
+        self.shared.seg.start_background_reservation();
         let mut census = Census::new(&self.shared, self.me)?;
         let lock = self.lock()?;
         crash::point("alloc.locked");
