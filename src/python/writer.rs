@@ -132,6 +132,21 @@ impl ShmWriter {
         }
     }
 
+    /// `issue_if_present`, and if the object issued is the one `pinned` names (a monotonic
+    /// id from `pin_object`), one of this writer's pins on it undone in the same lookup.
+    fn issue_unpinning(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        pinned: Option<u64>,
+    ) -> PyResult<Option<ShmHandle>> {
+        match self.writer.with(py, |w| w.get_cached_unpinning(key, pinned))? {
+            Ok(h) => Ok(Some(ShmHandle::from_handle(h))),
+            Err(Error::KeyNotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// A copy of what is stored under `key`, issuing no reference (`KeyError` if absent).
     fn read_stored<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
         let writer = self.writer.get()?;
@@ -163,6 +178,18 @@ impl ShmWriter {
             Err(Error::KeyNotFound(_)) => Ok(false),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// `pin_if_present`, returning the monotonic id of the object pinned (`None` if `key` is
+    /// absent), for `unpin_object` or `issue_unpinning`.
+    fn pin_object(&self, py: Python<'_>, key: &str) -> PyResult<Option<u64>> {
+        Ok(self.writer.with(py, |w| w.pin_object(key))??)
+    }
+
+    /// Undo one of this writer's pins on `key`'s object if it is still the one with
+    /// `monotonic_id` (a no-op otherwise).
+    fn unpin_object(&self, py: Python<'_>, key: &str, monotonic_id: u64) -> PyResult<()> {
+        Ok(self.writer.with(py, |w| w.unpin_object(key, monotonic_id))??)
     }
 
     fn unpin(&self, py: Python<'_>, key: &str) -> PyResult<()> {
