@@ -1,6 +1,6 @@
 """Type stubs for the Rust core, ``mmcache._core`` (kept honest by ``mypy.stubtest``)."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, final
 
@@ -312,6 +312,18 @@ class ShmWriter(ShmObjectStore):
         """Alias of :meth:`read_stored`."""
     def try_pin(self, key: str) -> bool:
         """Alias of :meth:`pin_if_present`."""
+
+@final
+class CachedItemCheck:
+    """``ShmSenderCache.is_cached_item`` as one native call: whether ``key`` is stored (the
+    writer's lock-free lookup) and its prompt updates are in ``kept`` (the cache's dict);
+    for a key stored but not kept, ``learn()`` (a weak method of the cache) answers, ``False``
+    once the cache is gone."""
+
+    def __new__(
+        cls, writer: ShmWriter, kept: dict[str, Any], learn: Callable[[], Callable[[str], bool] | None]
+    ) -> CachedItemCheck: ...
+    def check(self, key: str) -> bool: ...
 
 @final
 class ShmReader(ShmObjectStore):

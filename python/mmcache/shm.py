@@ -43,6 +43,7 @@ from typing import Any
 
 from mmcache import pinning, serde
 from mmcache._core import (
+    CachedItemCheck,
     KeyExistsError,
     ReaderHandle,
     ShmObjectStore,
@@ -190,6 +191,11 @@ class ShmSenderCache(BaseSenderCache):
         # prompt updates). Written under the lock; read without it (one dict lookup).
         self._prompt_updates: dict[str, tuple[int | None, Any]] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
+        if type(self).is_cached_item is ShmSenderCache.is_cached_item:
+            # The hottest lookup, as one native call: the method's answer without its frame.
+            learn = weakref.WeakMethod(self._learn_prompt_updates)
+            check = CachedItemCheck(store, self._prompt_updates, learn)
+            self.is_cached_item = check.check  # type: ignore[method-assign]
         self._request: _Request = _Request()  # the calling thread's
         # Pins need no count here: each request's touch is one core pin of the object (counted
         # per writer in the core), undone by that request's update, by the object's monotonic
@@ -223,7 +229,8 @@ class ShmSenderCache(BaseSenderCache):
     def is_cached_item(self, mm_hash: str) -> bool:
         # No lock: the core's lookup is lock-free, and so is one lookup in a dict. A key
         # without prompt updates here is another writer's (or being put by this one's other
-        # thread): learning them takes the lock.
+        # thread): learning them takes the lock. Each cache answers through a
+        # `CachedItemCheck` doing the same in one native call (set up by `_start`).
         return self._store.is_cached(mm_hash) and (
             mm_hash in self._prompt_updates or self._learn_prompt_updates(mm_hash)
         )
@@ -447,7 +454,9 @@ class ShmSenderCache(BaseSenderCache):
     def _drop_dangling_prompt_updates(self) -> None:
         """Forget prompt updates of evicted objects (amortised: the threshold doubles)."""
         live = set(self._store.keys())
-        self._prompt_updates = {h: p for h, p in self._prompt_updates.items() if h in live}
+        # In place: the cache's `CachedItemCheck` reads this dict.
+        for mm_hash in [h for h in self._prompt_updates if h not in live]:
+            del self._prompt_updates[mm_hash]
         self._prune_at = max(64, 2 * len(self._prompt_updates))
 
     def verify(self, handle: object, mm_hash: str) -> bool:

@@ -399,6 +399,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ShmView>()?;
     m.add_class::<ShmObjectStore>()?;
     m.add_class::<ShmWriter>()?;
+    m.add_class::<super::writer::CachedItemCheck>()?;
     m.add_class::<ShmReader>()?;
     Ok(())
 }

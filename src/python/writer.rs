@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 use super::buffer::{collect_buffers, copying, raw_parts};
 use super::encode::Encoded;
@@ -267,5 +267,42 @@ impl ShmWriter {
     /// Alias of `pin_if_present`.
     fn try_pin(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         self.pin_if_present(py, key)
+    }
+}
+
+/// `ShmSenderCache.is_cached_item` in one native call, with no Python frame (P0 asks it of
+/// every item of every request): whether `key` is stored, by the writer's lock-free lookup,
+/// and the cache keeps its prompt updates, in `kept` (the cache's own dict, read with the GIL
+/// held). A key stored but not kept is answered by `learn`, a weak method of the cache
+/// (`weakref.WeakMethod`, so this check, which the cache holds, does not keep it alive).
+#[pyclass(frozen, module = "mmcache._core")]
+pub(crate) struct CachedItemCheck {
+    writer: Py<ShmWriter>,
+    kept: Py<PyDict>,
+    learn: Py<PyAny>,
+}
+
+#[pymethods]
+impl CachedItemCheck {
+    #[new]
+    fn new(writer: Py<ShmWriter>, kept: Py<PyDict>, learn: Py<PyAny>) -> Self {
+        CachedItemCheck {
+            writer,
+            kept,
+            learn,
+        }
+    }
+
+    /// Whether `key` is cached for the cache (`is_cached_item`).
+    fn check(&self, py: Python<'_>, key: &Bound<'_, PyString>) -> PyResult<bool> {
+        let k = key.to_str()?;
+        if !self.writer.get().writer.with(py, |w| w.is_cached(k))?? {
+            return Ok(false);
+        }
+        if self.kept.bind(py).contains(key)? {
+            return Ok(true);
+        }
+        let learn = self.learn.bind(py).call0()?;
+        Ok(!learn.is_none() && learn.call1((key,))?.is_truthy()?)
     }
 }
