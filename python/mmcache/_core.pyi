@@ -315,15 +315,18 @@ class ShmWriter(ShmObjectStore):
 
 @final
 class CachedItemCheck:
-    """``ShmSenderCache.is_cached_item`` as one native call: whether ``key`` is stored (the
+    """``ShmSenderCache.is_cached_item`` as one native call: whether ``mm_hash`` is stored (the
     writer's lock-free lookup) and its prompt updates are in ``kept`` (the cache's dict);
     for a key stored but not kept, ``learn()`` (a weak method of the cache) answers, ``False``
     once the cache is gone."""
 
     def __new__(
-        cls, writer: ShmWriter, kept: dict[str, Any], learn: Callable[[], Callable[[str], bool] | None]
+        cls,
+        writer: ShmWriter,
+        kept: dict[str, Any],
+        learn: Callable[[], Callable[[str], bool] | None],
     ) -> CachedItemCheck: ...
-    def check(self, key: str) -> bool: ...
+    def check(self, mm_hash: str) -> bool: ...
 
 @final
 class ShmReader(ShmObjectStore):

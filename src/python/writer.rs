@@ -140,7 +140,10 @@ impl ShmWriter {
         key: &str,
         pinned: Option<u64>,
     ) -> PyResult<Option<ShmHandle>> {
-        match self.writer.with(py, |w| w.get_cached_unpinning(key, pinned))? {
+        match self
+            .writer
+            .with(py, |w| w.get_cached_unpinning(key, pinned))?
+        {
             Ok(h) => Ok(Some(ShmHandle::from_handle(h))),
             Err(Error::KeyNotFound(_)) => Ok(None),
             Err(e) => Err(e.into()),
@@ -189,7 +192,9 @@ impl ShmWriter {
     /// Undo one of this writer's pins on `key`'s object if it is still the one with
     /// `monotonic_id` (a no-op otherwise).
     fn unpin_object(&self, py: Python<'_>, key: &str, monotonic_id: u64) -> PyResult<()> {
-        Ok(self.writer.with(py, |w| w.unpin_object(key, monotonic_id))??)
+        Ok(self
+            .writer
+            .with(py, |w| w.unpin_object(key, monotonic_id))??)
     }
 
     fn unpin(&self, py: Python<'_>, key: &str) -> PyResult<()> {
@@ -293,16 +298,16 @@ impl CachedItemCheck {
         }
     }
 
-    /// Whether `key` is cached for the cache (`is_cached_item`).
-    fn check(&self, py: Python<'_>, key: &Bound<'_, PyString>) -> PyResult<bool> {
-        let k = key.to_str()?;
-        if !self.writer.get().writer.with(py, |w| w.is_cached(k))?? {
+    /// Whether `mm_hash` is cached for the cache (`is_cached_item`, and its argument's name).
+    fn check(&self, py: Python<'_>, mm_hash: &Bound<'_, PyString>) -> PyResult<bool> {
+        let key = mm_hash.to_str()?;
+        if !self.writer.get().writer.with(py, |w| w.is_cached(key))?? {
             return Ok(false);
         }
-        if self.kept.bind(py).contains(key)? {
+        if self.kept.bind(py).contains(mm_hash)? {
             return Ok(true);
         }
         let learn = self.learn.bind(py).call0()?;
-        Ok(!learn.is_none() && learn.call1((key,))?.is_truthy()?)
+        Ok(!learn.is_none() && learn.call1((mm_hash,))?.is_truthy()?)
     }
 }
