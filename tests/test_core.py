@@ -366,6 +366,27 @@ def test_pinned_objects_are_not_evicted():
     writer.close()
 
 
+def test_pins_by_object_never_reach_a_later_object_under_the_key():
+    writer = ShmObjectStore.create(4 * CHUNK)
+    writer.put("a", b"a" * PAYLOAD)
+    first = writer.pin_object("a")
+    assert first == writer.issue("a").monotonic_id
+    assert writer.pin_object("zzz") is None
+    writer.invalidate("a")  # ends its pins
+    writer.put("a", b"A" * PAYLOAD)
+    second = writer.pin_object("a")
+    assert second is not None and second != first
+    writer.unpin_object("a", first)
+    assert writer.stats()["pinned"] == 1, "an undo of the first object's pin reached the second"
+    handle = writer.issue_unpinning("a", first)
+    assert handle is not None and handle.monotonic_id == second
+    assert writer.stats()["pinned"] == 1
+    handle = writer.issue_unpinning("a", second)
+    assert handle is not None and writer.stats()["pinned"] == 0
+    assert writer.issue_unpinning("zzz", None) is None
+    writer.close()
+
+
 def test_oversize_duplicate_and_full_errors():
     writer = ShmObjectStore.create(2 * CHUNK, max_object_size=PAYLOAD)
     with pytest.raises(ObjectTooLargeError, match="max_object_size") as too_large:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,6 +106,21 @@ def test_hit_returns_a_handle_and_the_prompt_updates(sender: ShmSenderCache) -> 
     stats = sender.stats()
     assert stats["hits"] == 1 and stats["total"] == 2 and stats["uncached_oversize"] == 0
     assert any(k.startswith("store_") for k in stats)
+
+
+def test_is_cached_item_sees_invalidation_and_keeps_no_cache_alive() -> None:
+    cache = ShmSenderCache(RING / GiB, max_object_size_mb=1)
+    put(cache, "a")
+    assert cache.is_cached_item("a") and not cache.is_cached_item("b")
+    cache.invalidate("a")
+    assert not cache.is_cached_item("a")
+    with pytest.raises(TypeError):
+        cache.is_cached_item(b"a")  # type: ignore[arg-type]
+    gone = weakref.ref(cache)
+    cache.close()
+    del cache
+    gc.collect()
+    assert gone() is None, "the native is_cached_item keeps its cache alive"
 
 
 def test_miss_without_data_raises(sender: ShmSenderCache) -> None:

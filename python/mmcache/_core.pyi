@@ -1,6 +1,6 @@
 """Type stubs for the Rust core, ``mmcache._core`` (kept honest by ``mypy.stubtest``)."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, final
 
@@ -258,6 +258,11 @@ class ShmWriter(ShmObjectStore):
         unread references as it counts)."""
     def issue_if_present(self, key: str) -> ShmHandle | None:
         """:meth:`issue`, or ``None`` for an absent key."""
+    def issue_unpinning(self, key: str, pinned: int | None) -> ShmHandle | None:
+        """:meth:`issue_if_present`, and if the object issued is the one ``pinned`` names (a
+        monotonic id from :meth:`pin_object`), one of this writer's pins on it undone in the
+        same lookup (the handle's reference protects it from then on; the pin stays if
+        ``ReferencesSaturatedError`` is raised)."""
     def read_stored(self, key: str) -> bytes:
         """A copy of ``key``'s payload, issuing no reference (``KeyError`` if absent)."""
     def read_meta(self, key: str, *, monotonic_id: int | None = None) -> bytes:
@@ -281,6 +286,13 @@ class ShmWriter(ShmObjectStore):
         counted; ``KeyError`` if absent)."""
     def pin_if_present(self, key: str) -> bool:
         """:meth:`pin`; whether ``key`` was there to pin (no ``KeyError``)."""
+    def pin_object(self, key: str) -> int | None:
+        """:meth:`pin_if_present`, returning the monotonic id of the object pinned (``None``
+        if ``key`` is absent): undo it with :meth:`unpin_object` or :meth:`issue_unpinning`,
+        which never reach a later object stored under the same key."""
+    def unpin_object(self, key: str, monotonic_id: int) -> None:
+        """Undo one of this writer's pins on ``key``'s object if it is still the one with
+        ``monotonic_id`` (a no-op otherwise: invalidating or replacing it ended its pins)."""
     def unpin(self, key: str) -> None: ...
     def release(self, handle: ShmHandle) -> None:
         """Give back the references of a handle that will never reach the readers (only a
@@ -300,6 +312,21 @@ class ShmWriter(ShmObjectStore):
         """Alias of :meth:`read_stored`."""
     def try_pin(self, key: str) -> bool:
         """Alias of :meth:`pin_if_present`."""
+
+@final
+class CachedItemCheck:
+    """``ShmSenderCache.is_cached_item`` as one native call: whether ``mm_hash`` is stored (the
+    writer's lock-free lookup) and its prompt updates are in ``kept`` (the cache's dict);
+    for a key stored but not kept, ``learn()`` (a weak method of the cache) answers, ``False``
+    once the cache is gone."""
+
+    def __new__(
+        cls,
+        writer: ShmWriter,
+        kept: dict[str, Any],
+        learn: Callable[[], Callable[[str], bool] | None],
+    ) -> CachedItemCheck: ...
+    def check(self, mm_hash: str) -> bool: ...
 
 @final
 class ShmReader(ShmObjectStore):

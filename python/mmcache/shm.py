@@ -19,12 +19,15 @@ out of it, so the cache API costs little more than the store itself.
 
 Threads: the core's writer and reader are thread-safe (each writer operation is atomic; a
 handle is only ever issued for an object the ring still holds).  :class:`ShmSenderCache` adds
-its lock for its own state (prompt updates, pins, claims, statistics), held across each call
-(a batched call checks and issues as one step no other thread's eviction can split), and
-takes it for every call into the core's writer that may wait on a core lock, so that a
-thread waits on the Python lock, which releases the GIL; lookups (lock-free in the core) and
-waits for other writers' claims take none.  Pins and claims are counted across threads: two
-requests touching (or claiming) one item keep it pinned (claimed) until both let go.
+its lock for its own state (prompt updates, claims, statistics), held across each call (a
+batched call checks and issues as one step no other thread's eviction can split), and takes
+it for the calls into the core's writer that may wait long on a core lock, so that a thread
+waits on the Python lock, which releases the GIL; lookups (lock-free in the core), touches
+and waits for other writers' claims take none.  A touch's pin is the calling thread's, one
+core pin of the object, counted in the core (per writer) and undone by the object's
+monotonic id, so two requests touching one item keep it pinned until both let go, and an
+undo never reaches a later object under the same key.  Claims are counted across threads in
+Python: two requests claiming one item keep it claimed until both let go.
 :class:`ShmReceiverCache` keeps no shared state in Python and takes no lock: worker threads
 resolve (and copy) in parallel.
 """
@@ -40,6 +43,7 @@ from typing import Any
 
 from mmcache import pinning, serde
 from mmcache._core import (
+    CachedItemCheck,
     KeyExistsError,
     ReaderHandle,
     ShmObjectStore,
@@ -81,10 +85,12 @@ _PUT_ATTEMPTS = 3  # lookups and puts of one item, each put losing to another wr
 
 class _Request(RequestState):
     """One thread's request, as :class:`ShmSenderCache` sees it: the base's (whether it is
-    open; ``holds``: the items it pinned) and the single-flight claims it holds."""
+    open), the items it pinned (key -> the monotonic id of the object pinned) and the
+    single-flight claims it holds."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.pins: dict[str, int] = {}
         self.claims: dict[str, Hold] = {}
 
     def __reduce__(self) -> tuple[type[_Request], tuple[()]]:
@@ -185,9 +191,15 @@ class ShmSenderCache(BaseSenderCache):
         # prompt updates). Written under the lock; read without it (one dict lookup).
         self._prompt_updates: dict[str, tuple[int | None, Any]] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
+        if type(self).is_cached_item is ShmSenderCache.is_cached_item:
+            # The hottest lookup, as one native call: the method's answer without its frame.
+            learn = weakref.WeakMethod(self._learn_prompt_updates)
+            check = CachedItemCheck(store, self._prompt_updates, learn)
+            self.is_cached_item = check.check  # type: ignore[method-assign]
         self._request: _Request = _Request()  # the calling thread's
-        # One core pin per item touched by any request in flight, until the last one's update.
-        self._pins = Holds(store.pin_if_present, store.unpin)
+        # Pins need no count here: each request's touch is one core pin of the object (counted
+        # per writer in the core), undone by that request's update, by the object's monotonic
+        # id, so never of a later object stored under the same key.
         # One core claim per miss claimed by any request in flight, until the last one lets go.
         self._claims = Holds(store.claim, store.unclaim)
         self._lookups = HitCounter()
@@ -217,7 +229,8 @@ class ShmSenderCache(BaseSenderCache):
     def is_cached_item(self, mm_hash: str) -> bool:
         # No lock: the core's lookup is lock-free, and so is one lookup in a dict. A key
         # without prompt updates here is another writer's (or being put by this one's other
-        # thread): learning them takes the lock.
+        # thread): learning them takes the lock. Each cache answers through a
+        # `CachedItemCheck` doing the same in one native call (set up by `_start`).
         return self._store.is_cached(mm_hash) and (
             mm_hash in self._prompt_updates or self._learn_prompt_updates(mm_hash)
         )
@@ -296,14 +309,21 @@ class ShmSenderCache(BaseSenderCache):
 
     def get_and_update_item(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         request = self._request
+        # The handle's reference protects the object from now on: this thread's pin from the
+        # touch is undone, by the core call that issues it when that is the object pinned (one
+        # lookup for both), else below; its claim has ended (a put) or is given up.
+        pinned = request.pins.pop(mm_hash, None)
         with self._lock:
             self._lookups.total += 1
             try:
                 # The hot path first: a hit on an object whose prompt updates are kept here.
-                handle = self._store.issue_if_present(mm_hash)
+                handle = self._store.issue_unpinning(mm_hash, pinned)
                 if handle is not None:
+                    monotonic_id = handle.monotonic_id
+                    if monotonic_id == pinned:
+                        pinned = None
                     kept = self._prompt_updates.get(mm_hash)
-                    if kept is not None and kept[0] == handle.monotonic_id:
+                    if kept is not None and kept[0] == monotonic_id:
                         self._lookups.hits += 1
                         return handle, kept[1]
                 return self._update(item, mm_hash, handle)
@@ -311,10 +331,8 @@ class ShmSenderCache(BaseSenderCache):
                 self._lookups.hits += 1
                 return self._serve_saturated(item, mm_hash)
             finally:
-                # The handle's reference now protects the object; this thread's pin from the
-                # touch is not needed, and its claim has ended (a put) or is given up.
-                if request.holds:
-                    self._pins.give(request.holds, mm_hash)
+                if pinned is not None and not self._store.closed:
+                    self._store.unpin_object(mm_hash, pinned)
                 if request.claims:
                     self._claims.give(request.claims, mm_hash)
 
@@ -447,7 +465,9 @@ class ShmSenderCache(BaseSenderCache):
     def _drop_dangling_prompt_updates(self) -> None:
         """Forget prompt updates of evicted objects (amortised: the threshold doubles)."""
         live = set(self._store.keys())
-        self._prompt_updates = {h: p for h, p in self._prompt_updates.items() if h in live}
+        # In place: the cache's `CachedItemCheck` reads this dict.
+        for mm_hash in [h for h in self._prompt_updates if h not in live]:
+            del self._prompt_updates[mm_hash]
         self._prune_at = max(64, 2 * len(self._prompt_updates))
 
     def verify(self, handle: object, mm_hash: str) -> bool:
@@ -463,26 +483,41 @@ class ShmSenderCache(BaseSenderCache):
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Pin ``mm_hash`` (if cached) until this thread's :meth:`get_and_update_item` of it,
         so writing the request's other items (or other threads' items) cannot evict it."""
-        with self._lock:
-            self._pins.take(self._request.holds, mm_hash)
+        # No lock: the pins are this thread's, and a pin is one atomic core call (which waits
+        # on the core's lock only for an object being evicted, held by a writer that needs
+        # no GIL to finish).
+        pins = self._request.pins
+        if mm_hash not in pins:
+            pinned = self._store.pin_object(mm_hash)
+            if pinned is not None:
+                pins[mm_hash] = pinned
 
     def release_sender_touches(self) -> None:
         """Unpin every item this thread touched, and give up every claim it took, whose
         update never came (an abandoned request)."""
         with self._lock:
-            self._pins.give_all(self._request.holds)
+            self._unpin(list(self._request.pins))
             self._claims.give_all(self._request.claims)
+
+    def _unpin(self, keys: Iterable[str]) -> None:
+        """Undo this thread's pins of ``keys`` (those it holds; lock held). A closed store
+        dropped them all."""
+        pins = self._request.pins
+        for mm_hash in keys:
+            pinned = pins.pop(mm_hash, None)
+            if pinned is not None and not self._store.closed:
+                self._store.unpin_object(mm_hash, pinned)
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
         # Every item of a request that succeeded was unpinned (and its claim ended) by its
         # update; those of a request that raised will never get one.
         request = self._request
         if keys is None:
-            self._pins.give_all(request.holds)
+            self._unpin(list(request.pins))
             self._claims.give_all(request.claims)
             return
+        self._unpin(keys)
         for mm_hash in keys:
-            self._pins.give(request.holds, mm_hash)
             self._claims.give(request.claims, mm_hash)
 
     def _abandon(self, outputs: Sequence[SenderOutput]) -> None:
@@ -505,7 +540,6 @@ class ShmSenderCache(BaseSenderCache):
         anew."""
         with self._lock:
             self._store.invalidate(mm_hash)  # drops its pins too
-            self._pins.forget(mm_hash)
             self._prompt_updates.pop(mm_hash, None)
 
     def clear_cache(self, *, keep_in_flight: bool = False) -> None:
@@ -526,7 +560,6 @@ class ShmSenderCache(BaseSenderCache):
                     self._store.invalidate(key)
             else:
                 self._store.clear()
-            self._pins.forget_all()  # the store dropped every pin
             self._prompt_updates.clear()
             self._lookups.reset()
 
@@ -536,7 +569,6 @@ class ShmSenderCache(BaseSenderCache):
         Idempotent."""
         with self._lock:
             if not self._store.closed:
-                self._pins.forget_all()
                 self._claims.forget_all()
                 self._store.close()
 

@@ -51,6 +51,19 @@ pub(super) fn new_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyByt
     Ok((bytes, BytesFill { ptr, len, at: 0 }))
 }
 
+/// A new `bytes` object of `len` bytes, all written by `copy` (with the GIL released when
+/// there are many): one pass over fresh memory, where `PyBytes::new_with` first zeroes it
+/// with the GIL held (a second pass, and the one that takes the page faults).
+pub(super) fn copied_bytes<'py>(
+    py: Python<'py>,
+    len: usize,
+    copy: impl Send + FnOnce(&mut [u8]) -> PyResult<()>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let (bytes, fill) = new_bytes(py, len)?;
+    copying(py, len, move || fill.copy_rest(copy))?;
+    Ok(bytes)
+}
+
 /// Writes a new `bytes` object front to back (`new_bytes`).
 pub(super) struct BytesFill {
     ptr: *mut u8,
@@ -74,6 +87,17 @@ impl BytesFill {
         let dst = unsafe { self.ptr.add(self.at) };
         self.at = end;
         Ok(dst)
+    }
+
+    /// Hand every byte not yet written to `copy`, which writes them all (copies into them:
+    /// they are not initialised, so it must never read them).
+    fn copy_rest(mut self, copy: impl FnOnce(&mut [u8]) -> PyResult<()>) -> PyResult<()> {
+        let n = self.len - self.at;
+        let dst = self.next(n)?;
+        // SAFETY: `next` checked that the `n` bytes at `dst` lie inside the new object's
+        // buffer, which nothing else refers to until the fill is done (`new_bytes`); `copy`
+        // only writes them. Should it fail, the object is dropped unseen.
+        copy(unsafe { std::slice::from_raw_parts_mut(dst, n) })
     }
 
     /// Zeros up to offset `to`.

@@ -24,7 +24,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 
-use super::buffer::{Keeper, ShmView, SimpleBuffer, copying};
+use super::buffer::{Keeper, ShmView, SimpleBuffer, copied_bytes, copying};
 use super::dlpack::{self, DlType};
 use super::frameworks::{Torch, TorchDtype, array_dtype, numpy, torch};
 use crate::codec::{FormatError, Header, Node, PREFIX_LEN, Shape, TreeReader, header_len};
@@ -269,9 +269,7 @@ impl<'py> Decoder<'_, 'py> {
     fn bytes(&mut self, p: usize) -> PyResult<Bound<'py, PyBytes>> {
         let (offset, len) = self.parts[p];
         let (py, keep) = (self.py, self.keep);
-        PyBytes::new_with(py, len as usize, |dst| {
-            copying(py, dst.len(), || keep.read_at(offset, dst))
-        })
+        copied_bytes(py, len as usize, |dst| keep.read_at(offset, dst))
     }
 
     fn tensor(&mut self, name: &str, shape: Shape<'_>, p: usize) -> PyResult<Bound<'py, PyAny>> {

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::pyclass_init::PyClassInitializer;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::buffer::{Keeper, ShmView, copying};
+use super::buffer::{Keeper, ShmView, copied_bytes};
 use super::decode::{check_pin_memory, decode};
 use super::handles::{ReaderHandle, ShmHandle, WriterHandle};
 use super::writer::{ShmWriter, read_copy};
@@ -325,7 +325,7 @@ fn resolve(
         return Ok(Py::new(py, ShmView::new(Arc::new(keep)))?.into_any());
     }
     let len = lease.len();
-    let bytes = PyBytes::new_with(py, len, |buf| Ok(copying(py, len, || lease.copy_to(buf))?))?;
+    let bytes = copied_bytes(py, len, |buf| Ok(lease.copy_to(buf)?))?;
     Ok(bytes.into_any().unbind())
 }
 
@@ -399,6 +399,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ShmView>()?;
     m.add_class::<ShmObjectStore>()?;
     m.add_class::<ShmWriter>()?;
+    m.add_class::<super::writer::CachedItemCheck>()?;
     m.add_class::<ShmReader>()?;
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 use super::buffer::{collect_buffers, copying, raw_parts};
 use super::encode::Encoded;
@@ -132,6 +132,24 @@ impl ShmWriter {
         }
     }
 
+    /// `issue_if_present`, and if the object issued is the one `pinned` names (a monotonic
+    /// id from `pin_object`), one of this writer's pins on it undone in the same lookup.
+    fn issue_unpinning(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        pinned: Option<u64>,
+    ) -> PyResult<Option<ShmHandle>> {
+        match self
+            .writer
+            .with(py, |w| w.get_cached_unpinning(key, pinned))?
+        {
+            Ok(h) => Ok(Some(ShmHandle::from_handle(h))),
+            Err(Error::KeyNotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// A copy of what is stored under `key`, issuing no reference (`KeyError` if absent).
     fn read_stored<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
         let writer = self.writer.get()?;
@@ -163,6 +181,20 @@ impl ShmWriter {
             Err(Error::KeyNotFound(_)) => Ok(false),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// `pin_if_present`, returning the monotonic id of the object pinned (`None` if `key` is
+    /// absent), for `unpin_object` or `issue_unpinning`.
+    fn pin_object(&self, py: Python<'_>, key: &str) -> PyResult<Option<u64>> {
+        Ok(self.writer.with(py, |w| w.pin_object(key))??)
+    }
+
+    /// Undo one of this writer's pins on `key`'s object if it is still the one with
+    /// `monotonic_id` (a no-op otherwise).
+    fn unpin_object(&self, py: Python<'_>, key: &str, monotonic_id: u64) -> PyResult<()> {
+        Ok(self
+            .writer
+            .with(py, |w| w.unpin_object(key, monotonic_id))??)
     }
 
     fn unpin(&self, py: Python<'_>, key: &str) -> PyResult<()> {
@@ -240,5 +272,42 @@ impl ShmWriter {
     /// Alias of `pin_if_present`.
     fn try_pin(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         self.pin_if_present(py, key)
+    }
+}
+
+/// `ShmSenderCache.is_cached_item` in one native call, with no Python frame (P0 asks it of
+/// every item of every request): whether `key` is stored, by the writer's lock-free lookup,
+/// and the cache keeps its prompt updates, in `kept` (the cache's own dict, read with the GIL
+/// held). A key stored but not kept is answered by `learn`, a weak method of the cache
+/// (`weakref.WeakMethod`, so this check, which the cache holds, does not keep it alive).
+#[pyclass(frozen, module = "mmcache._core")]
+pub(crate) struct CachedItemCheck {
+    writer: Py<ShmWriter>,
+    kept: Py<PyDict>,
+    learn: Py<PyAny>,
+}
+
+#[pymethods]
+impl CachedItemCheck {
+    #[new]
+    fn new(writer: Py<ShmWriter>, kept: Py<PyDict>, learn: Py<PyAny>) -> Self {
+        CachedItemCheck {
+            writer,
+            kept,
+            learn,
+        }
+    }
+
+    /// Whether `mm_hash` is cached for the cache (`is_cached_item`, and its argument's name).
+    fn check(&self, py: Python<'_>, mm_hash: &Bound<'_, PyString>) -> PyResult<bool> {
+        let key = mm_hash.to_str()?;
+        if !self.writer.get().writer.with(py, |w| w.is_cached(key))?? {
+            return Ok(false);
+        }
+        if self.kept.bind(py).contains(mm_hash)? {
+            return Ok(true);
+        }
+        let learn = self.learn.bind(py).call0()?;
+        Ok(!learn.is_none() && learn.call1((mm_hash,))?.is_truthy()?)
     }
 }

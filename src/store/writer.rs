@@ -371,6 +371,14 @@ impl Writer {
     /// Issue one more reference to a stored object. `Error::Saturated` (nothing changed)
     /// when a reader slot already holds as many unread references to it as it can count.
     pub fn get_cached(&self, key: &str) -> Result<Handle> {
+        self.get_cached_unpinning(key, None)
+    }
+
+    /// [`Writer::get_cached`], and if the object issued is the one `pinned` names (by
+    /// monotonic id, from [`Writer::pin_object`]), one of this writer's pins on it undone, in
+    /// the same lookup: the handle's reference protects it from then on. The pin stays when
+    /// the reference is refused (`Error::Saturated`) or `key` names another object now.
+    pub fn get_cached_unpinning(&self, key: &str, pinned: Option<u64>) -> Result<Handle> {
         self.check_open()?;
         let query = self.query(key);
         let Some((entry, _protected)) = self.find_protected(&query)? else {
@@ -392,6 +400,9 @@ impl Writer {
         let handle = private.issue(&self.signer, key, (entry.address, entry.id));
         self.count(Counter::Hits, 1);
         self.count(Counter::RefsIssued, n_members);
+        if pinned == Some(entry.id) {
+            self.change_pin_word(entry.address, |pins| pins.saturating_sub(1))?;
+        }
         Ok(handle)
     }
 
@@ -463,12 +474,32 @@ impl Writer {
     /// Change this writer's pin count on `key`'s chunk by `f` (under protection: the word is
     /// that chunk's). Whether the key was stored.
     fn change_pins(&self, key: &str, f: impl Fn(u32) -> u32) -> Result<bool> {
+        Ok(self.change_pins_of(key, None, f)?.is_some())
+    }
+
+    /// [`Writer::change_pins`] of `key`'s object if it is the one with monotonic id `id`
+    /// (any object with `None`): the id of the object whose pins changed, if any.
+    fn change_pins_of(
+        &self,
+        key: &str,
+        id: Option<u64>,
+        f: impl Fn(u32) -> u32,
+    ) -> Result<Option<u64>> {
         self.check_open()?;
         let Some((entry, _protected)) = self.find_protected(&self.query(key))? else {
-            return Ok(false);
+            return Ok(None);
         };
+        if id.is_some_and(|id| id != entry.id) {
+            return Ok(None);
+        }
+        self.change_pin_word(entry.address, f)?;
+        Ok(Some(entry.id))
+    }
+
+    /// Change this writer's pin count on the (protected) chunk at `address` by `f`.
+    fn change_pin_word(&self, address: u64, f: impl Fn(u32) -> u32) -> Result<()> {
         let epoch = self.me.epoch;
-        let word = self.shared.pin_word(entry.address, self.me.slot)?;
+        let word = self.shared.pin_word(address, self.me.slot)?;
         // Only this writer changes its word (its threads one CAS at a time).
         let _ = word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
             let pin = PinWord::unpack(w).for_epoch(epoch);
@@ -480,7 +511,7 @@ impl Writer {
                 .pack(),
             )
         });
-        Ok(true)
+        Ok(())
     }
 
     /// Protect a stored object from eviction until a matching `unpin` (pins are counted per
@@ -491,6 +522,21 @@ impl Writer {
         } else {
             Err(Error::KeyNotFound(key.to_owned()))
         }
+    }
+
+    /// [`Writer::pin`], returning the monotonic id of the object pinned (`None`: `key` is not
+    /// stored), for an undo that cannot reach a later object under the same key
+    /// ([`Writer::unpin_object`], [`Writer::get_cached_unpinning`]).
+    pub fn pin_object(&self, key: &str) -> Result<Option<u64>> {
+        self.change_pins_of(key, None, |pins| pins.saturating_add(1))
+    }
+
+    /// Undo one of this writer's pins on `key`'s object if it is still the one with
+    /// monotonic id `id` (a no-op otherwise: that object was invalidated or replaced, which
+    /// ended its pins).
+    pub fn unpin_object(&self, key: &str, id: u64) -> Result<()> {
+        self.change_pins_of(key, Some(id), |pins| pins.saturating_sub(1))?;
+        Ok(())
     }
 
     /// Undo one of this writer's `pin`s; a no-op for an absent or unpinned key.
