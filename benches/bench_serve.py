@@ -122,6 +122,7 @@ async def stream_chat(session: Any, url: str, body: bytes) -> dict[str, Any]:
     latency and its token ids."""
     tokens: list[int] = []
     ttft_s = None
+    chunk: Any = None  # the last one, for the error of a stream without a token
     started = time.perf_counter()
     async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
         if r.status != 200:
