@@ -79,6 +79,7 @@ from engine_workload import (
     CONFIGS,
     LARGE_BYTES,
     MAX_TOKENS,
+    descendants_cpu_seconds,
     engine_env,
     image_sides,
     llm_args,
@@ -167,12 +168,7 @@ def engine_cpu_seconds() -> float:
     """CPU time of this process's children (the engine core and what it started)."""
     import psutil
 
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            times = child.cpu_times()
-            total += times.user + times.system
-    return total
+    return descendants_cpu_seconds(psutil.Process())
 
 
 def child(config: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from engine_workload import (
     PROMPT_TEXT,
     TESTS_ENGINE,
     VIDEOS,
+    descendants_cpu_seconds,
     image_sides,
     llm_args,
     media,
@@ -121,6 +122,7 @@ async def stream_chat(session: Any, url: str, body: bytes) -> dict[str, Any]:
     latency and its token ids."""
     tokens: list[int] = []
     ttft_s = None
+    chunk: Any = None  # the last one, for the error of a stream without a token
     started = time.perf_counter()
     async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
         if r.status != 200:
@@ -160,17 +162,8 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int) -> list[d
 def cpu_seconds(process: Any) -> tuple[float, float]:
     """CPU seconds of ``process`` itself (the API server) and of its descendants (the
     engine core, the worker)."""
-    import psutil
-
     times = process.cpu_times()
-    descendants = 0.0
-    for child in process.children(recursive=True):
-        try:
-            child_times = child.cpu_times()
-        except psutil.Error:
-            continue
-        descendants += child_times.user + child_times.system
-    return times.user + times.system, descendants
+    return times.user + times.system, descendants_cpu_seconds(process)
 
 
 def run_server(

@@ -179,3 +179,17 @@ def segments_left(before: set[str], ring: str | None) -> list[str]:
     if ring is not None and ring in now:
         left.add(ring)
     return sorted(left)
+
+
+def descendants_cpu_seconds(process: Any) -> float:
+    """CPU seconds of ``process``'s descendants (psutil; those gone meanwhile are skipped)."""
+    import psutil
+
+    total = 0.0
+    for child in process.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total

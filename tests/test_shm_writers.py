@@ -520,6 +520,24 @@ def test_two_requests_that_claimed_each_others_items_never_wait_for_each_other()
         assert a.stats()["store_claims"] == 0
 
 
+def test_a_wait_takes_back_the_claims_of_the_requests_earlier_lookups() -> None:
+    # vLLM looks a request up once per modality: the images' claims, given up while the
+    # videos' lookup waits, are the request's again after the wait.
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        assert b.is_cached(["video"], claim=True) == [False]
+        assert a.is_cached(["image"], claim=True) == [False]
+        assert a.is_cached(["video"], claim=True, wait_s=0.05) == [False], "b holds it"
+        assert a.stats()["store_claims"] == 2
+        assert b.is_cached(["image"], claim=True) == [False]
+        b.release_sender_touches()
+        assert a.stats()["store_claims"] == 1, "a still holds the image's claim"
+        a.release_sender_touches()
+        assert a.stats()["store_claims"] == 0
+
+
 # -- threads of several processes ------------------------------------------------------------
 
 KEYS = [f"img-{i}" for i in range(24)]

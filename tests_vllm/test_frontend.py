@@ -35,12 +35,13 @@ def vllm_p0_request(p0: Any, hashes: list[str]) -> list[Any]:
         p0.release_sender_touches()
 
 
-def test_install_wraps_the_three_methods_once() -> None:
+def test_install_wraps_the_four_methods_once() -> None:
     frontend.wrap()  # installed already (conftest): idempotent
     for method in (
         BaseRenderer._process_multimodal,
         InputProcessor.process_inputs,
         InputProcessor.__init__,
+        BaseRenderer.__init__,
     ):
         original = method.__mmcache_original__
         assert not hasattr(original, "__mmcache_original__")
@@ -138,6 +139,43 @@ def test_a_request_cancelled_while_its_images_are_processed_gives_its_handles_ba
         processor.go.set()
     assert outstanding(p0) == 0  # the executor's exit waited for the thread's release
     assert p0.is_cached(["a", "b"]) == [True, True]  # the items stay cached for later
+
+
+def test_a_render_cancelled_while_its_images_are_processed_gives_its_handles_back(
+    shm_pair: tuple[Any, Any],
+) -> None:
+    # vllm serve's renderer awaits _process_multimodal_async; the client goes away meanwhile.
+    p0, _ = shm_pair
+    started, go = threading.Event(), threading.Event()
+
+    def init(self: Any) -> None:
+        self._mm_executor = executor
+        self.mm_processor_cache = p0
+        self._process_multimodal_async = "vLLM's binding"
+
+    def process_multimodal(prompt: list[int]) -> Any:
+        started.set()
+        assert go.wait(30)
+        with rendering():
+            items = vllm_p0_request(p0, ["a", "b"])
+        return {"type": "multimodal", "mm_kwargs": {"image": items}, "prompt_token_ids": prompt}
+
+    with ThreadPoolExecutor(1) as executor:
+        renderer = SimpleNamespace(_process_multimodal=process_multimodal)
+        frontend._renderer_init(init)(renderer)
+
+        async def cancel_while_rendering() -> None:
+            task = asyncio.ensure_future(renderer._process_multimodal_async([1, 2]))
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancel_while_rendering())
+        go.set()
+    assert outstanding(p0) == 0  # the executor's exit waited for the thread's release
+    assert p0.is_cached(["a", "b"]) == [True, True]
 
 
 def test_a_request_awaited_to_the_end_keeps_its_handles_for_the_workers(

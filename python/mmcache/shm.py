@@ -269,7 +269,8 @@ class ShmSenderCache(BaseSenderCache):
         claims it).
 
         A request never waits while it holds claims: before a wait, the request gives up
-        every claim it holds (they are claimed again after the wait if still missing), so
+        every claim it holds, its earlier calls' included (they are claimed again after the
+        wait if still missing and nobody else claimed them meanwhile), so
         two requests that claimed each other's items in turns never wait for each other."""
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
@@ -279,14 +280,18 @@ class ShmSenderCache(BaseSenderCache):
         misses = list(dict.fromkeys(h for h, hit in zip(mm_hashes, cached, strict=True) if not hit))
         contested = self._claim(misses) if claim else misses
         if wait_s > 0 and contested:
-            if self._request.claims:
+            # Every claim of the request, its earlier lookups' too (vLLM looks a request up
+            # once per modality): all are taken back after the wait.
+            held = list(self._request.claims)
+            if held:
                 with self._lock:
                     self._claims.give_all(self._request.claims)
             # Without the lock: the other threads' calls go on meanwhile (the wait polls the
             # core lock-free, the GIL released).
             self._store.wait_for(contested, float(wait_s))
-            if claim:
-                self._claim([h for h in misses if not self._store.is_cached(h)])
+            if claim or held:
+                wanted = dict.fromkeys([*held, *misses] if claim else held)
+                self._claim([h for h in wanted if not self._store.is_cached(h)])
         found = {h for h in misses if self.is_cached_item(h)}
         return [hit or h in found for h, hit in zip(mm_hashes, cached, strict=True)]
 

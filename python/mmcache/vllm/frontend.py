@@ -10,10 +10,12 @@ the processor cache issued its handles, or whose caller stops waiting for it, gi
   back to the ring (and those of a prompt it rendered itself, through ``rendering``).
 
 * ``InputProcessor.__init__`` binds ``process_inputs_async`` (``AsyncLLM``'s path: the
-  blocking ``process_inputs`` on the renderer's thread pool). vLLM's binding drops the
-  thread's result when the awaiting request is cancelled (a client that goes away while its
-  images are processed), and with it the handles of a request nobody will send; the
-  adapter's binding gives them back when that thread finishes.
+  blocking ``process_inputs`` on the renderer's thread pool), and ``BaseRenderer.__init__``
+  binds ``_process_multimodal_async`` (``vllm serve``'s path: the render on the renderer's
+  multimodal thread). vLLM's bindings drop the thread's result when the awaiting request is
+  cancelled (a client that goes away while its images are processed), and with it the
+  handles of a request nobody will send; the adapter's bindings give them back when that
+  thread finishes.
 
 These methods are the same in vLLM 0.32 and 0.33, and are bound by vLLM's constructors into
 their async variants (``make_async``), so wrapping them on the classes before the engine is
@@ -64,22 +66,53 @@ def _process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
             with rendering():
                 return original(self, request_id, prompt, *args, **kwargs)
         except BaseException:
-            cache = self.renderer.mm_processor_cache
-            if isinstance(cache, _SenderAdapter) and isinstance(prompt, Mapping):
-                cache.release_unsent(list(_rendered_items(prompt)))
+            _release_render(self.renderer, prompt)
             raise
 
     return process_inputs
 
 
-def _release_abandoned(processor: Any, done: Future[Any]) -> None:
-    """Give back the handles of the request ``done`` made, which its caller abandoned (a
-    ``process_inputs`` that raised gave them back itself)."""
-    if done.cancelled() or done.exception() is not None:
-        return
-    cache = processor.renderer.mm_processor_cache
-    if isinstance(cache, _SenderAdapter):
-        cache.release_unsent([feature.data for feature in done.result().mm_features or ()])
+def _cache_of(renderer: Any) -> _SenderAdapter | None:
+    """``renderer``'s processor cache when it is one of the adapter's senders."""
+    cache = renderer.mm_processor_cache
+    return cache if isinstance(cache, _SenderAdapter) else None
+
+
+def _release_request(processor: Any, request: Any) -> None:
+    """Give back the handles of ``request``, an engine request ``processor`` made."""
+    if (cache := _cache_of(processor.renderer)) is not None:
+        cache.release_unsent([feature.data for feature in request.mm_features or ()])
+
+
+def _release_render(renderer: Any, prompt: Any) -> None:
+    """Give back the handles of ``prompt``, a prompt ``renderer`` rendered."""
+    if (cache := _cache_of(renderer)) is not None:
+        cache.release_unsent(list(_rendered_items(prompt)))
+
+
+def _release_abandoned(release: Callable[[Any], None], done: Future[Any]) -> None:
+    """Give back the handles of what ``done`` made, which its caller abandoned (a call that
+    raised gave them back itself)."""
+    if not done.cancelled() and done.exception() is None:
+        release(done.result())
+
+
+def _keeping_future(
+    executor: Any, blocking: Callable[..., Any], release: Callable[[Any], None]
+) -> Callable[..., Any]:
+    """vLLM's ``make_async(blocking, executor=executor)``, keeping hold of the thread's
+    future: when the awaiting caller is cancelled, ``release`` gets the thread's result once
+    it finishes."""
+
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        submitted = executor.submit(blocking, *args, **kwargs)
+        try:
+            return await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(functools.partial(_release_abandoned, release))
+            raise
+
+    return run
 
 
 def _init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,27 +122,34 @@ def _init(original: Callable[..., Any]) -> Callable[..., Any]:
         executor = getattr(self.renderer, "_executor", None)
         if executor is None or not hasattr(self, "process_inputs_async"):
             return  # not the frontend this module knows: vLLM's binding stays
+        release = functools.partial(_release_request, self)
+        self.process_inputs_async = _keeping_future(executor, self.process_inputs, release)
 
-        async def process_inputs_async(*args: Any, **kwargs: Any) -> Any:
-            # vLLM's make_async, keeping hold of the thread's future.
-            submitted = executor.submit(self.process_inputs, *args, **kwargs)
-            try:
-                return await asyncio.wrap_future(submitted)
-            except asyncio.CancelledError:
-                submitted.add_done_callback(functools.partial(_release_abandoned, self))
-                raise
+    return init
 
-        self.process_inputs_async = process_inputs_async
+
+def _renderer_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        executor = getattr(self, "_mm_executor", None)
+        if executor is None or not hasattr(self, "_process_multimodal_async"):
+            return  # not the renderer this module knows: vLLM's binding stays
+        release = functools.partial(_release_render, self)
+        self._process_multimodal_async = _keeping_future(
+            executor, self._process_multimodal, release
+        )
 
     return init
 
 
 def wrap() -> None:
-    """Wrap the three methods (idempotent)."""
+    """Wrap the four methods (idempotent)."""
     for cls, name, wrapper in (
         (BaseRenderer, "_process_multimodal", _process_multimodal),
         (InputProcessor, "process_inputs", _process_inputs),
         (InputProcessor, "__init__", _init),
+        (BaseRenderer, "__init__", _renderer_init),
     ):
         method = getattr(cls, name)
         if not hasattr(method, _ORIGINAL):
