@@ -295,29 +295,15 @@ fn proc_stat_after_name(pid: u32) -> Option<String> {
 }
 
 /// A process's start time in clock ticks since boot (field 22 of `/proc/<pid>/stat`), which
-/// together with the pid names a process uniquely even after the pid is reused. This
-/// process's own is read once (a creation asks twice); a forked child, whose pid differs,
-/// reads its own.
+/// together with the pid names a process uniquely even after the pid is reused. Never cached:
+/// a cache of this process's own would be inherited by forked children, and a descendant
+/// that reuses an ancestor's pid would be given the ancestor's start time.
 pub fn process_start_time(pid: u32) -> Option<u64> {
-    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-    static OWN_PID: AtomicU32 = AtomicU32::new(0);
-    static OWN_START: AtomicU64 = AtomicU64::new(0);
-    let own = pid == current_pid();
-    // Acquire: pairs with the Release store below, after OWN_START was written (threads that
-    // race here write the same values).
-    if own && OWN_PID.load(Ordering::Acquire) == pid {
-        return Some(OWN_START.load(Ordering::Relaxed));
-    }
-    let start = proc_stat_after_name(pid)?
+    proc_stat_after_name(pid)?
         .split_whitespace()
         .nth(19)?
         .parse()
-        .ok()?;
-    if own {
-        OWN_START.store(start, Ordering::Relaxed);
-        OWN_PID.store(pid, Ordering::Release);
-    }
-    Some(start)
+        .ok()
 }
 
 /// Whether a process with this pid exists (one syscall; a zombie or a reused pid counts).
