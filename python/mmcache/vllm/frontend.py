@@ -8,7 +8,6 @@ the processor cache issued its handles, or whose caller stops waiting for it, gi
 * ``InputProcessor.process_inputs`` checks a rendered prompt (its length, among others) and
   makes the engine's request of it: when it raises, the handles in the rendered prompt go
   back to the ring (and those of a prompt it rendered itself, through ``rendering``).
-
 * ``InputProcessor.__init__`` binds ``process_inputs_async`` (``AsyncLLM``'s path: the
   blocking ``process_inputs`` on the renderer's thread pool), and ``BaseRenderer.__init__``
   binds ``_process_multimodal_async`` (``vllm serve``'s path: the render on the renderer's
@@ -119,7 +118,7 @@ def _init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        executor = getattr(self.renderer, "_executor", None)
+        executor = getattr(getattr(self, "renderer", None), "_executor", None)
         if executor is None or not hasattr(self, "process_inputs_async"):
             return  # not the frontend this module knows: vLLM's binding stays
         release = functools.partial(_release_request, self)
