@@ -390,6 +390,31 @@ print(*refusals({"t": values.as_subclass(FarOffset)}), sep="\\n")
         assert "item['t']" in line and "storage of" in line, line
 
 
+def test_a_storage_off_the_cpu_is_refused() -> None:
+    """The storage's own device decides, whatever the tensor says: one whose storage is on
+    the meta device is refused; a tensor made on ``cpu:0`` is read like any other."""
+    code = (
+        ENCODERS
+        + """
+class MetaStorage(torch.Tensor):
+    def untyped_storage(self):
+        return torch.UntypedStorage(1 << 22, device="meta")
+values = torch.arange(1 << 20, dtype=torch.float32)
+print(*refusals({"t": values.as_subclass(MetaStorage)}), sep="\\n")
+indexed = torch.arange(1 << 10, dtype=torch.float32, device="cpu:0")
+viewed, packed, ringed = round_trips({"t": indexed})
+assert viewed == [indexed.numpy().tobytes()]
+assert torch.equal(packed["t"], indexed) and torch.equal(ringed["t"], indexed)
+"""
+    )
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0, stderr
+    lines = stdout.splitlines()
+    assert len(lines) == 3, stdout
+    for line in lines:
+        assert "item['t']" in line and "its storage is on meta" in line, line
+
+
 def test_encoded_views_hold_the_storage_not_the_tensor() -> None:
     """serde.encode's views stay readable after the tensor is re-pointed with set_(): they
     read freed memory when they held the tensor."""

@@ -306,8 +306,10 @@ fn tensor_storage<'py>(
             storage.get_type().qualname()?
         )));
     }
+    // `device == cpu` compares type and index: equal is on the CPU; a CPU device with an
+    // index (`cpu:0`) takes the slower check of its type.
     let device = storage.getattr(intern!(py, "device"))?;
-    if device.getattr(intern!(py, "type"))?.ne("cpu")? {
+    if !device.eq(torch.cpu.bind(py))? && device.getattr(intern!(py, "type"))?.ne("cpu")? {
         return Err(no_memory(format!("its storage is on {device}")));
     }
     let (ptr, size) =

@@ -190,6 +190,9 @@ pub(super) struct Torch {
     /// `torch.UntypedStorage`: plain copy buffers (the cheapest torch allocation to call), and
     /// the type of every tensor's storage whose bytes the encoder reads.
     pub(super) storage: Py<PyAny>,
+    /// `torch.device("cpu")`: a storage's device equal to it is on the CPU without reading
+    /// the device's `type`, which builds a new `str` each time.
+    pub(super) cpu: Py<PyAny>,
     pub(super) empty: Py<PyAny>,
     /// `torch.empty` keyword arguments for a pinned byte buffer.
     pub(super) pinned_kwargs: Py<PyDict>,
@@ -230,6 +233,7 @@ fn load_torch(torch: &Bound<'_, PyModule>) -> PyResult<Torch> {
         }
         .unbind(),
         storage: torch.getattr("UntypedStorage")?.unbind(),
+        cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
         empty: torch.getattr("empty")?.unbind(),
         pinned_kwargs: pinned_kwargs.unbind(),
         by_object: dtypes
