@@ -20,14 +20,16 @@ for the API servers (:mod:`mmcache.vllm.publish`).  Each API server joins it as 
 (:func:`mmcache.vllm.factories.cache_type`), so the workers read what any API server wrote.
 The launcher keeps its own writer slot, which it never writes through, for the life of the
 engine: the segment then outlives any one API server, and the last writer to leave unlinks it
-(the launcher, as it shuts the engine core down after the API servers, or at its exit).  A
-tree killed with SIGKILL leaves it to ``mmcache prune`` (or the next store's creation).
+(the launcher, as it shuts the engine core down after the API servers, or at its exit; it
+first waits a moment for API servers vLLM killed to be gone).  A tree killed with SIGKILL
+leaves it to ``mmcache prune`` (or the next store's creation).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +37,8 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.v1.engine.utils import CoreEngineProcManager
 
+from mmcache._core import MmcacheError
+from mmcache.maintenance import inspect as inspect_ring
 from mmcache.vllm.publish import (
     WRITER_HANDLE_ENV,
     publish,
@@ -61,9 +65,31 @@ def open_ring(vllm_config: VllmConfig) -> Callable[[], None]:
         withdraw(published)
         withdraw(published_writer, WRITER_HANDLE_ENV)
         if ring is not None:
+            _wait_for_the_other_writers(ring.handle().name)
             ring.close()
 
     return close
+
+
+_OTHER_WRITERS_DEADLINE_S = 5.0
+
+
+def _wait_for_the_other_writers(name: str) -> None:
+    """Wait (at most a few seconds) until this process is the ring's only live writer, so
+    that its close unlinks the ring.  vLLM shuts the API servers down before the engine core
+    (with no grace period unless ``--shutdown-timeout``: SIGTERM, then SIGKILL), and a killed
+    server holds its liveness lock until the kernel has torn its memory down, which can
+    outlast the engine core's shutdown; a server still running after the deadline leaves
+    the ring to the last writer to close, or to ``prune``."""
+    deadline = time.monotonic() + _OTHER_WRITERS_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            writers = inspect_ring(name)["writers"]
+        except (OSError, MmcacheError):  # gone or unreadable: closing is all that is left
+            return
+        if sum(1 for writer in writers if writer["alive"]) <= 1:
+            return
+        time.sleep(0.02)
 
 
 def _start(original: Callable[..., None]) -> Callable[..., None]:
