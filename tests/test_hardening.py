@@ -463,8 +463,13 @@ def test_liveness_holds_across_pid_namespaces() -> None:
         assert info["readers"][0]["alive"] and info["creator_alive"]
         assert writer.name not in prune(dry_run=True)
     finally:
+        # unshare's death sends its child SIGKILL (--kill-child) before unshare can be
+        # reaped, so once wait() returns the reader runs no more code; only then is its stdin
+        # closed (an end of file seen first would let it close its slot cleanly, and nothing
+        # would be left to reclaim).
         proc.kill()
-        proc.communicate(timeout=TIMEOUT)  # reaps it and closes the pipes
+        proc.wait(timeout=TIMEOUT)
+        proc.communicate(timeout=TIMEOUT)  # closes the pipes
     # Once it is gone (whatever namespace it was in), its slot is reclaimed.
 
     def put_once_reclaimed() -> bool:
