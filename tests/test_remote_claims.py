@@ -15,14 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import pytest
 import redis
 
-from mmcache import CacheMissError, SenderCache
+from mmcache import CacheMissError, SenderCache, ShmSenderCache
 from mmcache.remote import TieredSenderCache
 from mmcache.remote.local_server import LocalServer
 from test_remote import (
@@ -36,10 +36,12 @@ from test_remote import (
 from tests.servers import resume, stall
 
 
-def open_p0(url: str, namespace: str) -> TieredSenderCache:
+def open_p0(url: str, namespace: str, claim_ttl_s: float = 5.0) -> TieredSenderCache:
     """A host's P0 over a healthy server: a deadline that only a hang reaches (a loaded test
     machine must not turn a claim into a timeout)."""
-    return TieredSenderCache(SenderCache(0.05), open_store(url, namespace, timeout_s=10))
+    return TieredSenderCache(
+        SenderCache(0.05), open_store(url, namespace, timeout_s=10), claim_ttl_s=claim_ttl_s
+    )
 
 
 def claim_of(raw: redis.Redis, namespace: str, i: int) -> str | None:
@@ -66,15 +68,23 @@ class Host:
     """One host's P0 asking in single flight, as ``mmcache simulate`` does: ``is_cached``
     with ``claim=True`` and a wait, process the misses, update (which publishes)."""
 
-    def __init__(self, url: str, namespace: str, before_processing: Callable[[], object]):
-        self.p0 = open_p0(url, namespace)
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        before_processing: Callable[[], object],
+        wait_s: float = HANG_S,
+        claim_ttl_s: float = 5.0,
+    ):
+        self.p0 = open_p0(url, namespace, claim_ttl_s)
         self.processed: list[int] = []
         self.sent: set[int] = set()
         self.before_processing = before_processing
+        self.wait_s = wait_s
 
     def serve(self, ids: Sequence[int]) -> None:
         hashes = [key(i) for i in ids]
-        cached = self.p0.is_cached(hashes, claim=True, wait_s=HANG_S)
+        cached = self.p0.is_cached(hashes, claim=True, wait_s=self.wait_s)
         if not all(cached):
             self.before_processing()
         inputs = [None if hit else self._process(i) for i, hit in zip(ids, cached, strict=True)]
@@ -90,13 +100,23 @@ class Host:
         return item(i)
 
 
-def run_at_once(hosts: list[Host], requests: list[list[list[int]]]) -> None:
-    """Each host serves its requests in turn, all hosts at once (from one barrier)."""
+def run_at_once(
+    hosts: list[Host],
+    requests: list[list[list[int]]],
+    *,
+    claimed_first: Sequence[list[int]] | None = None,
+    limit_s: float = 4 * HANG_S,
+) -> None:
+    """Each host serves its requests in turn, all hosts at once (from one barrier); with
+    ``claimed_first``, each host's first request has claimed those items before the barrier
+    (in a lookup of its own, as vLLM's per modality).  Fails if a host has not finished
+    after ``limit_s``."""
     barrier = threading.Barrier(len(hosts))
     errors: list[BaseException] = []
 
-    def run(host: Host, mine: list[list[int]]) -> None:
+    def run(host: Host, mine: list[list[int]], first: list[int]) -> None:
         try:
+            assert not any(host.p0.is_cached([key(i) for i in first], claim=True))
             barrier.wait()
             for ids in mine:
                 host.serve(ids)
@@ -104,16 +124,25 @@ def run_at_once(hosts: list[Host], requests: list[list[list[int]]]) -> None:
             errors.append(exc)
 
     threads = [
-        threading.Thread(target=run, args=(h, r), daemon=True)
-        for h, r in zip(hosts, requests, strict=True)
+        threading.Thread(target=run, args=(h, r, f), daemon=True)
+        for h, r, f in zip(hosts, requests, claimed_first or [[]] * len(hosts), strict=True)
     ]
     for t in threads:
         t.start()
+    give_up = time.monotonic() + limit_s
     for t in threads:
-        t.join(4 * HANG_S)
+        t.join(max(0.0, give_up - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a host hung"
     if errors:
         raise errors[0]
+
+
+def assert_settled(hosts: list[Host], raw: redis.Redis, namespace: str, ids: Iterable[int]) -> None:
+    """No host's wait ended at its bound, every item published was put and no claim is left
+    on ``ids``."""
+    assert all(h.p0.stats()["remote_claim_wait_timeouts"] == 0 for h in hosts)
+    assert all(h.p0.flush() for h in hosts)
+    assert all(claim_of(raw, namespace, i) is None for i in ids)
 
 
 def test_hosts_asking_for_the_same_new_items_at_once_process_each_once(
@@ -136,9 +165,8 @@ def test_hosts_asking_for_the_same_new_items_at_once_process_each_once(
         waiters = [s for s in stats if s["remote_claims"] == 0]
         for s in waiters:
             assert s["remote_claim_wait_hits"] == 6 and s["remote_served"] == 6
-            assert s["remote_claim_wait_timeouts"] == s["remote_claim_wait_abandoned"] == 0
-        assert all(h.p0.flush() for h in hosts)
-        assert all(claim_of(raw, namespace, i) is None for i in ids)
+            assert s["remote_claim_wait_abandoned"] == 0
+        assert_settled(hosts, raw, namespace, ids)
     finally:
         for h in hosts:
             h.p0.close()
@@ -156,14 +184,70 @@ def test_hosts_with_overlapping_requests_never_wait_in_a_circle(
         run_at_once(hosts, requests)
         asked = {i for mine in requests for ids in mine for i in ids}
         assert sorted(i for h in hosts for i in h.processed) == sorted(asked)
-        for h in hosts:
-            s = h.p0.stats()
-            assert s["remote_claim_wait_timeouts"] == s["remote_claim_wait_abandoned"] == 0
-        assert all(h.p0.flush() for h in hosts)
-        assert all(claim_of(raw, namespace, i) is None for i in asked)
+        # A claimer gives its claims up while it waits: a wait for one of them may end with
+        # the claim gone (abandoned: claimed and processed here), never at its bound.
+        assert_settled(hosts, raw, namespace, asked)
     finally:
         for h in hosts:
             h.p0.close()
+
+
+def test_two_hosts_whose_requests_claimed_each_others_items_never_wait_for_each_other(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    # Two hosts' requests for the same two images, each of which claimed one first: were
+    # they to wait holding their claims, each would wait for the other for all of wait_s
+    # (the claims outlast it: no lapse ends the wait).
+    hosts = [
+        Host(server.url, namespace, lambda: None, wait_s=10 * HANG_S, claim_ttl_s=20 * HANG_S)
+        for _ in range(2)
+    ]
+    try:
+        run_at_once(hosts, [[[1, 2]], [[2, 1]]], claimed_first=[[1], [2]], limit_s=HANG_S)
+        # Both gave their claims up to wait; one claimed both again, the other waited for them.
+        assert sorted(i for h in hosts for i in h.processed) == [1, 2]
+        assert sorted(len(h.processed) for h in hosts) == [0, 2]
+        assert_settled(hosts, raw, namespace, [1, 2])
+    finally:
+        for h in hosts:
+            h.p0.close()
+
+
+def test_a_wait_takes_back_the_claims_of_the_requests_earlier_lookups_here_and_locally(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    # A request's lookup waits for an item another host claimed: its earlier lookup's claim,
+    # in the store and in the shm ring, is given up while it waits and taken back after.
+    a = TieredSenderCache(
+        ShmSenderCache(0.01, max_writers=2), open_store(server.url, namespace, timeout_s=10)
+    )
+    b = open_p0(server.url, namespace, claim_ttl_s=20 * HANG_S)  # no lapse ends the wait
+    try:
+        assert b.is_cached([key(2)], claim=True) == [False]
+        assert a.is_cached([key(1)], claim=True) == [False]
+        assert claim_of(raw, namespace, 1) == a.host_id and a.local.stats()["store_claims"] == 1
+        given_up: list[bool] = []
+
+        def a_holds_no_claim() -> bool:
+            return claim_of(raw, namespace, 1) is None and a.local.stats()["store_claims"] == 0
+
+        def publish_once_a_gave_up() -> None:
+            given_up.append(until(a_holds_no_claim))
+            b.get_and_update([item(2)], [key(2)])
+
+        publisher = threading.Thread(target=publish_once_a_gave_up, daemon=True)
+        publisher.start()
+        assert a.is_cached([key(2)], claim=True, wait_s=10 * HANG_S) == [True]
+        publisher.join(HANG_S)
+        assert given_up == [True], "a waited holding its claims"
+        assert a.stats()["remote_claim_wait_hits"] == 1
+        # Both claims are the request's again (item 2's only in the ring: it was fetched).
+        assert claim_of(raw, namespace, 1) == a.host_id and a.local.stats()["store_claims"] == 2
+        assert sorted(a.give_up_claims()) == sorted([key(1), key(2)])
+        assert a_holds_no_claim()
+    finally:
+        a.close()
+        b.close()
 
 
 _CLAIMER = """

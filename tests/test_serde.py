@@ -326,6 +326,17 @@ def refusals(item):
 """
 
 
+def assert_refused(code: str, count: int, *fragments: str) -> None:
+    """``code`` (which starts with :data:`ENCODERS`) exits 0 in a fresh interpreter having
+    printed ``count`` lines (its refusals), each holding every one of ``fragments``."""
+    rc, stdout, stderr = run_python(code)
+    assert rc == 0, stderr
+    lines = stdout.splitlines()
+    assert len(lines) == count, stdout
+    for line in lines:
+        assert all(fragment in line for fragment in fragments), line
+
+
 def test_a_wrapper_subclass_is_refused_not_read_at_address_zero() -> None:
     """The _make_wrapper_subclass pattern (DTensor, FakeTensor, torchao): CPU, strided,
     contiguous, data_ptr() 0. It killed the process with SIGSEGV."""
@@ -351,12 +362,7 @@ for item in ({"pixels": [wrapped]}, {"pixels": [fake]}):
     print(*refusals(item), sep="\\n")
 """
     )
-    rc, stdout, stderr = run_python(code)
-    assert rc == 0, stderr
-    lines = stdout.splitlines()
-    assert len(lines) == 6, stdout
-    for line in lines:
-        assert "item['pixels'][0]" in line and "no memory of its own" in line, line
+    assert_refused(code, 6, "item['pixels'][0]", "no memory of its own")
 
 
 def test_a_lying_data_ptr_is_never_read() -> None:
@@ -382,12 +388,7 @@ print(*refusals({"t": values.as_subclass(ShortStorage)}), sep="\\n")
 print(*refusals({"t": values.as_subclass(FarOffset)}), sep="\\n")
 """
     )
-    rc, stdout, stderr = run_python(code)
-    assert rc == 0, stderr
-    lines = stdout.splitlines()
-    assert len(lines) == 6, stdout
-    for line in lines:
-        assert "item['t']" in line and "storage of" in line, line
+    assert_refused(code, 6, "item['t']", "storage of")
 
 
 def test_a_storage_off_the_cpu_is_refused() -> None:
@@ -407,12 +408,7 @@ assert viewed == [indexed.numpy().tobytes()]
 assert torch.equal(packed["t"], indexed) and torch.equal(ringed["t"], indexed)
 """
     )
-    rc, stdout, stderr = run_python(code)
-    assert rc == 0, stderr
-    lines = stdout.splitlines()
-    assert len(lines) == 3, stdout
-    for line in lines:
-        assert "item['t']" in line and "its storage is on meta" in line, line
+    assert_refused(code, 3, "item['t']", "its storage is on meta")
 
 
 def test_encoded_views_hold_the_storage_not_the_tensor() -> None:

@@ -615,8 +615,9 @@ def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Pat
     assert shared["remote_puts"] > 0 and shared["remote_errors"] == 0
     assert shared["remote_get_p99_ms"] >= shared["remote_get_p50_ms"] > 0
     assert sum(h["remote_hits"] for h in shared["per_host"]) == shared["remote_hits"]
-    # Single flight: every item processed with the tier was claimed first (no store fault).
-    assert 0 < shared["remote_claims"] <= shared["items_processed"]
+    # Single flight: a claim ends in the item processed here or, given up for a wait (a
+    # waiter holds no claim), in the item another host processed meanwhile (no store fault).
+    assert 0 < shared["remote_claims"] <= shared["items_processed"] + shared["remote_hits"]
     assert alone["remote_claims"] == alone["remote_claim_waits"] == 0
     assert shared["remote_claim_wait_hits"] <= shared["remote_claim_waits"]
     assert "cross-host hits" in result.stdout and "per host" in result.stdout

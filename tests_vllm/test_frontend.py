@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -119,6 +120,22 @@ def async_processor(p0: Any, executor: ThreadPoolExecutor, hashes: list[str]) ->
     return processor
 
 
+def cancel_once_started(stand_in: Any, start: Callable[[], Awaitable[Any]]) -> None:
+    """Await ``start()`` and cancel it once ``stand_in``'s thread has ``started`` processing
+    (a client that goes away), then let that thread go on (``stand_in.go``)."""
+
+    async def cancel_while_processing() -> None:
+        task = asyncio.ensure_future(start())
+        while not stand_in.started.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_processing())
+    stand_in.go.set()
+
+
 def test_a_request_cancelled_while_its_images_are_processed_gives_its_handles_back(
     shm_pair: tuple[Any, Any],
 ) -> None:
@@ -126,17 +143,7 @@ def test_a_request_cancelled_while_its_images_are_processed_gives_its_handles_ba
     p0, _ = shm_pair
     with ThreadPoolExecutor(1) as executor:
         processor = async_processor(p0, executor, ["a", "b"])
-
-        async def cancel_while_processing() -> None:
-            task = asyncio.ensure_future(processor.process_inputs_async("r"))
-            while not processor.started.is_set():
-                await asyncio.sleep(0.001)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-        asyncio.run(cancel_while_processing())
-        processor.go.set()
+        cancel_once_started(processor, lambda: processor.process_inputs_async("r"))
     assert outstanding(p0) == 0  # the executor's exit waited for the thread's release
     assert p0.is_cached(["a", "b"]) == [True, True]  # the items stay cached for later
 
@@ -161,19 +168,9 @@ def test_a_render_cancelled_while_its_images_are_processed_gives_its_handles_bac
         return {"type": "multimodal", "mm_kwargs": {"image": items}, "prompt_token_ids": prompt}
 
     with ThreadPoolExecutor(1) as executor:
-        renderer = SimpleNamespace(_process_multimodal=process_multimodal)
+        renderer = SimpleNamespace(_process_multimodal=process_multimodal, started=started, go=go)
         frontend._renderer_init(init)(renderer)
-
-        async def cancel_while_rendering() -> None:
-            task = asyncio.ensure_future(renderer._process_multimodal_async([1, 2]))
-            while not started.is_set():
-                await asyncio.sleep(0.001)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-        asyncio.run(cancel_while_rendering())
-        go.set()
+        cancel_once_started(renderer, lambda: renderer._process_multimodal_async([1, 2]))
     assert outstanding(p0) == 0  # the executor's exit waited for the thread's release
     assert p0.is_cached(["a", "b"]) == [True, True]
 

@@ -340,6 +340,11 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
     def release_sender_touches(self) -> None:
         """Drop the protection of touched items whose update will never come."""
 
+    def give_up_claims(self) -> list[str]:
+        """The calling thread's request gives up the single-flight claims it holds (a cache
+        whose ``is_cached`` takes ``claim``); the hashes it held.  None here."""
+        return []
+
     def _check_request(self, items: Sequence[SenderInput], mm_hashes: Sequence[str]) -> None:
         """``CacheMissError`` listing every hash whose item is ``None`` but is not cached, in
         request order, before anything is applied or issued: a request P0 cannot assemble

@@ -282,10 +282,7 @@ class ShmSenderCache(BaseSenderCache):
         if wait_s > 0 and contested:
             # Every claim of the request, its earlier lookups' too (vLLM looks a request up
             # once per modality): all are taken back after the wait.
-            held = list(self._request.claims)
-            if held:
-                with self._lock:
-                    self._claims.give_all(self._request.claims)
+            held = self.give_up_claims()
             # Without the lock: the other threads' calls go on meanwhile (the wait polls the
             # core lock-free, the GIL released).
             self._store.wait_for(contested, float(wait_s))
@@ -294,6 +291,15 @@ class ShmSenderCache(BaseSenderCache):
                 self._claim([h for h in wanted if not self._store.is_cached(h)])
         found = {h for h in misses if self.is_cached_item(h)}
         return [hit or h in found for h, hit in zip(mm_hashes, cached, strict=True)]
+
+    def give_up_claims(self) -> list[str]:
+        """The calling thread's request gives up every single-flight claim it holds (its
+        touches stay); the hashes it held, to claim again with ``is_cached(hashes,
+        claim=True)``."""
+        with self._lock:
+            held = list(self._request.claims)
+            self._claims.give_all(self._request.claims)
+        return held
 
     def _claim(self, mm_hashes: Sequence[str]) -> list[str]:
         """Claim each of ``mm_hashes`` nobody else holds, for this thread's request; those

@@ -37,13 +37,30 @@ fn secret_field(secret: Vec<u8>) -> PyResult<[u8; 32]> {
 /// A handle's `__reduce__`: `mmcache._core.<unpickler>(*args)`. The unpicklers take the
 /// constructors' fields in order, positionally, so pickles stay the same from one version to
 /// the next (`test_core.py` holds pickles of an earlier one).
-fn reduce<'py>(
-    py: Python<'py>,
-    unpickler: &str,
-    args: impl IntoPyObject<'py, Output = Bound<'py, PyTuple>, Error = PyErr>,
-) -> PyResult<Bound<'py, PyTuple>> {
+fn reduce<'py, A>(py: Python<'py>, unpickler: &str, args: A) -> PyResult<Bound<'py, PyTuple>>
+where
+    A: IntoPyObject<'py, Output = Bound<'py, PyTuple>>,
+    A::Error: Into<PyErr>,
+{
     let rebuild = py.import("mmcache._core")?.getattr(unpickler)?;
-    (rebuild, args.into_pyobject(py)?).into_pyobject(py)
+    let args = args.into_pyobject(py).map_err(Into::into)?;
+    (rebuild, args).into_pyobject(py)
+}
+
+/// The `__reduce__` of a `ReaderHandle` or `WriterHandle`: `fields`, the constructor's in
+/// order (space-separated), read through their getters (a store handle is pickled once per
+/// process that attaches, unlike the `ShmHandle` of every item).
+fn reduce_fields<'py>(
+    handle: &Bound<'py, PyAny>,
+    unpickler: &str,
+    fields: &str,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = handle.py();
+    let values = fields
+        .split(' ')
+        .map(|field| handle.getattr(field))
+        .collect::<PyResult<Vec<_>>>()?;
+    reduce(py, unpickler, PyTuple::new(py, values)?)
 }
 
 impl ShmHandle {
@@ -193,18 +210,9 @@ impl ReaderHandle {
         )
     }
 
-    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let i = &self.info;
-        let secret = PyBytes::new(py, &i.secret);
-        let args = (
-            &i.name,
-            i.capacity,
-            i.n_readers,
-            i.max_object_size,
-            i.layout_version,
-            secret,
-        );
-        reduce(py, "_reader_handle", args)
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let fields = "name capacity n_readers max_object_size layout_version secret";
+        reduce_fields(slf.as_any(), "_reader_handle", fields)
     }
 }
 
@@ -310,19 +318,9 @@ impl WriterHandle {
         )
     }
 
-    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let i = &self.info;
-        let secret = PyBytes::new(py, &i.secret);
-        let args = (
-            &i.name,
-            i.capacity,
-            i.n_readers,
-            i.max_object_size,
-            i.max_writers,
-            i.layout_version,
-            secret,
-        );
-        reduce(py, "_writer_handle", args)
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let fields = "name capacity n_readers max_object_size max_writers layout_version secret";
+        reduce_fields(slf.as_any(), "_writer_handle", fields)
     }
 }
 

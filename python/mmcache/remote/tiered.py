@@ -22,7 +22,12 @@ miss another host claimed is waited for, up to ``T`` seconds for the whole call:
 is repeated with backoff (2 ms, doubling, at most 50 ms apart) until the item is there (a
 remote hit), the claim is gone without it (the claimer gave up or died: this host claims
 and processes it) or the time is up (this host processes it).  This host's own claims are
-never waited on.  A claim ends when the claimer publishes the item (dropped by the writer
+never waited on.  A request never waits holding claims: before a wait it gives up every
+claim it holds, in the store and in the local cache, its earlier lookups' included, and
+after the wait it claims again those and the call's misses still missing (a miss another
+host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
+other's items (in turns: vLLM looks a request up once per modality) never wait for each
+other.  A claim ends when the claimer publishes the item (dropped by the writer
 thread once the put returns, so a waiter finds the item before it finds the claim gone) or
 gives up: an update without data for it, an update that raises, ``release_sender_touches``,
 ``close`` (if a put of the item is pending then - another request processed it too - the
@@ -69,7 +74,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
@@ -335,8 +340,10 @@ class TieredSenderCache(BaseSenderCache):
         With ``claim``, each remote miss nobody claimed is claimed for this request until its
         update (or ``release_sender_touches``, ``close``, or ``claim_ttl_s``); with
         ``wait_s``, misses another host claimed are waited for, at most ``wait_s`` seconds
-        for the whole call, and reported cached if they arrive (see the module's
-        docstring).  Both go to the local cache too where it takes them."""
+        for the whole call, and reported cached if they arrive; the request holds no claim
+        while it waits (here or in the local cache: it claims again after the wait what is
+        still missing; see the module's docstring).  Both go to the local cache too where it
+        takes them."""
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
         end = time.monotonic() + wait_s
@@ -374,68 +381,97 @@ class TieredSenderCache(BaseSenderCache):
         return mm_hash in self._prefetched
 
     def _fetch_in_single_flight(self, wanted: list[str], claim: bool, end: float) -> None:
-        """Fetch ``wanted`` (claiming the misses nobody holds, with ``claim``), then wait
-        until ``end`` for those another host holds (see the module's docstring)."""
+        """Fetch ``wanted`` (claiming the misses nobody holds, with ``claim``); while another
+        host holds some of them, until ``end``: give up the request's claims, wait until
+        none of those is held elsewhere, claim again what is still missing (see the module's
+        docstring)."""
         now = time.monotonic()
         with self._lock:
             self._claims = {h: c for h, c in self._claims.items() if c.lapses > now}
-        _, elsewhere, unclaimed = self._fetch_claiming(wanted, claim)
+        found, elsewhere = self._fetch_claiming(wanted, claim, set(wanted))
+        missing = [h for h in wanted if h not in found]
         waited: set[str] = set()  # every miss found held by another host meanwhile
         hits = 0
-        delay = _FIRST_POLL_S
         while True:
             with self._lock:
                 self._counts["remote_claim_waits"] += len(set(elsewhere) - waited)
             waited.update(elsewhere)
-            if not elsewhere or (left := end - time.monotonic()) <= 0:
+            if not elsewhere or time.monotonic() >= end:
                 break
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _MAX_POLL_S)
-            # Misses left unclaimed behind another host's claim are asked again: they are
-            # claimed once no claim before them is held elsewhere.
-            asked = elsewhere + unclaimed if claim else elsewhere
-            found, elsewhere, unclaimed = self._fetch_claiming(asked, claim)
-            hits += len(found & waited)
+            # A waiter holds no claim, so two requests that claimed each other's items (in
+            # turns: vLLM looks a request up once per modality) never wait for each other:
+            # every claim of the request goes, its earlier lookups' and the local cache's
+            # too, and what is still missing is claimed again after the wait.
+            held = self._give_up_remote_claims()
+            held_locally = self.local.give_up_claims()
+            arrived, elsewhere = self._wait_for_others(elsewhere, end)
+            hits += len(arrived)
+            missing = [h for h in missing if h not in arrived]
+            if held_locally:
+                self.local.is_cached(held_locally, claim=True)  # type: ignore[call-arg]
+            again = missing if claim else []  # this call's misses, to claim again
+            if again or held:
+                asked = list(dict.fromkeys([*again, *held]))
+                found, contested = self._fetch_claiming(asked, True, set(again), set(held))
+                hits += len(found & waited)
+                missing = [h for h in missing if h not in found]
+                if claim:  # else elsewhere stays what the wait left: its timeouts
+                    elsewhere = contested
         with self._lock:
             self._counts["remote_claim_wait_hits"] += hits
             self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
             self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
 
+    def _wait_for_others(self, held_elsewhere: list[str], end: float) -> tuple[set[str], list[str]]:
+        """Look ``held_elsewhere`` up again (claiming nothing) with backoff until no other host
+        holds any of them or ``end``: those that arrived meanwhile (kept for the update), and
+        those still held elsewhere."""
+        arrived: set[str] = set()
+        delay = _FIRST_POLL_S
+        while held_elsewhere and (left := end - time.monotonic()) > 0:
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _MAX_POLL_S)
+            found, held_elsewhere = self._fetch_claiming(held_elsewhere, False, set(held_elsewhere))
+            arrived |= found
+        return arrived, held_elsewhere
+
     def _fetch_claiming(
-        self, hashes: list[str], claim: bool
-    ) -> tuple[set[str], list[str], list[str]]:
-        """One claiming lookup of ``hashes``: keeps what it found for the coming update and
-        notes the claims it took; the hashes it found, those another host holds, and the
-        misses nobody holds that it did not claim."""
+        self,
+        hashes: list[str],
+        claim: bool,
+        ours: Container[str],
+        retaking: Container[str] = (),
+    ) -> tuple[set[str], list[str]]:
+        """One claiming lookup of ``hashes``: notes the claims it took (those on ``retaking``,
+        given up for a wait, are not counted again) and, of ``ours`` (the hashes the call asks
+        about, not an earlier lookup's claims taken again), keeps what it found for the coming
+        update; those of ``ours`` it found, and those of ``ours`` another host holds."""
         results = self.remote.fetch_or_claim(
             hashes, self.host_id, claim=claim, claim_ttl_s=self.claim_ttl_s
         )
         found: set[str] = set()
         elsewhere: list[str] = []
-        unclaimed: list[str] = []
         with self._lock:
             for h, (record, holder) in zip(hashes, results, strict=True):
-                if self._take(h, record):
+                if h in ours and self._take(h, record):
                     found.add(h)
                 elif holder == self.host_id:
                     if claim:
-                        self._note_claim(h)
-                elif holder is not None:
+                        self._note_claim(h, counted=h not in retaking)
+                elif holder is not None and h in ours:
                     elsewhere.append(h)
-                else:
-                    unclaimed.append(h)
-        return found, elsewhere, unclaimed
+        return found, elsewhere
 
-    def _note_claim(self, mm_hash: str) -> None:
+    def _note_claim(self, mm_hash: str, counted: bool = True) -> None:
         """The store says this host holds the claim on ``mm_hash``: this thread's request's
         now, unless a request of this host holds it already (this one, or another, which
-        is never waited on: this request processes the item too, without a claim).  Lock
-        held."""
+        is never waited on: this request processes the item too, without a claim); counted
+        in ``remote_claims`` unless not ``counted`` (taken again after a wait).  Lock held."""
         now = time.monotonic()
         current = self._claims.get(mm_hash)
         if current is not None and current.lapses > now:
             return
-        self._counts["remote_claims"] += 1
+        self._counts["remote_claims"] += counted
         claim = self._claims[mm_hash] = _Claim(now + self.claim_ttl_s)
         self._request.claims[mm_hash] = claim
 
@@ -613,8 +649,20 @@ class TieredSenderCache(BaseSenderCache):
         self.local.release_sender_touches()
         with self._lock:
             self._waiting.give_all(self._request.holds)
+        self._give_up_remote_claims()
+
+    def give_up_claims(self) -> list[str]:
+        """The local cache's; and this thread's request gives up its claims in the store
+        (released at once, or once a pending put of the item returned); the hashes it held
+        in either."""
+        return list(dict.fromkeys([*self.local.give_up_claims(), *self._give_up_remote_claims()]))
+
+    def _give_up_remote_claims(self) -> list[str]:
+        """This thread's request gives up its claims in the store; the hashes it held."""
+        with self._lock:
             ended = self._end_claims(list(self._request.claims))
         self._release_claims(ended)
+        return list(ended)
 
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` locally (the remote value stays: it is still that item)."""

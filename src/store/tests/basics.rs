@@ -4,8 +4,7 @@ use super::*;
 
 #[test]
 fn put_and_read_back_with_aligned_parts() {
-    let w = writer(1 << 16, 1);
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r]) = writer_with_readers(1 << 16);
     let h = w.put("a", &[b"xyz", &[1u8; 100], b""]).unwrap();
     let got = read(&r, &h, "a").unwrap();
     // The empty last part starts (and ends) at the next aligned offset, 192.
@@ -35,8 +34,7 @@ fn duplicate_oversize_and_absent_keys_are_errors() {
 
 #[test]
 fn forged_and_foreign_handles_are_rejected_before_reading() {
-    let w = writer(1 << 16, 1);
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r]) = writer_with_readers(1 << 16);
     let h = w.put("k", &[b"data"]).unwrap();
     let mut forged = h;
     forged.signature[0] ^= 1;
@@ -73,8 +71,8 @@ fn forged_and_foreign_handles_are_rejected_before_reading() {
 
 #[test]
 fn handles_from_before_clear_never_alias_new_data() {
-    let w = writer(1024, 1); // room for exactly one chunk, so the new one reuses its bytes
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    // Room for exactly one chunk, so the new one reuses its bytes.
+    let (w, [r]) = writer_with_readers(1024);
     let old = w.put("k", &[&[1u8; 896]]).unwrap();
     read(&r, &old, "k").unwrap();
     w.clear().unwrap();

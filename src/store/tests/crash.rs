@@ -17,12 +17,7 @@ fn a_dead_writers_reservation_pins_and_hazards_are_void() {
     b.pin("pinned").unwrap();
     let reserved = b.reserve(1024).unwrap().address;
     let held = b.put("held", &[&[2u8; 896]]).unwrap();
-    let entry = index::Entry {
-        bucket: 0,
-        address: held.address,
-        id: held.monotonic_id,
-    };
-    std::mem::forget(b.protect(&entry).unwrap().expect("live"));
+    leave_hazard(&b, &held);
     a.put("x", &[&[0u8; 896]]).expect("one free chunk was left");
     a.put("y", &[&[0u8; 896]]).expect("x is evicted");
     assert!(!a.is_cached("x").unwrap(), "only x could go");
@@ -51,12 +46,7 @@ fn a_dead_writers_hazards_do_not_pass_to_the_next_occupant_of_its_slot() {
     let a = store(4096, 1, 2);
     let b = join(&a);
     let held = b.put("held", &[&[2u8; 896]]).unwrap();
-    let entry = index::Entry {
-        bucket: 0,
-        address: held.address,
-        id: held.monotonic_id,
-    };
-    std::mem::forget(b.protect(&entry).unwrap().expect("live"));
+    leave_hazard(&b, &held);
     pretend_writer_dead(b);
     let c = join(&a);
     assert_eq!(c.slot(), 1, "the dead writer's slot is taken again");

@@ -28,6 +28,14 @@ fn writer(capacity: u64, n_readers: u32) -> Writer {
     Writer::create(capacity, n_readers, None, None).expect("create segment")
 }
 
+/// A store of `capacity` bytes for `N` readers, and those `N` readers attached.
+fn writer_with_readers<const N: usize>(capacity: u64) -> (Writer, [Arc<Reader>; N]) {
+    let w = writer(capacity, N as u32);
+    let info = w.reader_info();
+    let readers = std::array::from_fn(|_| Reader::attach(&info).expect("attach"));
+    (w, readers)
+}
+
 fn read(reader: &Arc<Reader>, handle: &Handle, key: &str) -> Result<Vec<u8>> {
     let lease = reader.acquire(handle, key)?;
     let mut out = vec![0u8; lease.len()];
@@ -58,6 +66,17 @@ fn store(capacity: u64, n_readers: u32, max_writers: u32) -> Writer {
 
 fn join(w: &Writer) -> Writer {
     Writer::join(&w.writer_info()).expect("join")
+}
+
+/// Leave a hazard of `w` on `handle`'s object, as a writer that dies while it reads it does
+/// (never cleared by `w`).
+fn leave_hazard(w: &Writer, handle: &Handle) {
+    let entry = index::Entry {
+        bucket: 0,
+        address: handle.address,
+        id: handle.monotonic_id,
+    };
+    std::mem::forget(w.protect(&entry).unwrap().expect("live"));
 }
 
 /// What the kernel does when a writer's process dies: its OFD locks go, and nothing else

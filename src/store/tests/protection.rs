@@ -3,12 +3,16 @@
 
 use super::*;
 
+/// How many references to `handle`'s object `reader` has yet to read.
+fn outstanding(w: &Writer, handle: &Handle, reader: &Reader) -> u32 {
+    let word = w.shared.word(handle.address, reader.slot()).unwrap();
+    SlotWord::unpack(word.load(Ordering::Acquire)).outstanding
+}
+
 #[test]
 fn unread_objects_are_protected_until_every_reader_reads() {
     // Ring of 4 chunks of 1 KiB (chunk header 128 + payload 896).
-    let w = writer(4096, 2);
-    let r1 = Reader::attach(&w.reader_info()).unwrap();
-    let r2 = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r1, r2]) = writer_with_readers(4096);
     let handles: Vec<_> = (0..4)
         .map(|i| w.put(&format!("k{i}"), &[&[i as u8; 896]]).unwrap())
         .collect();
@@ -33,8 +37,7 @@ fn unread_objects_are_protected_until_every_reader_reads() {
 
 #[test]
 fn a_live_chunk_is_stepped_over_not_waited_on() {
-    let w = writer(4096, 1);
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r]) = writer_with_readers(4096);
     let hs: Vec<_> = (0..4)
         .map(|i| w.put(&format!("k{i}"), &[&[0u8; 896]]).unwrap())
         .collect();
@@ -49,8 +52,7 @@ fn a_live_chunk_is_stepped_over_not_waited_on() {
 
 #[test]
 fn views_and_pins_protect_their_chunk() {
-    let w = writer(2048, 1);
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r]) = writer_with_readers(2048);
     let h0 = w.put("a", &[&[1u8; 896]]).unwrap();
     let h1 = w.put("b", &[&[2u8; 896]]).unwrap();
     let view = r.acquire(&h0, "a").unwrap();
@@ -72,8 +74,7 @@ fn views_and_pins_protect_their_chunk() {
 
 #[test]
 fn unread_object_survives_invalidate_but_clear_drops_its_references() {
-    let w = writer(4096, 1);
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r]) = writer_with_readers(4096);
     let h = w.put("k", &[&[5u8; 896]]).unwrap();
     w.invalidate("k").unwrap();
     for i in 0..3 {
@@ -104,8 +105,7 @@ fn unread_object_survives_invalidate_but_clear_drops_its_references() {
 
 #[test]
 fn release_gives_back_an_undelivered_reference() {
-    let w = writer(2048, 1);
-    let _r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [_r]) = writer_with_readers(2048);
     let h = w.put("a", &[&[1u8; 896]]).unwrap();
     w.put("b", &[&[1u8; 896]]).unwrap();
     let h2 = w.get_cached("a").unwrap();
@@ -122,10 +122,7 @@ fn release_gives_back_an_undelivered_reference() {
 
 #[test]
 fn reference_saturation_is_refused_whole_and_views_past_their_limit_read_copies() {
-    let w = writer(4096, 2);
-    let info = w.reader_info();
-    let reading = Reader::attach(&info).unwrap();
-    let stuck = Reader::attach(&info).unwrap();
+    let (w, [reading, stuck]) = writer_with_readers(4096);
     let h = w.put("hot", &[&[9u8; 100]]).unwrap();
     // Bring the stuck reader's count to the limit directly (a million hits would do it).
     let word = w.shared.word(h.address, stuck.slot()).unwrap();
@@ -172,14 +169,9 @@ fn release_credits_only_the_readers_its_handle_was_issued_to() {
     let after_late = w.get_cached("a").unwrap();
     assert_ne!(before_late.reader_set(), after_late.reader_set());
     w.release(&before_late).unwrap(); // its request was aborted
-    let late_word = SlotWord::unpack(
-        w.shared
-            .word(before_late.address, late.slot())
-            .unwrap()
-            .load(Ordering::Acquire),
-    );
     assert_eq!(
-        late_word.outstanding, 1,
+        outstanding(&w, &before_late, &late),
+        1,
         "the late reader still owes after_late a read"
     );
     let lease = late.acquire(&after_late, "a").unwrap();
@@ -188,14 +180,9 @@ fn release_credits_only_the_readers_its_handle_was_issued_to() {
         "after_late's reference was kept for the late reader"
     );
     w.release(&before_late).unwrap(); // a second release of the same handle gives nothing
-    let early_word = SlotWord::unpack(
-        w.shared
-            .word(before_late.address, early.slot())
-            .unwrap()
-            .load(Ordering::Acquire),
-    );
     assert_eq!(
-        early_word.outstanding, 1,
+        outstanding(&w, &before_late, &early),
+        1,
         "after_late's reference for the early reader stays"
     );
 }

@@ -54,9 +54,8 @@ fn slots_are_claimed_freed_and_reclaimed_from_dead_readers() {
 fn liveness_is_never_judged_from_a_pid() {
     // A live reader whose claim word shows some other, long-dead pid (an earlier occupant's,
     // say) keeps its slot: its lock says it lives.
-    let w = writer(2048, 1);
+    let (w, [r]) = writer_with_readers(2048);
     let info = w.reader_info();
-    let r = Reader::attach(&info).unwrap();
     set_claim_pid(&w, &r, dead_pid());
     let h = w.put("a", &[&[1u8; 896]]).unwrap();
     w.put("b", &[&[1u8; 896]]).unwrap();
@@ -120,10 +119,8 @@ fn pid_fallback_tells_live_from_dead_readers() {
 
 #[test]
 fn a_closed_reader_with_a_live_view_drains() {
-    let w = writer(4096, 2);
+    let (w, [closing, other]) = writer_with_readers(4096);
     let info = w.reader_info();
-    let closing = Reader::attach(&info).unwrap();
-    let other = Reader::attach(&info).unwrap();
     let h = w.put("a", &[&[5u8; 896]]).unwrap();
     let view = closing.acquire(&h, "a").unwrap().into_view().unwrap();
     read(&other, &h, "a").unwrap();
@@ -157,8 +154,7 @@ fn a_closed_reader_with_a_live_view_drains() {
 
 #[test]
 fn closed_writer_is_reported_to_readers() {
-    let w = writer(1 << 16, 1);
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r]) = writer_with_readers(1 << 16);
     let h = w.put("k", &[b"x"]).unwrap();
     let name = w.name().to_owned();
     assert!(list_segments().contains(&name));

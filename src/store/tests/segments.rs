@@ -8,8 +8,7 @@ use crate::layout::WRITER_LOCK;
 
 #[test]
 fn inspect_reads_back_the_counters_stats_reports() {
-    let w = writer(2048, 1);
-    let r = Reader::attach(&w.reader_info()).unwrap();
+    let (w, [r]) = writer_with_readers(2048);
     let a = w.put("a", &[&[1u8; 896]]).unwrap();
     w.get_cached("a").unwrap();
     w.put("b", &[&[2u8; 896]]).unwrap();
