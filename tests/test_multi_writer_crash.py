@@ -31,6 +31,9 @@ from mmcache._core import ShmObjectStore, ShmReader, ShmWriter
 KiB = 1024
 RING = 256 * KiB
 PART = 3000  # bytes of each of an object's two parts: about 6 KiB a chunk, ~40 in the ring
+#: Parts of a small object (a key starting with "s"): carved from the writer's allocation
+#: buffer (a ring this size gives each writer an 8 KiB one).
+SMALL_PART = 100
 TIMEOUT = 120
 
 ctx = mp.get_context("spawn")
@@ -42,6 +45,7 @@ SCENARIOS: dict[str, tuple[str, int]] = {
     "alloc.evicted": ("put", 2),
     "alloc.coalesced": ("put", 2),
     "alloc.reserved": ("put", 2),
+    "lab.split": ("put small", 2),
     "put.reserved": ("put", 2),
     "put.mid_copy": ("put", 2),
     "put.filled": ("put", 2),
@@ -52,16 +56,20 @@ SCENARIOS: dict[str, tuple[str, int]] = {
     "claim.recorded": ("claim", 1),
     "clear.partway": ("clear", 1),
 }
+#: The keys a putting victim uses: small objects (from its allocation buffer) or not.
+PREFIXES = {"put": "v", "put small": "s"}
 
 
 pytestmark = pytest.mark.usefixtures("hang_deadline")
 
 
 def parts(key: str) -> list[bytes]:
-    """An object's two parts: random bytes derived from its key."""
+    """An object's two parts: random bytes derived from its key (small ones for a key
+    starting with "s")."""
+    size = SMALL_PART if key.startswith("s") else PART
     seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    data = np.random.default_rng(seed).integers(0, 256, 2 * PART, dtype=np.uint8).tobytes()
-    return [data[:PART], data[PART:]]
+    data = np.random.default_rng(seed).integers(0, 256, 2 * size, dtype=np.uint8).tobytes()
+    return [data[:size], data[size:]]
 
 
 def payload(key: str) -> bytes:
@@ -79,9 +87,10 @@ def _victim(handle: WriterHandle, point: str, after: int, action: str, conn: Any
     os.environ["MMCACHE_CRASH_AFTER"] = str(after)
     writer = ShmObjectStore.join(handle)
     conn.send(writer.writer_slot)
-    if action == "put":
+    if action.startswith("put"):
+        prefix = PREFIXES[action]
         for i in range(1000):
-            writer.put(f"v{i}", parts(f"v{i}"), meta=meta(f"v{i}"))
+            writer.put(f"{prefix}{i}", parts(f"{prefix}{i}"), meta=meta(f"{prefix}{i}"))
     elif action == "issue":
         for _ in range(1000):
             writer.issue("a1")
@@ -121,13 +130,14 @@ def test_a_writer_killed_at_a_crash_point_wedges_nobody(point: str) -> None:
             victim.join(TIMEOUT)
 
     # The survivors carry on; what the victim completed is whole, nothing else readable.
-    if action == "put":
-        assert store.is_cached("v0"), "the victim's first put completed"
-        check_readable(store, reader, "v0")
-        cached = store.is_cached("v1")
-        assert cached == (point == "put.published"), f"v1 cached after {point}: {cached}"
+    if action.startswith("put"):
+        first, second = (f"{PREFIXES[action]}{i}" for i in range(2))
+        assert store.is_cached(first), "the victim's first put completed"
+        check_readable(store, reader, first)
+        cached = store.is_cached(second)
+        assert cached == (point == "put.published"), f"{second} cached after {point}: {cached}"
         if cached:
-            check_readable(store, reader, "v1")
+            check_readable(store, reader, second)
     for key in ours:
         if store.is_cached(key):
             check_readable(store, reader, key)

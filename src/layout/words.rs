@@ -135,8 +135,10 @@ pub enum BlockKind {
 }
 
 /// A block's `STATE` word: kind, CLOCK's referenced bit, and whether the index files a key
-/// under the chunk. Layout: `kind (2) | referenced (1) | keyed (1) | 4 spare | owner slot
-/// (8) | 16 spare | owner epoch (32)`.
+/// under the chunk. Layout: `kind (2) | referenced (1) | keyed (1) | buffer (1) | 3 spare |
+/// owner slot (8) | 16 spare | owner epoch (32)`. The buffer bit marks a reserved block as
+/// what is left of its owner's allocation buffer ([`BlockState::buffer_word`]): unpacked, it
+/// is a reservation like any other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockState {
     pub kind: BlockKind,
@@ -154,6 +156,20 @@ impl BlockState {
     };
     pub const REFERENCED_BIT: u64 = 1 << 2;
     pub const KEYED_BIT: u64 = 1 << 3;
+    pub const BUFFER_BIT: u64 = 1 << 4;
+
+    /// The word of `owner`'s allocation buffer (the rest of it not yet carved): a
+    /// reservation, but one a sweep may take back (free) while its owner lives, with a CAS on
+    /// this exact word, as the owner carves from it with a CAS on it.
+    pub fn buffer_word(owner: WriterId) -> u64 {
+        BlockState {
+            kind: BlockKind::Reserved { owner },
+            referenced: false,
+            keyed: false,
+        }
+        .pack()
+            | Self::BUFFER_BIT
+    }
 
     pub fn pack(self) -> u64 {
         let (kind, owner) = match self.kind {

@@ -18,6 +18,7 @@ pub const POINTS: &[&str] = &[
     "alloc.evicted",
     "alloc.coalesced",
     "alloc.reserved",
+    "lab.split",
     "put.reserved",
     "put.mid_copy",
     "put.filled",

@@ -21,6 +21,7 @@
 //! next sweep that meets it), or chunks marked EVICTING that the journal names: whoever takes
 //! the lock over repairs those first ([`Shared::repair`]) and recounts the gauges.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::crash;
@@ -237,7 +238,7 @@ impl Shared {
     /// and stays so when the verdict is `Evict`; a kept one is LIVE again.
     pub(super) fn decide(
         &self,
-        _lock: &LockGuard<'_>,
+        lock: &LockGuard<'_>,
         address: u64,
         census: &mut Census,
     ) -> Result<Verdict> {
@@ -249,11 +250,29 @@ impl Shared {
                 BlockKind::Free => return Ok(Verdict::Evict),
                 BlockKind::Reserved { owner } => {
                     // A dead writer's reservation is garbage: nothing in it is readable.
-                    return Ok(if census.writer_alive(self, owner)? {
-                        Verdict::Keep
-                    } else {
-                        Verdict::Evict
-                    });
+                    if !census.writer_alive(self, owner)? {
+                        return Ok(Verdict::Evict);
+                    }
+                    if raw & BlockState::BUFFER_BIT == 0 {
+                        return Ok(Verdict::Keep);
+                    }
+                    // A live writer's allocation buffer is taken back (freed here), so an
+                    // idle writer's buffer never holds the ring, nor the chunks before it.
+                    // Its owner carves with a CAS on this word: one of the two fails.
+                    if state_word
+                        .compare_exchange(
+                            raw,
+                            BlockState::FREE.pack(),
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        )
+                        .is_err()
+                    {
+                        continue; // its owner carved from it meanwhile
+                    }
+                    let size = self.block_size(address)?;
+                    self.adjust(lock, Counter::BytesInUse, -(size as i64))?;
+                    return Ok(Verdict::Evict);
                 }
                 BlockKind::Evicting => {
                     // Left by a holder that died outside any journal: judge it afresh.
@@ -341,11 +360,15 @@ impl Shared {
 
     /// Place a block of `size` bytes (a multiple of [`ALIGN`]) with CLOCK and reserve it for
     /// `census.me`; `None` when no room can be made within two laps.
+    ///
+    /// `sweep` bounds how far the hand may look (`None`: the two laps); a bounded sweep that
+    /// finds no window leaves the hand where it was.
     pub(super) fn allocate(
         &self,
         lock: &LockGuard<'_>,
         size: u64,
         census: &mut Census,
+        sweep: Option<u64>,
     ) -> Result<Option<u64>> {
         let capacity = self.layout.capacity;
         if size == 0 || size > capacity || size % ALIGN != 0 {
@@ -353,7 +376,7 @@ impl Shared {
         }
         let hand = self.header(header::HAND)?;
         let mut cursor = hand.load(Ordering::Relaxed);
-        let budget = 2 * capacity + size;
+        let budget = sweep.unwrap_or(2 * capacity + size);
         let mut swept = 0u64;
         while swept <= budget {
             if cursor + size > capacity {
@@ -433,6 +456,92 @@ impl Shared {
         Ok(None)
     }
 
+    /// Whether the block at `address` is a writer's allocation buffer.
+    pub(super) fn is_buffer(&self, address: u64) -> Result<bool> {
+        Ok(self.state_word(address)?.load(Ordering::Relaxed) & BlockState::BUFFER_BIT != 0)
+    }
+
+    /// Make the block at `address`, just reserved by `owner`, its allocation buffer.
+    pub(super) fn make_buffer(
+        &self,
+        _lock: &LockGuard<'_>,
+        address: u64,
+        owner: WriterId,
+    ) -> Result<()> {
+        self.state_word(address)?
+            .store(BlockState::buffer_word(owner), Ordering::Release);
+        Ok(())
+    }
+
+    /// Carve `owner`'s allocation buffer at `address` (`len` bytes) into a block of its
+    /// first `size` bytes, reserved by `owner`, and the rest, the buffer still: whether it
+    /// could (`false`: a sweep took the buffer back). No store lock: the owner takes the block
+    /// with a CAS on the buffer's word (the sweep frees it with one), and each store after it
+    /// keeps the ring tiled: the rest's header first, then the block shrinks onto it with
+    /// Release (a walker under the lock reads sizes with Acquire, so one that sees the new
+    /// size sees the rest's header).
+    pub(super) fn carve_buffer(
+        &self,
+        address: u64,
+        len: u64,
+        size: u64,
+        owner: WriterId,
+    ) -> Result<bool> {
+        let reserved = BlockState {
+            kind: BlockKind::Reserved { owner },
+            referenced: false,
+            keyed: false,
+        };
+        if self
+            .state_word(address)?
+            .compare_exchange(
+                BlockState::buffer_word(owner),
+                reserved.pack(),
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            )
+            .is_err()
+        {
+            return Ok(false);
+        }
+        if size < len {
+            let rest = address + size;
+            self.chunk(rest, chunk::ID)?.store(0, Ordering::Relaxed);
+            self.state_word(rest)?
+                .store(BlockState::buffer_word(owner), Ordering::Relaxed);
+            self.chunk(rest, chunk::SIZE)?
+                .store(len - size, Ordering::Relaxed);
+            crash::point("lab.split");
+            self.set_size(address, size)?;
+        }
+        Ok(true)
+    }
+
+    /// Give `owner`'s allocation buffer at `address` back to the ring (free), unless a sweep
+    /// took it back already.
+    pub(super) fn return_buffer(
+        &self,
+        lock: &LockGuard<'_>,
+        address: u64,
+        owner: WriterId,
+    ) -> Result<()> {
+        if self
+            .state_word(address)?
+            .compare_exchange(
+                BlockState::buffer_word(owner),
+                BlockState::FREE.pack(),
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        {
+            // Its size only now: once taken back, the bytes there may be another block's.
+            let size = self.block_size(address)?;
+            self.adjust(lock, Counter::BytesInUse, -(size as i64))?;
+        }
+        Ok(())
+    }
+
     /// Give back a reserved block that was never published (a put that failed after it
     /// reserved): it becomes free.
     pub(super) fn unreserve(&self, lock: &LockGuard<'_>, address: u64) -> Result<()> {
@@ -445,8 +554,14 @@ impl Shared {
 
     /// The next id (of a chunk, or of a claim's ticket): ids only grow, across `clear` too.
     pub(super) fn next_id(&self, lock: &LockGuard<'_>) -> Result<u64> {
-        self.adjust(lock, Counter::LastId, 1)?;
-        Ok(self.counter(Counter::LastId)?.load(Ordering::Relaxed))
+        Ok(self.next_ids(lock, 1)?.start)
+    }
+
+    /// The next `count` ids, drawn at once (a writer's allocation buffer carves with them).
+    pub(super) fn next_ids(&self, lock: &LockGuard<'_>, count: u64) -> Result<Range<u64>> {
+        self.adjust(lock, Counter::LastId, count as i64)?;
+        let last = self.counter(Counter::LastId)?.load(Ordering::Relaxed);
+        Ok(last + 1 - count..last + 1)
     }
 
     /// Evict one keyed chunk with CLOCK's sweep (second chance included), to free an index

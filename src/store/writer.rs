@@ -27,6 +27,7 @@ use crate::segment::{self, Process, Segment};
 use state::{Private, Release};
 
 mod claims;
+mod lab;
 mod maintain;
 mod put;
 mod state;
@@ -47,6 +48,9 @@ pub struct Writer {
     /// checks after taking one; `close` waits for those taken before).
     pub(super) closing: AtomicBool,
     private: Mutex<Private>,
+    /// The allocation buffer small puts carve from (`writer/lab.rs`). Its mutex may be
+    /// taken while holding the store lock, never the store lock while holding it.
+    lab: Mutex<Option<lab::Lab>>,
 }
 
 /// One of this writer's hazard words, naming the chunk an operation holds (S1 in the
@@ -179,6 +183,7 @@ impl Writer {
             me,
             process: Process::current(),
             closing: AtomicBool::new(false),
+            lab: Mutex::new(None),
         })
     }
 
@@ -702,6 +707,7 @@ impl Writer {
                 Err(Error::ShmTooSmall { .. }) => break,
                 Err(e) => return Err(e),
             };
+            self.return_lab(&lock, &mut self.lab())?;
             if !self.holds_anything(&lock)? {
                 self.drop_claims(&lock)?;
                 break;

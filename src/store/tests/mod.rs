@@ -4,7 +4,7 @@
 //! `inspect`, orphans), `model` (a proptest state machine against a model). Several writers:
 //! `members` (sharing, joining, leaving, metadata), `claims` (single flight, a full index),
 //! `crash` (writers that die: their stamps void, a lock they held taken over and repaired),
-//! `writers_model` (three writers against a model). `race`: threads racing (readers against
+//! `writers_model` (three writers against a model), `buffers` (allocation buffers). `race`: threads racing (readers against
 //! an evicting writer; several writers' threads on the same keys).
 
 use std::collections::HashMap;
@@ -14,6 +14,7 @@ use crate::handle::Handle;
 use crate::layout::Config;
 
 mod basics;
+mod buffers;
 mod claims;
 mod crash;
 mod members;

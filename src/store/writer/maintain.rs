@@ -41,6 +41,7 @@ impl Writer {
     pub fn clear(&self) -> Result<()> {
         self.check_open()?;
         let lock = self.lock()?;
+        self.return_lab(&lock, &mut self.lab())?;
         let sh = &self.shared;
         let mut census = Census::new(sh, self.me)?;
         let mut cleared = 0;
@@ -108,6 +109,7 @@ impl Writer {
             let address = block.address;
             match block.state.kind {
                 BlockKind::Free => continue,
+                BlockKind::Reserved { .. } if sh.is_buffer(address)? => continue,
                 BlockKind::Reserved { .. } => {
                     reserved += 1;
                     chunks += 1;

@@ -151,10 +151,28 @@ impl Writer {
         })
     }
 
-    /// Reserve a block of `size` bytes (the store lock held only for this) and draw its id.
+    /// Reserve a block of `size` bytes and draw its id: carved from this writer's allocation
+    /// buffer without the store lock when it has room (`writer/lab.rs`), else under the lock
+    /// (held only for this), refilling the buffer for a small object.
     pub(in crate::store) fn reserve(&self, size: u64) -> Result<Reservation> {
         // Outside the lock: the first reservation starts a thread.
         self.shared.seg.start_background_reservation();
+        let lab_size = self.lab_size(size);
+        if lab_size.is_some() {
+            let mut lab = self.lab();
+            // Under the buffer's mutex: `close` empties the buffer under it after setting
+            // the flag, and waits for a block carved before.
+            if self.closing.load(Ordering::Relaxed) {
+                return Err(Error::Closed);
+            }
+            if let Some((address, id)) = self.carve(&mut lab, size)? {
+                return Ok(Reservation {
+                    address,
+                    id,
+                    evicted: Vec::new(),
+                });
+            }
+        }
         let mut census = Census::new(&self.shared, self.me)?;
         let lock = self.lock()?;
         crash::point("alloc.locked");
@@ -162,9 +180,36 @@ impl Writer {
         if self.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
+        if let Some(len) = lab_size {
+            // The buffer's mutex after the store lock (never the other way round).
+            let mut lab = self.lab();
+            if let Some((address, id)) = self.carve(&mut lab, size)? {
+                return Ok(Reservation {
+                    address,
+                    id,
+                    evicted: Vec::new(),
+                }); // another thread refilled it meanwhile
+            }
+            self.return_lab(&lock, &mut lab)?;
+            // A short look only: where no buffer's room is free near the hand, the object
+            // is reserved on its own below, as if there were no buffer.
+            if let Some(address) = self
+                .shared
+                .allocate(&lock, len, &mut census, Some(4 * len))?
+            {
+                self.start_lab(&lock, &mut lab, address, len)?;
+                if let Some((address, id)) = self.carve(&mut lab, size)? {
+                    return Ok(Reservation {
+                        address,
+                        id,
+                        evicted: census.evicted,
+                    });
+                }
+            }
+        }
         let address = self
             .shared
-            .allocate(&lock, size, &mut census)?
+            .allocate(&lock, size, &mut census, None)?
             .ok_or(Error::Full {
                 needed: size,
                 capacity: self.shared.layout.capacity,

@@ -1,0 +1,105 @@
+//! This writer's allocation buffer: a block reserved under the store lock for several small
+//! objects at once, which later puts carve their blocks from without taking the lock. A put
+//! then takes the store lock once (to publish) instead of twice, and reserving for many
+//! objects evicts their room in one go — what lets several writers put at once.
+//!
+//! The buffer is a reservation of this writer marked as a buffer (`BlockState::buffer_word`):
+//! a sweep that meets it reclaims it if this writer died, and takes it back (frees it) if
+//! not, so an idle writer's buffer never holds the ring or the chunks just before it. The
+//! owner carves with a CAS on the buffer's word, the sweep frees it with one: one of the two
+//! fails, and an owner that finds its buffer gone reserves anew. Each carve keeps the ring
+//! tiled at every store (`Shared::carve_buffer`), so a writer killed in the middle leaves
+//! only reservations of a dead writer. What is left goes back to the ring when a refill
+//! replaces it, on `clear` and on `close`; until then `bytes_in_use` counts it (not
+//! `chunks_reserved`). It holds at most 1/16 of the ring per writer slot (and 256 KiB), and
+//! only objects up to a quarter of it are carved, so a small ring, or a large object, is
+//! reserved exactly as before.
+
+use std::ops::Range;
+use std::sync::MutexGuard;
+
+use super::super::lock::LockGuard;
+use super::Writer;
+use crate::error::Result;
+use crate::layout::ALIGN;
+
+/// The most a buffer holds.
+const MOST: u64 = 256 << 10;
+
+/// What is left of the buffer: the block `[rest, end)`, reserved by this writer, and the ids
+/// drawn for the objects still to be carved from it.
+#[derive(Debug)]
+pub(super) struct Lab {
+    rest: u64,
+    end: u64,
+    ids: Range<u64>,
+}
+
+impl Writer {
+    /// The size of the buffer an object of `size` bytes (a block) is carved from, or `None`
+    /// when it is reserved on its own.
+    pub(super) fn lab_size(&self, size: u64) -> Option<u64> {
+        let l = &self.shared.layout;
+        let share = l.capacity / (16 * u64::from(l.max_writers));
+        let buffer = MOST.min(share) / ALIGN * ALIGN;
+        (size.saturating_mul(4) <= buffer).then_some(buffer)
+    }
+
+    pub(super) fn lab(&self) -> MutexGuard<'_, Option<Lab>> {
+        // Nothing in it is left half-changed by a panic: carry on with it.
+        self.lab
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Carve a block of `size` bytes out of the buffer: its address and id, or `None` if the
+    /// buffer lacks the room (or an id) for it. Takes no store lock.
+    pub(super) fn carve(&self, lab: &mut Option<Lab>, size: u64) -> Result<Option<(u64, u64)>> {
+        let Some(buffer) = lab.as_mut() else {
+            return Ok(None);
+        };
+        let left = buffer.end - buffer.rest;
+        if size > left || buffer.ids.is_empty() {
+            return Ok(None);
+        }
+        let address = buffer.rest;
+        if !self.shared.carve_buffer(address, left, size, self.me)? {
+            *lab = None; // a sweep took it back
+            return Ok(None);
+        }
+        let id = buffer.ids.start;
+        buffer.ids.start += 1;
+        buffer.rest += size;
+        if buffer.rest == buffer.end {
+            *lab = None;
+        }
+        Ok(Some((address, id)))
+    }
+
+    /// Start a buffer at `address`, `len` bytes this writer just reserved (under the store
+    /// lock: ids are drawn for the most blocks it can be carved into).
+    pub(super) fn start_lab(
+        &self,
+        lock: &LockGuard<'_>,
+        lab: &mut Option<Lab>,
+        address: u64,
+        len: u64,
+    ) -> Result<()> {
+        let most_blocks = len / (self.shared.layout.chunk_header_size + ALIGN);
+        self.shared.make_buffer(lock, address, self.me)?;
+        *lab = Some(Lab {
+            rest: address,
+            end: address + len,
+            ids: self.shared.next_ids(lock, most_blocks)?,
+        });
+        Ok(())
+    }
+
+    /// Give what is left of the buffer back to the ring (under the store lock).
+    pub(super) fn return_lab(&self, lock: &LockGuard<'_>, lab: &mut Option<Lab>) -> Result<()> {
+        if let Some(buffer) = lab.take() {
+            self.shared.return_buffer(lock, buffer.rest, self.me)?;
+        }
+        Ok(())
+    }
+}
