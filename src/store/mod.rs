@@ -324,33 +324,6 @@ impl Shared {
             }
         }
     }
-
-    /// Whether the bytes at segment offset `offset` (8-byte aligned, readable in whole words
-    /// up to `expected.len()` rounded up to 8) start with `expected`, read with atomic loads:
-    /// bytes another process may be changing (the caller validates afterwards).
-    fn racy_eq(&self, offset: u64, expected: &[u8]) -> Result<bool> {
-        for (i, part) in expected.chunks(8).enumerate() {
-            // Word against word (no call into memcmp or memcpy per word): the part read as a
-            // little-endian word (zero-padded), the loaded word masked to the part's length.
-            let (want, mask) = match <[u8; 8]>::try_from(part) {
-                Ok(whole) => (u64::from_le_bytes(whole), u64::MAX),
-                Err(_) => (
-                    part.iter()
-                        .rev()
-                        .fold(0u64, |word, &byte| (word << 8) | byte as u64),
-                    u64::MAX >> (64 - 8 * part.len()),
-                ),
-            };
-            let got = self
-                .seg
-                .atomic(offset + 8 * i as u64)?
-                .load(Ordering::Relaxed);
-            if got & mask != want {
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    }
 }
 
 /// Whether the pid in `claim` runs, judged with the start time word of its slot (it counts
