@@ -20,6 +20,7 @@ from item_checks import same_item
 from mmcache import (
     CacheInfo,
     CacheMissError,
+    ClosedError,
     Feature,
     InvalidHandleError,
     MmcacheError,
@@ -121,6 +122,27 @@ def test_is_cached_item_sees_invalidation_and_keeps_no_cache_alive() -> None:
     del cache
     gc.collect()
     assert gone() is None, "the native is_cached_item keeps its cache alive"
+
+
+def test_is_cached_item_answers_every_argument_as_the_full_check_does() -> None:
+    # The native function answers an exact str stored and kept, or not stored, by itself;
+    # everything else (a str subclass, a key it cannot encode, another type, a closed
+    # store) goes through the full check, with its answer or its error.
+    class Key(str):
+        pass
+
+    cache = ShmSenderCache(RING / GiB, max_object_size_mb=1)
+    put(cache, "a")
+    assert cache.is_cached_item(Key("a")) and not cache.is_cached_item(Key("b"))
+    with pytest.raises(UnicodeEncodeError):
+        cache.is_cached_item("\ud800")
+    for bad in (None, 1, b"a"):
+        with pytest.raises(TypeError, match="takes a str"):
+            cache.is_cached_item(bad)  # type: ignore[arg-type]
+    check = cache.is_cached_item
+    cache.close()
+    with pytest.raises(ClosedError):
+        check("a")
 
 
 def test_miss_without_data_raises(sender: ShmSenderCache) -> None:

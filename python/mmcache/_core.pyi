@@ -326,7 +326,11 @@ class CachedItemCheck:
         kept: dict[str, Any],
         learn: Callable[[], Callable[[str], bool] | None],
     ) -> CachedItemCheck: ...
-    def check(self, mm_hash: str) -> bool: ...
+    @property
+    def check(self) -> Callable[[str], bool]:
+        """``is_cached_item(mm_hash)`` as a built-in function of one argument (``METH_O``: a
+        call passes ``mm_hash`` through without argument parsing); its ``__self__`` is this
+        check."""
 
 @final
 class ShmReader(ShmObjectStore):

@@ -195,7 +195,7 @@ class ShmSenderCache(BaseSenderCache):
             # The hottest lookup, as one native call: the method's answer without its frame.
             learn = weakref.WeakMethod(self._learn_prompt_updates)
             check = CachedItemCheck(store, self._prompt_updates, learn)
-            self.is_cached_item = check.check  # type: ignore[method-assign]
+            self.is_cached_item = check.check  # type: ignore[method-assign, assignment]
         self._request: _Request = _Request()  # the calling thread's
         # Pins need no count here: each request's touch is one core pin of the object (counted
         # per writer in the core), undone by that request's update, by the object's monotonic

@@ -3,12 +3,15 @@
 //! shared between processes; copies release the GIL when large (`put`) or always (reads,
 //! whose length only the core knows); waits (`wait_for`, `claim`, `close`) always release it.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::panic::PanicException;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::{Borrowed, ffi};
 
 use super::buffer::{collect_buffers, copying, raw_parts};
 use super::encode::Encoded;
@@ -287,6 +290,150 @@ pub(crate) struct CachedItemCheck {
     learn: Py<PyAny>,
 }
 
+impl CachedItemCheck {
+    /// Whether `mm_hash` is cached for the cache (every case, errors included).
+    fn answer(&self, py: Python<'_>, mm_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let mm_hash = mm_hash.cast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "is_cached_item takes a str (an mm_hash), not a {}",
+                type_name(mm_hash)
+            ))
+        })?;
+        let key = mm_hash.to_str()?;
+        if !self.writer.get().writer.with(py, |w| w.is_cached(key))?? {
+            return Ok(false);
+        }
+        if self.kept.bind(py).contains(mm_hash)? {
+            return Ok(true);
+        }
+        let learn = self.learn.bind(py).call0()?;
+        Ok(!learn.is_none() && learn.call1((mm_hash,))?.is_truthy()?)
+    }
+
+    /// The answer for an exact `str` that is not stored, or stored and kept: the two
+    /// answers of the hot path, reached without a Python object or error made; `None` for
+    /// every other case (`answer` takes those).
+    fn settled_answer(&self, py: Python<'_>, mm_hash: *mut ffi::PyObject) -> Option<bool> {
+        // SAFETY: `mm_hash` is a live object (a borrowed reference, valid for the call).
+        if unsafe { ffi::PyUnicode_CheckExact(mm_hash) } == 0 {
+            return None;
+        }
+        let mut len: ffi::Py_ssize_t = 0;
+        // SAFETY: `mm_hash` is a `str`. The UTF-8 form CPython returns is valid UTF-8, cached
+        // in the string (immutable, alive for the call), `len` bytes long; on failure (lone
+        // surrogates) it returns null with an exception set, which is cleared: `answer`
+        // raises it again.
+        let key = unsafe {
+            let data = ffi::PyUnicode_AsUTF8AndSize(mm_hash, &mut len);
+            if data.is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            std::str::from_utf8_unchecked(std::slice::from_raw_parts(
+                data.cast::<u8>(),
+                usize::try_from(len).ok()?,
+            ))
+        };
+        let stored = self.writer.get().writer.with(py, |w| w.is_cached(key).ok());
+        if !stored.ok().flatten()? {
+            return Some(false);
+        }
+        // SAFETY: `kept` is a dict and `mm_hash` an exact str (its hash and equality cannot
+        // raise); an error (-1) is left to `answer`, with the exception cleared.
+        match unsafe { ffi::PyDict_Contains(self.kept.as_ptr(), mm_hash) } {
+            1 => Some(true),
+            0 => None,
+            _ => {
+                // SAFETY: attached to the interpreter, with an exception set.
+                unsafe { ffi::PyErr_Clear() };
+                None
+            }
+        }
+    }
+}
+
+/// The type name of `obj`, for an error message.
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .qualname()
+        .map_or_else(|_| "?".into(), |name| name.to_string())
+}
+
+/// [`CachedItemCheck::check`]'s C function: `METH_O`, so CPython calls it with its one
+/// argument as is (no argument parsing, and a specialised call site), and the hot path's
+/// answers are given without PyO3's trampoline; the rest goes through it (`Python::attach`).
+unsafe extern "C" fn check_item(
+    check: *mut ffi::PyObject,
+    mm_hash: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls a function attached to the interpreter, with `check` the
+    // function's `__self__`: the `CachedItemCheck` that made it (`CachedItemCheck::check`,
+    // the only maker; the function holds a reference to it) and `mm_hash` a borrowed
+    // reference valid for the call. Nothing here detaches or lets `py` escape the call.
+    let (py, this) = unsafe {
+        let py = Python::assume_attached();
+        let this = Borrowed::from_ptr(py, check).cast_unchecked::<CachedItemCheck>();
+        (py, this.get())
+    };
+    // Unwind safety: a panic leaves nothing half changed (a lookup changes nothing).
+    let settled = catch_unwind(AssertUnwindSafe(|| this.settled_answer(py, mm_hash)));
+    let answer = match settled {
+        Ok(Some(answer)) => Ok(answer),
+        _ => Python::attach(|py| {
+            // SAFETY: `mm_hash` is a live borrowed reference (above).
+            let mm_hash = unsafe { Borrowed::from_ptr(py, mm_hash) };
+            catch_unwind(AssertUnwindSafe(|| this.answer(py, &mm_hash))).unwrap_or_else(|payload| {
+                Err(PanicException::new_err(panic_message(payload.as_ref())))
+            })
+        }),
+    };
+    match answer {
+        // SAFETY: `Py_True` and `Py_False` are immortal-or-counted singletons; a new
+        // reference is returned.
+        Ok(answer) => unsafe {
+            let result = if answer {
+                ffi::Py_True()
+            } else {
+                ffi::Py_False()
+            };
+            ffi::Py_IncRef(result);
+            result
+        },
+        Err(err) => {
+            Python::attach(|py| err.restore(py));
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// What a panic said, for the exception that reports it.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (
+        payload.downcast_ref::<&str>(),
+        payload.downcast_ref::<String>(),
+    ) {
+        (Some(message), _) => (*message).to_owned(),
+        (_, Some(message)) => message.clone(),
+        _ => "a panic in CachedItemCheck".to_owned(),
+    }
+}
+
+/// The definition of [`check_item`] as a Python function (`METH_O`).
+struct CheckItemDef(ffi::PyMethodDef);
+
+// SAFETY: the definition is never written after it is made, and what it points to (a C
+// string literal and a function) is `'static` and immutable; CPython only reads it.
+unsafe impl Sync for CheckItemDef {}
+
+static CHECK_ITEM: CheckItemDef = CheckItemDef(ffi::PyMethodDef {
+    ml_name: c"is_cached_item".as_ptr(),
+    ml_meth: ffi::PyMethodDefPointer {
+        PyCFunction: check_item,
+    },
+    ml_flags: ffi::METH_O,
+    ml_doc: c"Whether mm_hash is cached for the cache (is_cached_item).".as_ptr(),
+});
+
 #[pymethods]
 impl CachedItemCheck {
     #[new]
@@ -298,16 +445,19 @@ impl CachedItemCheck {
         }
     }
 
-    /// Whether `mm_hash` is cached for the cache (`is_cached_item`, and its argument's name).
-    fn check(&self, py: Python<'_>, mm_hash: &Bound<'_, PyString>) -> PyResult<bool> {
-        let key = mm_hash.to_str()?;
-        if !self.writer.get().writer.with(py, |w| w.is_cached(key))?? {
-            return Ok(false);
+    /// `is_cached_item(mm_hash)` for the cache, as a built-in function of one argument (its
+    /// `__self__` is this check).
+    #[getter]
+    fn check<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        // SAFETY: `CHECK_ITEM` is a `'static` METH_O definition whose function takes a
+        // `CachedItemCheck` as its `__self__`: `slf`, which the new function keeps alive.
+        unsafe {
+            let function = ffi::PyCFunction_NewEx(
+                (&raw const CHECK_ITEM.0).cast_mut(),
+                slf.as_ptr(),
+                std::ptr::null_mut(),
+            );
+            Bound::from_owned_ptr_or_err(slf.py(), function)
         }
-        if self.kept.bind(py).contains(mm_hash)? {
-            return Ok(true);
-        }
-        let learn = self.learn.bind(py).call0()?;
-        Ok(!learn.is_none() && learn.call1((mm_hash,))?.is_truthy()?)
     }
 }
