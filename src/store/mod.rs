@@ -154,30 +154,38 @@ struct Occupant {
     word: u64,
 }
 
+// The word accessors are inlined: each is a bounds check and an address (a call returned
+// its result through memory, reloaded at once: a store-forwarding stall on the hit path).
 impl Shared {
+    #[inline]
     fn header(&self, field: u64) -> Result<&AtomicU64> {
         self.seg.atomic(field)
     }
 
+    #[inline]
     fn slot(&self, index: u32, field: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.slot_offset(index) + field)
     }
 
+    #[inline]
     fn writer_slot(&self, index: u32, field: u64) -> Result<&AtomicU64> {
         self.seg
             .atomic(self.layout.writer_slot_offset(index) + field)
     }
 
+    #[inline]
     fn chunk(&self, address: u64, field: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.chunk_offset(address) + field)
     }
 
     /// Reader slot `slot_index`'s word on the chunk at `address`.
+    #[inline]
     fn word(&self, address: u64, slot_index: u32) -> Result<&AtomicU64> {
         self.chunk(address, chunk::WORDS + 8 * slot_index as u64)
     }
 
     /// Writer slot `writer_slot`'s pin word on the chunk at `address`.
+    #[inline]
     fn pin_word(&self, address: u64, writer_slot: u32) -> Result<&AtomicU64> {
         self.chunk(address, self.layout.pin_word(writer_slot))
     }
