@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -127,6 +128,8 @@ class ShmSenderCache(BaseSenderCache):
     :meth:`is_cached` with ``claim``/``wait_s`` makes writers that receive the same new item
     at once process it once.
     """
+
+    _lock: threading.RLock  # the base's: acquired by hand on the hit path (see there)
 
     def __init__(
         self,
@@ -318,28 +321,34 @@ class ShmSenderCache(BaseSenderCache):
         # touch is undone, by the core call that issues it when that is the object pinned (one
         # lookup for both), else below; its claim has ended (a put) or is given up.
         pinned = request.pins.pop(mm_hash, None)
-        with self._lock:
+        # The lock by hand, not `with`: a `with` looks up and calls `__enter__` and
+        # `__exit__` (arguments packed for both), 70 ns of a hit's 800.
+        lock = self._lock
+        lock.acquire()
+        try:
             self._lookups.total += 1
+            # The hot path first: a hit on an object whose prompt updates are kept here.
+            handle = self._store.issue_unpinning(mm_hash, pinned)
+            if handle is not None:
+                monotonic_id = handle.monotonic_id
+                if monotonic_id == pinned:
+                    pinned = None
+                kept = self._prompt_updates.get(mm_hash)
+                if kept is not None and kept[0] == monotonic_id:
+                    self._lookups.hits += 1
+                    return handle, kept[1]
+            return self._update(item, mm_hash, handle)
+        except ReferencesSaturatedError:
+            self._lookups.hits += 1
+            return self._serve_saturated(item, mm_hash)
+        finally:
             try:
-                # The hot path first: a hit on an object whose prompt updates are kept here.
-                handle = self._store.issue_unpinning(mm_hash, pinned)
-                if handle is not None:
-                    monotonic_id = handle.monotonic_id
-                    if monotonic_id == pinned:
-                        pinned = None
-                    kept = self._prompt_updates.get(mm_hash)
-                    if kept is not None and kept[0] == monotonic_id:
-                        self._lookups.hits += 1
-                        return handle, kept[1]
-                return self._update(item, mm_hash, handle)
-            except ReferencesSaturatedError:
-                self._lookups.hits += 1
-                return self._serve_saturated(item, mm_hash)
-            finally:
                 if pinned is not None and not self._store.closed:
                     self._store.unpin_object(mm_hash, pinned)
                 if request.claims:
                     self._claims.give(request.claims, mm_hash)
+            finally:
+                lock.release()
 
     def _update(self, item: SenderInput, mm_hash: str, handle: ShmHandle | None) -> SenderOutput:
         """A hit on ``handle`` (just issued, if not ``None``) or a put of the item (lock
