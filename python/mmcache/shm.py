@@ -277,7 +277,8 @@ class ShmSenderCache(BaseSenderCache):
         two requests that claimed each other's items in turns never wait for each other."""
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
-        cached = [self.is_cached_item(h) for h in mm_hashes]
+        is_cached_item = self.is_cached_item  # (an instance attribute: looked up once)
+        cached = [is_cached_item(h) for h in mm_hashes]
         if not (claim or wait_s > 0) or all(cached):
             return cached
         misses = list(dict.fromkeys(h for h, hit in zip(mm_hashes, cached, strict=True) if not hit))
