@@ -125,15 +125,25 @@ def test_is_cached_item_sees_invalidation_and_keeps_no_cache_alive() -> None:
 
 
 def test_is_cached_item_answers_every_argument_as_the_full_check_does() -> None:
-    # The native function answers an exact str stored and kept, or not stored, by itself;
-    # everything else (a str subclass, a key it cannot encode, another type, a closed
-    # store) goes through the full check, with its answer or its error.
+    # The native function answers an exact str stored and kept, or not stored, given by
+    # position, by itself; everything else (a str subclass, a keyword, a key it cannot
+    # encode, another type, a wrong number of arguments, a closed store) goes through the
+    # full check, with its answer or its error.
     class Key(str):
         pass
 
     cache = ShmSenderCache(RING / GiB, max_object_size_mb=1)
     put(cache, "a")
     assert cache.is_cached_item(Key("a")) and not cache.is_cached_item(Key("b"))
+    assert cache.is_cached_item(mm_hash="a") and not cache.is_cached_item(mm_hash="b")
+    for args, kwargs in [
+        ((), {}),
+        (("a", "b"), {}),
+        ((), {"key": "a"}),
+        (("a",), {"mm_hash": "a"}),
+    ]:
+        with pytest.raises(TypeError, match="one argument, mm_hash"):
+            cache.is_cached_item(*args, **kwargs)
     with pytest.raises(UnicodeEncodeError):
         cache.is_cached_item("\ud800")
     for bad in (None, 1, b"a"):

@@ -328,9 +328,9 @@ class CachedItemCheck:
     ) -> CachedItemCheck: ...
     @property
     def check(self) -> Callable[[str], bool]:
-        """``is_cached_item(mm_hash)`` as a built-in function of one argument (``METH_O``: a
-        call passes ``mm_hash`` through without argument parsing); its ``__self__`` is this
-        check."""
+        """``is_cached_item(mm_hash)`` as a built-in function (``METH_FASTCALL``: a call
+        passes ``mm_hash`` through without a tuple or argument parsing); its ``__self__`` is
+        this check."""
 
 @final
 class ShmReader(ShmObjectStore):

@@ -10,7 +10,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::panic::PanicException;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 use pyo3::{Borrowed, ffi};
 
 use super::buffer::{collect_buffers, copying, raw_parts};
@@ -359,32 +359,43 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .map_or_else(|_| "?".into(), |name| name.to_string())
 }
 
-/// [`CachedItemCheck::check`]'s C function: `METH_O`, so CPython calls it with its one
-/// argument as is (no argument parsing, and a specialised call site), and the hot path's
-/// answers are given without PyO3's trampoline; the rest goes through it (`Python::attach`).
+/// [`CachedItemCheck::check`]'s C function: `METH_FASTCALL | METH_KEYWORDS`, so CPython
+/// calls it with its arguments as they are (no tuple, and a specialised call site), and the
+/// hot path's answers (one positional argument) are given without PyO3's trampoline or
+/// argument parsing; the rest goes through it (`Python::attach`).
 unsafe extern "C" fn check_item(
     check: *mut ffi::PyObject,
-    mm_hash: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls a function attached to the interpreter, with `check` the
     // function's `__self__`: the `CachedItemCheck` that made it (`CachedItemCheck::check`,
-    // the only maker; the function holds a reference to it) and `mm_hash` a borrowed
-    // reference valid for the call. Nothing here detaches or lets `py` escape the call.
+    // the only maker; the function holds a reference to it), and `nargs` positional
+    // arguments at `args` followed by one per name in `kwnames` (a tuple, or null for
+    // none), borrowed for the call. Nothing here detaches or lets `py` escape the call.
     let (py, this) = unsafe {
         let py = Python::assume_attached();
         let this = Borrowed::from_ptr(py, check).cast_unchecked::<CachedItemCheck>();
         (py, this.get())
     };
-    // Unwind safety: a panic leaves nothing half changed (a lookup changes nothing).
-    let settled = catch_unwind(AssertUnwindSafe(|| this.settled_answer(py, mm_hash)));
+    let settled = if nargs == 1 && kwnames.is_null() {
+        // SAFETY: one positional argument (above).
+        let mm_hash = unsafe { *args };
+        // Unwind safety: a panic leaves nothing half changed (a lookup changes nothing).
+        catch_unwind(AssertUnwindSafe(|| this.settled_answer(py, mm_hash)))
+    } else {
+        Ok(None)
+    };
     let answer = match settled {
         Ok(Some(answer)) => Ok(answer),
         _ => Python::attach(|py| {
-            // SAFETY: `mm_hash` is a live borrowed reference (above).
-            let mm_hash = unsafe { Borrowed::from_ptr(py, mm_hash) };
-            catch_unwind(AssertUnwindSafe(|| this.answer(py, &mm_hash))).unwrap_or_else(|payload| {
-                Err(PanicException::new_err(panic_message(payload.as_ref())))
-            })
+            catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: as above.
+                let mm_hash = unsafe { the_argument(py, args, nargs, kwnames) }?;
+                this.answer(py, &mm_hash)
+            }))
+            .unwrap_or_else(|payload| Err(PanicException::new_err(panic_message(payload.as_ref()))))
         }),
     };
     match answer {
@@ -406,6 +417,32 @@ unsafe extern "C" fn check_item(
     }
 }
 
+/// The one argument of a call of `is_cached_item`, `mm_hash`, given by position or by name.
+///
+/// # Safety
+/// `args`, `nargs` and `kwnames` are a vectorcall's (see [`check_item`]), valid for `'a`.
+unsafe fn the_argument<'a, 'py>(
+    py: Python<'py>,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> PyResult<Borrowed<'a, 'py, PyAny>> {
+    // SAFETY: `kwnames` is null or a tuple of str, borrowed for the call.
+    let names = unsafe { Borrowed::from_ptr_or_opt(py, kwnames) };
+    let named = match &names {
+        Some(names) => names.cast::<PyTuple>()?.len(),
+        None => 0,
+    };
+    let by_name = || names.is_some_and(|names| names.eq(("mm_hash",)).unwrap_or(false));
+    if (nargs, named) == (1, 0) || ((nargs, named) == (0, 1) && by_name()) {
+        // SAFETY: exactly one argument is at `args`, borrowed for the call.
+        return Ok(unsafe { Borrowed::from_ptr(py, *args) });
+    }
+    Err(PyTypeError::new_err(
+        "is_cached_item takes one argument, mm_hash",
+    ))
+}
+
 /// What a panic said, for the exception that reports it.
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     match (
@@ -418,7 +455,7 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// The definition of [`check_item`] as a Python function (`METH_O`).
+/// The definition of [`check_item`] as a Python function.
 struct CheckItemDef(ffi::PyMethodDef);
 
 // SAFETY: the definition is never written after it is made, and what it points to (a C
@@ -428,9 +465,9 @@ unsafe impl Sync for CheckItemDef {}
 static CHECK_ITEM: CheckItemDef = CheckItemDef(ffi::PyMethodDef {
     ml_name: c"is_cached_item".as_ptr(),
     ml_meth: ffi::PyMethodDefPointer {
-        PyCFunction: check_item,
+        PyCFunctionFastWithKeywords: check_item,
     },
-    ml_flags: ffi::METH_O,
+    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
     ml_doc: c"Whether mm_hash is cached for the cache (is_cached_item).".as_ptr(),
 });
 
@@ -449,7 +486,7 @@ impl CachedItemCheck {
     /// `__self__` is this check).
     #[getter]
     fn check<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        // SAFETY: `CHECK_ITEM` is a `'static` METH_O definition whose function takes a
+        // SAFETY: `CHECK_ITEM` is a `'static` definition whose function takes a
         // `CachedItemCheck` as its `__self__`: `slf`, which the new function keeps alive.
         unsafe {
             let function = ffi::PyCFunction_NewEx(
