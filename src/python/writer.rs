@@ -362,7 +362,7 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 /// [`CachedItemCheck::check`]'s C function: `METH_FASTCALL | METH_KEYWORDS`, so CPython
 /// calls it with its arguments as they are (no tuple, and a specialised call site), and the
 /// hot path's answers (one positional argument) are given without PyO3's trampoline or
-/// argument parsing; the rest goes through it (`Python::attach`).
+/// argument parsing; the rest goes through it ([`full_answer`]).
 unsafe extern "C" fn check_item(
     check: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,
@@ -379,42 +379,64 @@ unsafe extern "C" fn check_item(
         let this = Borrowed::from_ptr(py, check).cast_unchecked::<CachedItemCheck>();
         (py, this.get())
     };
-    let settled = if nargs == 1 && kwnames.is_null() {
+    if nargs == 1 && kwnames.is_null() {
         // SAFETY: one positional argument (above).
         let mm_hash = unsafe { *args };
         // Unwind safety: a panic leaves nothing half changed (a lookup changes nothing).
-        catch_unwind(AssertUnwindSafe(|| this.settled_answer(py, mm_hash)))
-    } else {
-        Ok(None)
-    };
-    let answer = match settled {
-        Ok(Some(answer)) => Ok(answer),
-        _ => Python::attach(|py| {
-            catch_unwind(AssertUnwindSafe(|| {
-                // SAFETY: as above.
-                let mm_hash = unsafe { the_argument(py, args, nargs, kwnames) }?;
-                this.answer(py, &mm_hash)
-            }))
-            .unwrap_or_else(|payload| Err(PanicException::new_err(panic_message(payload.as_ref()))))
-        }),
-    };
-    match answer {
-        // SAFETY: `Py_True` and `Py_False` are immortal-or-counted singletons; a new
-        // reference is returned.
-        Ok(answer) => unsafe {
-            let result = if answer {
-                ffi::Py_True()
-            } else {
-                ffi::Py_False()
-            };
-            ffi::Py_IncRef(result);
-            result
-        },
-        Err(err) => {
-            Python::attach(|py| err.restore(py));
-            std::ptr::null_mut()
+        if let Ok(Some(answer)) =
+            catch_unwind(AssertUnwindSafe(|| this.settled_answer(py, mm_hash)))
+        {
+            return new_bool(answer);
         }
     }
+    // SAFETY: the call's own arguments (above).
+    unsafe { full_answer(this, args, nargs, kwnames) }
+}
+
+/// `true` or `false`, as a new reference.
+fn new_bool(answer: bool) -> *mut ffi::PyObject {
+    // SAFETY: `Py_True` and `Py_False` are singletons that live as long as the interpreter;
+    // the reference returned is counted.
+    unsafe {
+        let result = if answer {
+            ffi::Py_True()
+        } else {
+            ffi::Py_False()
+        };
+        ffi::Py_IncRef(result);
+        result
+    }
+}
+
+/// [`check_item`] for every call its hot path does not answer, through PyO3: the answer, or
+/// null with the error set.
+///
+/// # Safety
+/// The arguments are a vectorcall's (see [`check_item`]), on a thread attached to the
+/// interpreter.
+#[cold]
+#[inline(never)]
+unsafe fn full_answer(
+    this: &CachedItemCheck,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    Python::attach(|py| {
+        let answer = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the caller's.
+            let mm_hash = unsafe { the_argument(py, args, nargs, kwnames) }?;
+            this.answer(py, &mm_hash)
+        }))
+        .unwrap_or_else(|payload| Err(PanicException::new_err(panic_message(payload.as_ref()))));
+        match answer {
+            Ok(answer) => new_bool(answer),
+            Err(err) => {
+                err.restore(py);
+                std::ptr::null_mut()
+            }
+        }
+    })
 }
 
 /// The one argument of a call of `is_cached_item`, `mm_hash`, given by position or by name.
