@@ -155,6 +155,29 @@ def test_is_cached_item_answers_every_argument_as_the_full_check_does() -> None:
         check("a")
 
 
+def test_is_cached_item_of_subclasses_and_of_a_cache_never_opened() -> None:
+    # `is_cached_item` is a C method of `ShmSenderCache` (its native base's, set on the class
+    # itself); a subclass inherits it or overrides it like any method.
+    class Plain(ShmSenderCache):
+        pass
+
+    class Overriding(ShmSenderCache):
+        def is_cached_item(self, mm_hash: str) -> bool:
+            return mm_hash == "always"
+
+    for cls in (Plain, Overriding):
+        with cls(RING / GiB, max_object_size_mb=1) as cache:
+            put(cache, "a")
+            answers = [cache.is_cached_item(h) for h in ("a", "b", "always")]
+            assert answers == ([True, False, False] if cls is Plain else [False, False, True])
+            assert cache.is_cached(["a", "always"]) == answers[::2]
+            with pytest.raises(RuntimeError, match="answered already"):
+                cache._check_with(cache._store, {})
+    never_opened = ShmSenderCache.__new__(ShmSenderCache)
+    with pytest.raises(RuntimeError, match="never opened"):
+        never_opened.is_cached_item("a")
+
+
 def test_miss_without_data_raises(sender: ShmSenderCache) -> None:
     with pytest.raises(CacheMissError) as info:
         sender.get_and_update_item(None, "nope")

@@ -98,7 +98,7 @@ class _Request(RequestState):
         return _Request, ()
 
 
-class ShmSenderCache(BaseSenderCache):
+class ShmSenderCache(CachedItemCheck, BaseSenderCache):
     """P0's cache in ``shm`` mode: a writer of a shared-memory ring.
 
     A hit returns ``(ShmHandle, prompt_updates)`` and issues one reference; a miss writes the
@@ -194,11 +194,9 @@ class ShmSenderCache(BaseSenderCache):
         # prompt updates). Written under the lock; read without it (one dict lookup).
         self._prompt_updates: dict[str, tuple[int | None, Any]] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
-        if type(self).is_cached_item is ShmSenderCache.is_cached_item:
-            # The hottest lookup, as one native call: the method's answer without its frame.
-            learn = weakref.WeakMethod(self._learn_prompt_updates)
-            check = CachedItemCheck(store, self._prompt_updates, learn)
-            self.is_cached_item = check.check  # type: ignore[method-assign, assignment]
+        # `is_cached_item`, the hottest lookup, is `CachedItemCheck`'s: a C method reading
+        # these two (no lock: the core's lookup is lock-free, and so is one lookup in a dict).
+        self._check_with(store, self._prompt_updates)
         self._request: _Request = _Request()  # the calling thread's
         # Pins need no count here: each request's touch is one core pin of the object (counted
         # per writer in the core), undone by that request's update, by the object's monotonic
@@ -228,15 +226,6 @@ class ShmSenderCache(BaseSenderCache):
         return self._store.writer_handle()
 
     # -- lookups ---------------------------------------------------------------------------
-
-    def is_cached_item(self, mm_hash: str) -> bool:
-        # No lock: the core's lookup is lock-free, and so is one lookup in a dict. A key
-        # without prompt updates here is another writer's (or being put by this one's other
-        # thread): learning them takes the lock. Each cache answers through a
-        # `CachedItemCheck` doing the same in one native call (set up by `_start`).
-        return self._store.is_cached(mm_hash) and (
-            mm_hash in self._prompt_updates or self._learn_prompt_updates(mm_hash)
-        )
 
     def _learn_prompt_updates(self, mm_hash: str) -> bool:
         """Read and keep the prompt updates another writer stored with ``mm_hash``; whether
@@ -277,7 +266,7 @@ class ShmSenderCache(BaseSenderCache):
         two requests that claimed each other's items in turns never wait for each other."""
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
-        is_cached_item = self.is_cached_item  # (an instance attribute: looked up once)
+        is_cached_item = self.is_cached_item  # (looked up once)
         cached = [is_cached_item(h) for h in mm_hashes]
         if not (claim or wait_s > 0) or all(cached):
             return cached
@@ -604,6 +593,11 @@ class ShmSenderCache(BaseSenderCache):
                 "unshared_prompt_updates": self._unshared,
             }
             return {**own, **super().stats(), **store}
+
+
+# `is_cached_item` (`CachedItemCheck`'s, a C method) as a method of exactly this class: CPython
+# 3.11 specialises a call of a C method only on instances of exactly its class.
+ShmSenderCache.is_cached_item = CachedItemCheck._method_for(ShmSenderCache)  # type: ignore[method-assign, assignment]
 
 
 class ShmReceiverCache(BaseReceiverCache):

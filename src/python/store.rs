@@ -402,6 +402,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ShmObjectStore>()?;
     m.add_class::<ShmWriter>()?;
     m.add_class::<super::writer::CachedItemCheck>()?;
+    super::writer::install_is_cached_item(m.py())?;
     m.add_class::<ShmReader>()?;
     Ok(())
 }
