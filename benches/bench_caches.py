@@ -10,7 +10,11 @@ IPC (the baseline's cost) on top of the cache work shown.
 A second table gives the cost of the calls themselves on the hot paths (a 1 KiB item, so
 no payload work): ns per call in thread CPU time (steadier than wall time on a shared
 machine), the minimum of 15 repeats.  It is where the caches' locks and per-thread request
-state show.
+state show.  Its first row is the baseline of the lookups: a method doing one dict lookup,
+as vLLM's writer answers ``is_cached``.  The ``shm`` writer hit is timed twice with the
+reader attached: interleaved with the reader's resolve (then the resolve's own time is
+subtracted: the hit pays for what the resolve evicted from the CPU's caches), and alone (the
+handles read after each repeat).
 
 Run: ``python benches/bench_caches.py [--iterations N]``.
 """
@@ -149,6 +153,32 @@ def call_ns(call: Callable[[], object], number: int) -> float:
     return min(runs) / number * 1e9
 
 
+class DictLookup:
+    """vLLM's writer lookup: a method doing ``key in self.key_index``."""
+
+    def __init__(self, key: str) -> None:
+        self.key_index = {key: (0, 0)}
+
+    def is_cached(self, key: str) -> bool:
+        return key in self.key_index
+
+
+def hits_ns(sender: ShmSenderCache, reader: ShmReceiverCache, number: int) -> float:
+    """ns per writer hit (touch + update) with ``reader`` attached, the minimum of 15 repeats
+    of ``number`` hits, the handles read after each repeat (untimed)."""
+    best = float("inf")
+    for _ in range(15):
+        handles = []
+        start = time.thread_time()
+        for _ in range(number):
+            sender.touch_sender_cache_item("h")
+            handles.append(sender.get_and_update_item(None, "h")[0])
+        best = min(best, time.thread_time() - start)
+        for handle in handles:
+            reader.get_and_update_item(handle, "h")
+    return best / number * 1e9
+
+
 def run_calls(number: int = 20_000) -> dict[str, float]:
     """ns per call of the hot paths: a pure query, a writer hit (touch, then update with
     ``None``) and a receiver hit, in ``lru`` and ``shm`` mode."""
@@ -161,7 +191,9 @@ def run_calls(number: int = 20_000) -> dict[str, float]:
         sender.touch_sender_cache_item("h")
         sender.get_and_update_item(None, "h")
 
+    index = DictLookup("h")
     rows = {
+        "dict lookup in a method (vLLM's is_cached)": call_ns(lambda: index.is_cached("h"), number),
         "lru is_cached_item": call_ns(lambda: sender.is_cached_item("h"), number),
         "lru writer hit (touch + update)": call_ns(lru_writer_hit, number),
         "lru receiver hit": call_ns(lambda: receiver.get_and_update_item(None, "h"), number),
@@ -186,6 +218,7 @@ def run_calls(number: int = 20_000) -> dict[str, float]:
         rows["shm is_cached_item"] = call_ns(lambda: shm.is_cached_item("h"), number)
         resolve = call_ns(lambda: worker.get_and_update_item(next(handles), "h"), n)
         rows["shm writer hit (touch + update)"] = call_ns(shm_writer_hit, n) - resolve
+        rows["shm writer hit, timed alone (reads after)"] = hits_ns(shm, worker, n)
         shm_foreign_hit()  # the first one reads the prompt updates from the ring
         rows["shm other writer's item hit (touch + update)"] = call_ns(shm_foreign_hit, n) - resolve
         rows["shm receiver hit (resolve, copy)"] = resolve

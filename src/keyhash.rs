@@ -32,7 +32,7 @@ fn fold(a: u64, b: u64) -> u64 {
 
 /// Up to 8 bytes as a little-endian word, zero-padded.
 #[inline]
-fn word(bytes: &[u8]) -> u64 {
+pub(crate) fn word(bytes: &[u8]) -> u64 {
     let mut buf = [0u8; 8];
     buf[..bytes.len()].copy_from_slice(bytes);
     u64::from_le_bytes(buf)

@@ -20,6 +20,7 @@ from item_checks import same_item
 from mmcache import (
     CacheInfo,
     CacheMissError,
+    ClosedError,
     Feature,
     InvalidHandleError,
     MmcacheError,
@@ -121,6 +122,60 @@ def test_is_cached_item_sees_invalidation_and_keeps_no_cache_alive() -> None:
     del cache
     gc.collect()
     assert gone() is None, "the native is_cached_item keeps its cache alive"
+
+
+def test_is_cached_item_answers_every_argument_as_the_full_check_does() -> None:
+    # The native function answers an exact str stored and kept, or not stored, given by
+    # position, by itself; everything else (a str subclass, a keyword, a key it cannot
+    # encode, another type, a wrong number of arguments, a closed store) goes through the
+    # full check, with its answer or its error.
+    class Key(str):
+        pass
+
+    cache = ShmSenderCache(RING / GiB, max_object_size_mb=1)
+    put(cache, "a")
+    assert cache.is_cached_item(Key("a")) and not cache.is_cached_item(Key("b"))
+    assert cache.is_cached_item(mm_hash="a") and not cache.is_cached_item(mm_hash="b")
+    for args, kwargs in [
+        ((), {}),
+        (("a", "b"), {}),
+        ((), {"key": "a"}),
+        (("a",), {"mm_hash": "a"}),
+    ]:
+        with pytest.raises(TypeError, match="one argument, mm_hash"):
+            cache.is_cached_item(*args, **kwargs)
+    with pytest.raises(UnicodeEncodeError):
+        cache.is_cached_item("\ud800")
+    for bad in (None, 1, b"a"):
+        with pytest.raises(TypeError, match="takes a str"):
+            cache.is_cached_item(bad)  # type: ignore[arg-type]
+    check = cache.is_cached_item
+    cache.close()
+    with pytest.raises(ClosedError):
+        check("a")
+
+
+def test_is_cached_item_of_subclasses_and_of_a_cache_never_opened() -> None:
+    # `is_cached_item` is a C method of `ShmSenderCache` (its native base's, set on the class
+    # itself); a subclass inherits it or overrides it like any method.
+    class Plain(ShmSenderCache):
+        pass
+
+    class Overriding(ShmSenderCache):
+        def is_cached_item(self, mm_hash: str) -> bool:
+            return mm_hash == "always"
+
+    for cls in (Plain, Overriding):
+        with cls(RING / GiB, max_object_size_mb=1) as cache:
+            put(cache, "a")
+            answers = [cache.is_cached_item(h) for h in ("a", "b", "always")]
+            assert answers == ([True, False, False] if cls is Plain else [False, False, True])
+            assert cache.is_cached(["a", "always"]) == answers[::2]
+            with pytest.raises(RuntimeError, match="answered already"):
+                cache._check_with(cache._store, {})
+    never_opened = ShmSenderCache.__new__(ShmSenderCache)
+    with pytest.raises(RuntimeError, match="never opened"):
+        never_opened.is_cached_item("a")
 
 
 def test_miss_without_data_raises(sender: ShmSenderCache) -> None:

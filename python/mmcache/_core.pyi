@@ -313,20 +313,24 @@ class ShmWriter(ShmObjectStore):
     def try_pin(self, key: str) -> bool:
         """Alias of :meth:`pin_if_present`."""
 
-@final
+@disjoint_base
 class CachedItemCheck:
-    """``ShmSenderCache.is_cached_item`` as one native call: whether ``mm_hash`` is stored (the
-    writer's lock-free lookup) and its prompt updates are in ``kept`` (the cache's dict);
-    for a key stored but not kept, ``learn()`` (a weak method of the cache) answers, ``False``
-    once the cache is gone."""
+    """The native base class of ``ShmSenderCache``: its ``is_cached_item`` as a C method (no
+    Python frame; a call of it is specialised as a method's). Whether ``mm_hash`` is stored
+    (the writer's lock-free lookup) and its prompt updates are in ``kept`` (the cache's
+    dict); for a key stored but not kept, the cache's ``_learn_prompt_updates`` answers."""
 
-    def __new__(
-        cls,
-        writer: ShmWriter,
-        kept: dict[str, Any],
-        learn: Callable[[], Callable[[str], bool] | None],
-    ) -> CachedItemCheck: ...
-    def check(self, mm_hash: str) -> bool: ...
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self: ...
+    def _check_with(self, writer: ShmWriter, kept: dict[str, Any]) -> None:
+        """Answer ``is_cached_item`` from ``writer``'s lookups and the prompt updates kept in
+        ``kept`` (once: ``RuntimeError`` after)."""
+    def is_cached_item(self, mm_hash: str) -> bool:
+        """Whether ``mm_hash`` is cached: stored in the ring and its prompt updates kept (or
+        learnt) by this cache. No lock, no recency change."""
+    @staticmethod
+    def _method_for(subclass: type[CachedItemCheck]) -> Callable[[CachedItemCheck, str], bool]:
+        """``is_cached_item`` as a method of exactly ``subclass`` (to be set as its
+        attribute: CPython specialises a call of it on that class's instances)."""
 
 @final
 class ShmReader(ShmObjectStore):

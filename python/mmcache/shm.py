@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -97,7 +98,7 @@ class _Request(RequestState):
         return _Request, ()
 
 
-class ShmSenderCache(BaseSenderCache):
+class ShmSenderCache(CachedItemCheck, BaseSenderCache):
     """P0's cache in ``shm`` mode: a writer of a shared-memory ring.
 
     A hit returns ``(ShmHandle, prompt_updates)`` and issues one reference; a miss writes the
@@ -127,6 +128,8 @@ class ShmSenderCache(BaseSenderCache):
     :meth:`is_cached` with ``claim``/``wait_s`` makes writers that receive the same new item
     at once process it once.
     """
+
+    _lock: threading.RLock  # the base's: acquired by hand on the hit path (see there)
 
     def __init__(
         self,
@@ -191,11 +194,9 @@ class ShmSenderCache(BaseSenderCache):
         # prompt updates). Written under the lock; read without it (one dict lookup).
         self._prompt_updates: dict[str, tuple[int | None, Any]] = {}
         self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
-        if type(self).is_cached_item is ShmSenderCache.is_cached_item:
-            # The hottest lookup, as one native call: the method's answer without its frame.
-            learn = weakref.WeakMethod(self._learn_prompt_updates)
-            check = CachedItemCheck(store, self._prompt_updates, learn)
-            self.is_cached_item = check.check  # type: ignore[method-assign]
+        # `is_cached_item`, the hottest lookup, is `CachedItemCheck`'s: a C method reading
+        # these two (no lock: the core's lookup is lock-free, and so is one lookup in a dict).
+        self._check_with(store, self._prompt_updates)
         self._request: _Request = _Request()  # the calling thread's
         # Pins need no count here: each request's touch is one core pin of the object (counted
         # per writer in the core), undone by that request's update, by the object's monotonic
@@ -225,15 +226,6 @@ class ShmSenderCache(BaseSenderCache):
         return self._store.writer_handle()
 
     # -- lookups ---------------------------------------------------------------------------
-
-    def is_cached_item(self, mm_hash: str) -> bool:
-        # No lock: the core's lookup is lock-free, and so is one lookup in a dict. A key
-        # without prompt updates here is another writer's (or being put by this one's other
-        # thread): learning them takes the lock. Each cache answers through a
-        # `CachedItemCheck` doing the same in one native call (set up by `_start`).
-        return self._store.is_cached(mm_hash) and (
-            mm_hash in self._prompt_updates or self._learn_prompt_updates(mm_hash)
-        )
 
     def _learn_prompt_updates(self, mm_hash: str) -> bool:
         """Read and keep the prompt updates another writer stored with ``mm_hash``; whether
@@ -274,7 +266,8 @@ class ShmSenderCache(BaseSenderCache):
         two requests that claimed each other's items in turns never wait for each other."""
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
-        cached = [self.is_cached_item(h) for h in mm_hashes]
+        is_cached_item = self.is_cached_item  # (looked up once)
+        cached = [is_cached_item(h) for h in mm_hashes]
         if not (claim or wait_s > 0) or all(cached):
             return cached
         misses = list(dict.fromkeys(h for h, hit in zip(mm_hashes, cached, strict=True) if not hit))
@@ -324,28 +317,34 @@ class ShmSenderCache(BaseSenderCache):
         # touch is undone, by the core call that issues it when that is the object pinned (one
         # lookup for both), else below; its claim has ended (a put) or is given up.
         pinned = request.pins.pop(mm_hash, None)
-        with self._lock:
+        # The lock by hand, not `with`: a `with` looks up and calls `__enter__` and
+        # `__exit__` (arguments packed for both), 70 ns of a hit's 800.
+        lock = self._lock
+        lock.acquire()
+        try:
             self._lookups.total += 1
+            # The hot path first: a hit on an object whose prompt updates are kept here.
+            handle = self._store.issue_unpinning(mm_hash, pinned)
+            if handle is not None:
+                monotonic_id = handle.monotonic_id
+                if monotonic_id == pinned:
+                    pinned = None
+                kept = self._prompt_updates.get(mm_hash)
+                if kept is not None and kept[0] == monotonic_id:
+                    self._lookups.hits += 1
+                    return handle, kept[1]
+            return self._update(item, mm_hash, handle)
+        except ReferencesSaturatedError:
+            self._lookups.hits += 1
+            return self._serve_saturated(item, mm_hash)
+        finally:
             try:
-                # The hot path first: a hit on an object whose prompt updates are kept here.
-                handle = self._store.issue_unpinning(mm_hash, pinned)
-                if handle is not None:
-                    monotonic_id = handle.monotonic_id
-                    if monotonic_id == pinned:
-                        pinned = None
-                    kept = self._prompt_updates.get(mm_hash)
-                    if kept is not None and kept[0] == monotonic_id:
-                        self._lookups.hits += 1
-                        return handle, kept[1]
-                return self._update(item, mm_hash, handle)
-            except ReferencesSaturatedError:
-                self._lookups.hits += 1
-                return self._serve_saturated(item, mm_hash)
-            finally:
                 if pinned is not None and not self._store.closed:
                     self._store.unpin_object(mm_hash, pinned)
                 if request.claims:
                     self._claims.give(request.claims, mm_hash)
+            finally:
+                lock.release()
 
     def _update(self, item: SenderInput, mm_hash: str, handle: ShmHandle | None) -> SenderOutput:
         """A hit on ``handle`` (just issued, if not ``None``) or a put of the item (lock
@@ -600,6 +599,11 @@ class ShmSenderCache(BaseSenderCache):
                 "unshared_prompt_updates": self._unshared,
             }
             return {**own, **super().stats(), **store}
+
+
+# `is_cached_item` (`CachedItemCheck`'s, a C method) as a method of exactly this class: CPython
+# 3.11 specialises a call of a C method only on instances of exactly its class.
+ShmSenderCache.is_cached_item = CachedItemCheck._method_for(ShmSenderCache)  # type: ignore[method-assign, assignment]
 
 
 class ShmReceiverCache(BaseReceiverCache):

@@ -48,7 +48,9 @@ impl<T> Open<T> {
     }
 
     /// Call `f` with the endpoint while holding the GIL (`_py`) throughout; `f` must not
-    /// release it (it gets no `Python` token to do so).
+    /// release it (it gets no `Python` token to do so). Always inlined, like the lookup it
+    /// usually wraps: a result passed back through memory costs a store-forwarding stall.
+    #[inline(always)]
     pub(super) fn with<R>(&self, _py: Python<'_>, f: impl FnOnce(&T) -> R) -> PyResult<R> {
         let endpoint = self.current.load(Ordering::Acquire);
         if endpoint.is_null() {
@@ -400,6 +402,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ShmObjectStore>()?;
     m.add_class::<ShmWriter>()?;
     m.add_class::<super::writer::CachedItemCheck>()?;
+    super::writer::install_is_cached_item(m.py())?;
     m.add_class::<ShmReader>()?;
     Ok(())
 }

@@ -3,12 +3,15 @@
 //! shared between processes; copies release the GIL when large (`put`) or always (reads,
 //! whose length only the core knows); waits (`wait_for`, `claim`, `close`) always release it.
 
-use std::sync::Arc;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::panic::PanicException;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple, PyType};
+use pyo3::{Borrowed, PyTraverseError, PyVisit, ffi, intern};
 
 use super::buffer::{collect_buffers, copying, raw_parts};
 use super::encode::Encoded;
@@ -275,39 +278,309 @@ impl ShmWriter {
     }
 }
 
-/// `ShmSenderCache.is_cached_item` in one native call, with no Python frame (P0 asks it of
-/// every item of every request): whether `key` is stored, by the writer's lock-free lookup,
-/// and the cache keeps its prompt updates, in `kept` (the cache's own dict, read with the GIL
-/// held). A key stored but not kept is answered by `learn`, a weak method of the cache
-/// (`weakref.WeakMethod`, so this check, which the cache holds, does not keep it alive).
-#[pyclass(frozen, module = "mmcache._core")]
+/// The native base class of `ShmSenderCache`: its `is_cached_item` (P0 asks it of every item
+/// of every request) as a C method of this class, so that a call of it is specialised as a
+/// method's and runs no Python frame. Whether a key is stored, by the writer's lock-free
+/// lookup, and the cache keeps its prompt updates, in `kept` (the cache's own dict, read with
+/// the GIL held); a key stored but not kept is answered by the cache's
+/// `_learn_prompt_updates`. The writer and the dict are given once, by `_check_with`.
+#[pyclass(subclass, frozen, module = "mmcache._core")]
 pub(crate) struct CachedItemCheck {
+    state: OnceLock<CheckState>,
+}
+
+/// What `is_cached_item` reads.
+struct CheckState {
     writer: Py<ShmWriter>,
     kept: Py<PyDict>,
-    learn: Py<PyAny>,
+}
+
+impl CachedItemCheck {
+    /// Whether `mm_hash` is cached for `cache` (this object; every case, errors included).
+    fn answer(
+        &self,
+        py: Python<'_>,
+        cache: &Bound<'_, PyAny>,
+        mm_hash: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let mm_hash = mm_hash.cast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "is_cached_item takes a str (an mm_hash), not a {}",
+                type_name(mm_hash)
+            ))
+        })?;
+        let Some(state) = self.state.get() else {
+            return Err(PyRuntimeError::new_err(
+                "is_cached_item of a cache that was never opened (made without __init__ or join)",
+            ));
+        };
+        let key = mm_hash.to_str()?;
+        if !state.writer.get().writer.with(py, |w| w.is_cached(key))?? {
+            return Ok(false);
+        }
+        if state.kept.bind(py).contains(mm_hash)? {
+            return Ok(true);
+        }
+        cache
+            .call_method1(intern!(py, "_learn_prompt_updates"), (mm_hash,))?
+            .is_truthy()
+    }
+
+    /// The answer for an exact `str` that is not stored, or stored and kept: the two
+    /// answers of the hot path, reached without a Python object or error made; `None` for
+    /// every other case (`answer` takes those).
+    fn settled_answer(&self, py: Python<'_>, mm_hash: *mut ffi::PyObject) -> Option<bool> {
+        let state = self.state.get()?;
+        // SAFETY: `mm_hash` is a live object (a borrowed reference, valid for the call).
+        if unsafe { ffi::PyUnicode_CheckExact(mm_hash) } == 0 {
+            return None;
+        }
+        let mut len: ffi::Py_ssize_t = 0;
+        // SAFETY: `mm_hash` is a `str`. The UTF-8 form CPython returns is valid UTF-8, cached
+        // in the string (immutable, alive for the call), `len` bytes long; on failure (lone
+        // surrogates) it returns null with an exception set, which is cleared: `answer`
+        // raises it again.
+        let key = unsafe {
+            let data = ffi::PyUnicode_AsUTF8AndSize(mm_hash, &mut len);
+            if data.is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            std::str::from_utf8_unchecked(std::slice::from_raw_parts(
+                data.cast::<u8>(),
+                usize::try_from(len).ok()?,
+            ))
+        };
+        let stored = state
+            .writer
+            .get()
+            .writer
+            .with(py, |w| w.is_cached(key).ok());
+        if !stored.ok().flatten()? {
+            return Some(false);
+        }
+        // SAFETY: `kept` is a dict and `mm_hash` an exact str (its hash and equality cannot
+        // raise); an error (-1) is left to `answer`, with the exception cleared.
+        match unsafe { ffi::PyDict_Contains(state.kept.as_ptr(), mm_hash) } {
+            1 => Some(true),
+            0 => None,
+            _ => {
+                // SAFETY: attached to the interpreter, with an exception set.
+                unsafe { ffi::PyErr_Clear() };
+                None
+            }
+        }
+    }
+}
+
+/// The type name of `obj`, for an error message.
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .qualname()
+        .map_or_else(|_| "?".into(), |name| name.to_string())
+}
+
+/// `CachedItemCheck.is_cached_item`'s C function: `METH_FASTCALL | METH_KEYWORDS`, so
+/// CPython calls it with its arguments as they are (no tuple, and a call site specialised
+/// for a method), and the hot path's answers (one positional argument) are given without
+/// PyO3's trampoline or argument parsing; the rest goes through it ([`full_answer`]).
+unsafe extern "C" fn check_item(
+    cache: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls a method of `CachedItemCheck` (a method descriptor of the type,
+    // [`install_is_cached_item`]) attached to the interpreter, with `cache` an instance of
+    // the type (checked by CPython before the call) and `nargs` positional arguments at
+    // `args` followed by one per name in `kwnames` (a tuple, or null for none), borrowed for
+    // the call. Nothing here detaches or lets `py` escape the call.
+    let (py, this) = unsafe {
+        let py = Python::assume_attached();
+        let this = Borrowed::from_ptr(py, cache).cast_unchecked::<CachedItemCheck>();
+        (py, this.get())
+    };
+    if nargs == 1 && kwnames.is_null() {
+        // SAFETY: one positional argument (above).
+        let mm_hash = unsafe { *args };
+        // Unwind safety: a panic leaves nothing half changed (a lookup changes nothing).
+        if let Ok(Some(answer)) =
+            catch_unwind(AssertUnwindSafe(|| this.settled_answer(py, mm_hash)))
+        {
+            return new_bool(answer);
+        }
+    }
+    // SAFETY: the call's own arguments (above).
+    unsafe { full_answer(this, cache, args, nargs, kwnames) }
+}
+
+/// `true` or `false`, as a new reference.
+fn new_bool(answer: bool) -> *mut ffi::PyObject {
+    // SAFETY: `Py_True` and `Py_False` are singletons that live as long as the interpreter;
+    // the reference returned is counted.
+    unsafe {
+        let result = if answer {
+            ffi::Py_True()
+        } else {
+            ffi::Py_False()
+        };
+        ffi::Py_IncRef(result);
+        result
+    }
+}
+
+/// [`check_item`] for every call its hot path does not answer, through PyO3: the answer, or
+/// null with the error set.
+///
+/// # Safety
+/// The arguments are a vectorcall's of [`check_item`] (`cache` is `this`), on a thread
+/// attached to the interpreter.
+#[cold]
+#[inline(never)]
+unsafe fn full_answer(
+    this: &CachedItemCheck,
+    cache: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    Python::attach(|py| {
+        let answer = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the caller's.
+            let (cache, mm_hash) = unsafe {
+                (
+                    Borrowed::from_ptr(py, cache),
+                    the_argument(py, args, nargs, kwnames)?,
+                )
+            };
+            this.answer(py, &cache, &mm_hash)
+        }))
+        .unwrap_or_else(|payload| Err(PanicException::new_err(panic_message(payload.as_ref()))));
+        match answer {
+            Ok(answer) => new_bool(answer),
+            Err(err) => {
+                err.restore(py);
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// The one argument of a call of `is_cached_item`, `mm_hash`, given by position or by name.
+///
+/// # Safety
+/// `args`, `nargs` and `kwnames` are a vectorcall's (see [`check_item`]), valid for `'a`.
+unsafe fn the_argument<'a, 'py>(
+    py: Python<'py>,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> PyResult<Borrowed<'a, 'py, PyAny>> {
+    // SAFETY: `kwnames` is null or a tuple of str, borrowed for the call.
+    let names = unsafe { Borrowed::from_ptr_or_opt(py, kwnames) };
+    let named = match &names {
+        Some(names) => names.cast::<PyTuple>()?.len(),
+        None => 0,
+    };
+    let by_name = || names.is_some_and(|names| names.eq(("mm_hash",)).unwrap_or(false));
+    if (nargs, named) == (1, 0) || ((nargs, named) == (0, 1) && by_name()) {
+        // SAFETY: exactly one argument is at `args`, borrowed for the call.
+        return Ok(unsafe { Borrowed::from_ptr(py, *args) });
+    }
+    Err(PyTypeError::new_err(
+        "is_cached_item takes one argument, mm_hash",
+    ))
+}
+
+/// What a panic said, for the exception that reports it.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (
+        payload.downcast_ref::<&str>(),
+        payload.downcast_ref::<String>(),
+    ) {
+        (Some(message), _) => (*message).to_owned(),
+        (_, Some(message)) => message.clone(),
+        _ => "a panic in CachedItemCheck".to_owned(),
+    }
+}
+
+/// The definition of [`check_item`] as a Python method.
+struct CheckItemDef(ffi::PyMethodDef);
+
+// SAFETY: the definition is never written after it is made, and what it points to (C
+// string literals and a function) is `'static` and immutable; CPython only reads it.
+unsafe impl Sync for CheckItemDef {}
+
+static CHECK_ITEM: CheckItemDef = CheckItemDef(ffi::PyMethodDef {
+    ml_name: c"is_cached_item".as_ptr(),
+    ml_meth: ffi::PyMethodDefPointer {
+        PyCFunctionFastWithKeywords: check_item,
+    },
+    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+    ml_doc: c"is_cached_item($self, /, mm_hash)\n--\n\nWhether mm_hash is cached: stored in the \
+ring and its prompt updates kept (or learnt) by this cache. No lock, no recency change."
+        .as_ptr(),
+});
+
+/// `is_cached_item` as a method of `class` (`CachedItemCheck` or a subclass): a method
+/// descriptor of [`CHECK_ITEM`]. CPython specialises a call of a C method only on instances
+/// of exactly the descriptor's class, so `ShmSenderCache` gets one of its own.
+fn is_cached_item_method<'py>(class: &Bound<'py, PyType>) -> PyResult<Bound<'py, PyAny>> {
+    if !class.is_subclass_of::<CachedItemCheck>()? {
+        return Err(PyTypeError::new_err(format!(
+            "{} is not a subclass of CachedItemCheck",
+            class.qualname()?
+        )));
+    }
+    // SAFETY: `CHECK_ITEM` is a `'static` definition of a function that takes an instance of
+    // `CachedItemCheck` as its `self`; the descriptor's calls check that `self` is an
+    // instance of `class`, a subclass.
+    unsafe {
+        Bound::from_owned_ptr_or_err(
+            class.py(),
+            ffi::PyDescr_NewMethod(class.as_type_ptr(), (&raw const CHECK_ITEM.0).cast_mut()),
+        )
+    }
+}
+
+/// Give `CachedItemCheck` its `is_cached_item` (PyO3 would make its methods go through its
+/// trampoline).
+pub(super) fn install_is_cached_item(py: Python<'_>) -> PyResult<()> {
+    let class = py.get_type::<CachedItemCheck>();
+    class.setattr("is_cached_item", is_cached_item_method(&class)?)
 }
 
 #[pymethods]
 impl CachedItemCheck {
+    /// Ready for `_check_with` (whatever arguments the subclass's constructor takes).
     #[new]
-    fn new(writer: Py<ShmWriter>, kept: Py<PyDict>, learn: Py<PyAny>) -> Self {
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
         CachedItemCheck {
-            writer,
-            kept,
-            learn,
+            state: OnceLock::new(),
         }
     }
 
-    /// Whether `mm_hash` is cached for the cache (`is_cached_item`, and its argument's name).
-    fn check(&self, py: Python<'_>, mm_hash: &Bound<'_, PyString>) -> PyResult<bool> {
-        let key = mm_hash.to_str()?;
-        if !self.writer.get().writer.with(py, |w| w.is_cached(key))?? {
-            return Ok(false);
+    /// Answer `is_cached_item` from `writer`'s lookups and the prompt updates kept in `kept`
+    /// (once: `RuntimeError` after).
+    fn _check_with(&self, writer: Py<ShmWriter>, kept: Py<PyDict>) -> PyResult<()> {
+        self.state
+            .set(CheckState { writer, kept })
+            .map_err(|_| PyRuntimeError::new_err("is_cached_item is answered already"))
+    }
+
+    /// `is_cached_item` as a method of exactly `subclass` (to be set as its attribute:
+    /// CPython specialises a call of it on that class's instances).
+    #[staticmethod]
+    fn _method_for<'py>(subclass: &Bound<'py, PyType>) -> PyResult<Bound<'py, PyAny>> {
+        is_cached_item_method(subclass)
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(state) = self.state.get() {
+            visit.call(&state.writer)?;
+            visit.call(&state.kept)?;
         }
-        if self.kept.bind(py).contains(mm_hash)? {
-            return Ok(true);
-        }
-        let learn = self.learn.bind(py).call0()?;
-        Ok(!learn.is_none() && learn.call1((mm_hash,))?.is_truthy()?)
+        Ok(())
     }
 }

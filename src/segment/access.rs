@@ -54,19 +54,32 @@ impl<'a> From<&'a [u8]> for RawBytes<'a> {
 impl Segment {
     /// The start of `len` bytes at `offset` after checking they lie inside the segment and
     /// are reserved (reserving them first if needed: `ShmTooSmall` if tmpfs cannot).
+    ///
+    /// Inlined (a lookup makes a dozen of these checks): the common case is two compares and
+    /// a load; reserving and the error are out of line.
+    #[inline]
     fn check(&self, offset: u64, len: usize) -> Result<usize> {
-        let start = usize::try_from(offset).map_err(|_| out_of_range(offset, len))?;
+        let Ok(start) = usize::try_from(offset) else {
+            return Err(out_of_range(offset, len));
+        };
         match start.checked_add(len) {
             Some(end) if end <= self.len => {
                 if !self.reserved.covers(end) {
-                    // SAFETY: `base` is our read-write mapping of `len` bytes (a read-only
-                    // one records everything reserved), mapped while `self` lives.
-                    unsafe { self.reserved.reserve(self.base, start, end) }?;
+                    self.reserve_range(start, end)?;
                 }
                 Ok(start)
             }
             _ => Err(out_of_range(offset, len)),
         }
+    }
+
+    /// [`Segment::check`]'s slow path: reserve `[start, end)`, inside the mapping.
+    #[cold]
+    #[inline(never)]
+    fn reserve_range(&self, start: usize, end: usize) -> Result<()> {
+        // SAFETY: `base` is our read-write mapping of `len` bytes (a read-only one records
+        // everything reserved), mapped while `self` lives.
+        unsafe { self.reserved.reserve(self.base, start, end) }
     }
 
     /// Make sure `len` bytes at `offset` are reserved, before a step that must not fail
@@ -83,16 +96,25 @@ impl Segment {
     }
 
     /// The 8-byte-aligned word at `offset`, as an atomic.
+    #[inline]
     pub fn atomic(&self, offset: u64) -> Result<&AtomicU64> {
-        let start = self.check(offset, 8)?;
+        let [word] = self.atomics::<1>(offset)?;
+        Ok(word)
+    }
+
+    /// The `N` consecutive 8-byte-aligned words at `offset`, as atomics, for one check (a
+    /// bucket's head and version, a key slot).
+    #[inline]
+    pub fn atomics<const N: usize>(&self, offset: u64) -> Result<&[AtomicU64; N]> {
+        let start = self.check(offset, 8 * N)?;
         if start % 8 != 0 {
-            return Err(Error::Corrupt(format!("misaligned atomic offset {offset}")));
+            return Err(misaligned(offset));
         }
-        // SAFETY: `start..start+8` lies inside the mapping (checked above) and is 8-byte
-        // aligned (the base is page-aligned). The mapping outlives the returned reference
-        // (it is tied to `&self`). All processes access this word only atomically, so viewing
-        // it as `AtomicU64` introduces no data race.
-        Ok(unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(start).cast::<u64>()) })
+        // SAFETY: `start..start+8N` lies inside the mapping (checked above) and is 8-byte
+        // aligned (the base is page-aligned), as `[AtomicU64; N]` must be. The mapping
+        // outlives the returned reference (it is tied to `&self`). All processes access these
+        // words only atomically, so viewing them as `AtomicU64`s introduces no data race.
+        Ok(unsafe { &*self.base.as_ptr().add(start).cast::<[AtomicU64; N]>() })
     }
 
     /// Copy `dst.len()` bytes out of the segment, starting at `offset`, from bytes that no
@@ -194,6 +216,14 @@ impl Segment {
     }
 }
 
+#[cold]
+#[inline(never)]
+fn misaligned(offset: u64) -> Error {
+    Error::Corrupt(format!("misaligned atomic offset {offset}"))
+}
+
+#[cold]
+#[inline(never)]
 fn out_of_range(offset: u64, len: usize) -> Error {
     Error::Corrupt(format!("range {offset}+{len} lies outside the segment"))
 }

@@ -29,9 +29,12 @@ use std::sync::atomic::{AtomicU64, Ordering, fence};
 use super::Shared;
 use super::lock::LockGuard;
 use crate::error::{Error, Result};
-use crate::keyhash::KeyHasher;
+use crate::keyhash::{KeyHasher, word};
 use crate::layout::{Bucket, KEY_SLOT_SIZE, KeyRef, WriterId, chunk, header};
 use crate::segment::RawBytes;
+
+/// The words of a key slot.
+const SLOT_WORDS: usize = (KEY_SLOT_SIZE / 8) as usize;
 
 /// A key as the index looks for it: hashed once per operation.
 #[derive(Debug)]
@@ -44,6 +47,7 @@ pub(super) struct Query<'k> {
 }
 
 impl<'k> Query<'k> {
+    #[inline(always)]
     pub(super) fn new(hasher: &KeyHasher, key: &'k str) -> Query<'k> {
         let hash = hasher.hash(key.as_bytes());
         let kref = KeyRef::new(hash, key.len());
@@ -133,8 +137,27 @@ impl Shared {
         ))
     }
 
+    /// Whether bucket `bucket`'s key slot holds `query`'s key (read racily: the caller
+    /// confirms the bucket's version after).
     fn key_slot_matches(&self, bucket: u64, query: &Query<'_>) -> Result<bool> {
-        self.racy_eq(self.layout.key_slot_offset(bucket), query.slot_bytes())
+        let slot = self
+            .seg
+            .atomics::<SLOT_WORDS>(self.layout.key_slot_offset(bucket))?;
+        // Word against word (little-endian), no early exit: one cache line, no branch to
+        // mispredict, no call into memcmp. Past the key's end the slot may hold an earlier,
+        // longer key's bytes: the last word is masked to the key's.
+        let whole = query.slot_bytes().chunks_exact(8);
+        let tail = whole.remainder();
+        let mut differ = 0;
+        for (loaded, want) in slot.iter().zip(whole) {
+            differ |= loaded.load(Ordering::Relaxed) ^ word(want);
+        }
+        let last = query.slot_bytes().len() / 8;
+        if let Some(loaded) = slot.get(last).filter(|_| !tail.is_empty()) {
+            let mask = u64::MAX >> (64 - 8 * tail.len());
+            differ |= (loaded.load(Ordering::Relaxed) & mask) ^ word(tail);
+        }
+        Ok(differ == 0)
     }
 
     /// The buckets a probe for `hash` visits, in order (each once).
@@ -148,11 +171,22 @@ impl Shared {
     /// bucket is read whole under its seqlock); a miss is confirmed by a second probe that no
     /// move overlapped (the move count, read with Acquire before and, after an Acquire fence,
     /// again: pairs with `remove_bucket`'s Release stores of it).
+    ///
+    /// Inlined, with the first probe: a hit's result stays in registers (returned through
+    /// memory it was stored in parts and reloaded whole, a store-forwarding stall each time).
+    #[inline(always)]
     pub(super) fn seek(&self, query: &Query<'_>) -> Result<Seen> {
-        let mut seen = self.probe_for(query)?;
+        let seen = self.probe_for(query)?;
         if matches!(seen, Seen::Stored(_) | Seen::Claimed(_)) {
             return Ok(seen);
         }
+        self.confirm_miss(query, seen)
+    }
+
+    /// [`Shared::seek`] after a first probe that found nothing (`seen`): probe again until
+    /// no move overlapped the probe.
+    #[inline(never)]
+    fn confirm_miss(&self, query: &Query<'_>, mut seen: Seen) -> Result<Seen> {
         let moves = self.moves()?;
         for _ in 0..SEEK_ATTEMPTS {
             let before = moves.load(Ordering::Acquire);
@@ -173,13 +207,16 @@ impl Shared {
     }
 
     /// One probe for `query` (a seqlock read per bucket, I1/I2 in the protocol).
+    #[inline(always)]
     fn probe_for(&self, query: &Query<'_>) -> Result<Seen> {
         for bucket in self.probe(query.hash) {
+            let [head_word, version_word] =
+                self.seg.atomics::<2>(self.layout.bucket_offset(bucket))?;
             let mut spins = 0;
             loop {
                 // Acquire pairs with I1: the head and key slot of that version are visible.
-                let version = self.bucket_version(bucket)?.load(Ordering::Acquire);
-                let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
+                let version = version_word.load(Ordering::Acquire);
+                let head = Bucket::unpack(head_word.load(Ordering::Relaxed));
                 let (kref, found) = match head {
                     Bucket::Empty => return Ok(Seen::Absent),
                     Bucket::Live { key, address } => (
@@ -198,7 +235,7 @@ impl Shared {
                 let same = version != 0 && self.key_slot_matches(bucket, query)?;
                 // Pairs with I2: had we read a byte of a later change, we see its version.
                 fence(Ordering::Acquire);
-                let unchanged = self.bucket_version(bucket)?.load(Ordering::Relaxed) == version;
+                let unchanged = version_word.load(Ordering::Relaxed) == version;
                 if version != 0 && unchanged {
                     if same {
                         return Ok(found);
@@ -217,6 +254,7 @@ impl Shared {
     }
 
     /// The entry of a stored key, without a lock.
+    #[inline(always)]
     pub(super) fn lookup(&self, query: &Query<'_>) -> Result<Option<Entry>> {
         Ok(match self.seek(query)? {
             Seen::Stored(entry) => Some(entry),
@@ -509,5 +547,42 @@ impl Shared {
         }
         moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Release);
         Ok((objects, claims))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Writer;
+
+    #[test]
+    fn a_key_slot_matches_its_key_whatever_lies_past_its_end() {
+        // The compare goes word by word, the last word masked to the key: keys of every
+        // length a slot holds (and a long key's digest), over an earlier key's bytes, match
+        // themselves and nothing that differs from them in one byte.
+        let w = Writer::create(1 << 20, 1, None, None).unwrap();
+        let sh = &w.shared;
+        let bucket = 5;
+        let slot = sh.layout.key_slot_offset(bucket);
+        let write = |bytes: &[u8]| sh.seg.write_from(slot, RawBytes::from(bytes)).unwrap();
+        for len in (0..=64).chain([65, 200]) {
+            let key: String = (0..len)
+                .map(|i| (b'a' + (i * 7 + len) as u8 % 26) as char)
+                .collect();
+            let query = w.query(&key);
+            let bytes = query.slot_bytes().to_vec();
+            write(&[0xa5; KEY_SLOT_SIZE as usize]);
+            write(&bytes);
+            assert!(sh.key_slot_matches(bucket, &query).unwrap(), "length {len}");
+            for i in 0..bytes.len() {
+                let mut changed = bytes.clone();
+                changed[i] ^= 0x20;
+                write(&changed);
+                assert!(
+                    !sh.key_slot_matches(bucket, &query).unwrap(),
+                    "length {len}, byte {i}"
+                );
+            }
+        }
     }
 }

@@ -154,30 +154,38 @@ struct Occupant {
     word: u64,
 }
 
+// The word accessors are inlined: each is a bounds check and an address (a call returned
+// its result through memory, reloaded at once: a store-forwarding stall on the hit path).
 impl Shared {
+    #[inline]
     fn header(&self, field: u64) -> Result<&AtomicU64> {
         self.seg.atomic(field)
     }
 
+    #[inline]
     fn slot(&self, index: u32, field: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.slot_offset(index) + field)
     }
 
+    #[inline]
     fn writer_slot(&self, index: u32, field: u64) -> Result<&AtomicU64> {
         self.seg
             .atomic(self.layout.writer_slot_offset(index) + field)
     }
 
+    #[inline]
     fn chunk(&self, address: u64, field: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.chunk_offset(address) + field)
     }
 
     /// Reader slot `slot_index`'s word on the chunk at `address`.
+    #[inline]
     fn word(&self, address: u64, slot_index: u32) -> Result<&AtomicU64> {
         self.chunk(address, chunk::WORDS + 8 * slot_index as u64)
     }
 
     /// Writer slot `writer_slot`'s pin word on the chunk at `address`.
+    #[inline]
     fn pin_word(&self, address: u64, writer_slot: u32) -> Result<&AtomicU64> {
         self.chunk(address, self.layout.pin_word(writer_slot))
     }
@@ -323,33 +331,6 @@ impl Shared {
                 Ok(pid_alive(claim, start))
             }
         }
-    }
-
-    /// Whether the bytes at segment offset `offset` (8-byte aligned, readable in whole words
-    /// up to `expected.len()` rounded up to 8) start with `expected`, read with atomic loads:
-    /// bytes another process may be changing (the caller validates afterwards).
-    fn racy_eq(&self, offset: u64, expected: &[u8]) -> Result<bool> {
-        for (i, part) in expected.chunks(8).enumerate() {
-            // Word against word (no call into memcmp or memcpy per word): the part read as a
-            // little-endian word (zero-padded), the loaded word masked to the part's length.
-            let (want, mask) = match <[u8; 8]>::try_from(part) {
-                Ok(whole) => (u64::from_le_bytes(whole), u64::MAX),
-                Err(_) => (
-                    part.iter()
-                        .rev()
-                        .fold(0u64, |word, &byte| (word << 8) | byte as u64),
-                    u64::MAX >> (64 - 8 * part.len()),
-                ),
-            };
-            let got = self
-                .seg
-                .atomic(offset + 8 * i as u64)?
-                .load(Ordering::Relaxed);
-            if got & mask != want {
-                return Ok(false);
-            }
-        }
-        Ok(true)
     }
 }
 
