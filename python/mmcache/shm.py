@@ -468,10 +468,11 @@ class ShmSenderCache(BaseSenderCache):
         return meta
 
     def _drop_dangling_prompt_updates(self) -> None:
-        """Forget prompt updates of evicted objects (amortised: the threshold doubles)."""
-        live = set(self._store.keys())
+        """Forget prompt updates of evicted objects (amortised: the threshold doubles). Each
+        kept key is looked up, at a cost that grows with what is kept: ``keys()`` walks the
+        ring's whole index (a tenth of a small ring's put time)."""
         # In place: the cache's `CachedItemCheck` reads this dict.
-        for mm_hash in [h for h in self._prompt_updates if h not in live]:
+        for mm_hash in self._store.uncached(list(self._prompt_updates)):
             del self._prompt_updates[mm_hash]
         self._prune_at = max(64, 2 * len(self._prompt_updates))
 
