@@ -427,7 +427,7 @@ class ShmSenderCache(BaseSenderCache):
     def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
         """Store the item with its prompt updates and return its handle, or serve it uncached
         (``KeyExistsError`` for a key another writer stored meanwhile)."""
-        meta = self._shared_prompt_updates(mm_hash, prompt_updates)
+        meta = self._shared_prompt_updates(mm_hash, prompt_updates) if self._shares_updates else b""
         try:
             handle = self._store.put_item(mm_hash, data, meta=meta)
         except ObjectTooLargeError:
@@ -445,10 +445,8 @@ class ShmSenderCache(BaseSenderCache):
         return handle
 
     def _shared_prompt_updates(self, mm_hash: str, prompt_updates: Any) -> bytes:
-        """The metadata that carries ``prompt_updates`` to the other writers (none with a
-        single writer); empty, counted and logged once, when the codec cannot encode them."""
-        if not self._shares_updates:
-            return b""
+        """The metadata that carries ``prompt_updates`` to the other writers (of a store they
+        can join); empty, counted and logged once, when the codec cannot encode them."""
         meta = self._codec.encode(prompt_updates)
         if not meta:
             self._unshared += 1
