@@ -321,7 +321,20 @@ class ShmSenderCache(BaseSenderCache):
         with self._lock:
             self._lookups.total += 1
             try:
-                # The hot path first: a hit on an object whose prompt updates are kept here.
+                if pinned is None and type(item) is tuple and len(item) == 2:
+                    # Data, for an item the engine found missing and processed: put at once,
+                    # with no lookup first (a stream of misses). The put refuses a key stored
+                    # since (`KeyExistsError`): that is a hit, served below, which ignores the
+                    # data (data the codec refuses is an error only on a miss, as before).
+                    data, prompt_updates = item
+                    try:
+                        return self._put(mm_hash, data, prompt_updates), prompt_updates
+                    except KeyExistsError:
+                        pass
+                    except TypeError:
+                        if not self._store.is_cached(mm_hash):
+                            raise
+                # A hit on an object whose prompt updates are kept here, first.
                 handle = self._store.issue_unpinning(mm_hash, pinned)
                 if handle is not None:
                     monotonic_id = handle.monotonic_id
