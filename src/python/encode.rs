@@ -340,11 +340,16 @@ fn tensor_storage<'py>(
             storage.get_type().qualname()?
         )));
     }
+    // The tensor is on the CPU (read in place only when `is_cpu`, else made by `cpu()`), and
+    // torch keeps a plain tensor's storage on its device: only a subclass's storage, whatever
+    // its `untyped_storage()` returns, needs the check (a device read and compared per tensor).
     // `device == cpu` compares type and index: equal is on the CPU; a CPU device with an
     // index (`cpu:0`) takes the slower check of its type.
-    let device = storage.getattr(intern!(py, "device"))?;
-    if !device.eq(torch.cpu.bind(py))? && device.getattr(intern!(py, "type"))?.ne("cpu")? {
-        return Err(no_memory(format!("its storage is on {device}")));
+    if !t.is_exact_instance(torch.tensor.bind(py).as_any()) {
+        let device = storage.getattr(intern!(py, "device"))?;
+        if !device.eq(torch.cpu.bind(py))? && device.getattr(intern!(py, "type"))?.ne("cpu")? {
+            return Err(no_memory(format!("its storage is on {device}")));
+        }
     }
     if nbytes == 0 {
         return Ok((storage, 0)); // where an empty tensor starts is never read
