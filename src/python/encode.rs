@@ -491,12 +491,11 @@ impl<'py> Encoder<'py> {
     fn tensor(&mut self, torch: &Torch, t: &Bound<'py, PyAny>) -> EncodeResult<()> {
         let py = self.py;
         let dtype = t.getattr(intern!(py, "dtype"))?;
-        let Some(&index) = torch.by_object.get(&(dtype.as_ptr() as usize)) else {
+        let Some(dt) = torch.dtype_of(&dtype) else {
             return Err(EncodeError::refused(format!(
                 "unsupported tensor dtype {dtype}"
             )));
         };
-        let dt = &torch.dtypes[index];
         let layout = t.getattr(intern!(py, "layout"))?;
         if layout.as_ptr() != torch.strided.as_ptr() {
             return Err(EncodeError::refused(format!(
