@@ -115,9 +115,15 @@ pub struct HeaderBuilder {
     part_lens: Vec<u64>,
 }
 
+/// Bytes of tree a [`HeaderBuilder`] starts with room for: a few fields, with no regrowth.
+const TREE_CAPACITY: usize = 256;
+
 impl HeaderBuilder {
     pub fn new() -> Self {
-        Self::default()
+        HeaderBuilder {
+            tree: Vec::with_capacity(TREE_CAPACITY),
+            part_lens: Vec::new(),
+        }
     }
 
     fn tag(&mut self, tag: u8) {

@@ -205,6 +205,9 @@ def test_stale_after_eviction_and_after_clear():
     reader.get(h1, "b")
     writer.put("c", b"c" * PAYLOAD)  # evicts a (read, oldest)
     assert not writer.is_cached("a")
+    assert writer.uncached(iter(["c", "a", "zz", "b", "a"])) == ["a", "zz", "a"]
+    with pytest.raises(TypeError):
+        writer.uncached(["b", 1])
     with pytest.raises(StaleHandleError):
         reader.get(h0, "a")
     writer.clear()
@@ -240,6 +243,7 @@ WRITER_ONLY = (
     "put",
     "put_item",
     "is_cached",
+    "uncached",
     "issue",
     "issue_if_present",
     "read_stored",

@@ -74,6 +74,38 @@ def cached(sender: ShmSenderCache, keys: str) -> set[str]:
 # -- the sender ------------------------------------------------------------------------------
 
 
+def test_prompt_updates_of_evicted_items_are_forgotten(sender: ShmSenderCache) -> None:
+    """The ring holds three items: after 200 puts the cache keeps the prompt updates of the
+    three and of fewer than 64 evicted ones (the pruning threshold), and every cached item
+    still hits with its own."""
+    item = make_item("x")
+    for i in range(200):
+        sender.release_handles([put(sender, f"k{i}", item)])
+    live = [f"k{i}" for i in range(200) if sender.is_cached_item(f"k{i}")]
+    assert len(live) == 3, live
+    kept = sender._prompt_updates
+    assert set(live) <= set(kept) and len(kept) < 64, len(kept)
+    for key in live:
+        handle, updates = sender.get_and_update_item(None, key)
+        assert updates == [f"pu-{key}"]
+        sender.release_handles([handle])
+
+
+def test_data_sent_again_for_a_cached_item_is_a_hit_and_ignored(sender: ShmSenderCache) -> None:
+    """P0 puts data without looking it up first; data for a stored key is still a hit with
+    the stored item's prompt updates, even data the codec refuses, which is an error on a
+    miss."""
+    handle = put(sender, "a")
+    for data in (make_item("other"), {"x": object()}):
+        again, updates = sender.get_and_update_item((data, ["new"]), "a")
+        assert again == handle and updates == ["pu-a"]
+        sender.release_handles([again])
+    assert sender.make_stats() == CacheInfo(2, 3)
+    with pytest.raises(TypeError, match=r"field item\['x'\]"):
+        sender.get_and_update_item(({"x": object()}, ["new"]), "b")
+    assert not sender.is_cached_item("b")
+
+
 def test_verify_is_side_effect_free_and_tracks_the_current_entry(
     sender: ShmSenderCache, reader: ShmReceiverCache
 ) -> None:

@@ -1,6 +1,6 @@
 """Type stubs for the Rust core, ``mmcache._core`` (kept honest by ``mypy.stubtest``)."""
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, final
 
@@ -252,6 +252,10 @@ class ShmWriter(ShmObjectStore):
     def is_cached(self, key: str) -> bool:
         """Whether ``key`` is stored, by any writer (no reference, hit or recency change; no
         lock)."""
+    def uncached(self, keys: Iterable[str]) -> list[str]:
+        """Those of ``keys`` that are not stored (:meth:`is_cached` of each, in order): what a
+        cache keeps about evicted objects, found at a cost that grows with ``keys``, not with
+        the ring (:meth:`keys` walks its whole index)."""
     def issue(self, key: str) -> ShmHandle:
         """One more reference to ``key``'s object, as a handle (``KeyError`` if absent;
         ``ReferencesSaturatedError``, nothing changed, if a reader already holds as many

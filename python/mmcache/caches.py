@@ -420,7 +420,8 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
     """``(item, prompt_updates)`` of a P0 input; ``CacheMissError`` for ``None``."""
     if item is None:
         raise CacheMissError([mm_hash])
-    if not (isinstance(item, tuple | list) and len(item) == 2):
+    # A tuple of types, not `tuple | list`: that union is built anew at each call (P0's put).
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise TypeError(
             f"P0 input for {mm_hash} must be (item, prompt_updates) or None, "
             f"not {type(item).__qualname__}"

@@ -11,18 +11,20 @@
 //! can make anything (the `_make_wrapper_subclass` tensors of DTensor, FakeTensor or torchao
 //! say 0): the encoder takes the tensor's `untyped_storage()`, refuses one without memory of
 //! its own (not a plain CPU storage, or `data_ptr()` refused or null), proves the tensor's
-//! bytes lie inside it (`storage_offset() * itemsize + nbytes <= storage.nbytes()`), and holds
-//! the storage — not the tensor — until the copy is done, so a tensor re-pointed with `set_()`
-//! or dropped meanwhile leaves the bytes alive.
+//! bytes lie inside it (`storage_offset() * itemsize + nbytes <= storage.nbytes()`, both read
+//! once the walk is over, below), and holds the storage — not the tensor — until the copy is
+//! done, so a tensor re-pointed with `set_()` or dropped meanwhile leaves the bytes alive.
 //!
 //! Holding a storage does not pin its memory: `UntypedStorage.resize_()` and
 //! `share_memory_()` give the same storage new memory and free the old one at once, and a
 //! storage's memory is uniquely owned (torch offers no reference to it from Python). Both run
 //! holding the GIL (torch/csrc/StorageMethods.cpp, StorageSharing.cpp), so the encoder reads
-//! each storage's address last, once the walk is over (no Python code runs between that read
-//! and the copy), and copies out of torch storages keep the GIL ([`Encoded::copying`]). A
-//! resize inside one of torch's own kernels, which run with the GIL released
-//! (`Tensor.resize_`), races with every reader of that tensor, torch's own included.
+//! each storage's address and size last, once the walk is over (no Python code runs between
+//! those reads and the copy), and copies out of torch storages keep the GIL
+//! ([`Encoded::copying`]); a refusal found then still names its field (each tensor's part
+//! keeps the path the walk took to it). A resize inside one of torch's own kernels, which run
+//! with the GIL released (`Tensor.resize_`), races with every reader of that tensor, torch's
+//! own included.
 
 use pyo3::exceptions::{PyException, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
@@ -64,46 +66,45 @@ pub(super) fn item_not_encodable(py: Python<'_>) -> PyResult<&Bound<'_, PyType>>
 }
 
 /// Why encoding failed.
-enum Refusal {
+enum EncodeError {
     /// The item holds what the format cannot (the message says what).
     Refused(String),
     /// A Python call raised while reading the item.
     Raised(PyErr),
 }
 
-/// Why encoding failed, and where (innermost segment last until unwound).
-struct EncodeError {
-    why: Refusal,
-    path: Vec<String>,
+/// One step of the path from the item to a field: a mapping's key or a sequence's index.
+#[derive(Clone)]
+enum Step<'py> {
+    Key(Bound<'py, PyAny>),
+    Index(usize),
 }
 
 impl EncodeError {
     fn refused(msg: String) -> Self {
-        EncodeError {
-            why: Refusal::Refused(msg),
-            path: Vec::new(),
-        }
+        EncodeError::Refused(msg)
     }
 
-    fn at(mut self, segment: String) -> Self {
-        self.path.push(segment);
-        self
-    }
-
-    /// The Python error: an `ItemNotEncodableError` naming the field (`item['pixels'][1]`),
-    /// caused by what Python raised, if anything. Running out of memory and interrupts are
-    /// not about the item: they propagate as they are.
-    fn into_pyerr(self, py: Python<'_>) -> PyErr {
-        let path: String = self.path.iter().rev().map(String::as_str).collect();
-        let (msg, cause) = match self.why {
-            Refusal::Refused(msg) => (msg, None),
-            Refusal::Raised(err)
+    /// The Python error: an `ItemNotEncodableError` naming the field `path` leads to
+    /// (`item['pixels'][1]`), caused by what Python raised, if anything. Running out of
+    /// memory and interrupts are not about the item: they propagate as they are.
+    fn into_pyerr(self, py: Python<'_>, path: &[Step<'_>]) -> PyErr {
+        let path: String = path
+            .iter()
+            .map(|step| match step {
+                Step::Key(key) => key_segment(key),
+                Step::Index(n) => format!("[{n}]"),
+            })
+            .collect();
+        let (msg, cause) = match self {
+            EncodeError::Refused(msg) => (msg, None),
+            EncodeError::Raised(err)
                 if err.is_instance_of::<PyMemoryError>(py)
                     || !err.is_instance_of::<PyException>(py) =>
             {
                 return err;
             }
-            Refusal::Raised(err) => (err.value(py).to_string(), Some(err)),
+            EncodeError::Raised(err) => (err.value(py).to_string(), Some(err)),
         };
         let class = match item_not_encodable(py) {
             Ok(class) => class,
@@ -117,10 +118,7 @@ impl EncodeError {
 
 impl From<PyErr> for EncodeError {
     fn from(err: PyErr) -> Self {
-        EncodeError {
-            why: Refusal::Raised(err),
-            path: Vec::new(),
-        }
+        EncodeError::Raised(err)
     }
 }
 
@@ -138,43 +136,88 @@ struct Encoder<'py> {
     torch: Option<&'static Torch>,
     header: HeaderBuilder,
     parts: Vec<Part<'py>>,
+    /// The path to the value being walked; left where it was when the walk fails.
+    path: Vec<Step<'py>>,
 }
 
 /// One part as the walk finds it.
 enum Part<'py> {
     /// Bytes their keeper holds already (an array's export, a `bytes` value).
     Held(Keeper),
-    /// A tensor's `len` bytes at `offset` in `storage`, whose address is read once the walk
-    /// is over (module doc).
-    Storage {
-        storage: Bound<'py, PyAny>,
-        offset: usize,
-        len: usize,
-    },
+    /// A tensor's bytes in its storage, whose memory is read once the walk is over.
+    Tensor(TensorBytes<'py>),
 }
 
 impl Part<'_> {
-    /// The part's keeper, its address read now.
-    fn hold(self) -> EncodeResult<Keeper> {
-        let (storage, offset, len) = match self {
-            Part::Held(keeper) => return Ok(keeper),
-            Part::Storage {
-                storage,
-                offset,
-                len,
-            } => (storage, offset, len),
-        };
-        let (ptr, size) = storage_memory(&storage)?;
-        // Checked when the walk found it; only Python code that ran since (a collection's
-        // finalizers, a mapping's `items()`) could have shrunk the storage.
-        if offset + len > size || (len > 0 && ptr == 0) {
-            return Err(EncodeError::refused(format!(
-                "a tensor's storage shrank to {size} bytes while the item was encoded \
-                 (another thread resized it?)"
-            )));
+    /// The part's keeper, a tensor's storage's memory read now (an `ItemNotEncodableError`
+    /// naming the tensor's field if it cannot hold the tensor's bytes).
+    fn hold(self, py: Python<'_>) -> PyResult<Keeper> {
+        match self {
+            Part::Held(keeper) => Ok(keeper),
+            Part::Tensor(t) => t.hold().map_err(|e| e.into_pyerr(py, &t.path)),
         }
-        Ok(Keeper::object(&storage, (ptr + offset) as *const u8, len))
     }
+}
+
+/// A tensor's `len` bytes from element `element` (of `itemsize` bytes) of `storage`, a plain
+/// CPU storage, found at `path`.
+struct TensorBytes<'py> {
+    storage: Bound<'py, PyAny>,
+    element: u64,
+    itemsize: u64,
+    len: u64,
+    /// The tensor's type, for the refusal of a storage without memory.
+    tensor_type: Bound<'py, PyType>,
+    path: Vec<Step<'py>>,
+}
+
+impl TensorBytes<'_> {
+    /// The bytes, held by their storage: memory of the storage's own, large enough for them.
+    /// What the tensor said of itself only chooses which of the storage's bytes are read.
+    fn hold(&self) -> EncodeResult<Keeper> {
+        let py = self.storage.py();
+        let (ptr, size) = storage_memory(&self.storage)
+            .map_err(|e| self.no_memory(format!("torch says: {}", e.value(py))))?;
+        // Nothing is read from an empty tensor: where it says it starts does not matter
+        // (torch lets it start past the end of its storage).
+        if self.len == 0 {
+            return Ok(Keeper::object(&self.storage, ptr as *const u8, 0));
+        }
+        let start = self.element.checked_mul(self.itemsize).filter(|&start| {
+            start
+                .checked_add(self.len)
+                .is_some_and(|end| end <= size as u64)
+        });
+        let Some(start) = start else {
+            return Err(EncodeError::refused(format!(
+                "a tensor of {} bytes at element {} does not fit its storage of {size} bytes",
+                self.len, self.element
+            )));
+        };
+        if ptr == 0 {
+            return Err(self.no_memory("its storage's data_ptr() is null".into()));
+        }
+        Ok(Keeper::object(
+            &self.storage,
+            (ptr + start as usize) as *const u8,
+            self.len as usize,
+        ))
+    }
+
+    fn no_memory(&self, why: String) -> EncodeError {
+        no_memory(&self.tensor_type, why)
+    }
+}
+
+/// The refusal of a tensor (of type `tensor_type`) whose storage has no memory to read.
+fn no_memory(tensor_type: &Bound<'_, PyType>, why: String) -> EncodeError {
+    EncodeError::refused(format!(
+        "a {} has no memory of its own to read ({why}; a wrapper subclass such as DTensor or \
+         FakeTensor? make it a plain tensor first)",
+        tensor_type
+            .qualname()
+            .map_or_else(|_| "tensor".into(), |n| n.to_string())
+    ))
 }
 
 /// The address and length of a torch storage's memory. torch refuses `data_ptr()` of a
@@ -203,6 +246,7 @@ impl Encoded {
             torch: torch_if_loaded(py)?,
             header: HeaderBuilder::new(),
             parts: Vec::new(),
+            path: Vec::new(),
         };
         let walked = if let Ok(dict) = item.cast_exact::<PyDict>() {
             enc.dict(dict, 1)
@@ -214,20 +258,20 @@ impl Encoded {
                 item.get_type().qualname()?
             )));
         };
-        walked.map_err(|e| e.into_pyerr(py))?;
+        walked.map_err(|e| e.into_pyerr(py, &enc.path))?;
         let header = enc
             .header
             .finish()
-            .map_err(|e| EncodeError::from(e).into_pyerr(py))?;
-        let in_storage = enc.parts.iter().any(|p| matches!(p, Part::Storage { .. }));
+            .map_err(|e| EncodeError::from(e).into_pyerr(py, &[]))?;
+        let in_storage = enc.parts.iter().any(|p| matches!(p, Part::Tensor(_)));
         let parts = enc
             .parts
             .into_iter()
-            .map(Part::hold)
-            .collect::<EncodeResult<_>>();
+            .map(|p| p.hold(py))
+            .collect::<PyResult<_>>()?;
         Ok(Encoded {
             header,
-            parts: parts.map_err(|e| e.into_pyerr(py))?,
+            parts,
             in_storage,
         })
     }
@@ -277,26 +321,16 @@ fn key_segment(key: &Bound<'_, PyAny>) -> String {
     }
 }
 
-/// The storage a tensor's `nbytes` bytes lie in, and their offset in it: memory of the
-/// storage's own on the CPU (not a wrapper subclass's, FakeTensor's or the meta device's),
-/// large enough for them. What the tensor says of itself only chooses which of the storage's
-/// bytes are read.
+/// The storage of a tensor of `nbytes` bytes and the element its bytes start at: a plain
+/// storage on the CPU (not a wrapper subclass's, FakeTensor's or the meta device's). Its memory
+/// is read, and the bytes' bounds checked, once the walk is over ([`TensorBytes::hold`]).
 fn tensor_storage<'py>(
     torch: &Torch,
     t: &Bound<'py, PyAny>,
-    itemsize: u64,
     nbytes: u64,
-) -> EncodeResult<(Bound<'py, PyAny>, usize)> {
+) -> EncodeResult<(Bound<'py, PyAny>, u64)> {
     let py = t.py();
-    let no_memory = |why: String| {
-        EncodeError::refused(format!(
-            "a {} has no memory of its own to read ({why}; a wrapper subclass such as DTensor \
-             or FakeTensor? make it a plain tensor first)",
-            t.get_type()
-                .qualname()
-                .map_or_else(|_| "tensor".into(), |n| n.to_string())
-        ))
-    };
+    let no_memory = |why: String| no_memory(&t.get_type(), why);
     let storage = t
         .call_method0(intern!(py, "untyped_storage"))
         .map_err(|e| no_memory(format!("untyped_storage() raised {}", e.value(py))))?;
@@ -306,34 +340,22 @@ fn tensor_storage<'py>(
             storage.get_type().qualname()?
         )));
     }
+    // The tensor is on the CPU (read in place only when `is_cpu`, else made by `cpu()`), and
+    // torch keeps a plain tensor's storage on its device: only a subclass's storage, whatever
+    // its `untyped_storage()` returns, needs the check (a device read and compared per tensor).
     // `device == cpu` compares type and index: equal is on the CPU; a CPU device with an
     // index (`cpu:0`) takes the slower check of its type.
-    let device = storage.getattr(intern!(py, "device"))?;
-    if !device.eq(torch.cpu.bind(py))? && device.getattr(intern!(py, "type"))?.ne("cpu")? {
-        return Err(no_memory(format!("its storage is on {device}")));
-    }
-    let (ptr, size) =
-        storage_memory(&storage).map_err(|e| no_memory(format!("torch says: {}", e.value(py))))?;
-    if nbytes == 0 {
-        // Nothing is read: where an empty tensor says it starts does not matter (torch lets
-        // it start past the end of its storage).
-        return Ok((storage, 0));
-    }
-    let element: u64 = t.call_method0(intern!(py, "storage_offset"))?.extract()?;
-    let offset = element.checked_mul(itemsize);
-    let end = offset.and_then(|o| o.checked_add(nbytes));
-    match (offset, end) {
-        (Some(offset), Some(end)) if end <= size as u64 => {
-            if ptr == 0 {
-                return Err(no_memory("its storage's data_ptr() is null".into()));
-            }
-            Ok((storage, offset as usize))
+    if !t.is_exact_instance(torch.tensor.bind(py).as_any()) {
+        let device = storage.getattr(intern!(py, "device"))?;
+        if !device.eq(torch.cpu.bind(py))? && device.getattr(intern!(py, "type"))?.ne("cpu")? {
+            return Err(no_memory(format!("its storage is on {device}")));
         }
-        _ => Err(EncodeError::refused(format!(
-            "a tensor of {nbytes} bytes at element {element} does not fit its storage of \
-             {size} bytes"
-        ))),
     }
+    if nbytes == 0 {
+        return Ok((storage, 0)); // where an empty tensor starts is never read
+    }
+    let element = t.call_method0(intern!(py, "storage_offset"))?.extract()?;
+    Ok((storage, element))
 }
 
 impl<'py> Encoder<'py> {
@@ -418,7 +440,10 @@ impl<'py> Encoder<'py> {
             .to_str()
             .map_err(|_| EncodeError::refused("a key is not valid UTF-8".into()))?;
         self.header.key(name)?;
-        self.value(value, depth).map_err(|e| e.at(key_segment(key)))
+        self.path.push(Step::Key(key.clone()));
+        self.value(value, depth)?;
+        self.path.pop();
+        Ok(())
     }
 
     fn dict(&mut self, d: &Bound<'py, PyDict>, depth: usize) -> EncodeResult<()> {
@@ -454,7 +479,10 @@ impl<'py> Encoder<'py> {
         let open = self.header.begin(kind);
         let mut n = 0;
         for v in seq.try_iter()? {
-            self.value(&v?, depth).map_err(|e| e.at(format!("[{n}]")))?;
+            let v = v?;
+            self.path.push(Step::Index(n));
+            self.value(&v, depth)?;
+            self.path.pop();
             n += 1;
         }
         Ok(self.header.end(open, n)?)
@@ -463,12 +491,11 @@ impl<'py> Encoder<'py> {
     fn tensor(&mut self, torch: &Torch, t: &Bound<'py, PyAny>) -> EncodeResult<()> {
         let py = self.py;
         let dtype = t.getattr(intern!(py, "dtype"))?;
-        let Some(&index) = torch.by_object.get(&(dtype.as_ptr() as usize)) else {
+        let Some(dt) = torch.dtype_of(&dtype) else {
             return Err(EncodeError::refused(format!(
                 "unsupported tensor dtype {dtype}"
             )));
         };
-        let dt = &torch.dtypes[index];
         let layout = t.getattr(intern!(py, "layout"))?;
         if layout.as_ptr() != torch.strided.as_ptr() {
             return Err(EncodeError::refused(format!(
@@ -496,13 +523,16 @@ impl<'py> Encoder<'py> {
             .iter()
             .try_fold(dt.itemsize, |n, &d| n.checked_mul(d))
             .ok_or_else(|| EncodeError::refused("tensor too large".into()))?;
-        let (storage, offset) = tensor_storage(torch, &t, dt.itemsize, nbytes)?;
+        let (storage, element) = tensor_storage(torch, &t, nbytes)?;
         self.header.tensor(dt.name, &shape, nbytes)?;
-        self.parts.push(Part::Storage {
+        self.parts.push(Part::Tensor(TensorBytes {
             storage,
-            offset,
-            len: nbytes as usize,
-        });
+            element,
+            itemsize: dt.itemsize,
+            len: nbytes,
+            tensor_type: t.get_type(),
+            path: self.path.clone(),
+        }));
         Ok(())
     }
 

@@ -197,8 +197,6 @@ pub(super) struct Torch {
     /// `torch.empty` keyword arguments for a pinned byte buffer.
     pub(super) pinned_kwargs: Py<PyDict>,
     pub(super) dtypes: Vec<TorchDtype>,
-    /// Address of each dtype object (held in `dtypes`) to its index.
-    pub(super) by_object: HashMap<usize, usize>,
     pub(super) by_name: HashMap<&'static str, usize>,
 }
 
@@ -236,11 +234,6 @@ fn load_torch(torch: &Bound<'_, PyModule>) -> PyResult<Torch> {
         cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
         empty: torch.getattr("empty")?.unbind(),
         pinned_kwargs: pinned_kwargs.unbind(),
-        by_object: dtypes
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (d.obj.as_ptr() as usize, i))
-            .collect(),
         by_name: dtypes
             .iter()
             .enumerate()
@@ -248,6 +241,16 @@ fn load_torch(torch: &Bound<'_, PyModule>) -> PyResult<Torch> {
             .collect(),
         dtypes,
     })
+}
+
+impl Torch {
+    /// The table's entry of a torch dtype object, if it has one: the common dtypes come
+    /// first, so a scan of the addresses finds them sooner than a hash would.
+    pub(super) fn dtype_of(&self, dtype: &Bound<'_, PyAny>) -> Option<&TorchDtype> {
+        self.dtypes
+            .iter()
+            .find(|d| d.obj.as_ptr() == dtype.as_ptr())
+    }
 }
 
 /// torch, importing it (decoding a tensor needs it).

@@ -10,7 +10,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::panic::PanicException;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{Borrowed, PyTraverseError, PyVisit, ffi, intern};
 
 use super::buffer::{collect_buffers, copying, raw_parts};
@@ -118,6 +118,26 @@ impl ShmWriter {
 
     fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         Ok(self.writer.with(py, |w| w.is_cached(key))??)
+    }
+
+    /// Those of `keys` (strs) that are not stored, by `is_cached`'s lookup each: what a cache
+    /// keeps about objects since evicted, found at a cost that grows with what it keeps, not
+    /// with the ring (`keys` walks the whole index).
+    fn uncached<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        // An `Arc`, not `with`: iterating `keys` may run Python code (a generator).
+        let writer = self.writer.get()?;
+        let out = PyList::empty(py);
+        for key in keys.try_iter()? {
+            let key = key?;
+            if !writer.is_cached(key.cast::<PyString>()?.to_str()?)? {
+                out.append(key)?;
+            }
+        }
+        Ok(out)
     }
 
     /// One more reference to `key`'s object, as a handle (`KeyError` if absent).
