@@ -9,7 +9,8 @@
 
 Lookups and hits are timed as loops (``timeit``, best of several repeats, per call), so the
 nanoseconds are not the clock's; a reader is attached, so hits issue references as an
-engine's do. Performance is measured here, never asserted by a test.
+engine's do. Every process runs with one OpenBLAS thread (none uses BLAS). Performance is
+measured here, never asserted by a test.
 
     python benches/bench_writers.py [--quick] [--json PATH]
 """
@@ -26,6 +27,10 @@ import time
 import timeit
 from pathlib import Path
 from typing import Any
+
+# The writer processes never use BLAS, and on a small machine the idle threads OpenBLAS starts
+# with numpy (which mmcache imports) take CPU time from them: one thread, in every process.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from mmcache._core import ShmObjectStore, WriterHandle
 

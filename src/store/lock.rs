@@ -58,9 +58,11 @@ impl Shared {
         {
             return Ok(self.guard(word, false));
         }
-        // Contended: whoever takes it from here on may have company, so it says so (the
-        // release then wakes one sleeper).
-        let mine = mine | LockWord::WAITERS;
+        // Contended. A waiter that has slept takes the lock saying it may have company (its
+        // release then wakes one sleeper): a sleeper's wake-up may have been spent on it. One
+        // that only spun takes it as it is, so releases that follow wake nobody in vain (a
+        // wake is a system call); a sleeper always marks the word before it sleeps.
+        let mut mine = mine;
         let mut spins = 0;
         loop {
             let seen = word.load(Ordering::Relaxed);
@@ -92,6 +94,7 @@ impl Shared {
             }
             self.seg
                 .futex_wait(header::LOCK, sleeping_on as u32, RECHECK)?;
+            mine |= LockWord::WAITERS;
             if word.load(Ordering::Relaxed) == sleeping_on && !self.writer_alive(held.holder)? {
                 // The holder died holding it. Take it over from exactly that holder.
                 if word
