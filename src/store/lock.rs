@@ -3,8 +3,8 @@
 //!
 //! It is taken with one CAS and given back with one swap when nobody waits, so a single
 //! writer pays two uncontended atomic operations for it. A writer that finds it taken spins
-//! (at most [`SPIN_FOR`], yielding now and then), then sleeps on the word (a futex on the shared mapping, woken by the holder), at
-//! most [`RECHECK`] at a time: after each sleep it asks whether the holder the word names
+//! (at most [`SPIN_FOR`], yielding now and then), then sleeps on the word (a futex on the
+//! shared mapping, woken by the holder), at most [`RECHECK`] at a time: after each sleep it asks whether the holder the word names
 //! (slot and epoch, set in the same CAS that took it) still lives. A holder that died however
 //! it died — SIGKILL in the middle of an update included — is found dead as soon as its
 //! slot's OFD lock is gone (or its slot has a new occupant), and the waiter takes the lock

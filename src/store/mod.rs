@@ -13,11 +13,21 @@
 //!
 //! **Who changes what.** The *store lock* (`lock.rs`) serializes every change to the ring's
 //! blocks (their sizes and kinds), CLOCK's hand, the journal, the key index's buckets and
-//! the gauges (`bytes_in_use`, `objects`, `claims`, `last_id`). Without it: lookups (index
-//! reads), a hit's referenced bit, each writer's own pin word in a chunk, the reader words
-//! (writers add references, readers consume them), each writer's own counters in its slot,
-//! and filling a block a writer reserved. Payload copies never happen under the lock: a put reserves its block
-//! under it, fills the block outside it, and takes it once more to publish.
+//! the gauges (`bytes_in_use`, `objects`, `claims`, `last_id`) — but one: a writer carves
+//! its own allocation buffer without it (B1 below). Without it also: lookups (index reads),
+//! a hit's referenced bit, each writer's own pin word in a chunk, the reader words (writers
+//! add references, readers consume them), each writer's own counters in its slot, and
+//! filling a block a writer reserved. Payload copies never happen under the lock: a put
+//! reserves its block under it (or carves it), fills the block outside it, and takes it
+//! once more to publish.
+//!
+//! **Buffers (B1).** A writer's allocation buffer is a block whose state word is
+//! `BlockState::buffer_word(owner)`. Its owner carves a block from its front with a CAS of
+//! that word to a plain reservation, writes the rest's header (Relaxed), then shrinks the
+//! block onto it with a **Release** store of its size; a walker under the lock loads sizes
+//! with **Acquire** (pairs with it), so one that sees the new size sees the rest's header.
+//! A sweep takes a live writer's buffer back with a CAS of the same word to free: one of
+//! the two CASes fails, and the block's size changes only after the owner's succeeds.
 //!
 //! **Publication (P1).** A writer fills its reserved block (header fields, reader words,
 //! payload, long key, metadata) with plain or Relaxed stores, then, under the lock, stores

@@ -1,6 +1,6 @@
-//! The ring's allocator, shared by every writer and changed only under the store lock:
-//! blocks, CLOCK's sweep, what may be reclaimed, eviction, and the repair after a lock holder
-//! died.
+//! The ring's allocator, shared by every writer and changed under the store lock (but for a
+//! writer carving its own allocation buffer: B1 in [`store`](super)): blocks, CLOCK's sweep,
+//! what may be reclaimed, eviction, and the repair after a lock holder died.
 //!
 //! The ring is tiled by blocks (`layout`): each starts with a chunk header whose `SIZE` says
 //! where the next one starts and whose `STATE` says what it is (`layout::BlockState`). To
@@ -117,6 +117,8 @@ pub(super) struct Block {
     pub(super) address: u64,
     pub(super) size: u64,
     pub(super) state: BlockState,
+    /// A writer's allocation buffer (a reservation a sweep may take back).
+    pub(super) buffer: bool,
 }
 
 impl Shared {
@@ -140,14 +142,18 @@ impl Shared {
     }
 
     pub(super) fn block(&self, address: u64) -> Result<Block> {
+        let size = self.block_size(address)?;
+        let raw = self.state_word(address)?.load(Ordering::Acquire);
         Ok(Block {
             address,
-            size: self.block_size(address)?,
-            state: BlockState::unpack(self.state_word(address)?.load(Ordering::Acquire)),
+            size,
+            state: BlockState::unpack(raw),
+            buffer: raw & BlockState::BUFFER_BIT != 0,
         })
     }
 
-    /// Every block from address 0 (under the lock: nothing moves meanwhile).
+    /// Every block from address 0 (under the lock: only a carve splits a writer's buffer
+    /// meanwhile, and a walk sees the buffer whole or split, B1).
     pub(super) fn blocks(&self, _lock: &LockGuard<'_>) -> Result<Vec<Block>> {
         let mut out = Vec::new();
         let mut address = 0;
@@ -454,11 +460,6 @@ impl Shared {
             return Ok(Some(cursor));
         }
         Ok(None)
-    }
-
-    /// Whether the block at `address` is a writer's allocation buffer.
-    pub(super) fn is_buffer(&self, address: u64) -> Result<bool> {
-        Ok(self.state_word(address)?.load(Ordering::Relaxed) & BlockState::BUFFER_BIT != 0)
     }
 
     /// Make the block at `address`, just reserved by `owner`, its allocation buffer.

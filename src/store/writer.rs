@@ -9,7 +9,7 @@
 //! for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
 //! Lock order: the store lock before the private mutex, never the other way round.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -51,6 +51,8 @@ pub struct Writer {
     /// The allocation buffer small puts carve from (`writer/lab.rs`). Its mutex may be
     /// taken while holding the store lock, never the store lock while holding it.
     lab: Mutex<Option<lab::Lab>>,
+    /// Small puts still to reserve on their own after a refill found no room (`lab.rs`).
+    lab_back_off: AtomicU32,
 }
 
 /// One of this writer's hazard words, naming the chunk an operation holds (S1 in the
@@ -184,6 +186,7 @@ impl Writer {
             process: Process::current(),
             closing: AtomicBool::new(false),
             lab: Mutex::new(None),
+            lab_back_off: AtomicU32::new(0),
         })
     }
 

@@ -4,8 +4,9 @@
 //! `inspect`, orphans), `model` (a proptest state machine against a model). Several writers:
 //! `members` (sharing, joining, leaving, metadata), `claims` (single flight, a full index),
 //! `crash` (writers that die: their stamps void, a lock they held taken over and repaired),
-//! `writers_model` (three writers against a model), `buffers` (allocation buffers). `race`: threads racing (readers against
-//! an evicting writer; several writers' threads on the same keys).
+//! `writers_model` (three writers against a model), `buffers` (allocation buffers). `race`:
+//! threads racing (readers against an evicting writer; several writers' threads on the same
+//! keys, in a small ring and in one where every object is carved from a buffer).
 
 use std::collections::HashMap;
 

@@ -85,10 +85,27 @@ fn content(k: u64) -> Vec<u8> {
 /// race on one key stores it once, and nothing is left owed.
 #[test]
 fn writers_and_threads_race_on_the_same_keys_and_readers_only_see_their_bytes() {
+    race_on_keys(64 * 1024, 24);
+}
+
+/// The same race in a ring large enough for allocation buffers (43 KiB each: every object
+/// is carved without the store lock) and keys enough to wrap it: carves race other writers'
+/// sweeps, which take idle buffers back.
+#[test]
+fn writers_carving_their_buffers_race_each_others_sweeps() {
+    let stats = race_on_keys(2 << 20, 2000);
+    assert!(
+        stats["last_id"] > 2 * stats["puts"],
+        "ids were drawn for buffers: {stats:?}"
+    );
+}
+
+/// The race above over a ring of `capacity` bytes and `keys` keys; the store's statistics
+/// after it.
+fn race_on_keys(capacity: u64, keys: u64) -> HashMap<&'static str, u64> {
     const THREADS_PER_WRITER: usize = 2;
-    const KEYS: u64 = 24;
     const ROUNDS: usize = 3000;
-    let first = store(64 * 1024, 2, WRITERS as u32);
+    let first = store(capacity, 2, WRITERS as u32);
     let info = first.writer_info();
     let reader_info = first.reader_info();
     let mut writers = vec![Arc::new(first)];
@@ -126,7 +143,7 @@ fn writers_and_threads_race_on_the_same_keys_and_readers_only_see_their_bytes() 
                         }
                     };
                     for _ in 0..ROUNDS {
-                        let k = rng.below(KEYS);
+                        let k = rng.below(keys);
                         let key = format!("k{k}");
                         match rng.below(10) {
                             0..=4 => match w.put(&key, &[&content(k)]) {
@@ -181,9 +198,10 @@ fn writers_and_threads_race_on_the_same_keys_and_readers_only_see_their_bytes() 
     assert_eq!(stats["puts"], stored.load(Ordering::Relaxed));
     assert_eq!(stats["outstanding_refs"], 0);
     assert_eq!(stats["claims"], 0);
-    let mut keys = writers[1].keys().unwrap();
-    let n = keys.len();
-    keys.sort();
-    keys.dedup();
-    assert_eq!(keys.len(), n, "a key is stored at most once");
+    let mut stored_keys = writers[1].keys().unwrap();
+    let n = stored_keys.len();
+    stored_keys.sort();
+    stored_keys.dedup();
+    assert_eq!(stored_keys.len(), n, "a key is stored at most once");
+    stats
 }

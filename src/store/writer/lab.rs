@@ -10,13 +10,15 @@
 //! fails, and an owner that finds its buffer gone reserves anew. Each carve keeps the ring
 //! tiled at every store (`Shared::carve_buffer`), so a writer killed in the middle leaves
 //! only reservations of a dead writer. What is left goes back to the ring when a refill
-//! replaces it, on `clear` and on `close`; until then `bytes_in_use` counts it (not
-//! `chunks_reserved`). It holds at most 1/16 of the ring per writer slot (and 256 KiB), and
-//! only objects up to a quarter of it are carved, so a small ring, or a large object, is
-//! reserved exactly as before.
+//! replaces it, on this writer's `clear` and on its `close`; until then `bytes_in_use`
+//! counts it (not `chunks_reserved`). It holds at most 1/16 of the ring per writer slot (and
+//! 256 KiB), and only objects up to a quarter of it are carved, so a small ring, or a large
+//! object, is reserved exactly as before. A refill looks only near the hand; when it finds
+//! no room there, the next [`BACK_OFF`] small puts are reserved on their own.
 
 use std::ops::Range;
 use std::sync::MutexGuard;
+use std::sync::atomic::Ordering;
 
 use super::super::lock::LockGuard;
 use super::Writer;
@@ -25,6 +27,8 @@ use crate::layout::ALIGN;
 
 /// The most a buffer holds.
 const MOST: u64 = 256 << 10;
+/// Small puts reserved on their own after a refill found no room near the hand.
+const BACK_OFF: u32 = 64;
 
 /// What is left of the buffer: the block `[rest, end)`, reserved by this writer, and the ids
 /// drawn for the objects still to be carved from it.
@@ -36,13 +40,27 @@ pub(super) struct Lab {
 }
 
 impl Writer {
-    /// The size of the buffer an object of `size` bytes (a block) is carved from, or `None`
-    /// when it is reserved on its own.
-    pub(super) fn lab_size(&self, size: u64) -> Option<u64> {
+    /// The size of the buffer an object of `size` bytes (a block) is to be carved from, or
+    /// `None` when it is to be reserved on its own (a large object, a small ring, or one of
+    /// the puts after a refill failed, which this counts down).
+    pub(super) fn plan_lab(&self, size: u64) -> Option<u64> {
         let l = &self.shared.layout;
         let share = l.capacity / (16 * u64::from(l.max_writers));
         let buffer = MOST.min(share) / ALIGN * ALIGN;
-        (size.saturating_mul(4) <= buffer).then_some(buffer)
+        if size.saturating_mul(4) > buffer {
+            return None;
+        }
+        let backing_off = self
+            .lab_back_off
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        (!backing_off).then_some(buffer)
+    }
+
+    /// A refill found no room near the hand: reserve the next small puts on their own (a
+    /// bounded sweep that fails costs a sweep, and the second chances of what it passed).
+    pub(super) fn back_off_lab(&self) {
+        self.lab_back_off.store(BACK_OFF, Ordering::Relaxed);
     }
 
     pub(super) fn lab(&self) -> MutexGuard<'_, Option<Lab>> {
@@ -77,7 +95,8 @@ impl Writer {
     }
 
     /// Start a buffer at `address`, `len` bytes this writer just reserved (under the store
-    /// lock: ids are drawn for the most blocks it can be carved into).
+    /// lock: ids are drawn for as many blocks as it holds of the smallest with a payload; a
+    /// buffer that runs out of ids first is refilled early).
     pub(super) fn start_lab(
         &self,
         lock: &LockGuard<'_>,

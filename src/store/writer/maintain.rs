@@ -109,7 +109,7 @@ impl Writer {
             let address = block.address;
             match block.state.kind {
                 BlockKind::Free => continue,
-                BlockKind::Reserved { .. } if sh.is_buffer(address)? => continue,
+                BlockKind::Reserved { .. } if block.buffer => continue,
                 BlockKind::Reserved { .. } => {
                     reserved += 1;
                     chunks += 1;

@@ -1,8 +1,9 @@
-//! Storing an object, in three steps: reserve a block under the store lock, fill it outside
-//! the lock (the payload copy, however large, holds no lock), and publish it under the lock
-//! (P1: its id with Release, then LIVE, then its index entry). A writer killed anywhere
-//! leaves at worst a reserved block nobody lives to fill, which the next sweep reclaims, or a
-//! published chunk that no key names, which it evicts: nothing half-written is ever readable.
+//! Storing an object, in three steps: reserve a block under the store lock (or carve it from
+//! the writer's allocation buffer, `lab.rs`), fill it outside the lock (the payload copy,
+//! however large, holds no lock), and publish it under the lock (P1: its id with Release,
+//! then LIVE, then its index entry). A writer killed anywhere leaves at worst a reserved
+//! block nobody lives to fill, which the next sweep reclaims, or a published chunk that no
+//! key names, which it evicts: nothing half-written is ever readable.
 
 use std::sync::atomic::{Ordering, fence};
 
@@ -157,7 +158,7 @@ impl Writer {
     pub(in crate::store) fn reserve(&self, size: u64) -> Result<Reservation> {
         // Outside the lock: the first reservation starts a thread.
         self.shared.seg.start_background_reservation();
-        let lab_size = self.lab_size(size);
+        let lab_size = self.plan_lab(size);
         if lab_size.is_some() {
             let mut lab = self.lab();
             // Under the buffer's mutex: `close` empties the buffer under it after setting
@@ -193,18 +194,21 @@ impl Writer {
             self.return_lab(&lock, &mut lab)?;
             // A short look only: where no buffer's room is free near the hand, the object
             // is reserved on its own below, as if there were no buffer.
-            if let Some(address) = self
+            match self
                 .shared
                 .allocate(&lock, len, &mut census, Some(4 * len))?
             {
-                self.start_lab(&lock, &mut lab, address, len)?;
-                if let Some((address, id)) = self.carve(&mut lab, size)? {
-                    return Ok(Reservation {
-                        address,
-                        id,
-                        evicted: census.evicted,
-                    });
+                Some(address) => {
+                    self.start_lab(&lock, &mut lab, address, len)?;
+                    if let Some((address, id)) = self.carve(&mut lab, size)? {
+                        return Ok(Reservation {
+                            address,
+                            id,
+                            evicted: census.evicted,
+                        });
+                    }
                 }
+                None => self.back_off_lab(),
             }
         }
         let address = self
