@@ -265,19 +265,9 @@ impl Shared {
                     // A live writer's allocation buffer is taken back (freed here), so an
                     // idle writer's buffer never holds the ring, nor the chunks before it.
                     // Its owner carves with a CAS on this word: one of the two fails.
-                    if state_word
-                        .compare_exchange(
-                            raw,
-                            BlockState::FREE.pack(),
-                            Ordering::SeqCst,
-                            Ordering::SeqCst,
-                        )
-                        .is_err()
-                    {
+                    if !self.free_buffer(lock, address, owner)? {
                         continue; // its owner carved from it meanwhile
                     }
-                    let size = self.block_size(address)?;
-                    self.adjust(lock, Counter::BytesInUse, -(size as i64))?;
                     return Ok(Verdict::Evict);
                 }
                 BlockKind::Evicting => {
@@ -493,16 +483,7 @@ impl Shared {
             referenced: false,
             keyed: false,
         };
-        if self
-            .state_word(address)?
-            .compare_exchange(
-                BlockState::buffer_word(owner),
-                reserved.pack(),
-                Ordering::SeqCst,
-                Ordering::Relaxed,
-            )
-            .is_err()
-        {
+        if !self.take_buffer(address, owner, reserved.pack())? {
             return Ok(false);
         }
         if size < len {
@@ -518,29 +499,35 @@ impl Shared {
         Ok(true)
     }
 
-    /// Give `owner`'s allocation buffer at `address` back to the ring (free), unless a sweep
-    /// took it back already.
-    pub(super) fn return_buffer(
+    /// Swap `owner`'s buffer word at `address` for `state`, in one CAS (the owner's carve and
+    /// a sweep's take-back race on it): whether this side won (the block was the buffer).
+    fn take_buffer(&self, address: u64, owner: WriterId, state: u64) -> Result<bool> {
+        Ok(self
+            .state_word(address)?
+            .compare_exchange(
+                BlockState::buffer_word(owner),
+                state,
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            )
+            .is_ok())
+    }
+
+    /// Free `owner`'s allocation buffer at `address` (given back by its owner, or taken back
+    /// by a sweep): whether it was still the buffer (not carved from, nor taken back, since).
+    pub(super) fn free_buffer(
         &self,
         lock: &LockGuard<'_>,
         address: u64,
         owner: WriterId,
-    ) -> Result<()> {
-        if self
-            .state_word(address)?
-            .compare_exchange(
-                BlockState::buffer_word(owner),
-                BlockState::FREE.pack(),
-                Ordering::SeqCst,
-                Ordering::Relaxed,
-            )
-            .is_ok()
-        {
-            // Its size only now: once taken back, the bytes there may be another block's.
-            let size = self.block_size(address)?;
-            self.adjust(lock, Counter::BytesInUse, -(size as i64))?;
+    ) -> Result<bool> {
+        if !self.take_buffer(address, owner, BlockState::FREE.pack())? {
+            return Ok(false);
         }
-        Ok(())
+        // Its size only now: once taken back, the bytes there may be another block's.
+        let size = self.block_size(address)?;
+        self.adjust(lock, Counter::BytesInUse, -(size as i64))?;
+        Ok(true)
     }
 
     /// Give back a reserved block that was never published (a put that failed after it

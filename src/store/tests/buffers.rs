@@ -7,6 +7,20 @@ use crate::layout::BlockKind;
 
 const KIB: u64 = 1 << 10;
 
+/// Two writers of a 1 MiB ring (32 KiB buffers each) and its reader.
+fn two_writers_and_a_reader() -> (Writer, Writer, Arc<Reader>) {
+    let a = store(1024 * KIB, 1, 2);
+    let b = join(&a);
+    let r = Reader::attach(&a.reader_info()).unwrap();
+    (a, b, r)
+}
+
+/// Put `bytes` under `key` with `w` and read them back through `r` (so nothing stays owed).
+fn put_and_read(w: &Writer, r: &Arc<Reader>, key: &str, bytes: &[u8]) {
+    let h = w.put(key, &[bytes]).unwrap();
+    assert_eq!(read(r, &h, key).unwrap(), bytes);
+}
+
 #[test]
 fn small_objects_are_carved_from_one_buffer_and_large_ones_are_not() {
     let (w, [r]) = writer_with_readers::<1>(4096 * KIB);
@@ -39,24 +53,19 @@ fn small_objects_are_carved_from_one_buffer_and_large_ones_are_not() {
 
 #[test]
 fn an_idle_writers_buffer_is_taken_back_and_holds_nothing() {
-    let a = store(1024 * KIB, 1, 2);
-    let b = join(&a);
-    let r = Reader::attach(&a.reader_info()).unwrap();
-    let h = a.put("k", &[b"a small object of a's"]).unwrap();
-    assert_eq!(read(&r, &h, "k").unwrap(), b"a small object of a's");
+    let (a, b, r) = two_writers_and_a_reader();
+    put_and_read(&a, &r, "k", b"a small object of a's");
     // b's puts sweep the ring: a's buffer, just after k, must neither survive nor keep k.
     let mut n = 0u64;
     while a.is_cached("k").unwrap() {
         let key = format!("b{n}");
-        let hb = b.put(&key, &[&payload(n, 4000)]).unwrap();
-        assert_eq!(read(&r, &hb, &key).unwrap(), payload(n, 4000));
+        put_and_read(&b, &r, &key, &payload(n, 4000));
         n += 1;
         assert!(n < 1000, "k was never evicted: a's idle buffer held it");
     }
     for i in 0..50 {
         let key = format!("a{i}");
-        let ha = a.put(&key, &[&payload(1000 + i, 500)]).unwrap();
-        assert_eq!(read(&r, &ha, &key).unwrap(), payload(1000 + i, 500));
+        put_and_read(&a, &r, &key, &payload(1000 + i, 500));
     }
     let stats = stats_of(&a);
     assert!(stats["bytes_in_use"] <= stats["capacity"]);
@@ -67,17 +76,13 @@ fn an_idle_writers_buffer_is_taken_back_and_holds_nothing() {
 
 #[test]
 fn a_dead_writers_buffer_is_reclaimed() {
-    let a = store(1024 * KIB, 1, 2);
-    let b = join(&a);
-    let r = Reader::attach(&a.reader_info()).unwrap();
-    let hb = b.put("from b", &[b"carved from b's buffer"]).unwrap();
-    assert_eq!(read(&r, &hb, "from b").unwrap(), b"carved from b's buffer");
+    let (a, b, r) = two_writers_and_a_reader();
+    put_and_read(&b, &r, "from b", b"carved from b's buffer");
     let dead = b.me;
     pretend_writer_dead(b);
     for n in 0..600 {
         let key = format!("a{n}");
-        let h = a.put(&key, &[&payload(n, 4000)]).unwrap();
-        assert_eq!(read(&r, &h, &key).unwrap(), payload(n, 4000));
+        put_and_read(&a, &r, &key, &payload(n, 4000));
     }
     assert!(!a.is_cached("from b").unwrap(), "evicted with the rest");
     let lock = a.shared.lock(a.me).unwrap();

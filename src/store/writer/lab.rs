@@ -22,6 +22,7 @@ use std::sync::atomic::Ordering;
 
 use super::super::lock::LockGuard;
 use super::Writer;
+use super::put::Reservation;
 use crate::error::Result;
 use crate::layout::ALIGN;
 
@@ -70,9 +71,9 @@ impl Writer {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Carve a block of `size` bytes out of the buffer: its address and id, or `None` if the
-    /// buffer lacks the room (or an id) for it. Takes no store lock.
-    pub(super) fn carve(&self, lab: &mut Option<Lab>, size: u64) -> Result<Option<(u64, u64)>> {
+    /// Carve a block of `size` bytes out of the buffer (its reservation evicted nothing), or
+    /// `None` if the buffer lacks the room (or an id) for it. Takes no store lock.
+    pub(super) fn carve(&self, lab: &mut Option<Lab>, size: u64) -> Result<Option<Reservation>> {
         let Some(buffer) = lab.as_mut() else {
             return Ok(None);
         };
@@ -91,7 +92,11 @@ impl Writer {
         if buffer.rest == buffer.end {
             *lab = None;
         }
-        Ok(Some((address, id)))
+        Ok(Some(Reservation {
+            address,
+            id,
+            evicted: Vec::new(),
+        }))
     }
 
     /// Start a buffer at `address`, `len` bytes this writer just reserved (under the store
@@ -117,7 +122,8 @@ impl Writer {
     /// Give what is left of the buffer back to the ring (under the store lock).
     pub(super) fn return_lab(&self, lock: &LockGuard<'_>, lab: &mut Option<Lab>) -> Result<()> {
         if let Some(buffer) = lab.take() {
-            self.shared.return_buffer(lock, buffer.rest, self.me)?;
+            // Unless a sweep took it back already.
+            self.shared.free_buffer(lock, buffer.rest, self.me)?;
         }
         Ok(())
     }

@@ -26,8 +26,8 @@ use crate::segment::RawBytes;
 /// (`(address, id)`) evicted to make room for it.
 pub(in crate::store) struct Reservation {
     pub(in crate::store) address: u64,
-    id: u64,
-    evicted: Vec<(u64, u64)>,
+    pub(super) id: u64,
+    pub(super) evicted: Vec<(u64, u64)>,
 }
 
 /// Where an object's parts go in its block.
@@ -166,12 +166,8 @@ impl Writer {
             if self.closing.load(Ordering::Relaxed) {
                 return Err(Error::Closed);
             }
-            if let Some((address, id)) = self.carve(&mut lab, size)? {
-                return Ok(Reservation {
-                    address,
-                    id,
-                    evicted: Vec::new(),
-                });
+            if let Some(carved) = self.carve(&mut lab, size)? {
+                return Ok(carved);
             }
         }
         let mut census = Census::new(&self.shared, self.me)?;
@@ -184,12 +180,8 @@ impl Writer {
         if let Some(len) = lab_size {
             // The buffer's mutex after the store lock (never the other way round).
             let mut lab = self.lab();
-            if let Some((address, id)) = self.carve(&mut lab, size)? {
-                return Ok(Reservation {
-                    address,
-                    id,
-                    evicted: Vec::new(),
-                }); // another thread refilled it meanwhile
+            if let Some(carved) = self.carve(&mut lab, size)? {
+                return Ok(carved); // another thread refilled it meanwhile
             }
             self.return_lab(&lock, &mut lab)?;
             // A short look only: where no buffer's room is free near the hand, the object
@@ -200,11 +192,10 @@ impl Writer {
             {
                 Some(address) => {
                     self.start_lab(&lock, &mut lab, address, len)?;
-                    if let Some((address, id)) = self.carve(&mut lab, size)? {
+                    if let Some(carved) = self.carve(&mut lab, size)? {
                         return Ok(Reservation {
-                            address,
-                            id,
                             evicted: census.evicted,
+                            ..carved
                         });
                     }
                 }
