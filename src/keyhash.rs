@@ -30,12 +30,32 @@ fn fold(a: u64, b: u64) -> u64 {
     (product as u64) ^ ((product >> 64) as u64)
 }
 
-/// Up to 8 bytes as a little-endian word, zero-padded.
-#[inline]
+/// Up to 8 bytes as a little-endian word, zero-padded. Loads of fixed widths (overlapping
+/// for 4–7 bytes, first/middle/last for 1–3) rather than a copy of a variable length, which
+/// would be a call into `memmove` on every short key's lookup.
+#[inline(always)]
 pub(crate) fn word(bytes: &[u8]) -> u64 {
-    let mut buf = [0u8; 8];
-    buf[..bytes.len()].copy_from_slice(bytes);
-    u64::from_le_bytes(buf)
+    let n = bytes.len();
+    debug_assert!(n <= 8, "a word holds at most 8 bytes");
+    let load4 = |at: usize| {
+        u64::from(u32::from_le_bytes([
+            bytes[at],
+            bytes[at + 1],
+            bytes[at + 2],
+            bytes[at + 3],
+        ]))
+    };
+    match n {
+        8.. => u64::from_le_bytes([
+            bytes[0], bytes[1], bytes[2], bytes[3], bytes[4], bytes[5], bytes[6], bytes[7],
+        ]),
+        4..=7 => load4(0) | load4(n - 4) << (8 * (n - 4)),
+        1..=3 => {
+            let at = |i: usize| u64::from(bytes[i]) << (8 * i);
+            at(0) | at(n / 2) | at(n - 1)
+        }
+        0 => 0,
+    }
 }
 
 impl KeyHasher {
@@ -71,6 +91,16 @@ impl KeyHasher {
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    #[test]
+    fn a_word_is_its_bytes_zero_padded_at_every_length() {
+        let bytes: Vec<u8> = (1..=8).map(|b| b * 17).collect();
+        for n in 0..=8 {
+            let mut padded = [0u8; 8];
+            padded[..n].copy_from_slice(&bytes[..n]);
+            assert_eq!(word(&bytes[..n]), u64::from_le_bytes(padded), "{n} bytes");
+        }
+    }
 
     #[test]
     fn equal_keys_agree_and_distinct_keys_differ() {
