@@ -50,7 +50,8 @@ pub use words::{
 pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
 /// Bumped on any change to the byte layout below; attach refuses other versions. Version 3:
 /// several writers (writer table, shared key index, allocator and counters in the segment).
-pub const LAYOUT_VERSION: u64 = 3;
+/// Version 4: the index key hash in two lanes (the same key files in another bucket).
+pub const LAYOUT_VERSION: u64 = 4;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).

@@ -139,6 +139,7 @@ impl Shared {
 
     /// Whether bucket `bucket`'s key slot holds `query`'s key (read racily: the caller
     /// confirms the bucket's version after).
+    #[inline(always)]
     fn key_slot_matches(&self, bucket: u64, query: &Query<'_>) -> Result<bool> {
         let slot = self
             .seg
