@@ -24,7 +24,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 
-use super::buffer::{Keeper, ShmView, SimpleBuffer, copied_bytes, copying};
+use super::buffer::{CopyArena, Keeper, ShmView, SimpleBuffer, copied_bytes, copying};
 use super::dlpack::{self, DlType};
 use super::frameworks::{Torch, TorchDtype, array_dtype, numpy, torch};
 use crate::codec::{FormatError, Header, Node, PREFIX_LEN, Shape, TreeReader, header_len};
@@ -42,6 +42,9 @@ pub(super) fn check_pin_memory(copy: bool, pin_memory: bool) -> PyResult<()> {
     }
     Ok(())
 }
+
+/// Headers up to this long are copied to the stack, longer ones to the heap.
+const SMALL_HEADER: usize = 1024;
 
 /// Destination memory of one copy: freshly allocated by us, not yet visible to anyone.
 struct CopyJob {
@@ -105,9 +108,17 @@ pub(super) fn decode<'py>(
             "the header runs past the end of the payload".into(),
         ));
     }
-    let mut header_bytes = vec![0u8; hlen];
-    keep.read_at(0, &mut header_bytes)?;
-    let header = Header::parse(&header_bytes, len as u64)?;
+    // The private copy of part 0, on the stack when it is small (most items' headers).
+    let mut small = [0u8; SMALL_HEADER];
+    let mut large = Vec::new();
+    let header_bytes = if hlen <= SMALL_HEADER {
+        &mut small[..hlen]
+    } else {
+        large.resize(hlen, 0);
+        &mut large[..]
+    };
+    keep.read_at(0, header_bytes)?;
+    let header = Header::parse(header_bytes, len as u64)?;
     // Copies of tensors share one allocation: its size (each at an aligned offset).
     let mut tensors = 0usize;
     let mut tensor_bytes = 0u64;
@@ -128,11 +139,22 @@ pub(super) fn decode<'py>(
         copy,
         arena: None,
         arena_cursor: 0,
-        jobs: Vec::new(),
+        jobs: Vec::with_capacity(tensors),
         buffers: Vec::new(),
     };
     if copy && tensors > 0 {
-        decoder.arena = Some(Arc::new(arena(py, tensor_bytes, pin_memory)?));
+        let arena = arena(py, tensor_bytes, pin_memory)?;
+        // What no tensor covers (an arena of zero-byte tensors) is zeroed, not left unwritten.
+        let covered = tensor_bytes as usize;
+        // SAFETY: `covered..len()` lies inside the arena, memory of this decode's alone.
+        unsafe {
+            std::ptr::write_bytes(
+                arena.ptr().add(covered).cast_mut(),
+                0,
+                arena.len() - covered,
+            )
+        };
+        decoder.arena = Some(Arc::new(arena));
     }
     let mut tree = header.tree();
     let root = decoder.value(&mut tree)?;
@@ -140,29 +162,35 @@ pub(super) fn decode<'py>(
     Ok(root.cast_into()?)
 }
 
-/// One torch allocation of `size` bytes for an item's tensor copies (pinned on request). torch
-/// reports a failed allocation as a `RuntimeError`: it becomes a `MemoryError`.
+/// The one allocation of `size` bytes for an item's tensor copies: memory of our own, or
+/// torch's pinned memory on request. A refusal is a `MemoryError` (torch reports its own as
+/// a `RuntimeError`).
 fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
-    let torch = torch(py)?;
     // Never empty, so even zero-byte tensors point into memory that is theirs.
     let size = size.max(ALIGN);
-    let arena = if pin_memory {
-        torch
-            .empty
-            .bind(py)
-            .call((size,), Some(torch.pinned_kwargs.bind(py)))
-    } else {
-        torch.storage.bind(py).call1((size,))
-    };
-    let arena = arena.map_err(|e| {
+    let refused = |why: String| {
         let pinned = if pin_memory { " of pinned memory" } else { "" };
-        let out = PyMemoryError::new_err(format!(
-            "cannot allocate {size} bytes{pinned} for the item's tensor copies: {}",
-            e.value(py)
-        ));
-        out.set_cause(py, Some(e));
-        out
-    })?;
+        PyMemoryError::new_err(format!(
+            "cannot allocate {size} bytes{pinned} for the item's tensor copies{why}"
+        ))
+    };
+    if !pin_memory {
+        return usize::try_from(size)
+            .ok()
+            .and_then(CopyArena::new)
+            .map(Keeper::Arena)
+            .ok_or_else(|| refused(String::new()));
+    }
+    let torch = torch(py)?;
+    let arena = torch
+        .empty
+        .bind(py)
+        .call((size,), Some(torch.pinned_kwargs.bind(py)))
+        .map_err(|e| {
+            let out = refused(format!(": {}", e.value(py)));
+            out.set_cause(py, Some(e));
+            out
+        })?;
     let ptr = arena
         .call_method0(intern!(py, "data_ptr"))?
         .extract::<usize>()? as *const u8;
@@ -180,20 +208,21 @@ fn tensor_over<'py>(
     nbytes: u64,
     keep: Arc<Keeper>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let dims: Vec<i64> = shape
-        .dims()
-        .map(|d| i64::try_from(d).map_err(|_| FormatError(format!("dimension {d} too large"))))
-        .collect::<Result<_, _>>()?;
+    if let Some(d) = shape.dims().find(|&d| i64::try_from(d).is_err()) {
+        return Err(corrupt(format!("dimension {d} too large")));
+    }
+    let dims = shape.dims().map(|d| d as i64);
     let from_dlpack = torch.from_dlpack.bind(py);
     match dtype.dlpack {
         Some(dl_type) => from_dlpack.call1((dlpack::capsule(py, data, dl_type, dims, keep)?,)),
         // Types torch has no DLPack code for travel as bytes, then take their dtype back.
         None => {
-            let bytes = dlpack::capsule(py, data, DlType::BYTES, vec![nbytes as i64], keep)?;
+            let bytes = [nbytes as i64].into_iter();
+            let bytes = dlpack::capsule(py, data, DlType::BYTES, bytes, keep)?;
             from_dlpack
                 .call1((bytes,))?
                 .call_method1(intern!(py, "view"), (dtype.obj.bind(py),))?
-                .call_method1(intern!(py, "reshape"), (PyTuple::new(py, &dims)?,))
+                .call_method1(intern!(py, "reshape"), (PyTuple::new(py, dims)?,))
         }
     }
 }
@@ -276,9 +305,7 @@ impl<'py> Decoder<'_, 'py> {
         let py = self.py;
         let torch = torch(py)?;
         let dtype = torch
-            .by_name
-            .get(name)
-            .map(|&i| &torch.dtypes[i])
+            .dtype_named(name)
             .ok_or_else(|| corrupt(format!("unknown torch dtype {name:?}")))?;
         let (offset, len) = self.sized_part(p, shape, dtype.itemsize, "tensor")?;
         let (data, keep) = match &self.arena {
@@ -292,7 +319,12 @@ impl<'py> Decoder<'_, 'py> {
                     dst: data,
                     len: len as usize,
                 });
-                self.arena_cursor += align_up(len).expect("sized by walk");
+                let slot = align_up(len).expect("sized by walk");
+                // The padding up to the next tensor's slot is zeroed, not left unwritten.
+                // SAFETY: the walk sized the arena to hold every tensor's aligned slot, so
+                // `data + len .. data + slot` lies inside it, memory of this decode's alone.
+                unsafe { std::ptr::write_bytes(data.add(len as usize), 0, (slot - len) as usize) };
+                self.arena_cursor += slot;
                 (data, Arc::clone(arena))
             }
             None => (

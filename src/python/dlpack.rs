@@ -74,8 +74,8 @@ struct DLManagedTensor {
 #[repr(C)]
 struct Exported {
     managed: DLManagedTensor,
-    shape: Vec<i64>,
-    strides: Vec<i64>,
+    /// The shape, then the strides (one allocation for both).
+    sizes: Vec<i64>,
     /// Dropped by the deleter, on whatever thread torch frees the tensor (`Keeper` is
     /// safe to drop there).
     _keep: Arc<Keeper>,
@@ -111,12 +111,15 @@ pub(super) fn capsule<'py>(
     py: Python<'py>,
     data: *mut u8,
     dtype: DlType,
-    shape: Vec<i64>,
+    shape: impl ExactSizeIterator<Item = i64>,
     keep: Arc<Keeper>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut strides = vec![1i64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1].saturating_mul(shape[i + 1].max(1));
+    let ndim = shape.len();
+    let mut sizes = Vec::with_capacity(2 * ndim);
+    sizes.extend(shape);
+    sizes.resize(2 * ndim, 1);
+    for i in (0..ndim.saturating_sub(1)).rev() {
+        sizes[ndim + i] = sizes[ndim + i + 1].saturating_mul(sizes[i + 1].max(1));
     }
     let mut exported = Box::new(Exported {
         managed: DLManagedTensor {
@@ -124,7 +127,7 @@ pub(super) fn capsule<'py>(
                 data: data.cast(),
                 device_type: DL_CPU,
                 device_id: 0,
-                ndim: shape.len() as i32,
+                ndim: ndim as i32,
                 dtype,
                 shape: std::ptr::null_mut(),
                 strides: std::ptr::null_mut(),
@@ -133,12 +136,12 @@ pub(super) fn capsule<'py>(
             manager_ctx: std::ptr::null_mut(),
             deleter: Some(delete_exported),
         },
-        shape,
-        strides,
+        sizes,
         _keep: keep,
     });
-    exported.managed.dl_tensor.shape = exported.shape.as_mut_ptr();
-    exported.managed.dl_tensor.strides = exported.strides.as_mut_ptr();
+    let (shape, strides) = exported.sizes.split_at_mut(ndim);
+    exported.managed.dl_tensor.shape = shape.as_mut_ptr();
+    exported.managed.dl_tensor.strides = strides.as_mut_ptr();
     let raw = Box::into_raw(exported);
     // SAFETY: `raw` is a live `Exported` whose first field is the `DLManagedTensor`; the
     // capsule owns it from here (its destructor or the consumer, through the deleter, frees

@@ -187,8 +187,8 @@ pub(super) struct Torch {
     pub(super) tensor: Py<PyType>,
     pub(super) strided: Py<PyAny>,
     pub(super) from_dlpack: Py<PyAny>,
-    /// `torch.UntypedStorage`: plain copy buffers (the cheapest torch allocation to call), and
-    /// the type of every tensor's storage whose bytes the encoder reads.
+    /// `torch.UntypedStorage`: the type of every tensor's storage whose bytes the encoder
+    /// reads.
     pub(super) storage: Py<PyAny>,
     /// `torch.device("cpu")`: a storage's device equal to it is on the CPU without reading
     /// the device's `type`, which builds a new `str` each time.
@@ -197,7 +197,6 @@ pub(super) struct Torch {
     /// `torch.empty` keyword arguments for a pinned byte buffer.
     pub(super) pinned_kwargs: Py<PyDict>,
     pub(super) dtypes: Vec<TorchDtype>,
-    pub(super) by_name: HashMap<&'static str, usize>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -234,11 +233,6 @@ fn load_torch(torch: &Bound<'_, PyModule>) -> PyResult<Torch> {
         cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
         empty: torch.getattr("empty")?.unbind(),
         pinned_kwargs: pinned_kwargs.unbind(),
-        by_name: dtypes
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (d.name, i))
-            .collect(),
         dtypes,
     })
 }
@@ -250,6 +244,11 @@ impl Torch {
         self.dtypes
             .iter()
             .find(|d| d.obj.as_ptr() == dtype.as_ptr())
+    }
+
+    /// The table's entry of a dtype by its name in a payload: a scan too, for the same reason.
+    pub(super) fn dtype_named(&self, name: &str) -> Option<&TorchDtype> {
+        self.dtypes.iter().find(|d| d.name == name)
     }
 }
 
