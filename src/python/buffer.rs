@@ -222,11 +222,15 @@ impl Drop for SimpleBuffer {
 
 /// Memory of our own for an item's tensor copies: `len` bytes at an `ALIGN`-aligned address,
 /// not initialised (the decode writes every byte before anyone sees them), freed on drop on
-/// any thread. The allocator's call (~50 ns) is what a torch storage costs ten times over
-/// through its Python constructor and `data_ptr()`; the tensors are DLPack views either way.
+/// any thread. One `malloc` (~50 ns) where a torch storage cost ten times that through its
+/// Python constructor and `data_ptr()`; the tensors are DLPack views either way.
 pub(super) struct CopyArena {
-    ptr: NonNull<u8>,
+    /// What `alloc` returned, with room to start `ALIGN`-aligned inside it.
+    base: NonNull<u8>,
     layout: Layout,
+    /// `base` rounded up to `ALIGN`.
+    start: *mut u8,
+    len: usize,
 }
 
 // SAFETY: the memory is ours alone: written by the decode that made it, then only read (or
@@ -236,19 +240,36 @@ unsafe impl Send for CopyArena {}
 unsafe impl Sync for CopyArena {}
 
 impl CopyArena {
-    /// `len` bytes (at least one), or `None` if the allocator refuses them.
+    /// `len` bytes, or `None` if the allocator refuses them.
     pub(super) fn new(len: usize) -> Option<Self> {
-        let layout = Layout::from_size_align(len.max(1), ALIGN as usize).ok()?;
+        // A plain allocation, aligned by hand: an aligned one (`posix_memalign`) splits its
+        // chunk and frees the rest, which costs more than the slack.
+        const MALLOC_ALIGN: usize = 16;
+        let slack = ALIGN as usize - MALLOC_ALIGN;
+        let layout = Layout::from_size_align(len.checked_add(slack)?.max(1), MALLOC_ALIGN).ok()?;
         // SAFETY: the layout's size is not zero; a null result is a refusal, checked here.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
-        Some(CopyArena { ptr, layout })
+        let base = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
+        let pad = base.as_ptr().align_offset(ALIGN as usize);
+        if pad > slack {
+            // SAFETY: `base` came from `alloc` with this layout and is freed once, here.
+            unsafe { std::alloc::dealloc(base.as_ptr(), layout) };
+            return None;
+        }
+        // SAFETY: `pad <= slack`, so `start .. start + len` lies inside the allocation.
+        let start = unsafe { base.as_ptr().add(pad) };
+        Some(CopyArena {
+            base,
+            layout,
+            start,
+            len,
+        })
     }
 }
 
 impl Drop for CopyArena {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc` with this very layout and is freed once, here.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        // SAFETY: `base` came from `alloc` with this very layout and is freed once, here.
+        unsafe { std::alloc::dealloc(self.base.as_ptr(), self.layout) };
     }
 }
 
@@ -299,7 +320,7 @@ impl Keeper {
             Keeper::Copy(v) => v.as_ptr(),
             Keeper::Export(buffer) => buffer.ptr(),
             Keeper::Object { ptr, .. } => *ptr as *const u8,
-            Keeper::Arena(arena) => arena.ptr.as_ptr(),
+            Keeper::Arena(arena) => arena.start,
         }
     }
 
@@ -309,7 +330,7 @@ impl Keeper {
             Keeper::Copy(v) => v.len(),
             Keeper::Export(buffer) => buffer.len(),
             Keeper::Object { len, .. } => *len,
-            Keeper::Arena(arena) => arena.layout.size(),
+            Keeper::Arena(arena) => arena.len,
         }
     }
 
