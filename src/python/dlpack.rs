@@ -69,13 +69,48 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
+/// Tensors of up to this many dimensions keep their shape and strides in their `Exported`.
+const INLINE_NDIM: usize = 4;
+
+/// A tensor's shape, then its strides: inside the `Exported` box when they are few.
+enum Sizes {
+    Inline([i64; 2 * INLINE_NDIM]),
+    Heap(Vec<i64>),
+}
+
+impl Sizes {
+    /// The `2 * ndim` sizes of `shape`, strides of a C-contiguous tensor.
+    fn new(shape: impl ExactSizeIterator<Item = i64>) -> Self {
+        let ndim = shape.len();
+        let mut sizes = if ndim <= INLINE_NDIM {
+            Sizes::Inline([1; 2 * INLINE_NDIM])
+        } else {
+            Sizes::Heap(vec![1; 2 * ndim])
+        };
+        let all = sizes.as_mut(ndim);
+        for (slot, d) in all.iter_mut().zip(shape) {
+            *slot = d;
+        }
+        for i in (0..ndim.saturating_sub(1)).rev() {
+            all[ndim + i] = all[ndim + i + 1].saturating_mul(all[i + 1].max(1));
+        }
+        sizes
+    }
+
+    fn as_mut(&mut self, ndim: usize) -> &mut [i64] {
+        match self {
+            Sizes::Inline(sizes) => &mut sizes[..2 * ndim],
+            Sizes::Heap(sizes) => sizes,
+        }
+    }
+}
+
 /// One tensor handed over: the DLPack struct first (the consumer sees its address), then
 /// what its pointers point into and what keeps the data alive.
 #[repr(C)]
 struct Exported {
     managed: DLManagedTensor,
-    /// The shape, then the strides (one allocation for both).
-    sizes: Vec<i64>,
+    sizes: Sizes,
     /// Dropped by the deleter, on whatever thread torch frees the tensor (`Keeper` is
     /// safe to drop there).
     _keep: Arc<Keeper>,
@@ -115,12 +150,7 @@ pub(super) fn capsule<'py>(
     keep: Arc<Keeper>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let ndim = shape.len();
-    let mut sizes = Vec::with_capacity(2 * ndim);
-    sizes.extend(shape);
-    sizes.resize(2 * ndim, 1);
-    for i in (0..ndim.saturating_sub(1)).rev() {
-        sizes[ndim + i] = sizes[ndim + i + 1].saturating_mul(sizes[i + 1].max(1));
-    }
+    let sizes = Sizes::new(shape);
     let mut exported = Box::new(Exported {
         managed: DLManagedTensor {
             dl_tensor: DLTensor {
@@ -139,7 +169,8 @@ pub(super) fn capsule<'py>(
         sizes,
         _keep: keep,
     });
-    let (shape, strides) = exported.sizes.split_at_mut(ndim);
+    // The box never moves its contents: these pointers stay valid for its life.
+    let (shape, strides) = exported.sizes.as_mut(ndim).split_at_mut(ndim);
     exported.managed.dl_tensor.shape = shape.as_mut_ptr();
     exported.managed.dl_tensor.strides = strides.as_mut_ptr();
     let raw = Box::into_raw(exported);
