@@ -17,7 +17,7 @@
 //! an allocation that still fails is a `MemoryError`, and whatever numpy or torch refuse to
 //! build from a header is a `SegmentCorruptError`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::intern;
@@ -26,7 +26,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 
 use super::buffer::{CopyArena, Keeper, ShmView, SimpleBuffer, copied_bytes, copying};
 use super::dlpack::{self, DlType};
-use super::frameworks::{Torch, TorchDtype, array_dtype, numpy, torch};
+use super::frameworks::{Torch, TorchDtype, array_dtype, lock, numpy, torch};
 use crate::codec::{FormatError, Header, Node, PREFIX_LEN, Shape, TreeReader, header_len};
 use crate::layout::{ALIGN, align_up};
 
@@ -197,6 +197,39 @@ fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
     Ok(Keeper::object(&arena, ptr, size as usize))
 }
 
+/// Keys up to this many bytes are cached (`dict_key`).
+const CACHED_KEY_LEN: usize = 64;
+/// Slots of the key cache (direct-mapped: a key takes the place of its slot's last one).
+const KEY_SLOTS: usize = 64;
+
+/// The `str` objects made for recent dict keys. Items come with the same few keys (an
+/// engine's field names): a key found here costs no new object, and its `str` carries its
+/// hash already, so the dict does not compute it either.
+static KEYS: Mutex<[Option<(Box<str>, Py<PyString>)>; KEY_SLOTS]> =
+    Mutex::new([const { None }; KEY_SLOTS]);
+
+/// A dict key's `str`, from the cache when it holds it.
+fn dict_key<'py>(py: Python<'py>, key: &str) -> Bound<'py, PyString> {
+    if key.len() > CACHED_KEY_LEN {
+        return PyString::new(py, key);
+    }
+    // FNV-1a: keys are short, and only the slot comes from the hash (a match is compared).
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let slot = (hash % KEY_SLOTS as u64) as usize;
+    if let Some((cached, string)) = &lock(&KEYS)[slot] {
+        if **cached == *key {
+            return string.bind(py).clone();
+        }
+    }
+    let string = PyString::new(py, key);
+    let evicted = lock(&KEYS)[slot].replace((key.into(), string.clone().unbind()));
+    // Released after the lock (a cache's lock is never held while calling into Python).
+    drop(evicted);
+    string
+}
+
 /// A torch tensor of `dtype` and `shape` over the `nbytes` bytes at `data`, which `keep`
 /// keeps alive, without a copy.
 fn tensor_over<'py>(
@@ -255,7 +288,7 @@ impl<'py> Decoder<'_, 'py> {
             Node::Dict(n) => {
                 let dict = PyDict::new(py);
                 for _ in 0..n {
-                    let key = PyString::new(py, r.key()?);
+                    let key = dict_key(py, r.key()?);
                     dict.set_item(key, self.value(r)?)?;
                 }
                 dict.into_any()

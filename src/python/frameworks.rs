@@ -111,7 +111,8 @@ pub(super) fn array_dtype<'py>(py: Python<'py>, descr: &str) -> PyResult<(Bound<
     Ok((dtype, itemsize))
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// A cache's lock (a panic while holding one leaves the cache usable).
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
