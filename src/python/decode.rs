@@ -8,9 +8,9 @@
 //!   the buffer protocol of a `ShmView`, read-only where the memory is; every one holds the
 //!   payload's [`Keeper`] — the one buffer export (or lease) the bytes were read through;
 //! * copying: one copy per value, with the GIL released when the copies are large. Tensors
-//!   are copied into one torch allocation per item (pinned on request) and handed out as
-//!   DLPack views of it, so a three-tensor item costs one allocator call; arrays get
-//!   `np.empty`.
+//!   are copied into one allocation per item (`CopyArena`, a plain `malloc`; torch's pinned
+//!   memory on request) and handed out as DLPack views of it, so a three-tensor item costs
+//!   one allocator call and no torch call but the three imports; arrays get `np.empty`.
 //!
 //! The header's walk proves every part is named by exactly one value (`crate::codec`), so
 //! what a decode allocates is bounded by the payload's length before anything is allocated;
