@@ -5,7 +5,8 @@
 //!
 //! Its `unsafe`: filling a `Py_buffer` for an export, taking and releasing buffer imports,
 //! reference counting without PyO3's bookkeeping (for drops on threads torch calls us from),
-//! raw copies out of callers' memory, and writes into a `bytes` object nobody else has seen.
+//! raw copies out of callers' memory, writes into a `bytes` object nobody else has seen, and
+//! the copy arena's allocation.
 //! Each block says why it is sound.
 
 use std::alloc::Layout;

@@ -205,8 +205,9 @@ const KEY_SLOTS: usize = 64;
 /// The `str` objects made for recent dict keys. Items come with the same few keys (an
 /// engine's field names): a key found here costs no new object, and its `str` carries its
 /// hash already, so the dict does not compute it either.
-static KEYS: Mutex<[Option<(Box<str>, Py<PyString>)>; KEY_SLOTS]> =
-    Mutex::new([const { None }; KEY_SLOTS]);
+static KEYS: Mutex<[Option<CachedKey>; KEY_SLOTS]> = Mutex::new([const { None }; KEY_SLOTS]);
+/// A key and the `str` made for it.
+type CachedKey = (Box<str>, Py<PyString>);
 
 /// A dict key's `str`, from the cache when it holds it.
 fn dict_key<'py>(py: Python<'py>, key: &str) -> Bound<'py, PyString> {
