@@ -246,15 +246,14 @@ fn tensor_over<'py>(
         return Err(corrupt(format!("dimension {d} too large")));
     }
     let dims = shape.dims().map(|d| d as i64);
-    let from_dlpack = torch.from_dlpack.bind(py);
     match dtype.dlpack {
-        Some(dl_type) => from_dlpack.call1((dlpack::capsule(py, data, dl_type, dims, keep)?,)),
+        Some(dl_type) => torch.from_dlpack(dlpack::capsule(py, data, dl_type, dims, keep)?),
         // Types torch has no DLPack code for travel as bytes, then take their dtype back.
         None => {
             let bytes = [nbytes as i64].into_iter();
             let bytes = dlpack::capsule(py, data, DlType::BYTES, bytes, keep)?;
-            from_dlpack
-                .call1((bytes,))?
+            torch
+                .from_dlpack(bytes)?
                 .call_method1(intern!(py, "view"), (dtype.obj.bind(py),))?
                 .call_method1(intern!(py, "reshape"), (PyTuple::new(py, dims)?,))
         }
