@@ -247,13 +247,13 @@ fn tensor_over<'py>(
     }
     let dims = shape.dims().map(|d| d as i64);
     match dtype.dlpack {
-        Some(dl_type) => torch.from_dlpack(dlpack::capsule(py, data, dl_type, dims, keep)?),
+        Some(dl_type) => torch.import_dlpack(dlpack::capsule(py, data, dl_type, dims, keep)?),
         // Types torch has no DLPack code for travel as bytes, then take their dtype back.
         None => {
             let bytes = [nbytes as i64].into_iter();
             let bytes = dlpack::capsule(py, data, DlType::BYTES, bytes, keep)?;
             torch
-                .from_dlpack(bytes)?
+                .import_dlpack(bytes)?
                 .call_method1(intern!(py, "view"), (dtype.obj.bind(py),))?
                 .call_method1(intern!(py, "reshape"), (PyTuple::new(py, dims)?,))
         }

@@ -262,7 +262,7 @@ fn one_argument_builtin(f: &Bound<'_, PyAny>) -> Option<(ffi::PyCFunction, Py<Py
 
 impl Torch {
     /// The tensor a DLPack capsule holds, without a copy (torch consumes the capsule).
-    pub(super) fn from_dlpack<'py>(
+    pub(super) fn import_dlpack<'py>(
         &self,
         capsule: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
