@@ -630,7 +630,7 @@ class ShmReceiverCache(BaseReceiverCache):
     With ``copy=False`` tensors and arrays are read-only zero-copy views of shared memory;
     each keeps its object from being reclaimed until the last view of it is gone. With
     ``copy=True`` (the default) each tensor and array is copied once, straight out of the
-    ring, into memory of its own (torch's allocator for tensors).
+    ring, into memory of its own (one allocation per item for its tensors).
 
     ``pin_memory=True`` makes resolved tensors pinned host memory, so ``.to("cuda",
     non_blocking=True)`` is a DMA: with ``copy=False`` the reader's read-only mapping of the

@@ -8,25 +8,25 @@
 //!   the buffer protocol of a `ShmView`, read-only where the memory is; every one holds the
 //!   payload's [`Keeper`] — the one buffer export (or lease) the bytes were read through;
 //! * copying: one copy per value, with the GIL released when the copies are large. Tensors
-//!   are copied into one torch allocation per item (pinned on request) and handed out as
-//!   DLPack views of it, so a three-tensor item costs one allocator call; arrays get
-//!   `np.empty`.
+//!   are copied into one allocation per item (`CopyArena`, a plain `malloc`; torch's pinned
+//!   memory on request) and handed out as DLPack views of it, so a three-tensor item costs
+//!   one allocator call and no torch call but the three imports; arrays get `np.empty`.
 //!
 //! The header's walk proves every part is named by exactly one value (`crate::codec`), so
 //! what a decode allocates is bounded by the payload's length before anything is allocated;
 //! an allocation that still fails is a `MemoryError`, and whatever numpy or torch refuse to
 //! build from a header is a `SegmentCorruptError`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 
-use super::buffer::{Keeper, ShmView, SimpleBuffer, copied_bytes, copying};
+use super::buffer::{CopyArena, Keeper, ShmView, SimpleBuffer, copied_bytes, copying};
 use super::dlpack::{self, DlType};
-use super::frameworks::{Torch, TorchDtype, array_dtype, numpy, torch};
+use super::frameworks::{Torch, TorchDtype, array_dtype, lock, numpy, torch};
 use crate::codec::{FormatError, Header, Node, PREFIX_LEN, Shape, TreeReader, header_len};
 use crate::layout::{ALIGN, align_up};
 
@@ -42,6 +42,9 @@ pub(super) fn check_pin_memory(copy: bool, pin_memory: bool) -> PyResult<()> {
     }
     Ok(())
 }
+
+/// Headers up to this long are copied to the stack, longer ones to the heap.
+const SMALL_HEADER: usize = 1024;
 
 /// Destination memory of one copy: freshly allocated by us, not yet visible to anyone.
 struct CopyJob {
@@ -105,9 +108,17 @@ pub(super) fn decode<'py>(
             "the header runs past the end of the payload".into(),
         ));
     }
-    let mut header_bytes = vec![0u8; hlen];
-    keep.read_at(0, &mut header_bytes)?;
-    let header = Header::parse(&header_bytes, len as u64)?;
+    // The private copy of part 0, on the stack when it is small (most items' headers).
+    let mut small = [0u8; SMALL_HEADER];
+    let mut large = Vec::new();
+    let header_bytes = if hlen <= SMALL_HEADER {
+        &mut small[..hlen]
+    } else {
+        large.resize(hlen, 0);
+        &mut large[..]
+    };
+    keep.read_at(0, header_bytes)?;
+    let header = Header::parse(header_bytes, len as u64)?;
     // Copies of tensors share one allocation: its size (each at an aligned offset).
     let mut tensors = 0usize;
     let mut tensor_bytes = 0u64;
@@ -128,11 +139,22 @@ pub(super) fn decode<'py>(
         copy,
         arena: None,
         arena_cursor: 0,
-        jobs: Vec::new(),
+        jobs: Vec::with_capacity(tensors),
         buffers: Vec::new(),
     };
     if copy && tensors > 0 {
-        decoder.arena = Some(Arc::new(arena(py, tensor_bytes, pin_memory)?));
+        let arena = arena(py, tensor_bytes, pin_memory)?;
+        // What no tensor covers (an arena of zero-byte tensors) is zeroed, not left unwritten.
+        let covered = tensor_bytes as usize;
+        // SAFETY: `covered..len()` lies inside the arena, memory of this decode's alone.
+        unsafe {
+            std::ptr::write_bytes(
+                arena.ptr().add(covered).cast_mut(),
+                0,
+                arena.len() - covered,
+            )
+        };
+        decoder.arena = Some(Arc::new(arena));
     }
     let mut tree = header.tree();
     let root = decoder.value(&mut tree)?;
@@ -140,33 +162,73 @@ pub(super) fn decode<'py>(
     Ok(root.cast_into()?)
 }
 
-/// One torch allocation of `size` bytes for an item's tensor copies (pinned on request). torch
-/// reports a failed allocation as a `RuntimeError`: it becomes a `MemoryError`.
+/// The one allocation of `size` bytes for an item's tensor copies: memory of our own, or
+/// torch's pinned memory on request. A refusal is a `MemoryError` (torch reports its own as
+/// a `RuntimeError`).
 fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
-    let torch = torch(py)?;
     // Never empty, so even zero-byte tensors point into memory that is theirs.
     let size = size.max(ALIGN);
-    let arena = if pin_memory {
-        torch
-            .empty
-            .bind(py)
-            .call((size,), Some(torch.pinned_kwargs.bind(py)))
-    } else {
-        torch.storage.bind(py).call1((size,))
-    };
-    let arena = arena.map_err(|e| {
+    let refused = |why: String| {
         let pinned = if pin_memory { " of pinned memory" } else { "" };
-        let out = PyMemoryError::new_err(format!(
-            "cannot allocate {size} bytes{pinned} for the item's tensor copies: {}",
-            e.value(py)
-        ));
-        out.set_cause(py, Some(e));
-        out
-    })?;
+        PyMemoryError::new_err(format!(
+            "cannot allocate {size} bytes{pinned} for the item's tensor copies{why}"
+        ))
+    };
+    if !pin_memory {
+        return usize::try_from(size)
+            .ok()
+            .and_then(CopyArena::new)
+            .map(Keeper::Arena)
+            .ok_or_else(|| refused(String::new()));
+    }
+    let torch = torch(py)?;
+    let arena = torch
+        .empty
+        .bind(py)
+        .call((size,), Some(torch.pinned_kwargs.bind(py)))
+        .map_err(|e| {
+            let out = refused(format!(": {}", e.value(py)));
+            out.set_cause(py, Some(e));
+            out
+        })?;
     let ptr = arena
         .call_method0(intern!(py, "data_ptr"))?
         .extract::<usize>()? as *const u8;
     Ok(Keeper::object(&arena, ptr, size as usize))
+}
+
+/// Keys up to this many bytes are cached (`dict_key`).
+const CACHED_KEY_LEN: usize = 64;
+/// Slots of the key cache (direct-mapped: a key takes the place of its slot's last one).
+const KEY_SLOTS: usize = 64;
+
+/// The `str` objects made for recent dict keys. Items come with the same few keys (an
+/// engine's field names): a key found here costs no new object, and its `str` carries its
+/// hash already, so the dict does not compute it either.
+static KEYS: Mutex<[Option<CachedKey>; KEY_SLOTS]> = Mutex::new([const { None }; KEY_SLOTS]);
+/// A key and the `str` made for it.
+type CachedKey = (Box<str>, Py<PyString>);
+
+/// A dict key's `str`, from the cache when it holds it.
+fn dict_key<'py>(py: Python<'py>, key: &str) -> Bound<'py, PyString> {
+    if key.len() > CACHED_KEY_LEN {
+        return PyString::new(py, key);
+    }
+    // FNV-1a: keys are short, and only the slot comes from the hash (a match is compared).
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let slot = (hash % KEY_SLOTS as u64) as usize;
+    if let Some((cached, string)) = &lock(&KEYS)[slot] {
+        if **cached == *key {
+            return string.bind(py).clone();
+        }
+    }
+    let string = PyString::new(py, key);
+    let evicted = lock(&KEYS)[slot].replace((key.into(), string.clone().unbind()));
+    // Released after the lock (a cache's lock is never held while calling into Python).
+    drop(evicted);
+    string
 }
 
 /// A torch tensor of `dtype` and `shape` over the `nbytes` bytes at `data`, which `keep`
@@ -180,20 +242,20 @@ fn tensor_over<'py>(
     nbytes: u64,
     keep: Arc<Keeper>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let dims: Vec<i64> = shape
-        .dims()
-        .map(|d| i64::try_from(d).map_err(|_| FormatError(format!("dimension {d} too large"))))
-        .collect::<Result<_, _>>()?;
-    let from_dlpack = torch.from_dlpack.bind(py);
+    if let Some(d) = shape.dims().find(|&d| i64::try_from(d).is_err()) {
+        return Err(corrupt(format!("dimension {d} too large")));
+    }
+    let dims = shape.dims().map(|d| d as i64);
     match dtype.dlpack {
-        Some(dl_type) => from_dlpack.call1((dlpack::capsule(py, data, dl_type, dims, keep)?,)),
+        Some(dl_type) => torch.import_dlpack(dlpack::capsule(py, data, dl_type, dims, keep)?),
         // Types torch has no DLPack code for travel as bytes, then take their dtype back.
         None => {
-            let bytes = dlpack::capsule(py, data, DlType::BYTES, vec![nbytes as i64], keep)?;
-            from_dlpack
-                .call1((bytes,))?
+            let bytes = [nbytes as i64].into_iter();
+            let bytes = dlpack::capsule(py, data, DlType::BYTES, bytes, keep)?;
+            torch
+                .import_dlpack(bytes)?
                 .call_method1(intern!(py, "view"), (dtype.obj.bind(py),))?
-                .call_method1(intern!(py, "reshape"), (PyTuple::new(py, &dims)?,))
+                .call_method1(intern!(py, "reshape"), (PyTuple::new(py, dims)?,))
         }
     }
 }
@@ -226,7 +288,7 @@ impl<'py> Decoder<'_, 'py> {
             Node::Dict(n) => {
                 let dict = PyDict::new(py);
                 for _ in 0..n {
-                    let key = PyString::new(py, r.key()?);
+                    let key = dict_key(py, r.key()?);
                     dict.set_item(key, self.value(r)?)?;
                 }
                 dict.into_any()
@@ -276,9 +338,7 @@ impl<'py> Decoder<'_, 'py> {
         let py = self.py;
         let torch = torch(py)?;
         let dtype = torch
-            .by_name
-            .get(name)
-            .map(|&i| &torch.dtypes[i])
+            .dtype_named(name)
             .ok_or_else(|| corrupt(format!("unknown torch dtype {name:?}")))?;
         let (offset, len) = self.sized_part(p, shape, dtype.itemsize, "tensor")?;
         let (data, keep) = match &self.arena {
@@ -292,7 +352,12 @@ impl<'py> Decoder<'_, 'py> {
                     dst: data,
                     len: len as usize,
                 });
-                self.arena_cursor += align_up(len).expect("sized by walk");
+                let slot = align_up(len).expect("sized by walk");
+                // The padding up to the next tensor's slot is zeroed, not left unwritten.
+                // SAFETY: the walk sized the arena to hold every tensor's aligned slot, so
+                // `data + len .. data + slot` lies inside it, memory of this decode's alone.
+                unsafe { std::ptr::write_bytes(data.add(len as usize), 0, (slot - len) as usize) };
+                self.arena_cursor += slot;
                 (data, Arc::clone(arena))
             }
             None => (

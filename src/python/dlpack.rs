@@ -69,13 +69,48 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
+/// Tensors of up to this many dimensions keep their shape and strides in their `Exported`.
+const INLINE_NDIM: usize = 4;
+
+/// A tensor's shape, then its strides: inside the `Exported` box when they are few.
+enum Sizes {
+    Inline([i64; 2 * INLINE_NDIM]),
+    Heap(Vec<i64>),
+}
+
+impl Sizes {
+    /// The `2 * ndim` sizes of `shape`, strides of a C-contiguous tensor.
+    fn new(shape: impl ExactSizeIterator<Item = i64>) -> Self {
+        let ndim = shape.len();
+        let mut sizes = if ndim <= INLINE_NDIM {
+            Sizes::Inline([1; 2 * INLINE_NDIM])
+        } else {
+            Sizes::Heap(vec![1; 2 * ndim])
+        };
+        let all = sizes.as_mut(ndim);
+        for (slot, d) in all.iter_mut().zip(shape) {
+            *slot = d;
+        }
+        for i in (0..ndim.saturating_sub(1)).rev() {
+            all[ndim + i] = all[ndim + i + 1].saturating_mul(all[i + 1].max(1));
+        }
+        sizes
+    }
+
+    fn as_mut(&mut self, ndim: usize) -> &mut [i64] {
+        match self {
+            Sizes::Inline(sizes) => &mut sizes[..2 * ndim],
+            Sizes::Heap(sizes) => sizes,
+        }
+    }
+}
+
 /// One tensor handed over: the DLPack struct first (the consumer sees its address), then
 /// what its pointers point into and what keeps the data alive.
 #[repr(C)]
 struct Exported {
     managed: DLManagedTensor,
-    shape: Vec<i64>,
-    strides: Vec<i64>,
+    sizes: Sizes,
     /// Dropped by the deleter, on whatever thread torch frees the tensor (`Keeper` is
     /// safe to drop there).
     _keep: Arc<Keeper>,
@@ -111,20 +146,18 @@ pub(super) fn capsule<'py>(
     py: Python<'py>,
     data: *mut u8,
     dtype: DlType,
-    shape: Vec<i64>,
+    shape: impl ExactSizeIterator<Item = i64>,
     keep: Arc<Keeper>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut strides = vec![1i64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1].saturating_mul(shape[i + 1].max(1));
-    }
+    let ndim = shape.len();
+    let sizes = Sizes::new(shape);
     let mut exported = Box::new(Exported {
         managed: DLManagedTensor {
             dl_tensor: DLTensor {
                 data: data.cast(),
                 device_type: DL_CPU,
                 device_id: 0,
-                ndim: shape.len() as i32,
+                ndim: ndim as i32,
                 dtype,
                 shape: std::ptr::null_mut(),
                 strides: std::ptr::null_mut(),
@@ -133,12 +166,13 @@ pub(super) fn capsule<'py>(
             manager_ctx: std::ptr::null_mut(),
             deleter: Some(delete_exported),
         },
-        shape,
-        strides,
+        sizes,
         _keep: keep,
     });
-    exported.managed.dl_tensor.shape = exported.shape.as_mut_ptr();
-    exported.managed.dl_tensor.strides = exported.strides.as_mut_ptr();
+    // The box never moves its contents: these pointers stay valid for its life.
+    let (shape, strides) = exported.sizes.as_mut(ndim).split_at_mut(ndim);
+    exported.managed.dl_tensor.shape = shape.as_mut_ptr();
+    exported.managed.dl_tensor.strides = strides.as_mut_ptr();
     let raw = Box::into_raw(exported);
     // SAFETY: `raw` is a live `Exported` whose first field is the `DLManagedTensor`; the
     // capsule owns it from here (its destructor or the consumer, through the deleter, frees

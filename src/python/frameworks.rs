@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -111,7 +112,8 @@ pub(super) fn array_dtype<'py>(py: Python<'py>, descr: &str) -> PyResult<(Bound<
     Ok((dtype, itemsize))
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// A cache's lock (a panic while holding one leaves the cache usable).
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -186,9 +188,13 @@ pub(super) struct TorchDtype {
 pub(super) struct Torch {
     pub(super) tensor: Py<PyType>,
     pub(super) strided: Py<PyAny>,
-    pub(super) from_dlpack: Py<PyAny>,
-    /// `torch.UntypedStorage`: plain copy buffers (the cheapest torch allocation to call), and
-    /// the type of every tensor's storage whose bytes the encoder reads.
+    from_dlpack: Py<PyAny>,
+    /// `from_dlpack`'s C function and the object it is bound to, when it is a one-argument
+    /// builtin (`torch._C._from_dlpack` is): called directly, without the one-tuple every
+    /// call through the object builds (the stable ABI of 3.11 has no vectorcall).
+    from_dlpack_c: Option<(ffi::PyCFunction, Py<PyAny>)>,
+    /// `torch.UntypedStorage`: the type of every tensor's storage whose bytes the encoder
+    /// reads.
     pub(super) storage: Py<PyAny>,
     /// `torch.device("cpu")`: a storage's device equal to it is on the CPU without reading
     /// the device's `type`, which builds a new `str` each time.
@@ -197,7 +203,6 @@ pub(super) struct Torch {
     /// `torch.empty` keyword arguments for a pinned byte buffer.
     pub(super) pinned_kwargs: Py<PyDict>,
     pub(super) dtypes: Vec<TorchDtype>,
-    pub(super) by_name: HashMap<&'static str, usize>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -217,39 +222,73 @@ fn load_torch(torch: &Bound<'_, PyModule>) -> PyResult<Torch> {
             dlpack,
         });
     }
+    // The C function behind `torch.from_dlpack`, which only adds a Python frame of checks
+    // for objects with `__dlpack__` (a fifth of the cost of a small tensor).
+    let from_dlpack = match torch.getattr("_C")?.getattr("_from_dlpack") {
+        Ok(f) => f,
+        Err(_) => torch.getattr("from_dlpack")?,
+    };
     let pinned_kwargs = PyDict::new(py);
     pinned_kwargs.set_item("dtype", torch.getattr("uint8")?)?;
     pinned_kwargs.set_item("pin_memory", true)?;
     Ok(Torch {
         tensor: torch.getattr("Tensor")?.cast_into()?.unbind(),
         strided: torch.getattr("strided")?.unbind(),
-        // The C function behind `torch.from_dlpack`, which only adds a Python frame of
-        // checks for objects with `__dlpack__` (a fifth of the cost of a small tensor).
-        from_dlpack: match torch.getattr("_C")?.getattr("_from_dlpack") {
-            Ok(f) => f,
-            Err(_) => torch.getattr("from_dlpack")?,
-        }
-        .unbind(),
+        from_dlpack_c: one_argument_builtin(&from_dlpack),
+        from_dlpack: from_dlpack.unbind(),
         storage: torch.getattr("UntypedStorage")?.unbind(),
         cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
         empty: torch.getattr("empty")?.unbind(),
         pinned_kwargs: pinned_kwargs.unbind(),
-        by_name: dtypes
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (d.name, i))
-            .collect(),
         dtypes,
     })
 }
 
+/// A builtin function of one argument (`METH_O`): its C function and its bound object.
+fn one_argument_builtin(f: &Bound<'_, PyAny>) -> Option<(ffi::PyCFunction, Py<PyAny>)> {
+    // SAFETY: `f` is a live object, checked to be a builtin function before the accessors
+    // read its method definition and bound object (a borrowed reference, taken as our own).
+    unsafe {
+        if ffi::PyCFunction_Check(f.as_ptr()) == 0
+            || ffi::PyCFunction_GetFlags(f.as_ptr()) != ffi::METH_O
+        {
+            return None;
+        }
+        let function = ffi::PyCFunction_GetFunction(f.as_ptr())?;
+        let bound = Bound::from_borrowed_ptr_or_opt(f.py(), ffi::PyCFunction_GetSelf(f.as_ptr()))?;
+        Some((function, bound.unbind()))
+    }
+}
+
 impl Torch {
+    /// The tensor a DLPack capsule holds, without a copy (torch consumes the capsule).
+    pub(super) fn import_dlpack<'py>(
+        &self,
+        capsule: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = capsule.py();
+        match &self.from_dlpack_c {
+            // SAFETY: a `METH_O` builtin's C function, called as CPython calls it: the GIL
+            // held, its bound object (alive: we hold it) and one borrowed argument (alive:
+            // `capsule`); it returns a new reference, or null with an exception set.
+            Some((function, bound)) => unsafe {
+                Bound::from_owned_ptr_or_err(py, function(bound.as_ptr(), capsule.as_ptr()))
+            },
+            None => self.from_dlpack.bind(py).call1((capsule,)),
+        }
+    }
+
     /// The table's entry of a torch dtype object, if it has one: the common dtypes come
     /// first, so a scan of the addresses finds them sooner than a hash would.
     pub(super) fn dtype_of(&self, dtype: &Bound<'_, PyAny>) -> Option<&TorchDtype> {
         self.dtypes
             .iter()
             .find(|d| d.obj.as_ptr() == dtype.as_ptr())
+    }
+
+    /// The table's entry of a dtype by its name in a payload: a scan too, for the same reason.
+    pub(super) fn dtype_named(&self, name: &str) -> Option<&TorchDtype> {
+        self.dtypes.iter().find(|d| d.name == name)
     }
 }
 
