@@ -389,15 +389,15 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                 if not store.is_cached(mm_hash):
                     raise
             else:
-                # `_keep_prompt_updates`, inlined: a call is a tenth of the Python around a put.
+                # `_keep_prompt_updates`, inlined: one call less on every put.
                 kept = self._prompt_updates
                 kept[mm_hash] = (handle.monotonic_id, prompt_updates)
                 if len(kept) >= self._prune_at:
                     self._drop_dangling_prompt_updates()
                 return handle, prompt_updates
-            handle = store.issue_if_present(mm_hash)
-            if handle is not None:
-                return self._hit(handle, item, mm_hash)
+            stored = store.issue_if_present(mm_hash)
+            if stored is not None:
+                return self._hit(stored, item, mm_hash)
         # Put by another writer and evicted again, every time: serve it from here.
         self._serve_uncached("full", f"item {mm_hash} was evicted as fast as it was stored")
         return data, prompt_updates
