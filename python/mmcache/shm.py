@@ -325,28 +325,21 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             self._lookups.total += 1
             if pinned is None and type(item) is tuple and len(item) == 2:
                 # Data, for an item the engine found missing and processed: put at once,
-                # with no lookup first (a stream of misses). The put refuses a key stored
-                # since (`KeyExistsError`): that is a hit, served below, which ignores the
-                # data (data the codec refuses is an error only on a miss, as before).
-                data, prompt_updates = item
-                try:
-                    return self._put(mm_hash, data, prompt_updates), prompt_updates
-                except KeyExistsError:
-                    pass
-                except TypeError:
-                    if not self._store.is_cached(mm_hash):
-                        raise
+                # with no lookup first (a stream of misses; a key stored since is a hit).
+                return self._put(item, mm_hash, item[0], item[1])
             # The hot path first: a hit on an object whose prompt updates are kept here.
             handle = self._store.issue_unpinning(mm_hash, pinned)
-            if handle is not None:
-                monotonic_id = handle.monotonic_id
-                if monotonic_id == pinned:
-                    pinned = None
-                kept = self._prompt_updates.get(mm_hash)
-                if kept is not None and kept[0] == monotonic_id:
-                    self._lookups.hits += 1
-                    return handle, kept[1]
-            return self._update(item, mm_hash, handle)
+            if handle is None:
+                data, prompt_updates = split_sender_input(item, mm_hash)
+                return self._put(item, mm_hash, data, prompt_updates)
+            monotonic_id = handle.monotonic_id
+            if monotonic_id == pinned:
+                pinned = None
+            kept = self._prompt_updates.get(mm_hash)
+            if kept is not None and kept[0] == monotonic_id:
+                self._lookups.hits += 1
+                return handle, kept[1]
+            return self._hit(handle, item, mm_hash)
         except ReferencesSaturatedError:
             self._lookups.hits += 1
             return self._serve_saturated(item, mm_hash)
@@ -359,24 +352,65 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             finally:
                 lock.release()
 
-    def _update(self, item: SenderInput, mm_hash: str, handle: ShmHandle | None) -> SenderOutput:
-        """A hit on ``handle`` (just issued, if not ``None``) or a put of the item (lock
-        held; ``ReferencesSaturatedError`` when a reader holds the most references)."""
-        for _ in range(_PUT_ATTEMPTS):
-            if handle is not None:
-                prompt_updates = self._hit_prompt_updates(handle, item, mm_hash)
-                self._lookups.hits += 1
-                return handle, prompt_updates
-            data, prompt_updates = split_sender_input(item, mm_hash)
+    def _put(
+        self, item: SenderInput, mm_hash: str, data: Item, prompt_updates: Any
+    ) -> SenderOutput:
+        """The one put path (lock held): store ``data`` (``item``'s) with its prompt updates
+        and return its handle, or serve it uncached. A key stored since the engine found it
+        missing (the put refuses it) is a hit on that object, and so is data the codec
+        refuses for a key stored meanwhile (a hit ignores the data); ``ReferencesSaturatedError``
+        when a reader holds the most references to it."""
+        store = self._store
+        meta = self._shared_prompt_updates(mm_hash, prompt_updates) if self._shares_updates else b""
+        attempts = _PUT_ATTEMPTS
+        while attempts:  # (not `for … in range`: a range object per put)
+            attempts -= 1
             try:
-                return self._put(mm_hash, data, prompt_updates), prompt_updates
+                # No keyword unless there is metadata: PyO3 parses keywords at a cost.
+                handle = (
+                    store.put_item(mm_hash, data, meta=meta)
+                    if meta
+                    else store.put_item(mm_hash, data)
+                )
             except KeyExistsError:
-                pass  # another writer put it since the lookup: issue its object, if still there
-            handle = self._store.issue_if_present(mm_hash)
+                pass  # stored meanwhile: issue its object, if still there
+            except ObjectTooLargeError:
+                self._serve_uncached("oversize", f"item {mm_hash} {self._too_large()}")
+                return data, prompt_updates
+            except RingFullError:
+                self._serve_uncached(
+                    "full",
+                    f"no room for item {mm_hash}: every object in the shared-memory ring is "
+                    "still unread, pinned or viewed (raise capacity_gb, or check that every "
+                    "reader keeps up and aborted requests call release_handles)",
+                )
+                return data, prompt_updates
+            except TypeError:
+                if not store.is_cached(mm_hash):
+                    raise
+            else:
+                # `_keep_prompt_updates`, inlined: one call less on every put.
+                kept = self._prompt_updates
+                kept[mm_hash] = (handle.monotonic_id, prompt_updates)
+                if len(kept) >= self._prune_at:
+                    self._drop_dangling_prompt_updates()
+                return handle, prompt_updates
+            stored = store.issue_if_present(mm_hash)
+            if stored is not None:
+                return self._hit(stored, item, mm_hash)
         # Put by another writer and evicted again, every time: serve it from here.
-        data, prompt_updates = split_sender_input(item, mm_hash)
         self._serve_uncached("full", f"item {mm_hash} was evicted as fast as it was stored")
         return data, prompt_updates
+
+    def _hit(self, handle: ShmHandle, item: SenderInput, mm_hash: str) -> SenderOutput:
+        """A hit on ``handle`` (just issued; lock held), with its object's prompt updates."""
+        kept = self._prompt_updates.get(mm_hash)
+        if kept is not None and kept[0] == handle.monotonic_id:
+            prompt_updates = kept[1]
+        else:
+            prompt_updates = self._hit_prompt_updates(handle, item, mm_hash)
+        self._lookups.hits += 1
+        return handle, prompt_updates
 
     def _hit_prompt_updates(self, handle: ShmHandle, item: SenderInput, mm_hash: str) -> Any:
         """The prompt updates of the object ``handle`` names (just issued, and not the object
@@ -441,26 +475,6 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             f"is larger than max_object_size_mb={self._asked_max_object_size_mb:g} "
             f"({largest}; raise it to cache items this large)"
         )
-
-    def _put(self, mm_hash: str, data: Item, prompt_updates: Any) -> Item | ShmHandle:
-        """Store the item with its prompt updates and return its handle, or serve it uncached
-        (``KeyExistsError`` for a key another writer stored meanwhile)."""
-        meta = self._shared_prompt_updates(mm_hash, prompt_updates) if self._shares_updates else b""
-        try:
-            handle = self._store.put_item(mm_hash, data, meta=meta)
-        except ObjectTooLargeError:
-            self._serve_uncached("oversize", f"item {mm_hash} {self._too_large()}")
-            return data
-        except RingFullError:
-            self._serve_uncached(
-                "full",
-                f"no room for item {mm_hash}: every object in the shared-memory ring is still "
-                "unread, pinned or viewed (raise capacity_gb, or check that every reader keeps "
-                "up and aborted requests call release_handles)",
-            )
-            return data
-        self._keep_prompt_updates(mm_hash, handle.monotonic_id, prompt_updates)
-        return handle
 
     def _shared_prompt_updates(self, mm_hash: str, prompt_updates: Any) -> bytes:
         """The metadata that carries ``prompt_updates`` to the other writers (of a store they
