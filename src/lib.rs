@@ -25,7 +25,9 @@
 //! * [`segment`] (with its submodules): the operating system (`libc` calls, signal handlers,
 //!   the fork handlers) and shared memory (atomics and raw copies over the mapping);
 //! * `python`: the Python binding's buffer protocol (exports, and copies from callers'
-//!   buffers), DLPack, and `Open::with` (a GIL-held borrow of a store's endpoint).
+//!   buffers), the copy arena, DLPack, C functions called and defined without PyO3's
+//!   wrappers (`is_cached_item`, torch's DLPack import), and `Open::with` (a GIL-held
+//!   borrow of a store's endpoint).
 //!
 //! Every `unsafe` block carries a `// SAFETY:` comment; bytes another process or thread may
 //! write or free are never borrowed as Rust slices.

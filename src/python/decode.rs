@@ -65,7 +65,8 @@ struct Decoder<'a, 'py> {
     array_base: Option<Bound<'py, PyAny>>,
     parts: &'a [(u64, u64)],
     copy: bool,
-    /// Copies of tensors land in this one torch allocation, at `arena_cursor`.
+    /// Copies of tensors land in this one allocation (a `CopyArena`, or torch's pinned
+    /// memory), at `arena_cursor`.
     arena: Option<Arc<Keeper>>,
     arena_cursor: u64,
     jobs: Vec<CopyJob>,
@@ -166,9 +167,10 @@ pub(super) fn decode<'py>(
 /// torch's pinned memory on request. A refusal is a `MemoryError` (torch reports its own as
 /// a `RuntimeError`).
 fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
-    // Never empty, so even zero-byte tensors point into memory that is theirs.
+    // Never empty, so a zero-byte tensor's pointer is into (or just past) a live allocation,
+    // never null or dangling.
     let size = size.max(ALIGN);
-    let refused = |why: String| {
+    let cannot_allocate = |why: String| {
         let pinned = if pin_memory { " of pinned memory" } else { "" };
         PyMemoryError::new_err(format!(
             "cannot allocate {size} bytes{pinned} for the item's tensor copies{why}"
@@ -179,7 +181,7 @@ fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
             .ok()
             .and_then(CopyArena::new)
             .map(Keeper::Arena)
-            .ok_or_else(|| refused(String::new()));
+            .ok_or_else(|| cannot_allocate(String::new()));
     }
     let torch = torch(py)?;
     let arena = torch
@@ -187,7 +189,7 @@ fn arena(py: Python<'_>, size: u64, pin_memory: bool) -> PyResult<Keeper> {
         .bind(py)
         .call((size,), Some(torch.pinned_kwargs.bind(py)))
         .map_err(|e| {
-            let out = refused(format!(": {}", e.value(py)));
+            let out = cannot_allocate(format!(": {}", e.value(py)));
             out.set_cause(py, Some(e));
             out
         })?;

@@ -151,7 +151,7 @@ pub(super) fn capsule<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let ndim = shape.len();
     let sizes = Sizes::new(shape);
-    let mut exported = Box::new(Exported {
+    let exported = Box::new(Exported {
         managed: DLManagedTensor {
             dl_tensor: DLTensor {
                 data: data.cast(),
@@ -169,15 +169,16 @@ pub(super) fn capsule<'py>(
         sizes,
         _keep: keep,
     });
-    // The box never moves its contents: these pointers stay valid for its life.
-    let (shape, strides) = exported.sizes.as_mut(ndim).split_at_mut(ndim);
-    exported.managed.dl_tensor.shape = shape.as_mut_ptr();
-    exported.managed.dl_tensor.strides = strides.as_mut_ptr();
     let raw = Box::into_raw(exported);
     // SAFETY: `raw` is a live `Exported` whose first field is the `DLManagedTensor`; the
     // capsule owns it from here (its destructor or the consumer, through the deleter, frees
-    // it), and if no capsule could be made we free it ourselves, once.
+    // it), and if no capsule could be made we free it ourselves, once. The shape and
+    // strides pointers are taken through `raw`, after the box gave up its contents, which
+    // never move again (an inline `Sizes` included): they stay valid for its life.
     unsafe {
+        let (shape, strides) = (*raw).sizes.as_mut(ndim).split_at_mut(ndim);
+        (*raw).managed.dl_tensor.shape = shape.as_mut_ptr();
+        (*raw).managed.dl_tensor.strides = strides.as_mut_ptr();
         (*raw).managed.manager_ctx = raw.cast();
         let capsule = ffi::PyCapsule_New(raw.cast(), DLTENSOR.as_ptr(), Some(destroy_capsule));
         if capsule.is_null() {

@@ -13,8 +13,10 @@
 //! * `encode`, `decode` — the item codec's Python side (the format is `crate::codec`);
 //! * `inspect` — maintenance functions (inspect, status, list, unlink).
 //!
-//! Besides `segment`, only this module has `unsafe` code, in `buffer` and `dlpack` (and one
-//! copy in `decode`, and `Open::with` in `store`): the crossings PyO3 cannot express safely.
+//! Besides `segment`, only this module has `unsafe` code, in `buffer` and `dlpack`, the
+//! copies and padding writes of `decode`, the direct calls of `frameworks` (a `METH_O`
+//! builtin's C function) and `writer` (`CachedItemCheck`'s C method), and `Open::with` in
+//! `store`: the crossings PyO3 cannot express safely.
 
 use pyo3::prelude::*;
 
