@@ -390,12 +390,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                 if not store.is_cached(mm_hash):
                     raise
             else:
-                # `_keep_prompt_updates`, inlined: one call less on every put (keep the two
-                # alike).
-                kept = self._prompt_updates
-                kept[mm_hash] = (handle.monotonic_id, prompt_updates)
-                if len(kept) >= self._prune_at:
-                    self._drop_dangling_prompt_updates()
+                self._keep_prompt_updates(mm_hash, handle.monotonic_id, prompt_updates)
                 return handle, prompt_updates
             stored = store.issue_if_present(mm_hash)
             if stored is not None:
