@@ -28,6 +28,7 @@ from vllm.multimodal.processing.processor import (
     find_mm_placeholders,
 )
 
+import mmcache
 import mmcache.vllm as mv
 from mmcache.vllm import launcher, prompt_codec, sender
 from mmcache.vllm.publish import published_handle
@@ -231,3 +232,50 @@ def test_the_claim_wait_is_set_through_the_environment(monkeypatch: pytest.Monke
                 server.close()
     finally:
         close()
+
+
+# -- the launcher's shutdown --------------------------------------------------------------------
+
+
+def test_the_launchers_shutdown_returns_once_its_ring_is_closed_whichever_thread_closes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's engine manager's ``shutdown`` is called by the launcher's main thread and, as
+    the engine core stops, by the daemon thread watching it: the ring is closed by whichever
+    comes first, and the other's call returns only once it is closed (the interpreter's exit
+    stops a daemon thread where it stands)."""
+    closing = threading.Event()
+    wait_for_the_other_writers = launcher._wait_for_the_other_writers
+
+    def closes(name: str) -> None:
+        closing.set()
+        wait_for_the_other_writers(name)
+
+    monkeypatch.setattr(launcher, "_wait_for_the_other_writers", closes)
+    monkeypatch.setattr(launcher, "_OTHER_WRITERS_DEADLINE_S", 0.5)
+
+    class Manager:  # vLLM's CoreEngineProcManager, as the launcher wraps it
+        def __init__(self, vllm_config: Any) -> None:
+            pass
+
+        def shutdown(self, timeout: float | None = None) -> None:
+            if threading.current_thread() is threading.main_thread():
+                assert closing.wait(TIMEOUT), "the watcher never began to close the ring"
+
+    Manager.__init__ = launcher._start(Manager.__init__)  # type: ignore[method-assign]
+    Manager.shutdown = launcher._shutdown(Manager.shutdown)  # type: ignore[method-assign]
+    manager = Manager(config(-1))
+    published = published_handle()
+    assert published is not None
+    # An API server still there: the close waits for it to leave (until the deadline).
+    server = processor_cache_from_config(config(0))
+    try:
+        watcher = threading.Thread(target=manager.shutdown, daemon=True)
+        watcher.start()
+        manager.shutdown()
+        writers = mmcache.inspect(published.name)["writers"]
+        assert [w["claimed"] for w in writers] == [False, True, False]
+        watcher.join(TIMEOUT)
+    finally:
+        server.close()
+    assert not (Path("/dev/shm") / published.name).exists()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -50,7 +51,7 @@ from mmcache.vllm.sender import make_ring, shares_one_ring
 __all__ = ["open_ring", "wrap"]
 
 _ORIGINAL = "__mmcache_original__"
-_RING_FINALIZER = "_mmcache_ring_finalizer"
+_RING_CLOSER = "_mmcache_ring_closer"
 
 
 def open_ring(vllm_config: VllmConfig) -> Callable[[], None]:
@@ -69,6 +70,27 @@ def open_ring(vllm_config: VllmConfig) -> Callable[[], None]:
             ring.close()
 
     return close
+
+
+def _once(close: Callable[[], None]) -> Callable[[], None]:
+    """``close``, run by the first call only; a call made while it runs (in another thread)
+    returns once it has finished.  vLLM's engine manager calls ``shutdown`` from two threads
+    at once: the launcher's main thread, and the daemon thread that watches the engine core,
+    as it sees the core stop.  Were the daemon's call to close the ring while the main
+    thread's returned at once, the interpreter's exit would cut the close short (daemon
+    threads are stopped where they stand), leaving the launcher's writer slot claimed and
+    the ring behind."""
+    lock = threading.Lock()
+    done = False
+
+    def close_once() -> None:
+        nonlocal done
+        with lock:
+            if not done:
+                done = True
+                close()
+
+    return close_once
 
 
 _OTHER_WRITERS_DEADLINE_S = 5.0
@@ -104,14 +126,15 @@ def _start(original: Callable[..., None]) -> Callable[..., None]:
         ):
             original(self, *args, **kwargs)
             return
-        close = open_ring(vllm_config)
+        close = _once(open_ring(vllm_config))
         try:
             original(self, *args, **kwargs)
         except BaseException:
             close()
             raise
         # Closed by shutdown() (after the API servers'), or at the latest at exit.
-        setattr(self, _RING_FINALIZER, weakref.finalize(self, close))
+        setattr(self, _RING_CLOSER, close)
+        weakref.finalize(self, close)
 
     return __init__
 
@@ -122,8 +145,8 @@ def _shutdown(original: Callable[..., None]) -> Callable[..., None]:
         try:
             original(self, *args, **kwargs)
         finally:
-            if (finalizer := getattr(self, _RING_FINALIZER, None)) is not None:
-                finalizer()
+            if (close := getattr(self, _RING_CLOSER, None)) is not None:
+                close()
 
     return shutdown
 
