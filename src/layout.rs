@@ -51,7 +51,8 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
 /// Bumped on any change to the byte layout below; attach refuses other versions. Version 3:
 /// several writers (writer table, shared key index, allocator and counters in the segment).
 /// Version 4: the index key hash in two lanes (the same key files in another bucket).
-pub const LAYOUT_VERSION: u64 = 4;
+/// Version 5: the store lock on a cache line of its own.
+pub const LAYOUT_VERSION: u64 = 5;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).
@@ -90,15 +91,17 @@ pub mod header {
     /// const: two words, a keyed MAC of a constant under the store's secret: a writer handle
     /// joins only if its secret gives the same (the secret itself is never stored).
     pub const VERIFIER: u64 = 128;
+    /// The store lock (`words::LockWord`), alone on its cache line: a writer waiting for it
+    /// spins reading that line, and were the hand, the journal or the gauges on it, each of
+    /// the holder's writes to them would first have to take the line back from the waiter.
+    pub const LOCK: u64 = 256;
     /// The key index's move count (a seqlock, on a cache line of its own): odd while the
     /// store lock's holder moves entries back to close the gap a removed one left; a lookup
     /// that misses checks it did not miss because of a move.
     pub const INDEX_MOVES: u64 = 320;
-    /// The store lock (`words::LockWord`), on one cache line with the hand, the journal and
-    /// the gauges it guards (the first counters).
-    pub const LOCK: u64 = 384;
     /// CLOCK's hand: the ring address of the block the next allocation starts at (always a
-    /// block start).
+    /// block start). On one cache line with the journal and the gauges (the first counters),
+    /// which the store lock guards too.
     pub const HAND: u64 = 392;
     /// The window an allocation is evicting (start + 1, 0 when none) and its length, so
     /// that whoever takes the lock over from a holder that died can undo or finish it.
@@ -190,9 +193,11 @@ impl Counter {
 }
 
 // Every counter's word lies in the header, before the reader table; the gauges changed under
-// the store lock share the lock's cache line.
+// the store lock share the hand's cache line; the lock has one to itself.
 const _: () = assert!(header::COUNTERS + 8 * Counter::COUNT as u64 <= header::READER_TABLE);
-const _: () = assert!(Counter::Claims.offset() < header::LOCK + 64);
+const _: () = assert!(Counter::Claims.offset() < header::HAND / 64 * 64 + 64);
+const _: () = assert!(header::VERIFIER + 16 <= header::LOCK && header::LOCK % 64 == 0);
+const _: () = assert!(header::LOCK + 64 <= header::INDEX_MOVES);
 
 pub const STORE_LIVE: u64 = 1;
 pub const STORE_CLOSED: u64 = 2;
