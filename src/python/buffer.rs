@@ -11,6 +11,7 @@
 
 use std::alloc::Layout;
 use std::ffi::c_int;
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::codec::FormatError;
 use crate::layout::ALIGN;
-use crate::segment::RawBytes;
+use crate::segment::{RawBytes, written_whole};
 use crate::store::{Lease, View};
 
 /// Copies at least this large run with the GIL released.
@@ -61,7 +62,7 @@ pub(super) fn new_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyByt
 pub(super) fn copied_bytes<'py>(
     py: Python<'py>,
     len: usize,
-    copy: impl Send + FnOnce(&mut [u8]) -> PyResult<()>,
+    copy: impl Send + FnOnce(&mut [MaybeUninit<u8>]) -> PyResult<()>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (bytes, fill) = new_bytes(py, len)?;
     copying(py, len, move || fill.copy_rest(copy))?;
@@ -93,15 +94,19 @@ impl BytesFill {
         Ok(dst)
     }
 
-    /// Hand every byte not yet written to `copy`, which writes them all (copies into them:
-    /// they are not initialised, so it must never read them).
-    fn copy_rest(mut self, copy: impl FnOnce(&mut [u8]) -> PyResult<()>) -> PyResult<()> {
+    /// Hand every byte not yet written to `copy`, which writes them all (they are not
+    /// initialised: `MaybeUninit` bytes until it has).
+    fn copy_rest(
+        mut self,
+        copy: impl FnOnce(&mut [MaybeUninit<u8>]) -> PyResult<()>,
+    ) -> PyResult<()> {
         let n = self.len - self.at;
         let dst = self.next(n)?;
         // SAFETY: `next` checked that the `n` bytes at `dst` lie inside the new object's
-        // buffer, which nothing else refers to until the fill is done (`new_bytes`); `copy`
-        // only writes them. Should it fail, the object is dropped unseen.
-        copy(unsafe { std::slice::from_raw_parts_mut(dst, n) })
+        // buffer, which nothing else refers to until the fill is done (`new_bytes`); viewed
+        // as `MaybeUninit` bytes, unwritten memory is valid. Should `copy` fail, the object
+        // is dropped unseen.
+        copy(unsafe { std::slice::from_raw_parts_mut(dst.cast::<MaybeUninit<u8>>(), n) })
     }
 
     /// Zeros up to offset `to`.
@@ -349,6 +354,12 @@ impl Keeper {
 
     /// Copy `dst.len()` bytes starting `offset` bytes in.
     pub(super) fn read_at(&self, offset: u64, dst: &mut [u8]) -> PyResult<()> {
+        self.read_at_uninit(offset, written_whole(dst))
+    }
+
+    /// [`Keeper::read_at`] into memory not written yet (a new `bytes` object, the copy
+    /// arena, a new array).
+    pub(super) fn read_at_uninit(&self, offset: u64, dst: &mut [MaybeUninit<u8>]) -> PyResult<()> {
         let start = offset as usize;
         if start
             .checked_add(dst.len())
@@ -358,13 +369,22 @@ impl Keeper {
         }
         match self {
             // Shared memory: the core's raw copy, never a slice over it.
-            Keeper::Ring(view) => view.read_at(offset, dst)?,
-            Keeper::Copy(v) => dst.copy_from_slice(&v[start..start + dst.len()]),
+            Keeper::Ring(view) => view.read_at_uninit(offset, dst)?,
+            Keeper::Copy(v) => {
+                let end = start + dst.len();
+                for (byte, &value) in dst.iter_mut().zip(&v[start..end]) {
+                    byte.write(value);
+                }
+            }
             // SAFETY: the range is inside memory `self` keeps alive (checked above); `dst` is
             // distinct memory of our own. A raw copy forms no reference to bytes another
             // thread may be writing.
             Keeper::Export(_) | Keeper::Object { .. } | Keeper::Arena(_) => unsafe {
-                std::ptr::copy_nonoverlapping(self.ptr().add(start), dst.as_mut_ptr(), dst.len())
+                std::ptr::copy_nonoverlapping(
+                    self.ptr().add(start),
+                    dst.as_mut_ptr().cast::<u8>(),
+                    dst.len(),
+                )
             },
         }
         Ok(())

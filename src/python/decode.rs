@@ -17,6 +17,7 @@
 //! an allocation that still fails is a `MemoryError`, and whatever numpy or torch refuse to
 //! build from a header is a `SegmentCorruptError`.
 
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
@@ -333,7 +334,7 @@ impl<'py> Decoder<'_, 'py> {
     fn bytes(&mut self, p: usize) -> PyResult<Bound<'py, PyBytes>> {
         let (offset, len) = self.parts[p];
         let (py, keep) = (self.py, self.keep);
-        copied_bytes(py, len as usize, |dst| keep.read_at(offset, dst))
+        copied_bytes(py, len as usize, |dst| keep.read_at_uninit(offset, dst))
     }
 
     fn tensor(&mut self, name: &str, shape: Shape<'_>, p: usize) -> PyResult<Bound<'py, PyAny>> {
@@ -430,9 +431,12 @@ impl<'py> Decoder<'_, 'py> {
         copying(self.py, total, move || {
             jobs.iter().try_for_each(|job| {
                 // SAFETY: `dst` is `len` bytes of memory allocated for this decode (the
-                // tensors' arena or a fresh array), exclusively ours until we return.
-                let dst = unsafe { std::slice::from_raw_parts_mut(job.dst, job.len) };
-                keep.read_at(job.offset, dst)
+                // tensors' arena or a fresh array), exclusively ours until we return; not yet
+                // written, so viewed as `MaybeUninit` bytes.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(job.dst.cast::<MaybeUninit<u8>>(), job.len)
+                };
+                keep.read_at_uninit(job.offset, dst)
             })
         })?;
         self.buffers.clear();

@@ -327,7 +327,7 @@ fn resolve(
         return Ok(Py::new(py, ShmView::new(Arc::new(keep)))?.into_any());
     }
     let len = lease.len();
-    let bytes = copied_bytes(py, len, |buf| Ok(lease.copy_to(buf)?))?;
+    let bytes = copied_bytes(py, len, |buf| Ok(lease.copy_to_uninit(buf)?))?;
     Ok(bytes.into_any().unbind())
 }
 

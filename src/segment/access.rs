@@ -3,6 +3,7 @@
 //! `RawBytes` and these methods promise is the module docs' first rule: no Rust slice over
 //! bytes another process or thread may write.
 
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use super::{Access, Segment};
@@ -49,6 +50,15 @@ impl<'a> From<&'a [u8]> for RawBytes<'a> {
         // SAFETY: a shared slice is valid for reads of its length for its lifetime.
         unsafe { RawBytes::new(bytes.as_ptr(), bytes.len()) }
     }
+}
+
+/// `dst` as bytes to be written, for the copies of this module, which write every one of
+/// them and never a `MaybeUninit::uninit()`: it stays initialised.
+pub(crate) fn written_whole(dst: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: `MaybeUninit<u8>` has `u8`'s size and alignment, so the slice is the same
+    // memory; every caller only ever stores initialised bytes through the result (the
+    // copies in this crate), so `dst` is still all initialised once it is used again.
+    unsafe { &mut *(std::ptr::from_mut::<[u8]>(dst) as *mut [MaybeUninit<u8>]) }
 }
 
 impl Segment {
@@ -121,6 +131,12 @@ impl Segment {
     /// other process writes meanwhile: a chunk the caller protects (a lease, or the writer's
     /// own lock), published with Release and observed with Acquire.
     pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.read_into_uninit(offset, written_whole(dst))
+    }
+
+    /// [`Segment::read_into`] into memory not written yet (a new `bytes` object, a copy
+    /// arena): viewed as `MaybeUninit` bytes, never as `[u8]`, until this has written them.
+    pub fn read_into_uninit(&self, offset: u64, dst: &mut [MaybeUninit<u8>]) -> Result<()> {
         let start = self.check(offset, dst.len())?;
         // SAFETY: the source range is inside the mapping (checked), `dst` is a distinct
         // exclusive Rust buffer, so the ranges cannot overlap; a byte copy has no alignment
@@ -129,7 +145,7 @@ impl Segment {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.base.as_ptr().add(start),
-                dst.as_mut_ptr(),
+                dst.as_mut_ptr().cast::<u8>(),
                 dst.len(),
             )
         };
@@ -144,6 +160,12 @@ impl Segment {
     /// model rather than undefined behaviour; the caller discards the copy if the chunk's id
     /// changed.
     pub fn read_into_racy(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.read_into_racy_uninit(offset, written_whole(dst))
+    }
+
+    /// [`Segment::read_into_racy`] into memory not written yet (see
+    /// [`Segment::read_into_uninit`]).
+    pub fn read_into_racy_uninit(&self, offset: u64, dst: &mut [MaybeUninit<u8>]) -> Result<()> {
         let start = self.check(offset, dst.len())?;
         let src = self.base.as_ptr().wrapping_add(start);
         let head = src.align_offset(8).min(dst.len());
@@ -155,17 +177,19 @@ impl Segment {
             unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed)
         };
         for (i, byte) in dst[..head].iter_mut().enumerate() {
-            *byte = load_byte(i);
+            byte.write(load_byte(i));
         }
         for (w, out) in dst[head..head + words * 8].chunks_exact_mut(8).enumerate() {
             // SAFETY: as above, and `src + head` is 8-byte aligned, so every word is.
             let word = unsafe { AtomicU64::from_ptr(src.add(head + w * 8).cast::<u64>()) }
                 .load(Ordering::Relaxed);
-            out.copy_from_slice(&word.to_ne_bytes());
+            for (byte, value) in out.iter_mut().zip(word.to_ne_bytes()) {
+                byte.write(value);
+            }
         }
         let tail = head + words * 8;
         for (i, byte) in dst[tail..].iter_mut().enumerate() {
-            *byte = load_byte(tail + i);
+            byte.write(load_byte(tail + i));
         }
         Ok(())
     }

@@ -6,7 +6,9 @@
 //! * atomics are handed out as `&AtomicU64` after a bounds and alignment check;
 //! * plain bytes are only ever *copied* in or out through raw pointers — no `&[u8]` or
 //!   `&mut [u8]` is ever formed over bytes that another process may write, because the
-//!   compiler would be entitled to assume they do not change;
+//!   compiler would be entitled to assume they do not change; a copy into memory not yet
+//!   written (a new `bytes` object, a copy arena) takes it as `MaybeUninit` bytes
+//!   (`read_into_uninit`), never as `&mut [u8]`;
 //! * the mapping lives as long as the `Segment`, which every view holds through an `Arc`.
 //!
 //! We use `libc` directly rather than the `shared_memory` crate: that crate
@@ -57,6 +59,7 @@ mod os;
 mod reserve;
 
 pub use access::RawBytes;
+pub(crate) use access::written_whole;
 pub use fork::{Process, Registration, register_view};
 use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};

@@ -2,6 +2,7 @@
 //! viewing payloads, and giving the slot back. The orderings are in the module docs of
 //! [`store`](super).
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 
@@ -11,7 +12,7 @@ use crate::handle::{Handle, MAC_LEN, Signer, tag};
 use crate::layout::{
     Claim, Counter, LAYOUT_VERSION, Layout, Liveness, SlotState, SlotWord, chunk, slot,
 };
-use crate::segment::{self, Access, Process, Registration};
+use crate::segment::{self, Access, Process, Registration, written_whole};
 
 /// One attached reader: occupies one reader slot until dropped.
 #[derive(Debug)]
@@ -58,6 +59,11 @@ impl View {
     /// `Lease::read_at` of the view's payload (a copy that forms no reference to it).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.lease.read_at(offset, dst)
+    }
+
+    /// `Lease::read_at_uninit` of the view's payload.
+    pub fn read_at_uninit(&self, offset: u64, dst: &mut [MaybeUninit<u8>]) -> Result<()> {
+        self.lease.read_at_uninit(offset, dst)
     }
 
     pub fn len(&self) -> usize {
@@ -400,6 +406,11 @@ impl Lease {
     /// Copy the payload into `dst` (exactly `len()` bytes). An unprotected copy is verified
     /// afterwards and reported stale if the writer reused the bytes meanwhile.
     pub fn copy_to(&self, dst: &mut [u8]) -> Result<()> {
+        self.copy_to_uninit(written_whole(dst))
+    }
+
+    /// [`Lease::copy_to`] into memory not written yet (see `Segment::read_into_uninit`).
+    pub fn copy_to_uninit(&self, dst: &mut [MaybeUninit<u8>]) -> Result<()> {
         if dst.len() != self.len() {
             return Err(Error::InvalidArgument(
                 "destination has the wrong length".into(),
@@ -407,9 +418,9 @@ impl Lease {
         }
         let sh = &self.reader.shared;
         if self.stamp.is_some() {
-            sh.seg.read_into(self.payload_offset(), dst)?;
+            sh.seg.read_into_uninit(self.payload_offset(), dst)?;
         } else {
-            sh.seg.read_into_racy(self.payload_offset(), dst)?;
+            sh.seg.read_into_racy_uninit(self.payload_offset(), dst)?;
             // Pairs with P2: if we copied any reused byte, we see the id change.
             fence(Ordering::Acquire);
             if !sh.chunk_matches(self.address, self.id, &self.mac)? {
@@ -422,6 +433,11 @@ impl Lease {
     /// Copy `dst.len()` payload bytes starting `offset` bytes in (a protected lease only:
     /// the writer cannot reuse those bytes while it lives, so no check is needed after).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.read_at_uninit(offset, written_whole(dst))
+    }
+
+    /// [`Lease::read_at`] into memory not written yet (see `Segment::read_into_uninit`).
+    pub fn read_at_uninit(&self, offset: u64, dst: &mut [MaybeUninit<u8>]) -> Result<()> {
         if self.stamp.is_none() {
             return Err(Error::InvalidArgument(
                 "read_at needs a protected lease; copy an unprotected payload with copy_to".into(),
@@ -440,7 +456,7 @@ impl Lease {
         self.reader
             .shared
             .seg
-            .read_into(self.payload_offset() + offset, dst)
+            .read_into_uninit(self.payload_offset() + offset, dst)
     }
 
     /// A zero-copy view of the payload, for a protected lease (`Err(self)` otherwise).
