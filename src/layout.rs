@@ -52,7 +52,9 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
 /// several writers (writer table, shared key index, allocator and counters in the segment).
 /// Version 4: the index key hash in two lanes (the same key files in another bucket).
 /// Version 5: the store lock on a cache line of its own.
-pub const LAYOUT_VERSION: u64 = 5;
+/// Version 6: the index lock beside it (the store lock became the ring lock), and a chunk's
+/// key hash where its bucket number was.
+pub const LAYOUT_VERSION: u64 = 6;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).
@@ -91,17 +93,20 @@ pub mod header {
     /// const: two words, a keyed MAC of a constant under the store's secret: a writer handle
     /// joins only if its secret gives the same (the secret itself is never stored).
     pub const VERIFIER: u64 = 128;
-    /// The store lock (`words::LockWord`), alone on its cache line: a writer waiting for it
+    /// The index lock (`words::LockWord`), alone on its cache line like the ring lock: it
+    /// guards the key index's buckets and move count and the objects and claims gauges.
+    pub const INDEX_LOCK: u64 = 192;
+    /// The ring lock (`words::LockWord`), alone on its cache line: a writer waiting for it
     /// spins reading that line, and were the hand, the journal or the gauges on it, each of
     /// the holder's writes to them would first have to take the line back from the waiter.
     pub const LOCK: u64 = 256;
     /// The key index's move count (a seqlock, on a cache line of its own): odd while the
-    /// store lock's holder moves entries back to close the gap a removed one left; a lookup
+    /// index lock's holder moves entries back to close the gap a removed one left; a lookup
     /// that misses checks it did not miss because of a move.
     pub const INDEX_MOVES: u64 = 320;
     /// CLOCK's hand: the ring address of the block the next allocation starts at (always a
     /// block start). On one cache line with the journal and the gauges (the first counters),
-    /// which the store lock guards too.
+    /// which the ring lock guards too (but for the index's gauges: see [`Counter`]).
     pub const HAND: u64 = 392;
     /// The window an allocation is evicting (start + 1, 0 when none) and its length, so
     /// that whoever takes the lock over from a holder that died can undo or finish it.
@@ -145,15 +150,17 @@ macro_rules! counters {
 }
 
 counters! {
-    /// Bytes of the ring that chunks (published or reserved) cover.
+    /// Bytes of the ring that chunks (published or reserved) cover (under the ring lock).
     BytesInUse => "bytes_in_use",
-    /// Keys stored (live index entries).
+    /// Keys stored (live index entries; under the index lock).
     Objects => "objects",
-    /// The id of the newest chunk or claim (ids keep counting across `clear`).
+    /// The id of the newest chunk or claim (ids keep counting across `clear`; drawn with an
+    /// atomic add, under no lock).
     LastId => "last_id",
-    /// Keys claimed (single flight) and not yet put, unclaimed or dropped.
+    /// Keys claimed (single flight) and not yet put, unclaimed or dropped (under the index
+    /// lock).
     Claims => "claims",
-    /// Stored objects evicted to make room.
+    /// Stored objects evicted to make room (under the index lock).
     Evictions => "evictions",
     /// Calls of `clear`.
     Clears => "clears",
@@ -192,11 +199,13 @@ impl Counter {
     }
 }
 
-// Every counter's word lies in the header, before the reader table; the gauges changed under
-// the store lock share the hand's cache line; the lock has one to itself.
+// Every counter's word lies in the header, before the reader table; the gauges share the
+// hand's cache line; each lock has one to itself.
 const _: () = assert!(header::COUNTERS + 8 * Counter::COUNT as u64 <= header::READER_TABLE);
 const _: () = assert!(Counter::Claims.offset() < header::HAND / 64 * 64 + 64);
-const _: () = assert!(header::VERIFIER + 16 <= header::LOCK && header::LOCK % 64 == 0);
+const _: () = assert!(header::VERIFIER + 16 <= header::INDEX_LOCK);
+const _: () = assert!(header::INDEX_LOCK % 64 == 0 && header::INDEX_LOCK + 64 <= header::LOCK);
+const _: () = assert!(header::LOCK % 64 == 0);
 const _: () = assert!(header::LOCK + 64 <= header::INDEX_MOVES);
 
 pub const STORE_LIVE: u64 = 1;
@@ -279,7 +288,9 @@ pub mod chunk {
     pub const SIZE: u64 = 32;
     pub const STATE: u64 = 40;
     pub const EXTRA: u64 = 48;
-    pub const BUCKET: u64 = 56;
+    /// The key's index hash (where its probe starts), written when the chunk is published:
+    /// an evictor finds the chunk's entry by it, whatever moves the index made meanwhile.
+    pub const KEY_HASH: u64 = 56;
     pub const WORDS: u64 = 64;
 }
 

@@ -36,7 +36,7 @@
 
 #[cfg(not(target_has_atomic = "64"))]
 compile_error!("mmcache needs lock-free 64-bit atomics");
-// The store lock's futex word is the low half of a 64-bit field.
+// A lock's futex word is the low half of a 64-bit field.
 #[cfg(not(target_endian = "little"))]
 compile_error!("mmcache's segment layout is little-endian");
 

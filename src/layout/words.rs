@@ -7,7 +7,7 @@
 //!   evicted) and its CLOCK bits;
 //! * [`PinWord`]: one writer slot's pins on one chunk;
 //! * [`Bucket`]: the head word of one key-index bucket;
-//! * [`LockWord`]: the store lock, naming its holder.
+//! * [`LockWord`]: the ring lock's and the index lock's word, naming its holder.
 
 /// A writer slot's current occupant: the slot and the epoch of its claim. Stamps made with
 /// an earlier epoch are void (that occupant is gone).
@@ -124,12 +124,12 @@ impl SlotWord {
 pub enum BlockKind {
     /// Nothing lives here; its id is 0. (A zeroed word is a free block.)
     Free,
-    /// Allocated to `owner`, which fills it outside the store lock; not readable (id 0 until
+    /// Allocated to `owner`, which fills it outside the ring lock; not readable (id 0 until
     /// published). Reclaimable once `owner` is gone.
     Reserved { owner: WriterId },
     /// A published chunk (readable by its handles).
     Live,
-    /// A live chunk the store lock's holder is deciding about, or evicting: a writer that
+    /// A live chunk the ring lock's holder is deciding about, or evicting: a writer that
     /// finds it so after protecting the chunk backs off (see `store`'s protocol).
     Evicting,
 }
@@ -329,7 +329,7 @@ impl Bucket {
     }
 }
 
-/// The store lock's word. Its low 32 bits are the futex word: 0 when free, else
+/// A lock's word (the ring lock's or the index lock's). Its low 32 bits are the futex word: 0 when free, else
 /// `(holder slot + 1) << 2 | waiters << 1 | 1`; the high 32 bits are the holder's epoch. A
 /// holder is named in the same CAS that takes the lock, so a waiter can always tell whether
 /// the holder still lives (and take the lock over if not).

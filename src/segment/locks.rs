@@ -125,7 +125,7 @@ impl Segment {
         let err = io::Error::last_os_error();
         match err.raw_os_error() {
             Some(libc::EAGAIN) | Some(libc::ETIMEDOUT) | Some(libc::EINTR) => Ok(()),
-            _ => Err(Error::os("waiting on the store lock", err)),
+            _ => Err(Error::os("waiting on a store lock", err)),
         }
     }
 
@@ -147,10 +147,7 @@ impl Segment {
             )
         };
         if rc < 0 {
-            return Err(Error::os(
-                "waking the store lock",
-                io::Error::last_os_error(),
-            ));
+            return Err(Error::os("waking a store lock", io::Error::last_os_error()));
         }
         Ok(())
     }

@@ -15,6 +15,7 @@ use crate::segment;
 pub const POINTS: &[&str] = &[
     "alloc.locked",
     "alloc.marked",
+    "alloc.unindexed",
     "alloc.evicted",
     "alloc.coalesced",
     "alloc.reserved",

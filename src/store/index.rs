@@ -11,7 +11,7 @@
 //! is a hash, one or two buckets and a key compare.
 //!
 //! Lookups read each bucket under a seqlock on its version word (I1/I2 in the protocol of
-//! [`store`](super)). Every change is made under the store lock: filing an entry or a claim,
+//! [`store`](super)). Every change is made under the index lock: filing an entry or a claim,
 //! turning a claim into an entry in place, and removing one. A removal leaves no tombstone:
 //! the entries after it in its cluster whose probe would pass the gap are moved back into it
 //! (backward shift), so the table never silts up with deleted entries and probes stay as
@@ -27,10 +27,10 @@ use std::hint::spin_loop;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::Shared;
-use super::lock::LockGuard;
+use super::lock::IndexGuard;
 use crate::error::{Error, Result};
 use crate::keyhash::{KeyHasher, word};
-use crate::layout::{Bucket, KEY_SLOT_SIZE, KeyRef, WriterId, chunk, header};
+use crate::layout::{Bucket, Counter, KEY_SLOT_SIZE, KeyRef, WriterId, chunk, header};
 use crate::segment::RawBytes;
 
 /// The words of a key slot.
@@ -47,6 +47,11 @@ pub(super) struct Query<'k> {
 }
 
 impl<'k> Query<'k> {
+    /// The key's index hash (where its probe starts).
+    pub(super) fn hash(&self) -> u64 {
+        self.hash
+    }
+
     #[inline(always)]
     pub(super) fn new(hasher: &KeyHasher, key: &'k str) -> Query<'k> {
         let hash = hasher.hash(key.as_bytes());
@@ -93,7 +98,7 @@ pub(super) enum Seen {
     Absent,
 }
 
-/// Where a key is, or would go, as the store lock's holder finds it.
+/// Where a key is, or would go, as the index lock's holder finds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Found {
     Stored(Entry),
@@ -101,7 +106,7 @@ pub(super) enum Found {
     Vacant { bucket: u64 },
 }
 
-/// One bucket as a scan sees it (under the store lock, or racily for statistics).
+/// One bucket as a scan sees it (under the index lock, or racily for statistics).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Filed {
     pub(super) bucket: u64,
@@ -130,7 +135,7 @@ impl Shared {
         self.header(header::INDEX_MOVES)
     }
 
-    /// What bucket `bucket` holds now (the store lock's holder: it does not change meanwhile).
+    /// What bucket `bucket` holds now (the index lock's holder: it does not change meanwhile).
     pub(super) fn bucket(&self, bucket: u64) -> Result<Bucket> {
         Ok(Bucket::unpack(
             self.bucket_head(bucket)?.load(Ordering::Relaxed),
@@ -254,6 +259,14 @@ impl Shared {
         Ok(Seen::Absent)
     }
 
+    /// Whether one lock-free probe sees `query`'s key stored. A miss is not confirmed (a
+    /// move may have hidden the key): for an early check that a later one under the index
+    /// lock repeats.
+    #[inline(always)]
+    pub(super) fn seen_stored(&self, query: &Query<'_>) -> Result<bool> {
+        Ok(matches!(self.probe_for(query)?, Seen::Stored(_)))
+    }
+
     /// The entry of a stored key, without a lock.
     #[inline(always)]
     pub(super) fn lookup(&self, query: &Query<'_>) -> Result<Option<Entry>> {
@@ -263,9 +276,9 @@ impl Shared {
         })
     }
 
-    /// Where `query`'s key is stored, claimed, or would be filed (the store lock's holder:
+    /// Where `query`'s key is stored, claimed, or would be filed (the index lock's holder:
     /// nothing changes meanwhile, so plain reads suffice).
-    pub(super) fn find(&self, _lock: &LockGuard<'_>, query: &Query<'_>) -> Result<Found> {
+    pub(super) fn find(&self, _lock: &IndexGuard<'_>, query: &Query<'_>) -> Result<Found> {
         for bucket in self.probe(query.hash) {
             let version = self.bucket_version(bucket)?.load(Ordering::Acquire);
             match Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed)) {
@@ -293,7 +306,7 @@ impl Shared {
     }
 
     /// Make `bucket` hold `head` for a key of hash `hash` whose key slot is `slot`, with
-    /// version `version` (the store lock's holder; `bucket` is empty, holds that key's claim,
+    /// version `version` (the index lock's holder; `bucket` is empty, holds that key's claim,
     /// or is the gap of a move). I2 then I1.
     fn file(&self, bucket: u64, head: Bucket, hash: u64, slot: &[u8], version: u64) -> Result<()> {
         let version_word = self.bucket_version(bucket)?;
@@ -314,7 +327,7 @@ impl Shared {
     /// holding the key's claim, which the entry replaces).
     pub(super) fn file_entry(
         &self,
-        _lock: &LockGuard<'_>,
+        _lock: &IndexGuard<'_>,
         bucket: u64,
         query: &Query<'_>,
         address: u64,
@@ -331,7 +344,7 @@ impl Shared {
     /// same key, which `owner` takes over), with the unique `ticket` as its version.
     pub(super) fn file_claim(
         &self,
-        _lock: &LockGuard<'_>,
+        _lock: &IndexGuard<'_>,
         bucket: u64,
         query: &Query<'_>,
         owner: WriterId,
@@ -353,20 +366,13 @@ impl Shared {
         let mut slot = [0u8; KEY_SLOT_SIZE as usize];
         self.seg
             .read_into(self.layout.key_slot_offset(from), &mut slot)?;
-        self.file(to, head, hash, &slot, version)?;
-        if let Bucket::Live { address, .. } = head {
-            if self.layout.valid_chunk_address(address) {
-                self.chunk(address, chunk::BUCKET)?
-                    .store(to + 1, Ordering::Relaxed);
-            }
-        }
-        Ok(())
+        self.file(to, head, hash, &slot, version)
     }
 
     /// Empty `bucket`, moving back into the gap every later entry of its cluster whose probe
     /// would otherwise have to pass it (backward shift): no tombstone is left. While entries
     /// move the move count is odd, so lock-free misses retry.
-    pub(super) fn remove_bucket(&self, _lock: &LockGuard<'_>, bucket: u64) -> Result<()> {
+    pub(super) fn remove_bucket(&self, _lock: &IndexGuard<'_>, bucket: u64) -> Result<()> {
         let n = self.layout.index_buckets;
         let mask = n - 1;
         let moves = self.moves()?;
@@ -407,25 +413,37 @@ impl Shared {
         Ok(())
     }
 
-    /// Take the chunk `(address, id)` out of the index, if `bucket` still files it there.
-    /// Whether it did.
+    /// Take the chunk `(address, id)` out of the index, if it is filed there: its key's
+    /// entry lies on the probe from `hash` (moves only ever shift an entry back towards its
+    /// home bucket, never past an empty one). Whether it was.
     pub(super) fn unindex(
         &self,
-        lock: &LockGuard<'_>,
-        bucket: u64,
+        lock: &IndexGuard<'_>,
+        hash: u64,
         address: u64,
         id: u64,
     ) -> Result<bool> {
-        if bucket >= self.layout.index_buckets {
-            return Ok(false);
+        for bucket in self.probe(hash) {
+            let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
+            if head == Bucket::Empty {
+                return Ok(false);
+            }
+            if matches!(head, Bucket::Live { address: a, .. } if a == address)
+                && self.bucket_version(bucket)?.load(Ordering::Relaxed) == id
+            {
+                self.remove_bucket(lock, bucket)?;
+                return Ok(true);
+            }
         }
-        let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
-        let version = self.bucket_version(bucket)?.load(Ordering::Relaxed);
-        if !matches!(head, Bucket::Live { address: a, .. } if a == address) || version != id {
-            return Ok(false);
-        }
-        self.remove_bucket(lock, bucket)?;
-        Ok(true)
+        Ok(false)
+    }
+
+    /// Load the first words of the bucket a key of hash `hash` is probed from (before the
+    /// index lock is taken, so that the miss is not taken while holding it).
+    pub(super) fn warm_bucket(&self, hash: u64) -> Result<u64> {
+        let bucket = hash & (self.layout.index_buckets - 1);
+        Ok(self.bucket_head(bucket)?.load(Ordering::Relaxed)
+            ^ self.bucket_hash(bucket)?.load(Ordering::Relaxed))
     }
 
     /// Every bucket that holds an entry or a claim (a snapshot per bucket; without the lock
@@ -497,11 +515,11 @@ impl Shared {
         Ok(keys)
     }
 
-    /// After taking the lock over from a holder that died: rebuild the index from what it
+    /// After taking the index lock over from a holder that died: rebuild the index from what it
     /// holds (it may have died filing, removing or moving entries: a bucket half written, an
-    /// entry twice, a gap a lookup would stop at), and count entries and claims. Lookups
+    /// entry twice, a gap a lookup would stop at), and recount the objects and claims gauges. Lookups
     /// meanwhile see an odd move count and confirm their misses after.
-    pub(super) fn repair_index(&self, _lock: &LockGuard<'_>) -> Result<(u64, u64)> {
+    pub(super) fn repair_index(&self, _lock: &IndexGuard<'_>) -> Result<()> {
         let moves = self.moves()?;
         moves.store(moves.load(Ordering::Relaxed) | 1, Ordering::Relaxed);
         fence(Ordering::Release);
@@ -535,19 +553,16 @@ impl Shared {
             let bucket = empty.ok_or_else(|| Error::Corrupt("the key index is full".into()))?;
             self.file(bucket, head, hash, &slot, version)?;
             match head {
-                Bucket::Live { address, .. } => {
-                    objects += 1;
-                    if self.layout.valid_chunk_address(address) {
-                        self.chunk(address, chunk::BUCKET)?
-                            .store(bucket + 1, Ordering::Relaxed);
-                    }
-                }
+                Bucket::Live { .. } => objects += 1,
                 Bucket::Claim { .. } => claims += 1,
                 Bucket::Empty => {}
             }
         }
         moves.store(moves.load(Ordering::Relaxed) + 1, Ordering::Release);
-        Ok((objects, claims))
+        for (counter, value) in [(Counter::Objects, objects), (Counter::Claims, claims)] {
+            self.counter(counter)?.store(value, Ordering::Relaxed);
+        }
+        Ok(())
     }
 }
 

@@ -1,7 +1,13 @@
-//! The store lock: one word in the segment that serializes changes to the ring's blocks, the
-//! index's buckets, CLOCK's hand and the gauges (see the protocol in [`store`](super)).
+//! The store's two locks, each one word in the segment's header: the **ring lock**
+//! (`header::LOCK`) serializes changes to the ring's blocks, CLOCK's hand, the journal and the
+//! bytes gauge; the **index lock** (`header::INDEX_LOCK`) serializes changes to the key
+//! index's buckets, its move count and the objects and claims gauges (see the protocol in
+//! [`store`](super)). A publication takes only the index lock, a refill of an allocation
+//! buffer the ring lock and, to take its window's keys out of the index, the index lock inside
+//! it for that part alone: so one writer's refill and another's publications run side by
+//! side. Order: the index lock is taken inside the ring lock, never the other way round.
 //!
-//! It is taken with one CAS and given back with one swap when nobody waits, so a single
+//! Either is taken with one CAS and given back with one swap when nobody waits, so a single
 //! writer pays two uncontended atomic operations for it. A writer that finds it taken spins
 //! (at most [`SPIN_FOR`], yielding now and then), then sleeps on the word (a futex on the
 //! shared mapping, woken by the holder), at most [`RECHECK`] at a time: after each sleep it asks whether the holder the word names
@@ -9,10 +15,11 @@
 //! it died — SIGKILL in the middle of an update included — is found dead as soon as its
 //! slot's OFD lock is gone (or its slot has a new occupant), and the waiter takes the lock
 //! over with a CAS on the exact word it saw; the guard then says so, and the new holder
-//! repairs what the dead one may have left half done before anything else (`ring::repair`).
+//! repairs what the dead one may have left half done before anything else (`ring::repair`
+//! for the ring lock, `index::repair_index` for the index lock).
 //!
 //! The holder's identity is its writer slot and epoch, not its thread: two threads of one
-//! writer exclude each other like two writers do (neither ever takes the lock twice).
+//! writer exclude each other like two writers do (neither ever takes a lock twice).
 
 use std::hint::spin_loop;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,24 +41,66 @@ const SPIN_FOR: Duration = Duration::from_micros(100);
 /// waits for it: more writers than cores).
 const SPINS_PER_YIELD: u32 = 256;
 
-/// Proof that the store lock is held; released when dropped.
-pub(super) struct LockGuard<'a> {
+/// A lock word held; released when dropped.
+struct Held<'a> {
     word: &'a AtomicU64,
+    /// The word's header offset (the futex's address).
+    offset: u64,
     shared: &'a Shared,
     /// The lock was taken over from a holder that died: the caller repairs first.
-    pub(super) taken_over: bool,
+    taken_over: bool,
+}
+
+/// Proof that the ring lock is held; released when dropped.
+pub(super) struct LockGuard<'a>(Held<'a>);
+
+/// Proof that the index lock is held; released when dropped.
+pub(super) struct IndexGuard<'a>(Held<'a>);
+
+/// Either guard: proof for what either lock serializes (a gauge is changed under the lock
+/// that guards what it counts: `Counter`'s docs say which).
+pub(super) trait Guard {}
+impl Guard for LockGuard<'_> {}
+impl Guard for IndexGuard<'_> {}
+
+impl LockGuard<'_> {
+    /// Taken over from a holder that died: the ring needs `repair` first.
+    pub(super) fn taken_over(&self) -> bool {
+        self.0.taken_over
+    }
 }
 
 impl Shared {
-    /// Take the store lock as `me` (waiting while a live writer holds it).
+    /// Take the ring lock as `me` (waiting while a live writer holds it).
     pub(super) fn lock(&self, me: WriterId) -> Result<LockGuard<'_>> {
-        // Whatever changes under the lock never fails halfway for want of memory: the key
+        self.acquire(me, header::LOCK).map(LockGuard)
+    }
+
+    /// Take the index lock as `me` (waiting while a live writer holds it), repairing the
+    /// index first if it was taken over from a holder that died. A holder of the ring lock
+    /// may take it; a holder of the index lock never takes the ring lock.
+    pub(super) fn lock_index(&self, me: WriterId) -> Result<IndexGuard<'_>> {
+        let guard = IndexGuard(self.acquire(me, header::INDEX_LOCK)?);
+        if guard.0.taken_over {
+            self.repair_index(&guard)?;
+        }
+        Ok(guard)
+    }
+
+    fn acquire(&self, me: WriterId, offset: u64) -> Result<Held<'_>> {
+        // Whatever changes under a lock never fails halfway for want of memory: the key
         // index is reserved first (one load once it is), the ring window by `allocate`.
         let index = self.layout.bucket_offset(0);
         let index_len = usize::try_from(self.layout.header_size - index)
             .map_err(|_| Error::Corrupt("key index larger than this host's memory".into()))?;
         self.seg.reserve(index, index_len)?;
-        let word = self.header(header::LOCK)?;
+        let word = self.header(offset)?;
+        let held = |taken_over| Held {
+            word,
+            offset,
+            shared: self,
+            taken_over,
+        };
         let mine = LockWord {
             holder: me,
             waiters: false,
@@ -62,7 +111,7 @@ impl Shared {
             .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
             .is_ok()
         {
-            return Ok(self.guard(word, false));
+            return Ok(held(false));
         }
         // Contended. A waiter that has slept takes the lock saying it may have company (its
         // release then wakes one sleeper): a sleeper's wake-up may have been spent on it. One
@@ -73,12 +122,12 @@ impl Shared {
         let mut spinning = Some(Instant::now());
         loop {
             let seen = word.load(Ordering::Relaxed);
-            let Some(held) = LockWord::unpack(seen) else {
+            let Some(holder) = LockWord::unpack(seen) else {
                 if word
                     .compare_exchange(seen, mine, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
                 {
-                    return Ok(self.guard(word, false));
+                    return Ok(held(false));
                 }
                 continue;
             };
@@ -95,45 +144,36 @@ impl Shared {
                 spinning = None;
             }
             let sleeping_on = seen | LockWord::WAITERS;
-            if !held.waiters
+            if !holder.waiters
                 && word
                     .compare_exchange(seen, sleeping_on, Ordering::Relaxed, Ordering::Relaxed)
                     .is_err()
             {
                 continue;
             }
-            self.seg
-                .futex_wait(header::LOCK, sleeping_on as u32, RECHECK)?;
+            self.seg.futex_wait(offset, sleeping_on as u32, RECHECK)?;
             mine |= LockWord::WAITERS;
-            if word.load(Ordering::Relaxed) == sleeping_on && !self.writer_alive(held.holder)? {
+            if word.load(Ordering::Relaxed) == sleeping_on && !self.writer_alive(holder.holder)? {
                 // The holder died holding it. Take it over from exactly that holder.
                 if word
                     .compare_exchange(sleeping_on, mine, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
                 {
-                    return Ok(self.guard(word, true));
+                    return Ok(held(true));
                 }
             }
         }
     }
-
-    fn guard<'a>(&'a self, word: &'a AtomicU64, taken_over: bool) -> LockGuard<'a> {
-        LockGuard {
-            word,
-            shared: self,
-            taken_over,
-        }
-    }
 }
 
-impl Drop for LockGuard<'_> {
+impl Drop for Held<'_> {
     fn drop(&mut self) {
         // Release: everything changed under the lock happens before the next holder's
         // Acquire CAS.
         let before = self.word.swap(0, Ordering::Release);
         if before & LockWord::WAITERS != 0 {
             // Nothing better to do if waking fails: sleepers re-check within RECHECK anyway.
-            let _ = self.shared.seg.futex_wake(header::LOCK, 1);
+            let _ = self.shared.seg.futex_wake(self.offset, 1);
         }
     }
 }

@@ -3,7 +3,7 @@
 //! Each concern has its file: `writer.rs` ([`Writer`]: creating, joining, closing and every
 //! writer operation; its private bookkeeping in `writer/state.rs`), `index.rs` (the shared key
 //! index), `ring.rs` (the shared allocator: blocks, CLOCK, eviction, repair), `lock.rs` (the
-//! store lock), `members.rs` (writer slots and liveness), `reader.rs` ([`Reader`], [`Lease`],
+//! ring lock and the index lock), `members.rs` (writer slots and liveness), `reader.rs` ([`Reader`], [`Lease`],
 //! [`View`]), `inspect.rs` (reading a segment without attaching: [`inspect`],
 //! [`list_segments`], [`status`]) and `crash.rs` (the crash points tests kill writers at).
 //! This file holds the protocol and what every side shares: [`ReaderInfo`], [`WriterInfo`]
@@ -11,26 +11,28 @@
 //!
 //! # Protocol (each Acquire names the Release it pairs with)
 //!
-//! **Who changes what.** The *store lock* (`lock.rs`) serializes every change to the ring's
-//! blocks (their sizes and kinds), CLOCK's hand, the journal, the key index's buckets and
-//! the gauges (`bytes_in_use`, `objects`, `claims`, `last_id`) — but one: a writer carves
-//! its own allocation buffer without it (B1 below). Without it also: lookups (index reads),
-//! a hit's referenced bit, each writer's own pin word in a chunk, the reader words (writers
-//! add references, readers consume them), each writer's own counters in its slot, and
-//! filling a block a writer reserved. Payload copies never happen under the lock: a put
-//! reserves its block under it (or carves it), fills the block outside it, and takes it
-//! once more to publish.
+//! **Who changes what.** The *ring lock* (`lock.rs`) serializes every change to the ring's
+//! blocks (their sizes and kinds), CLOCK's hand, the journal and `bytes_in_use` — but one: a
+//! writer carves its own allocation buffer without it (B1 below). The *index lock* serializes
+//! every change to the key index's buckets and move count and the gauges `objects`,
+//! `claims` and `evictions`; it is taken inside the ring lock (an eviction takes its chunks'
+//! keys out of the index, then kills them), never around it. Without either: lookups (index
+//! reads), ids (`last_id`, an atomic add), a hit's referenced bit, each writer's own pin word
+//! in a chunk, the reader words (writers add references, readers consume them), each
+//! writer's own counters in its slot, and filling a block a writer reserved. Payload copies
+//! never happen under a lock: a put reserves its block under the ring lock (or carves it),
+//! fills the block outside it, and takes the index lock to publish.
 //!
 //! **Buffers (B1).** A writer's allocation buffer is a block whose state word is
 //! `BlockState::buffer_word(owner)`. Its owner carves a block from its front with a CAS of
 //! that word to a plain reservation, writes the rest's header (Relaxed), then shrinks the
-//! block onto it with a **Release** store of its size; a walker under the lock loads sizes
+//! block onto it with a **Release** store of its size; a walker under the ring lock loads sizes
 //! with **Acquire** (pairs with it), so one that sees the new size sees the rest's header.
 //! A sweep takes a live writer's buffer back with a CAS of the same word to free: one of
 //! the two CASes fails, and the block's size changes only after the owner's succeeds.
 //!
 //! **Publication (P1).** A writer fills its reserved block (header fields, reader words,
-//! payload, long key, metadata) with plain or Relaxed stores, then, under the lock, stores
+//! payload, long key, metadata) with plain or Relaxed stores, then, under the index lock, stores
 //! the chunk's `id` with **Release** (P1), marks it LIVE and files it in the index. A reader
 //! loads `id` with **Acquire** (pairs with P1), so it sees the whole chunk.
 //!
@@ -68,12 +70,12 @@
 //! writer refuses a reference that would (`Error::Saturated`), and a reader whose view count
 //! is full reads a verified copy.
 //!
-//! **Reclaim (P2, P3).** Under the lock, the evictor evicts a chunk only when, after marking
+//! **Reclaim (P2, P3).** Under the ring lock, the evictor evicts a chunk only when, after marking
 //! it EVICTING (S2), no live writer's hazard names it nor (while it is keyed) pins it, and for every
 //! occupied reader slot the word is stamped for an earlier occupant or holds no view and (for
 //! a claimed, not draining, slot) no reference. It takes the chunk out of the index, stores
 //! `id = 0`, and issues a **Release fence** (P2) before any of its bytes change. A writer that
-//! later fills those bytes took the lock after the evictor released it, and issues its own
+//! later fills those bytes took the ring lock after the evictor released it, and issues its own
 //! **Release fence** (P3) before filling, so P2's guarantee carries over to its writes.
 //!
 //! **Seqlock check for unprotected reads.** A reader (or writer) without a lease or
@@ -209,7 +211,7 @@ impl Shared {
         self.header(c.offset())
     }
 
-    /// Count an event that happens outside the store lock and rarely (statistics: never
+    /// Count an event that happens outside the locks and rarely (statistics: never
     /// fails the operation it counts).
     fn bump(&self, c: Counter, by: u64) {
         if let Ok(word) = self.counter(c) {
@@ -217,10 +219,10 @@ impl Shared {
         }
     }
 
-    /// Add `delta` to counter `c`, which changes only under the store lock (so a load and a
-    /// store suffice; wrapping, as a gauge may dip below zero only if a dead holder's
-    /// update was lost, and `repair` recounts those).
-    fn adjust(&self, _lock: &lock::LockGuard<'_>, c: Counter, delta: i64) -> Result<()> {
+    /// Add `delta` to counter `c`, which changes only under the lock that guards it
+    /// ([`Counter`]'s docs; so a load and a store suffice; wrapping, as a gauge may dip below
+    /// zero only if a dead holder's update was lost, and the repairs recount those).
+    fn adjust(&self, _lock: &impl lock::Guard, c: Counter, delta: i64) -> Result<()> {
         let word = self.counter(c)?;
         let value = word.load(Ordering::Relaxed).wrapping_add(delta as u64);
         word.store(value, Ordering::Relaxed);

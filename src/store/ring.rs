@@ -1,4 +1,4 @@
-//! The ring's allocator, shared by every writer and changed under the store lock (but for a
+//! The ring's allocator, shared by every writer and changed under the ring lock (but for a
 //! writer carving its own allocation buffer: B1 in [`store`](super)): blocks, CLOCK's sweep,
 //! what may be reclaimed, eviction, and the repair after a lock holder died.
 //!
@@ -13,8 +13,9 @@
 //!
 //! **Every step leaves a valid ring.** Each change is one store that keeps the blocks tiling
 //! the ring: a window's chunks are first judged (each marked EVICTING while judged, S2 in the
-//! protocol; the window recorded in the journal), then taken out of the index, killed
-//! (`id = 0`) and marked free one by one, then merged into one free block (its first block's
+//! protocol; the window recorded in the journal), then taken out of the index (under the
+//! index lock, taken for that alone), then killed (`id = 0`) and marked free one by one,
+//! then merged into one free block (its first block's
 //! `SIZE` grows over the others), then split (the remainder's header is written before the
 //! first block shrinks to `size`), then reserved for the writer. A writer killed between any
 //! two of these leaves free blocks, a reserved block nobody lives to fill (reclaimed by the
@@ -25,7 +26,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::crash;
-use super::lock::LockGuard;
+use super::lock::{IndexGuard, LockGuard};
 use super::{Occupant, Shared};
 use crate::error::{Error, Result};
 use crate::layout::{
@@ -300,21 +301,29 @@ impl Shared {
         }
     }
 
-    /// Free the block at `address` (judged `Evict`): out of the index first, then killed
-    /// (`id = 0`), then free. The caller issues the Release fence (P2) before any byte of it
-    /// changes.
-    pub(super) fn evict(&self, lock: &LockGuard<'_>, address: u64, size: u64) -> Result<()> {
+    /// Take the chunk at `address` (judged `Evict`) out of the index, if it is keyed there.
+    pub(super) fn unindex_chunk(&self, index: &IndexGuard<'_>, address: u64) -> Result<()> {
+        let state = BlockState::unpack(self.state_word(address)?.load(Ordering::Relaxed));
+        if state.kind == BlockKind::Free || !state.keyed {
+            return Ok(());
+        }
+        let hash = self
+            .chunk(address, chunk::KEY_HASH)?
+            .load(Ordering::Relaxed);
+        let id = self.chunk(address, chunk::ID)?.load(Ordering::Relaxed);
+        if self.unindex(index, hash, address, id)? {
+            self.adjust(index, Counter::Objects, -1)?;
+            self.adjust(index, Counter::Evictions, 1)?;
+        }
+        Ok(())
+    }
+
+    /// Free the block at `address` (judged `Evict`, out of the index): killed (`id = 0`),
+    /// then free. The caller issues the Release fence (P2) before any byte of it changes.
+    fn kill(&self, lock: &LockGuard<'_>, address: u64, size: u64) -> Result<()> {
         let state = BlockState::unpack(self.state_word(address)?.load(Ordering::Relaxed));
         if state.kind == BlockKind::Free {
             return Ok(());
-        }
-        if state.keyed {
-            let bucket = self.chunk(address, chunk::BUCKET)?.load(Ordering::Relaxed);
-            let id = self.chunk(address, chunk::ID)?.load(Ordering::Relaxed);
-            if bucket > 0 && self.unindex(lock, bucket - 1, address, id)? {
-                self.adjust(lock, Counter::Objects, -1)?;
-                self.adjust(lock, Counter::Evictions, 1)?;
-            }
         }
         self.chunk(address, chunk::ID)?.store(0, Ordering::Relaxed);
         self.state_word(address)?
@@ -322,11 +331,12 @@ impl Shared {
         self.adjust(lock, Counter::BytesInUse, -(size as i64))
     }
 
-    /// Judge the chunk at `address` and, if nothing holds it, free it (journaled): whether it
-    /// was freed. The caller issues the Release fence (P2).
+    /// Judge the chunk at `address` and, if nothing holds it, free it (journaled; out of the
+    /// index under `index`): whether it was freed. The caller issues the Release fence (P2).
     pub(super) fn evict_if_unheld(
         &self,
         lock: &LockGuard<'_>,
+        index: &IndexGuard<'_>,
         address: u64,
         size: u64,
         census: &mut Census,
@@ -334,10 +344,40 @@ impl Shared {
         self.journal(address, size)?;
         let evict = self.decide(lock, address, census)? == Verdict::Evict;
         if evict {
-            self.evict(lock, address, size)?;
+            self.unindex_chunk(index, address)?;
+            self.kill(lock, address, size)?;
         }
         self.journal_done()?;
         Ok(evict)
+    }
+
+    /// Take the keyed chunks of the judged window `[start, end)` out of the index, under the
+    /// index lock taken for this alone (publications wait for this part of a refill only).
+    /// Their index buckets are loaded before the lock is taken, so the misses overlap each
+    /// other instead of lengthening the time it is held.
+    fn unindex_window(&self, me: WriterId, start: u64, end: u64) -> Result<()> {
+        let mut keyed = Vec::new();
+        let mut address = start;
+        while address < end {
+            let block = self.block(address)?;
+            if block.state.keyed && block.state.kind != BlockKind::Free {
+                let hash = self
+                    .chunk(address, chunk::KEY_HASH)?
+                    .load(Ordering::Relaxed);
+                std::hint::black_box(self.warm_bucket(hash)?);
+                keyed.push(address);
+            }
+            address += block.size;
+        }
+        if keyed.is_empty() {
+            return Ok(());
+        }
+        let index = self.lock_index(me)?;
+        for address in keyed {
+            self.unindex_chunk(&index, address)?;
+        }
+        crash::point("alloc.unindexed");
+        Ok(())
     }
 
     /// Mark every block of `[start, end)` that is EVICTING live again (a window that could
@@ -413,11 +453,12 @@ impl Shared {
             crash::point("alloc.marked");
             // From here the window's blocks change: the hand stays on a block start.
             hand.store(cursor, Ordering::Relaxed);
+            self.unindex_window(census.me, cursor, reach)?;
             let mut address = cursor;
             while address < reach {
                 let len = self.block_size(address)?;
                 let id = self.chunk(address, chunk::ID)?.load(Ordering::Relaxed);
-                self.evict(lock, address, len)?;
+                self.kill(lock, address, len)?;
                 if id != 0 {
                     census.evicted.push((address, id));
                 }
@@ -466,7 +507,7 @@ impl Shared {
 
     /// Carve `owner`'s allocation buffer at `address` (`len` bytes) into a block of its
     /// first `size` bytes, reserved by `owner`, and the rest, the buffer still: whether it
-    /// could (`false`: a sweep took the buffer back). No store lock: the owner takes the block
+    /// could (`false`: a sweep took the buffer back). No ring lock: the owner takes the block
     /// with a CAS on the buffer's word (the sweep frees it with one), and each store after it
     /// keeps the ring tiled: the rest's header first, then the block shrinks onto it with
     /// Release (a walker under the lock reads sizes with Acquire, so one that sees the new
@@ -541,20 +582,28 @@ impl Shared {
     }
 
     /// The next id (of a chunk, or of a claim's ticket): ids only grow, across `clear` too.
-    pub(super) fn next_id(&self, lock: &LockGuard<'_>) -> Result<u64> {
-        Ok(self.next_ids(lock, 1)?.start)
+    pub(super) fn next_id(&self) -> Result<u64> {
+        Ok(self.next_ids(1)?.start)
     }
 
-    /// The next `count` ids, drawn at once (a writer's allocation buffer carves with them).
-    pub(super) fn next_ids(&self, lock: &LockGuard<'_>, count: u64) -> Result<Range<u64>> {
-        self.adjust(lock, Counter::LastId, count as i64)?;
-        let last = self.counter(Counter::LastId)?.load(Ordering::Relaxed);
+    /// The next `count` ids, drawn at once (a writer's allocation buffer carves with them);
+    /// under no lock (an atomic add: each is drawn once, whichever lock its drawer holds).
+    pub(super) fn next_ids(&self, count: u64) -> Result<Range<u64>> {
+        let last = self
+            .counter(Counter::LastId)?
+            .fetch_add(count, Ordering::Relaxed)
+            + count;
         Ok(last + 1 - count..last + 1)
     }
 
     /// Evict one keyed chunk with CLOCK's sweep (second chance included), to free an index
     /// bucket: whether one could be.
-    pub(super) fn evict_one(&self, lock: &LockGuard<'_>, census: &mut Census) -> Result<bool> {
+    pub(super) fn evict_one(
+        &self,
+        lock: &LockGuard<'_>,
+        index: &IndexGuard<'_>,
+        census: &mut Census,
+    ) -> Result<bool> {
         let capacity = self.layout.capacity;
         let hand = self.header(header::HAND)?;
         let mut address = hand.load(Ordering::Relaxed);
@@ -567,7 +616,7 @@ impl Shared {
             let next = address + block.size;
             if block.state.keyed
                 && block.state.kind == BlockKind::Live
-                && self.evict_if_unheld(lock, address, block.size, census)?
+                && self.evict_if_unheld(lock, index, address, block.size, census)?
             {
                 fence(Ordering::Release); // P2
                 hand.store(if next == capacity { 0 } else { next }, Ordering::Relaxed);
@@ -579,9 +628,10 @@ impl Shared {
         Ok(false)
     }
 
-    /// After taking the lock over from a holder that died: finish or undo what its journal
-    /// names, check that the blocks still tile the ring and the hand stands on one, mark any
-    /// chunk left EVICTING live again, fix half-changed index buckets, and recount the gauges.
+    /// After taking the ring lock over from a holder that died: finish or undo what its
+    /// journal names, check that the blocks still tile the ring and the hand stands on one,
+    /// mark any chunk left EVICTING live again, and recount the bytes in use. (The index is
+    /// repaired by whoever takes the index lock over, if the holder died holding that too.)
     pub(super) fn repair(&self, lock: &LockGuard<'_>) -> Result<()> {
         let journal = self.header(header::JOURNAL)?.load(Ordering::Acquire);
         if journal != 0 {
@@ -620,14 +670,8 @@ impl Shared {
         if !hand_ok {
             hand.store(0, Ordering::Relaxed);
         }
-        let (objects, claims) = self.repair_index(lock)?;
-        for (counter, value) in [
-            (Counter::BytesInUse, in_use),
-            (Counter::Objects, objects),
-            (Counter::Claims, claims),
-        ] {
-            self.counter(counter)?.store(value, Ordering::Relaxed);
-        }
+        self.counter(Counter::BytesInUse)?
+            .store(in_use, Ordering::Relaxed);
         Ok(())
     }
 }

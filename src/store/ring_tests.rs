@@ -22,7 +22,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The blocks, walked from address 0 under the store lock.
+/// The blocks, walked from address 0 under the ring lock.
 fn blocks(w: &Writer) -> Vec<ring::Block> {
     let guard = w.shared.lock(w.me).unwrap();
     w.shared.blocks(&guard).unwrap()

@@ -5,16 +5,17 @@
 //! `writer/state.rs`.
 //!
 //! A `Writer` may be used from many threads at once: everything shared lives in the segment
-//! (lock-free, or under the store lock), and its private bookkeeping is behind a mutex held
+//! (lock-free, or under the ring or the index lock), and its private bookkeeping is behind a mutex held
 //! for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
-//! Lock order: the store lock before the private mutex, never the other way round.
+//! Lock order: the ring lock, then the index lock, then the private mutex; never the other
+//! way round.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::index::{Entry, Query};
-use super::lock::LockGuard;
+use super::lock::{IndexGuard, LockGuard};
 use super::{ReaderInfo, Shared, WriterInfo, crash, shared_over, update_word};
 use crate::error::{Error, Result};
 use crate::handle::{Handle, Signer};
@@ -49,7 +50,7 @@ pub struct Writer {
     pub(super) closing: AtomicBool,
     private: Mutex<Private>,
     /// The allocation buffer small puts carve from (`writer/lab.rs`). Its mutex may be
-    /// taken while holding the store lock, never the store lock while holding it.
+    /// taken while holding the ring lock, never the ring lock while holding it.
     lab: Mutex<Option<lab::Lab>>,
     /// Small puts still to reserve on their own after a refill found no room (`lab.rs`).
     lab_back_off: AtomicU32,
@@ -284,13 +285,18 @@ impl Writer {
         self.private.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The store lock; repairs what a holder that died left half done, if it was taken over.
+    /// The ring lock; repairs what a holder that died left half done, if it was taken over.
     fn lock(&self) -> Result<LockGuard<'_>> {
         let guard = self.shared.lock(self.me)?;
-        if guard.taken_over {
+        if guard.taken_over() {
             self.shared.repair(&guard)?;
         }
         Ok(guard)
+    }
+
+    /// The index lock (repaired likewise); taken inside the ring lock, never around it.
+    fn lock_index(&self) -> Result<IndexGuard<'_>> {
+        self.shared.lock_index(self.me)
     }
 
     #[inline(always)] // (see `is_cached`)
@@ -341,7 +347,7 @@ impl Writer {
     }
 
     /// [`Writer::protect`], and if that fails because the chunk is mid-eviction, settle it
-    /// and try once more: the store lock is taken (and given back), which waits for the
+    /// and try once more: the ring lock is taken (and given back), which waits for the
     /// writer deciding about it, or takes over from one that died and repairs what it left,
     /// so a chunk that was only being judged is live again. `None`: gone.
     fn protect_settled(&self, entry: &Entry) -> Result<Option<Protected<'_>>> {
@@ -573,7 +579,7 @@ impl Writer {
         if !self.shared.layout.valid_chunk_address(handle.address) {
             return Ok(());
         }
-        // The private mutex is never held while waiting for the store lock (`clear` takes
+        // The private mutex is never held while waiting for a lock (`clear` takes
         // them the other way round).
         let reader_set = match self.private().release(handle) {
             Release::Credit(set) if !set.members.is_empty() => set,
@@ -717,7 +723,7 @@ impl Writer {
             };
             self.return_lab(&lock, &mut self.lab())?;
             if !self.holds_anything(&lock)? {
-                self.drop_claims(&lock)?;
+                self.drop_claims(&self.lock_index()?)?;
                 break;
             }
             drop(lock);

@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use super::*;
-use crate::layout::{BlockKind, BlockState};
+use crate::layout::{BlockKind, BlockState, Counter};
 
 #[test]
 fn a_dead_writers_reservation_pins_and_hazards_are_void() {
@@ -102,9 +102,11 @@ fn a_lock_holder_that_died_mid_eviction_is_taken_over_and_repaired() {
         .collect();
     let victim = hs[1].address;
     {
-        // b takes the lock, journals a window, marks a chunk EVICTING, kills another, and
-        // dies: the state a SIGKILL between two steps of `allocate` leaves.
+        // b takes both locks, journals a window, marks a chunk EVICTING, takes another out
+        // of the index and kills it, and dies: the state a SIGKILL between two steps of
+        // `allocate` leaves.
         let guard = b.shared.lock(b.me).unwrap();
+        let index = b.shared.lock_index(b.me).unwrap();
         let sh = &b.shared;
         let size = sh.block_size(victim).unwrap();
         sh.header(header::JOURNAL_LEN)
@@ -120,12 +122,12 @@ fn a_lock_holder_that_died_mid_eviction_is_taken_over_and_repaired() {
         };
         state.store(evicting.pack(), Ordering::Relaxed);
         let killed = hs[2].address;
-        let bucket = sh
-            .chunk(killed, chunk::BUCKET)
+        let hash = sh
+            .chunk(killed, chunk::KEY_HASH)
             .unwrap()
             .load(Ordering::Relaxed);
         assert!(
-            sh.unindex(&guard, bucket - 1, killed, hs[2].monotonic_id)
+            sh.unindex(&index, hash, killed, hs[2].monotonic_id)
                 .unwrap()
         );
         sh.chunk(killed, chunk::ID)
@@ -142,13 +144,14 @@ fn a_lock_holder_that_died_mid_eviction_is_taken_over_and_repaired() {
         sh.chunk(killed, chunk::STATE)
             .unwrap()
             .store(marked.pack(), Ordering::Relaxed);
-        sh.counter(crate::layout::Counter::BytesInUse)
-            .unwrap()
-            .store(12345, Ordering::Relaxed);
+        for counter in [Counter::BytesInUse, Counter::Objects] {
+            sh.counter(counter).unwrap().store(12345, Ordering::Relaxed);
+        }
+        std::mem::forget(index);
         std::mem::forget(guard);
     }
     pretend_writer_dead(b);
-    a.put("after", &[b"v"]).expect("the lock was taken over");
+    a.put("after", &[b"v"]).expect("both locks were taken over");
     let sh = &a.shared;
     let guard = sh.lock(a.me).unwrap();
     let blocks = sh.blocks(&guard).unwrap();

@@ -89,7 +89,7 @@ fn writers_and_threads_race_on_the_same_keys_and_readers_only_see_their_bytes() 
 }
 
 /// The same race in a ring large enough for allocation buffers (43 KiB each: every object
-/// is carved without the store lock) and keys enough to wrap it: carves race other writers'
+/// is carved without the ring lock) and keys enough to wrap it: carves race other writers'
 /// sweeps, which take idle buffers back.
 #[test]
 fn writers_carving_their_buffers_race_each_others_sweeps() {

@@ -2,7 +2,7 @@
 //! that want it wait for its put instead of computing it too.
 //!
 //! A claim is an index bucket in state "claimed by writer `(slot, epoch)`" (`layout::Bucket`),
-//! filed under the store lock with a unique ticket as its version. It ends at anyone's put of
+//! filed under the index lock with a unique ticket as its version. It ends at anyone's put of
 //! the key (the entry replaces it in place), at its writer's `unclaim` or `close`, or at its
 //! writer's death: a claim whose writer's lock is gone, or whose slot's epoch moved on, is
 //! void at once for everyone (`Shared::writer_alive`), and is taken over by the next claim of
@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use super::super::crash;
 use super::super::index::{Found, Seen};
-use super::super::lock::LockGuard;
+use super::super::lock::IndexGuard;
 use super::super::ring::Census;
 use super::Writer;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layout::{Bucket, Counter, WriterId};
 
 /// The first pause of `wait_for` between looks; it doubles up to [`MAX_PAUSE`].
@@ -39,15 +39,12 @@ impl Writer {
             Seen::Claimed(owner) if self.shared.writer_alive(owner)? => return Ok(false),
             _ => {}
         }
-        let lock = self.lock()?;
         let mut census = Census::new(&self.shared, self.me)?;
-        let mut found = self.shared.find(&lock, &query)?;
-        if matches!(found, Found::Vacant { .. }) {
-            if !self.make_index_room(&lock)? {
-                return Ok(true);
-            }
-            found = self.shared.find(&lock, &query)?;
-        }
+        let (_ring, index, found) = match self.find_with_room(&query) {
+            Ok(found) => found,
+            Err(Error::IndexFull(_)) => return Ok(true),
+            Err(e) => return Err(e),
+        };
         let bucket = match found {
             Found::Stored(_) => return Ok(false),
             Found::Claimed { owner, .. } if owner == self.me => return Ok(true),
@@ -58,13 +55,13 @@ impl Writer {
                 bucket // a dead writer's: ours now (the claim count stays)
             }
             Found::Vacant { bucket } => {
-                self.shared.adjust(&lock, Counter::Claims, 1)?;
+                self.shared.adjust(&index, Counter::Claims, 1)?;
                 bucket
             }
         };
-        let ticket = self.shared.next_id(&lock)?;
+        let ticket = self.shared.next_id()?;
         self.shared
-            .file_claim(&lock, bucket, &query, self.me, ticket)?;
+            .file_claim(&index, bucket, &query, self.me, ticket)?;
         crash::point("claim.recorded");
         Ok(true)
     }
@@ -76,11 +73,11 @@ impl Writer {
         if !matches!(self.shared.seek(&query)?, Seen::Claimed(owner) if owner == self.me) {
             return Ok(());
         }
-        let lock = self.lock()?;
-        if let Found::Claimed { bucket, owner } = self.shared.find(&lock, &query)? {
+        let index = self.lock_index()?;
+        if let Found::Claimed { bucket, owner } = self.shared.find(&index, &query)? {
             if owner == self.me {
-                self.shared.remove_bucket(&lock, bucket)?;
-                self.shared.adjust(&lock, Counter::Claims, -1)?;
+                self.shared.remove_bucket(&index, bucket)?;
+                self.shared.adjust(&index, Counter::Claims, -1)?;
             }
         }
         Ok(())
@@ -128,28 +125,28 @@ impl Writer {
         }
     }
 
-    /// Drop every claim whose writer is gone (the store lock's holder, when the index needs
+    /// Drop every claim whose writer is gone (the index lock's holder, when the index needs
     /// room).
-    pub(super) fn reap_claims(&self, lock: &LockGuard<'_>, census: &mut Census) -> Result<()> {
+    pub(super) fn reap_claims(&self, lock: &IndexGuard<'_>, census: &mut Census) -> Result<()> {
         self.drop_claims_where(lock, |owner| Ok(!census.writer_alive(&self.shared, owner)?))
     }
 
-    /// Drop every claim whose writer is gone (taking the store lock).
+    /// Drop every claim whose writer is gone (taking the index lock).
     pub(super) fn reap_dead_claims(&self) -> Result<()> {
-        let lock = self.lock()?;
+        let lock = self.lock_index()?;
         let mut census = Census::new(&self.shared, self.me)?;
         self.reap_claims(&lock, &mut census)
     }
 
     /// Drop this writer's own claims (it is leaving).
-    pub(super) fn drop_claims(&self, lock: &LockGuard<'_>) -> Result<()> {
+    pub(super) fn drop_claims(&self, lock: &IndexGuard<'_>) -> Result<()> {
         let me = self.me;
         self.drop_claims_where(lock, |owner| Ok(owner == me))
     }
 
     fn drop_claims_where(
         &self,
-        lock: &LockGuard<'_>,
+        lock: &IndexGuard<'_>,
         mut void: impl FnMut(WriterId) -> Result<bool>,
     ) -> Result<()> {
         // A removal moves later entries back into the gap, so the bucket just emptied is

@@ -1,6 +1,6 @@
-//! This writer's allocation buffer: a block reserved under the store lock for several small
+//! This writer's allocation buffer: a block reserved under the ring lock for several small
 //! objects at once, which later puts carve their blocks from without taking the lock. A put
-//! then takes the store lock once (to publish) instead of twice, and reserving for many
+//! then takes one lock (the index lock, to publish) instead of two, and reserving for many
 //! objects evicts their room in one go — what lets several writers put at once.
 //!
 //! The buffer is a reservation of this writer marked as a buffer (`BlockState::buffer_word`):
@@ -72,7 +72,7 @@ impl Writer {
     }
 
     /// Carve a block of `size` bytes out of the buffer (its reservation evicted nothing), or
-    /// `None` if the buffer lacks the room (or an id) for it. Takes no store lock.
+    /// `None` if the buffer lacks the room (or an id) for it. Takes no lock.
     pub(super) fn carve(&self, lab: &mut Option<Lab>, size: u64) -> Result<Option<Reservation>> {
         let Some(buffer) = lab.as_mut() else {
             return Ok(None);
@@ -114,12 +114,12 @@ impl Writer {
         *lab = Some(Lab {
             rest: address,
             end: address + len,
-            ids: self.shared.next_ids(lock, most_blocks)?,
+            ids: self.shared.next_ids(most_blocks)?,
         });
         Ok(())
     }
 
-    /// Give what is left of the buffer back to the ring (under the store lock).
+    /// Give what is left of the buffer back to the ring (under the ring lock).
     pub(super) fn return_lab(&self, lock: &LockGuard<'_>, lab: &mut Option<Lab>) -> Result<()> {
         if let Some(buffer) = lab.take() {
             // Unless a sweep took it back already.

@@ -1,5 +1,5 @@
 //! What any writer does to the whole store: invalidating a key, clearing everything, and the
-//! statistics (all under the store lock).
+//! statistics (under the ring lock and the index lock; `invalidate` under the index lock).
 
 use std::sync::atomic::{Ordering, fence};
 
@@ -21,10 +21,10 @@ impl Writer {
         if self.shared.lookup(&query)?.is_none() {
             return Ok(());
         }
-        let lock = self.lock()?;
-        if let Found::Stored(entry) = self.shared.find(&lock, &query)? {
-            self.shared.remove_bucket(&lock, entry.bucket)?;
-            self.shared.adjust(&lock, Counter::Objects, -1)?;
+        let index = self.lock_index()?;
+        if let Found::Stored(entry) = self.shared.find(&index, &query)? {
+            self.shared.remove_bucket(&index, entry.bucket)?;
+            self.shared.adjust(&index, Counter::Objects, -1)?;
             let unkeyed = !(BlockState::REFERENCED_BIT | BlockState::KEYED_BIT);
             self.shared
                 .chunk(entry.address, chunk::STATE)?
@@ -41,6 +41,7 @@ impl Writer {
     pub fn clear(&self) -> Result<()> {
         self.check_open()?;
         let lock = self.lock()?;
+        let index = self.lock_index()?;
         self.return_lab(&lock, &mut self.lab())?;
         let sh = &self.shared;
         let mut census = Census::new(sh, self.me)?;
@@ -53,9 +54,9 @@ impl Writer {
             let address = block.address;
             let id = sh.chunk(address, chunk::ID)?.load(Ordering::Relaxed);
             if block.state.keyed {
-                let bucket = sh.chunk(address, chunk::BUCKET)?.load(Ordering::Relaxed);
-                if bucket > 0 && sh.unindex(&lock, bucket - 1, address, id)? {
-                    sh.adjust(&lock, Counter::Objects, -1)?;
+                let hash = sh.chunk(address, chunk::KEY_HASH)?.load(Ordering::Relaxed);
+                if sh.unindex(&index, hash, address, id)? {
+                    sh.adjust(&index, Counter::Objects, -1)?;
                 }
             }
             let unkeyed = BlockState {
@@ -76,7 +77,7 @@ impl Writer {
                 });
             }
             forgotten.push((address, id));
-            if sh.evict_if_unheld(&lock, address, block.size, &mut census)? {
+            if sh.evict_if_unheld(&lock, &index, address, block.size, &mut census)? {
                 cleared += 1;
                 if cleared == 1 {
                     crash::point("clear.partway");
@@ -86,8 +87,9 @@ impl Writer {
         // P2 for every chunk freed above.
         fence(Ordering::Release);
         sh.adjust(&lock, Counter::Clears, 1)?;
+        drop(index);
         drop(lock);
-        // After the store lock: the private mutex is never taken while holding it.
+        // After the store's locks: the private mutex is never taken while holding them.
         let mut private = self.private();
         for (address, id) in forgotten {
             private.forget(address, id);
@@ -101,10 +103,11 @@ impl Writer {
         self.check_open()?;
         let sh = &self.shared;
         let lock = self.lock()?;
+        let index = self.lock_index()?;
         let occupants = sh.occupants()?;
         let (mut chunks, mut reserved, mut pinned, mut outstanding, mut views) = (0, 0, 0, 0, 0);
         let mut census = Census::new(sh, self.me)?;
-        self.reap_claims(&lock, &mut census)?;
+        self.reap_claims(&index, &mut census)?;
         for block in sh.blocks(&lock)? {
             let address = block.address;
             match block.state.kind {

@@ -1,6 +1,6 @@
-//! Storing an object, in three steps: reserve a block under the store lock (or carve it from
+//! Storing an object, in three steps: reserve a block under the ring lock (or carve it from
 //! the writer's allocation buffer, `lab.rs`), fill it outside the lock (the payload copy,
-//! however large, holds no lock), and publish it under the lock (P1: its id with Release,
+//! however large, holds no lock), and publish it under the index lock (P1: its id with Release,
 //! then LIVE, then its index entry). A writer killed anywhere leaves at worst a reserved
 //! block nobody lives to fill, which the next sweep reclaims, or a published chunk that no
 //! key names, which it evicts: nothing half-written is ever readable.
@@ -8,7 +8,7 @@
 use std::sync::atomic::{Ordering, fence};
 
 use super::super::index::{Found, Query};
-use super::super::lock::LockGuard;
+use super::super::lock::{IndexGuard, LockGuard};
 use super::super::ring::Census;
 use super::super::{crash, mac_words};
 use super::Writer;
@@ -71,7 +71,8 @@ impl Writer {
             )));
         }
         let query = self.query(key);
-        if self.shared.lookup(&query)?.is_some() {
+        // Early, before any copy; `publish` checks again under the index lock.
+        if self.shared.seen_stored(&query)? {
             return Err(Error::DuplicateKey(key.to_owned()));
         }
         let long_key = if query.is_long() { key.len() as u64 } else { 0 };
@@ -153,7 +154,7 @@ impl Writer {
     }
 
     /// Reserve a block of `size` bytes and draw its id: carved from this writer's allocation
-    /// buffer without the store lock when it has room (`writer/lab.rs`), else under the lock
+    /// buffer without the ring lock when it has room (`writer/lab.rs`), else under the lock
     /// (held only for this), refilling the buffer for a small object.
     pub(in crate::store) fn reserve(&self, size: u64) -> Result<Reservation> {
         // Outside the lock: the first reservation starts a thread.
@@ -178,7 +179,7 @@ impl Writer {
             return Err(Error::Closed);
         }
         if let Some(len) = lab_size {
-            // The buffer's mutex after the store lock (never the other way round).
+            // The buffer's mutex after the ring lock (never the other way round).
             let mut lab = self.lab();
             if let Some(carved) = self.carve(&mut lab, size)? {
                 return Ok(carved); // another thread refilled it meanwhile
@@ -211,7 +212,7 @@ impl Writer {
             })?;
         Ok(Reservation {
             address,
-            id: self.shared.next_id(&lock)?,
+            id: self.shared.next_id()?,
             evicted: census.evicted,
         })
     }
@@ -239,7 +240,7 @@ impl Writer {
             .store(shape.payload_len, Ordering::Relaxed);
         sh.chunk(address, chunk::EXTRA)?
             .store(((meta.len() as u64) << 32) | long_key, Ordering::Relaxed);
-        sh.chunk(address, chunk::BUCKET)?
+        sh.chunk(address, chunk::KEY_HASH)?
             .store(0, Ordering::Relaxed);
         for s in 0..sh.layout.n_readers {
             sh.word(address, s)?.store(0, Ordering::Relaxed);
@@ -277,26 +278,19 @@ impl Writer {
         Ok(())
     }
 
-    /// Publish the filled block at `address` as `query`'s key (P1), under the store lock:
+    /// Publish the filled block at `address` as `query`'s key (P1), under the index lock:
     /// `DuplicateKey` if another writer stored the key meanwhile, `Full` if the index has no
     /// room and nothing can be evicted for it.
     fn publish(&self, query: &Query<'_>, address: u64, id: u64) -> Result<()> {
-        let lock = self.lock()?;
-        let mut found = self.shared.find(&lock, query)?;
-        if matches!(found, Found::Vacant { .. }) {
-            if !self.make_index_room(&lock)? {
-                return Err(self.index_full());
-            }
-            found = self.shared.find(&lock, query)?;
-        }
+        let (_ring, index, found) = self.find_with_room(query)?;
         let (bucket, claimed) = match found {
             Found::Stored(_) => return Err(Error::DuplicateKey(query.key.to_owned())),
             Found::Claimed { bucket, .. } => (bucket, true),
             Found::Vacant { bucket } => (bucket, false),
         };
         let sh = &self.shared;
-        sh.chunk(address, chunk::BUCKET)?
-            .store(bucket + 1, Ordering::Relaxed);
+        sh.chunk(address, chunk::KEY_HASH)?
+            .store(query.hash(), Ordering::Relaxed);
         // P1: the chunk is readable from here on.
         sh.chunk(address, chunk::ID)?.store(id, Ordering::Release);
         crash::point("publish.id");
@@ -308,37 +302,68 @@ impl Writer {
         sh.chunk(address, chunk::STATE)?
             .store(live.pack(), Ordering::Release);
         crash::point("publish.live");
-        sh.file_entry(&lock, bucket, query, address, id)?;
+        sh.file_entry(&index, bucket, query, address, id)?;
         if claimed {
-            sh.adjust(&lock, Counter::Claims, -1)?;
+            sh.adjust(&index, Counter::Claims, -1)?;
         }
-        sh.adjust(&lock, Counter::Objects, 1)
+        sh.adjust(&index, Counter::Objects, 1)
     }
 
-    /// Make room in the index for one more entry or claim (the store lock's holder): first
-    /// by dropping claims of writers that are gone, then by evicting with CLOCK. Whether
-    /// there is room.
-    pub(super) fn make_index_room(&self, lock: &LockGuard<'_>) -> Result<bool> {
+    /// Where `query`'s key is (or would be filed), under the index lock, with room made for
+    /// one more entry if it is not there: `IndexFull` if none can be made. Making room evicts,
+    /// which takes the ring lock, and that is never taken inside the index lock: so when the
+    /// index is full the index lock is given back, the ring lock taken, then the index lock
+    /// again (both returned, held to the end of the caller's change).
+    pub(super) fn find_with_room(
+        &self,
+        query: &Query<'_>,
+    ) -> Result<(Option<LockGuard<'_>>, IndexGuard<'_>, Found)> {
+        let index = self.lock_index()?;
+        let found = self.shared.find(&index, query)?;
+        if !matches!(found, Found::Vacant { .. }) || self.index_has_room(&index)? {
+            return Ok((None, index, found));
+        }
+        drop(index);
+        let ring = self.lock()?;
+        let index = self.lock_index()?;
+        if !self.make_index_room(&ring, &index)? {
+            return Err(self.index_full());
+        }
+        let found = self.shared.find(&index, query)?;
+        Ok((Some(ring), index, found))
+    }
+
+    /// Whether the index may file one more entry or claim without going past `max_objects`.
+    fn index_has_room(&self, _index: &IndexGuard<'_>) -> Result<bool> {
         let sh = &self.shared;
-        let full = || -> Result<bool> {
-            let used = sh.counter(Counter::Objects)?.load(Ordering::Relaxed)
-                + sh.counter(Counter::Claims)?.load(Ordering::Relaxed);
-            Ok(used >= sh.layout.max_objects)
-        };
-        if !full()? {
+        let used = sh.counter(Counter::Objects)?.load(Ordering::Relaxed)
+            + sh.counter(Counter::Claims)?.load(Ordering::Relaxed);
+        Ok(used < sh.layout.max_objects)
+    }
+
+    /// Make room in the index for one more entry or claim (holding both locks): first by
+    /// dropping claims of writers that are gone, then by evicting with CLOCK. Whether there
+    /// is room.
+    pub(super) fn make_index_room(
+        &self,
+        lock: &LockGuard<'_>,
+        index: &IndexGuard<'_>,
+    ) -> Result<bool> {
+        if self.index_has_room(index)? {
             return Ok(true);
         }
+        let sh = &self.shared;
         let mut census = Census::new(sh, self.me)?;
-        self.reap_claims(lock, &mut census)?;
+        self.reap_claims(index, &mut census)?;
         for _ in 0..4 {
-            if !full()? {
+            if self.index_has_room(index)? {
                 return Ok(true);
             }
-            if !sh.evict_one(lock, &mut census)? {
+            if !sh.evict_one(lock, index, &mut census)? {
                 break;
             }
         }
-        Ok(!full()?)
+        self.index_has_room(index)
     }
 
     fn index_full(&self) -> Error {
