@@ -4,7 +4,8 @@
 //! `inspect`, orphans), `model` (a proptest state machine against a model). Several writers:
 //! `members` (sharing, joining, leaving, metadata), `claims` (single flight, a full index),
 //! `crash` (writers that die: their stamps void, a lock they held taken over and repaired),
-//! `writers_model` (three writers against a model), `buffers` (allocation buffers). `race`:
+//! `writers_model` (three writers against a model), `buffers` (allocation buffers), `two_locks`
+//! (the index and the ring agree after races and deaths). `race`:
 //! threads racing (readers against an evicting writer; several writers' threads on the same
 //! keys, in a small ring and in one where every object is carved from a buffer).
 
@@ -24,6 +25,7 @@ mod protection;
 mod race;
 mod readers;
 mod segments;
+mod two_locks;
 mod writers_model;
 
 fn writer(capacity: u64, n_readers: u32) -> Writer {
