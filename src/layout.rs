@@ -180,6 +180,15 @@ impl Counter {
     /// How many counters there are.
     pub const COUNT: usize = Counter::ALL.len();
 
+    /// Whether the index lock guards this counter (the index's gauges); the others that
+    /// change under a lock change under the ring lock.
+    pub const fn under_index_lock(self) -> bool {
+        matches!(
+            self,
+            Counter::Objects | Counter::Claims | Counter::Evictions
+        )
+    }
+
     /// The header word of the counter (for a per-writer counter: what writers that left
     /// counted).
     pub const fn offset(self) -> u64 {

@@ -1,5 +1,5 @@
 """A writer SIGKILLed at every crash point of the core (``_core.CRASH_POINTS``): in the
-middle of allocating while it holds the store lock, between reserving and filling a block,
+middle of allocating while it holds the ring lock (and the index lock), between reserving and filling a block,
 in the middle of a copy, while publishing, right after a hit took its protection, right
 after filing a claim, part-way through a clear. For each, with real processes:
 

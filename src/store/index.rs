@@ -357,8 +357,8 @@ impl Shared {
         self.file(bucket, head, query.hash, query.slot_bytes(), ticket)
     }
 
-    /// Copy the entry in bucket `from` into bucket `to` (the gap of a removal), telling its
-    /// chunk where it is filed now.
+    /// Copy the entry in bucket `from` into bucket `to` (the gap of a removal). Its chunk is
+    /// not told: an evictor finds the entry by probing from the key hash the chunk keeps.
     fn move_entry(&self, from: u64, to: u64) -> Result<()> {
         let head = Bucket::unpack(self.bucket_head(from)?.load(Ordering::Relaxed));
         let version = self.bucket_version(from)?.load(Ordering::Relaxed);

@@ -58,10 +58,17 @@ pub(super) struct LockGuard<'a>(Held<'a>);
 pub(super) struct IndexGuard<'a>(Held<'a>);
 
 /// Either guard: proof for what either lock serializes (a gauge is changed under the lock
-/// that guards what it counts: `Counter`'s docs say which).
-pub(super) trait Guard {}
-impl Guard for LockGuard<'_> {}
-impl Guard for IndexGuard<'_> {}
+/// that guards what it counts: `Counter::under_index_lock`).
+pub(super) trait Guard {
+    /// Whether this is the index lock's guard.
+    const INDEX: bool;
+}
+impl Guard for LockGuard<'_> {
+    const INDEX: bool = false;
+}
+impl Guard for IndexGuard<'_> {
+    const INDEX: bool = true;
+}
 
 impl LockGuard<'_> {
     /// Taken over from a holder that died: the ring needs `repair` first.

@@ -222,7 +222,8 @@ impl Shared {
     /// Add `delta` to counter `c`, which changes only under the lock that guards it
     /// ([`Counter`]'s docs; so a load and a store suffice; wrapping, as a gauge may dip below
     /// zero only if a dead holder's update was lost, and the repairs recount those).
-    fn adjust(&self, _lock: &impl lock::Guard, c: Counter, delta: i64) -> Result<()> {
+    fn adjust<G: lock::Guard>(&self, _lock: &G, c: Counter, delta: i64) -> Result<()> {
+        debug_assert_eq!(G::INDEX, c.under_index_lock(), "{c:?} under the wrong lock");
         let word = self.counter(c)?;
         let value = word.load(Ordering::Relaxed).wrapping_add(delta as u64);
         word.store(value, Ordering::Relaxed);

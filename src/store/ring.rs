@@ -20,7 +20,7 @@
 //! first block shrinks to `size`), then reserved for the writer. A writer killed between any
 //! two of these leaves free blocks, a reserved block nobody lives to fill (reclaimed by the
 //! next sweep that meets it), or chunks marked EVICTING that the journal names: whoever takes
-//! the lock over repairs those first ([`Shared::repair`]) and recounts the gauges.
+//! the ring lock over repairs those first ([`Shared::repair`]) and recounts `bytes_in_use`.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering, fence};

@@ -7,8 +7,8 @@
 //! A `Writer` may be used from many threads at once: everything shared lives in the segment
 //! (lock-free, or under the ring or the index lock), and its private bookkeeping is behind a mutex held
 //! for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
-//! Lock order: the ring lock, then the index lock, then the private mutex; never the other
-//! way round.
+//! Lock order: the ring lock, the allocation buffer's mutex, the index lock, the private
+//! mutex; never the other way round.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};

@@ -11,7 +11,7 @@ arrays).  Every process but a position's last dies:
 
 * ``crash:<point>``: armed with a crash point of the core (``_core.CRASH_POINTS``:
   ``MMCACHE_CRASH_POINT`` and a random ``MMCACHE_CRASH_AFTER``), it SIGKILLs itself there
-  (holding the store lock mid-eviction, mid-copy, mid-publish, during a hit, right after
+  (holding the store's locks mid-eviction, mid-copy, mid-publish, during a hit, right after
   filing a claim, part-way through a clear);
 * ``kill_external``: the coordinator SIGKILLs it at a random moment after it joined (often a
   claim holder: the writers hold claims across pauses, and the others ``wait_for`` them).

@@ -1,4 +1,4 @@
-//! Review of the two store locks: after writers' threads race (puts through buffers and on
+//! The two store locks together: after writers' threads race (puts through buffers and on
 //! their own, a small index that fills, invalidations, claims, hits), the index and the ring
 //! agree: every entry names a LIVE keyed chunk with its id and key hash, every LIVE keyed
 //! chunk is named by one entry, and the gauges count what is there.

@@ -41,8 +41,8 @@ impl Writer {
     pub fn clear(&self) -> Result<()> {
         self.check_open()?;
         let lock = self.lock()?;
-        let index = self.lock_index()?;
         self.return_lab(&lock, &mut self.lab())?;
+        let index = self.lock_index()?;
         let sh = &self.shared;
         let mut census = Census::new(sh, self.me)?;
         let mut cleared = 0;
