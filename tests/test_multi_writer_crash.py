@@ -1,7 +1,8 @@
 """A writer SIGKILLed at every crash point of the core (``_core.CRASH_POINTS``): in the
-middle of allocating while it holds the ring lock (and the index lock), between reserving and filling a block,
-in the middle of a copy, while publishing, right after a hit took its protection, right
-after filing a claim, part-way through a clear. For each, with real processes:
+middle of allocating while it holds the ring lock (and the index lock), between reserving
+and filling a block, in the middle of a copy, while publishing, right after a hit took its
+protection, right after filing a claim, part-way through a clear. For each, with real
+processes:
 
 - the other writer and the reader carry on: puts, hits and reads of every other object, bit
   for bit (a lock the victim held is taken over and what it left half done repaired);
