@@ -551,12 +551,27 @@ mod tests {
         );
         assert!(watcher.lock_held(slot).unwrap());
         drop(a); // closing the descriptor releases its locks
-        assert!(!watcher.lock_held(slot).unwrap());
+        assert!(released(|| watcher.lock_held(slot).unwrap()));
         assert!(b.try_lock(slot).unwrap());
         assert!(b.lock_held(slot).unwrap());
         b.unlock(slot).unwrap();
         assert!(!watcher.lock_held(slot).unwrap());
         drop(seg);
-        assert!(!watcher.lock_held(CREATOR).unwrap());
+        assert!(released(|| watcher.lock_held(CREATOR).unwrap()));
+    }
+
+    /// Whether `held()` turns false within a few seconds. Closing a descriptor releases its
+    /// locks once no process shares its open file description, and a child another test is
+    /// spawning right now (`Command::spawn`) shares every descriptor until it execs, which
+    /// closes ours (`O_CLOEXEC`): so the release is waited for, briefly, not assumed at once.
+    fn released(held: impl Fn() -> bool) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while held() {
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        true
     }
 }

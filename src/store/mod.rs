@@ -31,6 +31,16 @@
 //! A sweep takes a live writer's buffer back with a CAS of the same word to free: one of
 //! the two CASes fails, and the block's size changes only after the owner's succeeds.
 //!
+//! **Publication and the ring (B2).** A publication holds only the index lock, so a block a
+//! ring-lock holder walks past may go from a writer's buffer to a carved reservation to
+//! live while it looks: carved (its size shrunk with Release), filled, then published with
+//! a **Release** store of its state. A walker loads the state with **Acquire** before the
+//! size (pairs with it), so a block it sees live or evicting has its final size; the
+//! allocator's sweep reads a block's size after its verdict. (A size read first could be
+//! the whole buffer's, and judging the now-live chunk evictable with it would have the sweep
+//! step over, and then free, the blocks carved after it: found by a test racing puts
+//! against a full index, `store/tests/two_locks.rs`.)
+//!
 //! **Publication (P1).** A writer fills its reserved block (header fields, reader words,
 //! payload, long key, metadata) with plain or Relaxed stores, then, under the index lock, stores
 //! the chunk's `id` with **Release** (P1), marks it LIVE and files it in the index. A reader

@@ -142,9 +142,11 @@ impl Shared {
         Ok(size)
     }
 
+    /// The block at `address` as it is now. Its state is read before its size (B2): a block
+    /// seen live or evicting has its final size.
     pub(super) fn block(&self, address: u64) -> Result<Block> {
-        let size = self.block_size(address)?;
         let raw = self.state_word(address)?.load(Ordering::Acquire);
+        let size = self.block_size(address)?;
         Ok(Block {
             address,
             size,
@@ -153,8 +155,9 @@ impl Shared {
         })
     }
 
-    /// Every block from address 0 (under the lock: only a carve splits a writer's buffer
-    /// meanwhile, and a walk sees the buffer whole or split, B1).
+    /// Every block from address 0 (under the ring lock: only a carve splits a writer's buffer
+    /// meanwhile, and a walk sees the buffer whole or split, B1; a publication may turn a
+    /// reserved block live meanwhile, B2).
     pub(super) fn blocks(&self, _lock: &LockGuard<'_>) -> Result<Vec<Block>> {
         let mut out = Vec::new();
         let mut address = 0;
@@ -436,8 +439,11 @@ impl Shared {
             let mut reach = cursor;
             let mut kept_until = None;
             while reach < end {
+                // The size after the verdict (B2): a block carved from a buffer and published
+                // since the walk got here is judged live, with the size it has now.
+                let verdict = self.decide(lock, reach, census)?;
                 let len = self.block_size(reach)?;
-                if self.decide(lock, reach, census)? == Verdict::Keep {
+                if verdict == Verdict::Keep {
                     kept_until = Some(reach + len);
                     break;
                 }
