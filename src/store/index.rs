@@ -515,10 +515,10 @@ impl Shared {
         Ok(keys)
     }
 
-    /// After taking the index lock over from a holder that died: rebuild the index from what it
-    /// holds (it may have died filing, removing or moving entries: a bucket half written, an
-    /// entry twice, a gap a lookup would stop at), and recount the objects and claims gauges. Lookups
-    /// meanwhile see an odd move count and confirm their misses after.
+    /// After taking the index lock over from a holder that died: rebuild the index from what
+    /// it holds (it may have died filing, removing or moving entries: a bucket half written,
+    /// an entry twice, a gap a lookup would stop at), and recount the objects and claims
+    /// gauges. Lookups meanwhile see an odd move count and confirm their misses after.
     pub(super) fn repair_index(&self, _lock: &IndexGuard<'_>) -> Result<()> {
         let moves = self.moves()?;
         moves.store(moves.load(Ordering::Relaxed) | 1, Ordering::Relaxed);

@@ -10,8 +10,9 @@
 //! Either is taken with one CAS and given back with one swap when nobody waits, so a single
 //! writer pays two uncontended atomic operations for it. A writer that finds it taken spins
 //! (at most [`SPIN_FOR`], yielding now and then), then sleeps on the word (a futex on the
-//! shared mapping, woken by the holder), at most [`RECHECK`] at a time: after each sleep it asks whether the holder the word names
-//! (slot and epoch, set in the same CAS that took it) still lives. A holder that died however
+//! shared mapping, woken by the holder), at most [`RECHECK`] at a time: after each sleep it
+//! asks whether the holder the word names (slot and epoch, set in the same CAS that took it)
+//! still lives. A holder that died however
 //! it died — SIGKILL in the middle of an update included — is found dead as soon as its
 //! slot's OFD lock is gone (or its slot has a new occupant), and the waiter takes the lock
 //! over with a CAS on the exact word it saw; the guard then says so, and the new holder

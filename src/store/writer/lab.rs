@@ -100,8 +100,8 @@ impl Writer {
     }
 
     /// Start a buffer at `address`, `len` bytes this writer just reserved (under the ring
-    /// lock; ids are drawn, with one atomic add, for as many blocks as it holds of the smallest with a payload; a
-    /// buffer that runs out of ids first is refilled early).
+    /// lock). Ids are drawn, with one atomic add, for as many blocks as it holds of the
+    /// smallest with a payload; a buffer that runs out of ids first is refilled early.
     pub(super) fn start_lab(
         &self,
         lock: &LockGuard<'_>,
