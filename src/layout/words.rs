@@ -331,8 +331,8 @@ impl Bucket {
 
 /// A lock's word (the ring lock's or the index lock's). Its low 32 bits are the futex word:
 /// 0 when free, else `(holder slot + 1) << 2 | waiters << 1 | 1`; the high 32 bits are the
-/// holder's epoch. A holder is named in the same CAS that takes the lock, so a waiter can always tell whether
-/// the holder still lives (and take the lock over if not).
+/// holder's epoch. A holder is named in the same CAS that takes the lock, so a waiter can
+/// always tell whether the holder still lives (and take the lock over if not).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LockWord {
     pub holder: WriterId,

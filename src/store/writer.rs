@@ -5,8 +5,8 @@
 //! `writer/state.rs`.
 //!
 //! A `Writer` may be used from many threads at once: everything shared lives in the segment
-//! (lock-free, or under the ring or the index lock), and its private bookkeeping is behind a mutex held
-//! for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
+//! (lock-free, or under the ring or the index lock), and its private bookkeeping is behind a
+//! mutex held for a few instructions. Lookups (`is_cached`) take no lock at all, not even that one.
 //! Lock order: the ring lock, the allocation buffer's mutex, the index lock, the private
 //! mutex; never the other way round.
 
