@@ -289,7 +289,10 @@ class _Episode:
         if spec.crash_point is not None:
             env["MMCACHE_CRASH_POINT"] = spec.crash_point
             env["MMCACHE_CRASH_AFTER"] = str(spec.crash_after)
-            ops *= 10  # it runs until it dies there (or the budget runs out: "unreached")
+            # It runs until it dies there, or the budget runs out ("unreached"): a generous
+            # one, as some points are rare on a busy machine (`lab.split` needs 1-4 carves
+            # with room left, and a ring the others keep full takes buffers back early).
+            ops *= 40
         elif spec.kill_after_s is not None:
             ops *= 10
         config = WriterConfig(
