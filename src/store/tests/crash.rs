@@ -95,11 +95,7 @@ fn a_live_lock_holder_is_waited_for() {
 
 #[test]
 fn a_lock_holder_that_died_mid_eviction_is_taken_over_and_repaired() {
-    let a = store(8192, 1, 2);
-    let b = join(&a);
-    let hs: Vec<Handle> = (0..4)
-        .map(|i| a.put(&format!("k{i}"), &[&[i as u8; 500]]).unwrap())
-        .collect();
+    let (a, b, hs) = two_writers_four_objects();
     let victim = hs[1].address;
     {
         // b takes both locks, journals a window, marks a chunk EVICTING, takes another out

@@ -83,6 +83,29 @@ fn leave_hazard(w: &Writer, handle: &Handle) {
     std::mem::forget(w.protect(&entry).unwrap().expect("live"));
 }
 
+/// A tiny deterministic generator (xorshift) for the racing threads.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// A store of 8 KiB with a second writer joined and four objects of 500 bytes (`k0`..`k3`,
+/// each filled with its number) put by the first: where a test stages the second's death.
+fn two_writers_four_objects() -> (Writer, Writer, Vec<Handle>) {
+    let a = store(8192, 1, 2);
+    let b = join(&a);
+    let hs = (0..4)
+        .map(|i| a.put(&format!("k{i}"), &[&[i as u8; 500]]).unwrap())
+        .collect();
+    (a, b, hs)
+}
+
 /// What the kernel does when a writer's process dies: its OFD locks go, and nothing else
 /// happens (its slot stays claimed, its stamps stay where they are). The writer is then
 /// dropped without leaving the store.

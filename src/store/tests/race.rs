@@ -61,18 +61,6 @@ fn concurrent_readers_never_see_foreign_bytes() {
     assert_eq!(stats["outstanding_refs"], 0);
 }
 
-/// A tiny deterministic generator (xorshift) for the racing threads.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 /// The bytes every writer stores under key `k`: so whichever writer wins a race to put it,
 /// a reader can check it got exactly key `k`'s bytes.
 fn content(k: u64) -> Vec<u8> {

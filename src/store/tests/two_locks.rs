@@ -6,17 +6,6 @@
 use super::*;
 use crate::layout::{BlockKind, BlockState, Bucket, Counter, chunk, header};
 
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 fn check_consistent(w: &Writer) {
     check(w, false);
 }
@@ -187,6 +176,16 @@ fn index_and_ring_agree_in_a_small_ring() {
     race(64 * 1024, None, 200, 4000);
 }
 
+/// The index and the ring agree, with the dead writer's orphans allowed, and again after
+/// puts that refill the ring over them (which reclaims them).
+fn check_after_refills(a: &Writer) {
+    check(a, true);
+    for i in 0..40 {
+        a.put(&format!("n{i}"), &[&[9u8; 500]]).unwrap();
+    }
+    check_consistent(a);
+}
+
 /// What a writer SIGKILLed at `alloc.unindexed` leaves: both locks held, a journaled window
 /// of two chunks marked EVICTING and taken out of the index, the move count odd.
 fn die_at_unindexed(b: Writer, hs: &[Handle]) {
@@ -223,11 +222,7 @@ fn die_at_unindexed(b: Writer, hs: &[Handle]) {
 
 #[test]
 fn a_death_at_alloc_unindexed_is_repaired_index_lock_first() {
-    let a = store(8192, 1, 2);
-    let b = join(&a);
-    let hs: Vec<Handle> = (0..4)
-        .map(|i| a.put(&format!("k{i}"), &[&[i as u8; 500]]).unwrap())
-        .collect();
+    let (a, b, hs) = two_writers_four_objects();
     die_at_unindexed(b, &hs);
     assert!(a.is_cached("k0").unwrap() && !a.is_cached("k1").unwrap());
     a.invalidate("k3").unwrap(); // the index lock, taken over
@@ -237,27 +232,15 @@ fn a_death_at_alloc_unindexed_is_repaired_index_lock_first() {
         vec![1u8; 500],
         "kept, live again"
     );
-    check(&a, true);
-    for i in 0..40 {
-        a.put(&format!("n{i}"), &[&[9u8; 500]]).unwrap();
-    }
-    check_consistent(&a);
+    check_after_refills(&a);
 }
 
 #[test]
 fn a_death_at_alloc_unindexed_is_repaired_ring_lock_first() {
-    let a = store(8192, 1, 2);
-    let b = join(&a);
-    let hs: Vec<Handle> = (0..4)
-        .map(|i| a.put(&format!("k{i}"), &[&[i as u8; 500]]).unwrap())
-        .collect();
+    let (a, b, hs) = two_writers_four_objects();
     die_at_unindexed(b, &hs);
     // A read of the EVICTING chunk settles it through the ring lock (taken over).
     assert_eq!(a.read(&hs[2], "k2").unwrap(), vec![2u8; 500]);
     a.invalidate("k3").unwrap();
-    check(&a, true);
-    for i in 0..40 {
-        a.put(&format!("n{i}"), &[&[9u8; 500]]).unwrap();
-    }
-    check_consistent(&a);
+    check_after_refills(&a);
 }
