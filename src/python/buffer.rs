@@ -370,16 +370,10 @@ impl Keeper {
         match self {
             // Shared memory: the core's raw copy, never a slice over it.
             Keeper::Ring(view) => view.read_at_uninit(offset, dst)?,
-            Keeper::Copy(v) => {
-                let end = start + dst.len();
-                for (byte, &value) in dst.iter_mut().zip(&v[start..end]) {
-                    byte.write(value);
-                }
-            }
             // SAFETY: the range is inside memory `self` keeps alive (checked above); `dst` is
             // distinct memory of our own. A raw copy forms no reference to bytes another
-            // thread may be writing.
-            Keeper::Export(_) | Keeper::Object { .. } | Keeper::Arena(_) => unsafe {
+            // thread may be writing (nor to `dst`, not yet written).
+            Keeper::Copy(_) | Keeper::Export(_) | Keeper::Object { .. } | Keeper::Arena(_) => unsafe {
                 std::ptr::copy_nonoverlapping(
                     self.ptr().add(start),
                     dst.as_mut_ptr().cast::<u8>(),
