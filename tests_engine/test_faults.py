@@ -50,8 +50,14 @@ PREEMPTING = [
     # The victim: the lowest priority (vLLM preempts the running request with the highest
     # ``priority`` value), the first to run.
     {"prompt": llava_prompt(X), "max_tokens": 160, "priority": 1},
-    {"prompt": llava_prompt(Y), "max_tokens": 160, "start_after": [0, 8]},
-    # Sent near the second's end: it waits, then runs beside the resumed victim.
+    {"prompt": llava_prompt(Y), "max_tokens": 220, "start_after": [0, 8]},
+    # Sent while the second runs alone (the victim preempted): it waits for the second's
+    # blocks, then runs beside the resumed victim. The engine core runs ahead of the frontend
+    # that sends it (it keeps stepping while the frontend reads its outputs), so it arrives
+    # some steps after the frontend saw 150 tokens, and it must arrive before the resumed
+    # victim has grown too large to leave it room: the second's 220 tokens make that margin
+    # about 70 steps longer than 160 did (with 160, a frontend slowed by 4 ms a step left the
+    # victim preempted once; with 220 it takes 8 ms).
     {"prompt": llava_prompt(Z), "max_tokens": 60, "start_after": [1, 150]},
 ]
 ABORTING = [
