@@ -10,7 +10,7 @@
 //! Lock order: the ring lock, the allocation buffer's mutex, the index lock, the private
 //! mutex; never the other way round.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -46,8 +46,13 @@ pub struct Writer {
     pub(super) me: WriterId,
     process: Process,
     /// Set by `close`: no operation may take a hazard or a reservation after it (each
-    /// checks after taking one; `close` waits for those taken before).
+    /// checks after taking one; `close` waits for those taken before), nor start one that
+    /// may take a lock (`enter`).
     pub(super) closing: AtomicBool,
+    /// Operations in progress that may take a store lock (`enter`): `close` waits for them
+    /// before it gives the slot back, so no thread ever takes a lock under the identity of a
+    /// writer that left (a waiter would find it dead and take the lock over from it).
+    busy: AtomicUsize,
     private: Mutex<Private>,
     /// The allocation buffer small puts carve from (`writer/lab.rs`). Its mutex may be
     /// taken while holding the ring lock, never the ring lock while holding it.
@@ -186,6 +191,7 @@ impl Writer {
             me,
             process: Process::current(),
             closing: AtomicBool::new(false),
+            busy: AtomicUsize::new(0),
             lab: Mutex::new(None),
             lab_back_off: AtomicU32::new(0),
         })
@@ -265,6 +271,20 @@ impl Writer {
         Ok(())
     }
 
+    /// Start an operation that may take a store lock: refused from a forked child or once
+    /// `close` began; `close` waits until the returned token is dropped. (Dekker's pairing
+    /// with `close`: the count goes up before `closing` is read, `closing` is set before the
+    /// count is read, both SeqCst, so either the operation sees `closing` or `close` sees it.)
+    pub(super) fn enter(&self) -> Result<Busy<'_>> {
+        self.check_open()?;
+        self.busy.fetch_add(1, Ordering::SeqCst);
+        let busy = Busy(&self.busy);
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(Error::Closed); // `busy` drops, and counts down
+        }
+        Ok(busy)
+    }
+
     /// Count `by` in this writer's own counter `c` (one of `Counter::writer_field`'s). The
     /// caller holds the private mutex, so this writer's threads take turns: a load and a
     /// store suffice.
@@ -286,7 +306,9 @@ impl Writer {
     }
 
     /// The ring lock; repairs what a holder that died left half done, if it was taken over.
+    /// Taken inside an operation (`enter`), or by `close`.
     fn lock(&self) -> Result<LockGuard<'_>> {
+        self.debug_assert_entered();
         let guard = self.shared.lock(self.me)?;
         if guard.taken_over() {
             self.shared.repair(&guard)?;
@@ -296,7 +318,15 @@ impl Writer {
 
     /// The index lock (repaired likewise); taken inside the ring lock, never around it.
     fn lock_index(&self) -> Result<IndexGuard<'_>> {
+        self.debug_assert_entered();
         self.shared.lock_index(self.me)
+    }
+
+    fn debug_assert_entered(&self) {
+        debug_assert!(
+            self.busy.load(Ordering::Relaxed) > 0 || self.closing.load(Ordering::Relaxed),
+            "a store lock taken outside `enter`"
+        );
     }
 
     #[inline(always)] // (see `is_cached`)
@@ -354,7 +384,9 @@ impl Writer {
         if let Some(protected) = self.protect(entry)? {
             return Ok(Some(protected));
         }
+        let busy = self.enter()?;
         drop(self.lock()?);
+        drop(busy);
         self.protect(entry)
     }
 
@@ -706,12 +738,15 @@ impl Writer {
 
     /// Leave the store: give back this writer's claims and slot; the last writer to leave
     /// marks the store closed for readers and removes its name. Operations other threads have
-    /// in progress finish first (those that hold a hazard or a reservation: no new one
-    /// starts). Only the process that made the writer does this: in a forked child it does
+    /// in progress finish first (those that may take a lock, and those that hold a hazard or
+    /// a reservation: no new one starts). Only the process that made the writer does this: in a forked child it does
     /// nothing (the copy just stops working).
     pub fn close(&self) -> Result<()> {
         if !self.process.is_current() || self.closing.swap(true, Ordering::SeqCst) {
             return Ok(());
+        }
+        while self.busy.load(Ordering::SeqCst) != 0 {
+            std::thread::sleep(Duration::from_micros(50));
         }
         loop {
             let lock = match self.lock() {
@@ -751,6 +786,15 @@ impl Writer {
             }
         }
         Ok(false)
+    }
+}
+
+/// An operation in progress (`Writer::enter`); counts down when dropped.
+pub(super) struct Busy<'a>(&'a AtomicUsize);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
     }
 }
 

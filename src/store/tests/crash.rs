@@ -15,7 +15,10 @@ fn a_dead_writers_reservation_pins_and_hazards_are_void() {
     let b = join(&a);
     b.put("pinned", &[&[1u8; 896]]).unwrap();
     b.pin("pinned").unwrap();
-    let reserved = b.reserve(1024).unwrap().address;
+    let reserved = {
+        let _busy = b.enter().unwrap();
+        b.reserve(1024).unwrap().address
+    };
     let held = b.put("held", &[&[2u8; 896]]).unwrap();
     leave_hazard(&b, &held);
     a.put("x", &[&[0u8; 896]]).expect("one free chunk was left");

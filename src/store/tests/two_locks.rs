@@ -4,6 +4,8 @@
 //! chunk is named by one entry, and the gauges count what is there.
 
 use super::*;
+use std::time::Duration;
+
 use crate::layout::{BlockKind, BlockState, Bucket, Counter, chunk, header};
 
 fn check_consistent(w: &Writer) {
@@ -243,4 +245,92 @@ fn a_death_at_alloc_unindexed_is_repaired_ring_lock_first() {
     assert_eq!(a.read(&hs[2], "k2").unwrap(), vec![2u8; 500]);
     a.invalidate("k3").unwrap();
     check_after_refills(&a);
+}
+
+#[test]
+fn close_waits_for_an_operation_in_progress_and_refuses_new_ones() {
+    // Were a thread's operation to take a lock after `close` gave the slot back, it would
+    // hold it under a dead writer's name, and a waiter would take the lock over from it.
+    let a = store(1 << 20, 1, 2);
+    let b = join(&a);
+    b.put("k", &[&[1u8; 100]]).unwrap();
+    std::thread::scope(|scope| {
+        let busy = b.enter().unwrap();
+        let (closed, was_closed) = std::sync::mpsc::channel();
+        let b = &b;
+        scope.spawn(move || {
+            b.close().unwrap();
+            closed.send(()).unwrap();
+        });
+        while !b.closing.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        for refused in [b.invalidate("k"), b.unclaim("k"), b.clear()] {
+            assert!(matches!(refused, Err(Error::Closed)), "{refused:?}");
+        }
+        assert!(matches!(b.claim("k"), Err(Error::Closed)));
+        assert!(matches!(b.put("j", &[&[2u8; 100]]), Err(Error::Closed)));
+        // Blocked, not slow: it cannot return while the operation is in progress.
+        assert!(was_closed.recv_timeout(Duration::from_millis(50)).is_err());
+        drop(busy);
+        was_closed
+            .recv_timeout(Duration::from_secs(60))
+            .expect("close returns once the operation ends");
+    });
+    assert!(a.is_cached("k").unwrap());
+    let c = join(&a); // the slot is free again
+    c.put("j", &[&[2u8; 100]]).unwrap();
+    check_consistent(&a);
+}
+
+#[test]
+fn a_writer_closed_while_its_threads_put_claim_and_invalidate_leaves_the_store_whole() {
+    let config = Config {
+        max_writers: 2,
+        max_objects: Some(64),
+        ..Config::new(256 * 1024, 1, None)
+    };
+    let a = Writer::create_with(&config, None).unwrap();
+    for round in 0..12u64 {
+        // Each round's writer takes the slot the last one gave back.
+        let b = Writer::join(&a.writer_info()).unwrap();
+        std::thread::scope(|scope| {
+            for t in 0..3u64 {
+                let b = &b;
+                scope.spawn(move || {
+                    let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ (round * 8 + t + 1));
+                    loop {
+                        let k = rng.below(150);
+                        let key = format!("k{k}");
+                        let done = match rng.below(4) {
+                            0 | 1 => match b.put(&key, &[&payload(k, 300)]) {
+                                Ok(h) => b.release(&h).is_err(),
+                                Err(Error::Closed) => true,
+                                Err(Error::DuplicateKey(_) | Error::IndexFull(_)) => false,
+                                Err(e) => panic!("put: {e}"),
+                            },
+                            2 => matches!(b.invalidate(&key), Err(Error::Closed)),
+                            _ => match b.claim(&key) {
+                                Ok(true) => matches!(b.unclaim(&key), Err(Error::Closed)),
+                                Ok(false) => false,
+                                Err(Error::Closed) => true,
+                                Err(e) => panic!("claim: {e}"),
+                            },
+                        };
+                        if done {
+                            break;
+                        }
+                    }
+                });
+            }
+            for i in 0..200 {
+                let key = format!("a{i}");
+                if let Ok(h) = a.put(&key, &[&payload(i, 200)]) {
+                    a.release(&h).unwrap();
+                }
+            }
+            b.close().unwrap();
+        });
+        check_consistent(&a);
+    }
 }

@@ -30,7 +30,7 @@ impl Writer {
     /// no room even after evicting, the claim is not recorded and the answer is `true` (the
     /// caller computes the item, as it would without single flight).
     pub fn claim(&self, key: &str) -> Result<bool> {
-        self.check_open()?;
+        let _busy = self.enter()?;
         let query = self.query(key);
         // Without the lock first: most answers need none.
         match self.shared.seek(&query)? {
@@ -73,6 +73,7 @@ impl Writer {
         if !matches!(self.shared.seek(&query)?, Seen::Claimed(owner) if owner == self.me) {
             return Ok(());
         }
+        let _busy = self.enter()?;
         let index = self.lock_index()?;
         if let Found::Claimed { bucket, owner } = self.shared.find(&index, &query)? {
             if owner == self.me {
@@ -133,6 +134,7 @@ impl Writer {
 
     /// Drop every claim whose writer is gone (taking the index lock).
     pub(super) fn reap_dead_claims(&self) -> Result<()> {
+        let _busy = self.enter()?;
         let lock = self.lock_index()?;
         let mut census = Census::new(&self.shared, self.me)?;
         self.reap_claims(&lock, &mut census)

@@ -21,6 +21,7 @@ impl Writer {
         if self.shared.lookup(&query)?.is_none() {
             return Ok(());
         }
+        let _busy = self.enter()?;
         let index = self.lock_index()?;
         if let Found::Stored(entry) = self.shared.find(&index, &query)? {
             self.shared.remove_bucket(&index, entry.bucket)?;
@@ -39,7 +40,7 @@ impl Writer {
     /// before still reads its own bytes (the reader verifies them) or is stale; ids keep
     /// counting, so it can never match anything stored after. Claims stay.
     pub fn clear(&self) -> Result<()> {
-        self.check_open()?;
+        let _busy = self.enter()?;
         let lock = self.lock()?;
         self.return_lab(&lock, &mut self.lab())?;
         let index = self.lock_index()?;
@@ -100,7 +101,7 @@ impl Writer {
     /// The store's counters and what the ring holds now (claims of writers that died are
     /// dropped first, so `claims` counts live ones).
     pub fn stats(&self) -> Result<Stats> {
-        self.check_open()?;
+        let _busy = self.enter()?;
         let sh = &self.shared;
         let lock = self.lock()?;
         let index = self.lock_index()?;

@@ -57,7 +57,7 @@ impl Writer {
     /// slice (a Python buffer that another thread may write while the copy runs without the
     /// GIL).
     pub fn put_raw(&self, key: &str, parts: &[RawBytes<'_>], meta: RawBytes<'_>) -> Result<Handle> {
-        self.check_open()?;
+        let _busy = self.enter()?;
         if key.len() > MAX_KEY_LEN {
             return Err(Error::InvalidArgument(format!(
                 "keys are at most {MAX_KEY_LEN} bytes, got {}",
