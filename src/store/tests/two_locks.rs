@@ -331,6 +331,15 @@ fn a_writer_closed_while_its_threads_put_claim_and_invalidate_leaves_the_store_w
             }
             b.close().unwrap();
         });
+        // `a` claims nothing, and `close` dropped every claim `b` made before it: a claim
+        // left now was filed after (an operation that did not wait for `close`).
+        let claims = a.shared.filed().unwrap().into_iter();
+        let left = claims.filter(|f| matches!(f.head, Bucket::Claim { .. }));
+        assert_eq!(
+            left.count(),
+            0,
+            "round {round}: a claim outlived its writer"
+        );
         check_consistent(&a);
     }
 }
