@@ -739,8 +739,8 @@ impl Writer {
     /// Leave the store: give back this writer's claims and slot; the last writer to leave
     /// marks the store closed for readers and removes its name. Operations other threads have
     /// in progress finish first (those that may take a lock, and those that hold a hazard or
-    /// a reservation: no new one starts). Only the process that made the writer does this: in a forked child it does
-    /// nothing (the copy just stops working).
+    /// a reservation: no new one starts). Only the process that made the writer does this:
+    /// in a forked child it does nothing (the copy just stops working).
     pub fn close(&self) -> Result<()> {
         if !self.process.is_current() || self.closing.swap(true, Ordering::SeqCst) {
             return Ok(());

@@ -3,9 +3,9 @@
 //! agree: every entry names a LIVE keyed chunk with its id and key hash, every LIVE keyed
 //! chunk is named by one entry, and the gauges count what is there.
 
-use super::*;
 use std::time::Duration;
 
+use super::*;
 use crate::layout::{BlockKind, BlockState, Bucket, Counter, chunk, header};
 
 fn check_consistent(w: &Writer) {
