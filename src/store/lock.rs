@@ -12,12 +12,13 @@
 //! (at most [`SPIN_FOR`], yielding now and then), then sleeps on the word (a futex on the
 //! shared mapping, woken by the holder), at most [`RECHECK`] at a time: after each sleep it
 //! asks whether the holder the word names (slot and epoch, set in the same CAS that took it)
-//! still lives. A holder that died however
-//! it died — SIGKILL in the middle of an update included — is found dead as soon as its
-//! slot's OFD lock is gone (or its slot has a new occupant), and the waiter takes the lock
-//! over with a CAS on the exact word it saw; the guard then says so, and the new holder
-//! repairs what the dead one may have left half done before anything else (`ring::repair`
-//! for the ring lock, `index::repair_index` for the index lock).
+//! still lives. A holder that died however it died — SIGKILL in the middle of an update
+//! included — is found dead as soon as its slot's OFD lock is gone (or its slot has a new
+//! occupant), and the waiter takes the lock over with a CAS on the exact word it saw; the
+//! guard then says so, and the new holder repairs what the dead one may have left half done
+//! before anything else (`ring::repair` for the ring lock, `index::repair_index` for the
+//! index lock). A writer takes either only inside an operation `close` waits for
+//! (`Writer::enter`), so no live thread ever holds one under the name of a writer that left.
 //!
 //! The holder's identity is its writer slot and epoch, not its thread: two threads of one
 //! writer exclude each other like two writers do (neither ever takes a lock twice).

@@ -5,7 +5,8 @@
 //! index), `ring.rs` (the shared allocator: blocks, CLOCK, eviction, repair), `lock.rs` (the
 //! ring lock and the index lock), `members.rs` (writer slots and liveness), `reader.rs`
 //! ([`Reader`], [`Lease`], [`View`]), `inspect.rs` (reading a segment without attaching:
-//! [`inspect`], [`list_segments`], [`status`]) and `crash.rs` (the crash points tests kill writers at).
+//! [`inspect`], [`list_segments`], [`status`]) and `crash.rs` (the crash points tests kill
+//! writers at).
 //! This file holds the protocol and what every side shares: [`ReaderInfo`], [`WriterInfo`]
 //! and the accessors of the segment's words (`Shared`).
 //!
