@@ -54,7 +54,8 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
 /// Version 5: the store lock on a cache line of its own.
 /// Version 6: the index lock beside it (the store lock became the ring lock), and a chunk's
 /// key hash where its bucket number was.
-pub const LAYOUT_VERSION: u64 = 6;
+/// Version 7: keys filed without the index lock (the index gate, each writer's filings).
+pub const LAYOUT_VERSION: u64 = 7;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).
@@ -104,6 +105,10 @@ pub mod header {
     /// index lock's holder moves entries back to close the gap a removed one left; a lookup
     /// that misses checks it did not miss because of a move.
     pub const INDEX_MOVES: u64 = 320;
+    /// The index gate, on the move count's line (both change only under the index lock,
+    /// and rarely): 1 while the index lock's holder may change the index, 0 otherwise. A
+    /// writer files a new key without the lock only while it is 0 (`store/gate.rs`).
+    pub const INDEX_GATE: u64 = 328;
     /// CLOCK's hand: the ring address of the block the next allocation starts at (always a
     /// block start). On one cache line with the journal and the gauges (the first counters),
     /// which the ring lock guards too (but for the index's gauges: see [`Counter`]).
@@ -216,6 +221,8 @@ const _: () = assert!(header::VERIFIER + 16 <= header::INDEX_LOCK);
 const _: () = assert!(header::INDEX_LOCK % 64 == 0 && header::INDEX_LOCK + 64 <= header::LOCK);
 const _: () = assert!(header::LOCK % 64 == 0);
 const _: () = assert!(header::LOCK + 64 <= header::INDEX_MOVES);
+const _: () = assert!(header::INDEX_GATE / 64 == header::INDEX_MOVES / 64);
+const _: () = assert!(header::INDEX_GATE + 8 <= header::HAND / 64 * 64);
 
 pub const STORE_LIVE: u64 = 1;
 pub const STORE_CLOSED: u64 = 2;
@@ -280,6 +287,9 @@ pub mod slot {
     pub const PUTS: u64 = 24;
     pub const HITS: u64 = 32;
     pub const REFS_ISSUED: u64 = 40;
+    /// (writers) `epoch << 32 | n`: `n` of the occupant's threads are filing a key without
+    /// the index lock (`store/gate.rs`); the epoch tells whose they are once it is gone.
+    pub const FILING: u64 = 48;
     /// (writers) `HAZARDS` hazard words: the id of a chunk one of the occupant's operations
     /// holds (a hit adding references, a pin, a copy), 0 when unused. Taken with a SeqCst
     /// CAS before the chunk is checked; the evictor reads them (SeqCst) after marking a chunk

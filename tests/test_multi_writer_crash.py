@@ -52,6 +52,7 @@ SCENARIOS: dict[str, tuple[str, int]] = {
     "put.reserved": ("put", 2),
     "put.mid_copy": ("put", 2),
     "put.filled": ("put", 2),
+    "publish.filing": ("put", 2),
     "publish.id": ("put", 2),
     "publish.live": ("put", 2),
     "put.published": ("put", 2),

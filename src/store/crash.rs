@@ -23,6 +23,7 @@ pub const POINTS: &[&str] = &[
     "put.reserved",
     "put.mid_copy",
     "put.filled",
+    "publish.filing",
     "publish.id",
     "publish.live",
     "put.published",

@@ -74,6 +74,11 @@ impl<'k> Query<'k> {
         }
     }
 
+    /// The key's length and tag, as its bucket's head holds them.
+    pub(super) fn kref(&self) -> KeyRef {
+        self.kref
+    }
+
     /// Whether the chunk stores the key itself (after its payload).
     pub(super) fn is_long(&self) -> bool {
         self.kref.is_long()
@@ -97,6 +102,21 @@ pub(super) enum Seen {
     Changing,
     Absent,
 }
+
+/// What a writer filing a key without the index lock found on its probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Taken {
+    /// This bucket, taken for the key (its head set, its version still 0).
+    Bucket(u64),
+    /// The key is stored already.
+    Stored,
+    /// The key is claimed, or a bucket on the way stayed half filed: the index lock's
+    /// holder sorts it out.
+    Locked,
+}
+
+/// How long a filer waits for another's entry of the same key tag to be whole.
+const FILING_SPINS: u32 = 1024;
 
 /// Where a key is, or would go, as the index lock's holder finds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -313,14 +333,87 @@ impl Shared {
         version_word.store(0, Ordering::Relaxed);
         // I2: a lookup that reads any byte written below sees version 0 or the new one.
         fence(Ordering::Release);
+        self.bucket_head(bucket)?
+            .store(head.pack(), Ordering::Relaxed);
+        self.fill_bucket(bucket, hash, slot, version)
+    }
+
+    /// Write `bucket`'s key slot and hash, then its version (I1): the end of every filing.
+    fn fill_bucket(&self, bucket: u64, hash: u64, slot: &[u8], version: u64) -> Result<()> {
         self.seg
             .write_from(self.layout.key_slot_offset(bucket), RawBytes::from(slot))?;
         self.bucket_hash(bucket)?.store(hash, Ordering::Relaxed);
-        self.bucket_head(bucket)?
-            .store(head.pack(), Ordering::Relaxed);
         // I1: the head and key slot are visible to whoever loads this version with Acquire.
-        version_word.store(version, Ordering::Release);
+        self.bucket_version(bucket)?
+            .store(version, Ordering::Release);
         Ok(())
+    }
+
+    /// Take the bucket `query`'s key is to be filed in as `head`, without the index lock (a
+    /// filing counted in behind the closed gate, `gate.rs`): the first empty bucket of its
+    /// probe, taken with a CAS of its head. Its version stays 0 (lookups take it for a
+    /// change in progress) until [`Shared::finish_filing`]. Behind the gate buckets are only
+    /// ever taken and filed, never emptied nor moved, so another filer of the same key meets
+    /// this bucket on its probe and waits for the entry to compare keys.
+    pub(super) fn take_bucket(&self, query: &Query<'_>, head: Bucket) -> Result<Taken> {
+        'probe: for bucket in self.probe(query.hash) {
+            let [head_word, version_word] =
+                self.seg.atomics::<2>(self.layout.bucket_offset(bucket))?;
+            let mut spins = 0;
+            loop {
+                // Acquire: pairs with a remover's Release store of `Empty` (its version 0 is
+                // visible) and with another filer's CAS.
+                let seen = head_word.load(Ordering::Acquire);
+                let (key, claimed) = match Bucket::unpack(seen) {
+                    Bucket::Empty => {
+                        if head_word
+                            .compare_exchange(
+                                seen,
+                                head.pack(),
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            )
+                            .is_ok()
+                        {
+                            return Ok(Taken::Bucket(bucket));
+                        }
+                        continue; // another filer took it: what for?
+                    }
+                    Bucket::Live { key, .. } => (key, false),
+                    Bucket::Claim { key, .. } => (key, true),
+                };
+                if key != query.kref {
+                    continue 'probe;
+                }
+                // Acquire: pairs with I1 (the whole entry is visible).
+                if version_word.load(Ordering::Acquire) != 0 {
+                    if !self.key_slot_matches(bucket, query)? {
+                        continue 'probe;
+                    }
+                    return Ok(if claimed {
+                        Taken::Locked
+                    } else {
+                        Taken::Stored
+                    });
+                }
+                spins += 1;
+                if spins > FILING_SPINS {
+                    return Ok(Taken::Locked);
+                }
+                spin_loop();
+            }
+        }
+        Err(Error::Corrupt(
+            "the key index has no empty bucket (it is never filled past half)".into(),
+        ))
+    }
+
+    /// Finish filing `query`'s key at `version` in the bucket [`Shared::take_bucket`] took:
+    /// I2, then the key slot and hash, then I1.
+    pub(super) fn finish_filing(&self, bucket: u64, query: &Query<'_>, version: u64) -> Result<()> {
+        // I2: a lookup that reads any byte written below sees version 0 or the new one.
+        fence(Ordering::Release);
+        self.fill_bucket(bucket, query.hash, query.slot_bytes(), version)
     }
 
     /// File `query`'s key as stored in the chunk `(address, id)`, in `bucket` (empty, or
@@ -470,6 +563,9 @@ impl Shared {
         let Bucket::Live { key, address } = filed.head else {
             return Ok(None);
         };
+        if filed.version == 0 {
+            return Ok(None); // being filed (or left half filed by a writer that died)
+        }
         let bytes = if key.is_long() {
             if !self.layout.valid_chunk_address(address) {
                 return Ok(None);

@@ -1,11 +1,13 @@
 //! The store's two locks, each one word in the segment's header: the **ring lock**
 //! (`header::LOCK`) serializes changes to the ring's blocks, CLOCK's hand, the journal and the
 //! bytes gauge; the **index lock** (`header::INDEX_LOCK`) serializes changes to the key
-//! index's buckets, its move count and the objects and claims gauges (see the protocol in
-//! [`store`](super)). A publication takes only the index lock, a refill of an allocation
-//! buffer the ring lock and, to take its window's keys out of the index, the index lock inside
-//! it for that part alone: so one writer's refill and another's publications run side by
-//! side. Order: the index lock is taken inside the ring lock, never the other way round.
+//! index's buckets, its move count and the objects and claims gauges, but for the filings of
+//! new keys, which take no lock and which its holder keeps out with the index gate
+//! (`gate.rs`; see the protocol in [`store`](super)). A publication takes the index lock only
+//! for a claimed key or a full index, a refill of an allocation buffer the ring lock and, to
+//! take its window's keys out of the index, the index lock inside it for that part alone: so
+//! one writer's refill and another's publications run side by side. Order: the index lock is
+//! taken inside the ring lock, never the other way round.
 //!
 //! Either is taken with one CAS and given back with one swap when nobody waits, so a single
 //! writer pays two uncontended atomic operations for it. A writer that finds it taken spins
@@ -85,12 +87,14 @@ impl Shared {
         self.acquire(me, header::LOCK).map(LockGuard)
     }
 
-    /// Take the index lock as `me` (waiting while a live writer holds it), repairing the
-    /// index first if it was taken over from a holder that died. A holder of the ring lock
+    /// Take the index lock as `me` (waiting while a live writer holds it) and open the gate
+    /// (waiting for filings in progress: `gate.rs`), repairing the index first if it was
+    /// taken over from a holder that died or a writer died filing. A holder of the ring lock
     /// may take it; a holder of the index lock never takes the ring lock.
     pub(super) fn lock_index(&self, me: WriterId) -> Result<IndexGuard<'_>> {
         let guard = IndexGuard(self.acquire(me, header::INDEX_LOCK)?);
-        if guard.0.taken_over {
+        let filer_died = self.open_gate(&guard)?;
+        if guard.0.taken_over || filer_died {
             self.repair_index(&guard)?;
         }
         Ok(guard)
@@ -172,6 +176,15 @@ impl Shared {
                 }
             }
         }
+    }
+}
+
+impl Drop for IndexGuard<'_> {
+    fn drop(&mut self) {
+        // Before the lock word is given back (the field's drop, after this). Nothing better
+        // to do if it fails (it cannot: the header is mapped): the gate stays open, and
+        // filers take the lock until its next holder closes it.
+        let _ = self.0.shared.close_gate();
     }
 }
 

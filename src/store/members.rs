@@ -102,10 +102,18 @@ impl Shared {
                 self.writer_slot(s, slot::HAZARD + 8 * h)?
                     .store(0, Ordering::SeqCst);
             }
+            // A writer that died filing a key left its count in the slot's filing word: the
+            // next holder of the index lock voids it and repairs what it half filed (here
+            // us, unless another holder did already), before the word becomes ours.
+            let me = WriterId { slot: s, epoch };
+            if self.left_filing(s)? {
+                drop(self.lock_index(me)?);
+            }
+            self.own_filing_word(me)?;
             let start = segment::process_start_time(pid).unwrap_or(0) & 0xffff_ffff;
             self.writer_slot(s, slot::START)?
                 .store(((epoch as u64) << 32) | start, Ordering::Release);
-            return Ok(Some(WriterId { slot: s, epoch }));
+            return Ok(Some(me));
         }
         Ok(None)
     }

@@ -3,7 +3,7 @@
 //! Each concern has its file: `writer.rs` ([`Writer`]: creating, joining, closing and every
 //! writer operation; its private bookkeeping in `writer/state.rs`), `index.rs` (the shared key
 //! index), `ring.rs` (the shared allocator: blocks, CLOCK, eviction, repair), `lock.rs` (the
-//! ring lock and the index lock), `members.rs` (writer slots and liveness), `reader.rs`
+//! ring lock and the index lock), `gate.rs` (filing a new key without the index lock), `members.rs` (writer slots and liveness), `reader.rs`
 //! ([`Reader`], [`Lease`], [`View`]), `inspect.rs` (reading a segment without attaching:
 //! [`inspect`], [`list_segments`], [`status`]) and `crash.rs` (the crash points tests kill
 //! writers at).
@@ -16,7 +16,9 @@
 //! blocks (their sizes and kinds), CLOCK's hand, the journal and `bytes_in_use` — but one: a
 //! writer carves its own allocation buffer without it (B1 below). The *index lock* serializes
 //! every change to the key index's buckets and move count and the gauges `objects`,
-//! `claims` and `evictions`; it is taken inside the ring lock (an eviction takes its chunks'
+//! `claims` and `evictions` — but one: a writer files a new key without it, behind the
+//! closed index gate that the lock's holder opens, and waits for filings to finish, before
+//! it changes anything (G1 below); it is taken inside the ring lock (an eviction takes its chunks'
 //! keys out of the index, then kills them), never around it. Without either: lookups (index
 //! reads), ids (`last_id`, an atomic add), a hit's referenced bit, each writer's own pin word
 //! in a chunk, the reader words (writers add references, readers consume them), each
@@ -43,8 +45,9 @@
 //! against a full index, `store/tests/two_locks.rs`.)
 //!
 //! **Publication (P1).** A writer fills its reserved block (header fields, reader words,
-//! payload, long key, metadata) with plain or Relaxed stores, then, under the index lock, stores
-//! the chunk's `id` with **Release** (P1), marks it LIVE and files it in the index. A reader
+//! payload, long key, metadata) with plain or Relaxed stores, then takes the key's bucket
+//! (G1, or under the index lock), stores the chunk's `id` with **Release** (P1), marks it
+//! LIVE and finishes the index entry (I1). A reader
 //! loads `id` with **Acquire** (pairs with P1), so it sees the whole chunk.
 //!
 //! **Index (I1, I2).** A bucket's second word is its version: a unique id (a chunk's id, or
@@ -55,6 +58,17 @@
 //! the key slot (atomic loads), issues an **Acquire fence** and loads the second word again:
 //! the same nonzero id means it read one entry whole (had it read any byte of a later change,
 //! the fence pairing with I2 would show it 0 or a newer id). So lookups take no lock.
+//!
+//! **The gate (G1).** A filer adds one to its writer slot's filing word (**SeqCst**), then
+//! loads the index gate (**SeqCst**) and, if it is open, counts itself out and takes the
+//! index lock instead. The lock's holder stores 1 in the gate (**SeqCst**), then loads every
+//! writer's filing word (**SeqCst**) until none counts a filing. In the single order of
+//! SeqCst operations one comes first: the filer sees the gate open, or the holder sees the
+//! filing and waits. A filer takes an empty bucket with an **AcqRel** CAS of its head (its
+//! version is already 0: the Acquire pairs with the remover's Release store of `Empty`),
+//! issues the **Release fence** of I2, and finishes with I1; it counts itself out with a
+//! **Release** subtraction, which the holder's load pairs with. The holder closes the gate
+//! with a **Release** store before giving the lock back (a filer's SeqCst load of it pairs).
 //!
 //! **Protection (S1, S2).** A writer that adds anything to a chunk it found through the
 //! index (references, a pin, a private copy) first names the chunk's id in one of its own
@@ -121,6 +135,7 @@ use crate::layout::{
 use crate::segment::{self, Access, Segment};
 
 mod crash;
+mod gate;
 mod index;
 mod inspect;
 mod lock;

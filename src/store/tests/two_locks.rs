@@ -1,7 +1,8 @@
-//! The two store locks together: after writers' threads race (puts through buffers and on
-//! their own, a small index that fills, invalidations, claims, hits), the index and the ring
-//! agree: every entry names a LIVE keyed chunk with its id and key hash, every LIVE keyed
-//! chunk is named by one entry, and the gauges count what is there.
+//! The two store locks together, and the filings that take neither: after writers' threads
+//! race (puts through buffers and on their own, a small index that fills, invalidations,
+//! claims, hits) and after writers die (holding a lock, or filing a key without one), the
+//! index and the ring agree: every entry names a LIVE keyed chunk with its id and key hash,
+//! every LIVE keyed chunk is named by one entry, and the gauges count what is there.
 
 use std::time::Duration;
 
@@ -342,4 +343,141 @@ fn a_writer_closed_while_its_threads_put_claim_and_invalidate_leaves_the_store_w
         );
         check_consistent(&a);
     }
+}
+
+#[test]
+fn writers_filing_the_same_keys_at_once_file_each_once() {
+    // Three writers' threads put the same keys at once (most filed without the index lock,
+    // the rest behind the gate a fourth thread keeps opening with claims and invalidations of
+    // other keys): each key is stored by exactly one put, and reads back as put.
+    for _ in 0..8 {
+        filing_race();
+    }
+}
+
+fn filing_race() {
+    let config = Config {
+        max_writers: 3,
+        ..Config::new(4 << 20, 1, None)
+    };
+    let first = Writer::create_with(&config, None).unwrap();
+    let writers = [join(&first), join(&first), first];
+    const KEYS: u64 = 1500;
+    let stored = std::sync::Mutex::new(vec![0u32; KEYS as usize]);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let gate_keeper = &writers[2];
+        let done = &done;
+        scope.spawn(move || {
+            let mut i = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                let other = format!("other{}", i % 7);
+                if gate_keeper.claim(&other).unwrap() {
+                    gate_keeper.unclaim(&other).unwrap();
+                }
+                gate_keeper.invalidate(&other).unwrap();
+                i += 1;
+            }
+        });
+        let mut putters = Vec::new();
+        for (wi, w) in writers.iter().enumerate() {
+            for t in 0..2u64 {
+                let stored = &stored;
+                putters.push(scope.spawn(move || {
+                    // Each thread walks the keys from its own starting point.
+                    let start = (wi as u64 * 2 + t) * KEYS / 6;
+                    for n in 0..KEYS {
+                        let k = (start + n) % KEYS;
+                        match w.put(&format!("k{k}"), &[&payload(k, 100)]) {
+                            Ok(h) => {
+                                w.release(&h).unwrap();
+                                stored.lock().unwrap()[k as usize] += 1;
+                            }
+                            Err(Error::DuplicateKey(_)) => {}
+                            Err(e) => panic!("put: {e}"),
+                        }
+                    }
+                }));
+            }
+        }
+        for putter in putters {
+            putter.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    let stored = stored.into_inner().unwrap();
+    assert!(
+        stored.iter().all(|&n| n == 1),
+        "a key stored by {:?} puts",
+        stored.iter().max()
+    );
+    for k in 0..KEYS {
+        let w = &writers[k as usize % 3];
+        assert_eq!(w.read_key(&format!("k{k}")).unwrap(), payload(k, 100));
+    }
+    assert_eq!(stats_of(&writers[0])["objects"], KEYS);
+    for w in &writers {
+        check_consistent(w);
+    }
+}
+
+/// What a writer SIGKILLed at `publish.filing` leaves: counted in its slot's filing word, the
+/// `objects` gauge counted for its key, and that key's bucket taken (its version 0).
+fn die_filing(b: Writer, key: &str) {
+    {
+        let _busy = b.enter().unwrap();
+        let sh = &b.shared;
+        let filing = sh.start_filing(b.me).unwrap().expect("the gate is closed");
+        assert!(sh.count_filing(&filing).unwrap());
+        let query = b.query(key);
+        let head = Bucket::Live {
+            key: query.kref(),
+            address: 0,
+        };
+        assert!(matches!(
+            sh.take_bucket(&query, head).unwrap(),
+            index::Taken::Bucket(_)
+        ));
+        std::mem::forget(filing);
+    }
+    pretend_writer_dead(b);
+}
+
+#[test]
+fn a_writer_that_dies_filing_is_repaired_by_the_next_holder_of_the_index_lock() {
+    let (a, b, _) = two_writers_four_objects();
+    die_filing(b, "half");
+    // Its bucket is no entry: a lookup misses (after waiting out the "change").
+    assert!(!a.is_cached("half").unwrap());
+    assert!(a.keys().unwrap().iter().all(|k| k != "half"));
+    // A put of that key meets the half-filed bucket, takes the lock, whose opening of the
+    // gate finds the filer dead and repairs the index.
+    a.put("half", &[&[7u8; 500]]).unwrap();
+    assert_eq!(a.read_key("half").unwrap(), vec![7u8; 500]);
+    assert!(!a.shared.left_filing(1).unwrap(), "its count is void");
+    assert_eq!(stats_of(&a)["objects"], 5);
+    check_consistent(&a);
+    let c = join(&a); // its slot is free again
+    c.put("more", &[&[8u8; 500]]).unwrap();
+    check_consistent(&a);
+}
+
+#[test]
+fn a_writer_that_joins_the_slot_of_one_that_died_filing_repairs_the_index_first() {
+    let (a, b, _) = two_writers_four_objects();
+    die_filing(b, "half");
+    let c = join(&a);
+    assert_eq!(c.slot(), 1, "the dead filer's slot");
+    assert!(
+        !a.shared.left_filing(1).unwrap(),
+        "the count is void, the word c's"
+    );
+    assert_eq!(
+        stats_of(&a)["objects"],
+        4,
+        "the dead filer's count is taken back"
+    );
+    c.put("half", &[&[7u8; 500]]).unwrap();
+    assert_eq!(a.read_key("half").unwrap(), vec![7u8; 500]);
+    check_consistent(&a);
 }

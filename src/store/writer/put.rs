@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{Ordering, fence};
 
-use super::super::index::{Found, Query};
+use super::super::index::{Found, Query, Taken};
 use super::super::lock::{IndexGuard, LockGuard};
 use super::super::ring::Census;
 use super::super::{crash, mac_words};
@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::handle::tag;
 use crate::layout::{
-    BlockKind, BlockState, Counter, MAX_KEY_LEN, MAX_META_LEN, SlotWord, align_up, chunk,
+    BlockKind, BlockState, Bucket, Counter, MAX_KEY_LEN, MAX_META_LEN, SlotWord, align_up, chunk,
     part_offsets, slot,
 };
 use crate::segment::RawBytes;
@@ -278,16 +278,63 @@ impl Writer {
         Ok(())
     }
 
-    /// Publish the filled block at `address` as `query`'s key (P1), under the index lock:
-    /// `DuplicateKey` if another writer stored the key meanwhile, `Full` if the index has no
-    /// room and nothing can be evicted for it.
+    /// Publish the filled block at `address` as `query`'s key (P1): `DuplicateKey` if
+    /// another writer stored the key meanwhile, `Full` if the index has no room and nothing
+    /// can be evicted for it. A new key is filed without a lock (`gate.rs`); a claimed one,
+    /// or one for which the index must make room, under the index lock.
     fn publish(&self, query: &Query<'_>, address: u64, id: u64) -> Result<()> {
+        if self.publish_unlocked(query, address, id)? {
+            return Ok(());
+        }
         let (_ring, index, found) = self.find_with_room(query)?;
         let (bucket, claimed) = match found {
             Found::Stored(_) => return Err(Error::DuplicateKey(query.key.to_owned())),
             Found::Claimed { bucket, .. } => (bucket, true),
             Found::Vacant { bucket } => (bucket, false),
         };
+        self.mark_live(query, address, id)?;
+        self.shared.file_entry(&index, bucket, query, address, id)?;
+        if claimed {
+            self.shared.adjust(&index, Counter::Claims, -1)?;
+        }
+        self.shared.adjust(&index, Counter::Objects, 1)
+    }
+
+    /// Publish without the index lock, if the gate is closed, the index has room and the
+    /// key is neither stored nor claimed: take its bucket, mark the chunk live, finish the
+    /// entry. Whether it did (if not, the index lock's holder is to).
+    fn publish_unlocked(&self, query: &Query<'_>, address: u64, id: u64) -> Result<bool> {
+        let sh = &self.shared;
+        let Some(filing) = sh.start_filing(self.me)? else {
+            return Ok(false);
+        };
+        if !sh.count_filing(&filing)? {
+            return Ok(false);
+        }
+        let head = Bucket::Live {
+            key: query.kref(),
+            address,
+        };
+        let bucket = match sh.take_bucket(query, head)? {
+            Taken::Bucket(bucket) => bucket,
+            Taken::Stored => {
+                sh.uncount_filing(&filing)?;
+                return Err(Error::DuplicateKey(query.key.to_owned()));
+            }
+            Taken::Locked => {
+                sh.uncount_filing(&filing)?;
+                return Ok(false);
+            }
+        };
+        crash::point("publish.filing");
+        self.mark_live(query, address, id)?;
+        sh.finish_filing(bucket, query, id)?;
+        Ok(true)
+    }
+
+    /// Make the filled chunk at `address` readable under `id` (P1) and live, before its
+    /// index entry is.
+    fn mark_live(&self, query: &Query<'_>, address: u64, id: u64) -> Result<()> {
         let sh = &self.shared;
         sh.chunk(address, chunk::KEY_HASH)?
             .store(query.hash(), Ordering::Relaxed);
@@ -302,11 +349,7 @@ impl Writer {
         sh.chunk(address, chunk::STATE)?
             .store(live.pack(), Ordering::Release);
         crash::point("publish.live");
-        sh.file_entry(&index, bucket, query, address, id)?;
-        if claimed {
-            sh.adjust(&index, Counter::Claims, -1)?;
-        }
-        sh.adjust(&index, Counter::Objects, 1)
+        Ok(())
     }
 
     /// Where `query`'s key is (or would be filed), under the index lock, with room made for

@@ -1,0 +1,148 @@
+//! Filing a new key without the index lock, and the gate that keeps such filings apart from
+//! every change made under it.
+//!
+//! Two writers putting at once used to pass the index lock's cache line between their cores
+//! at every publication, nearly half of what a second writer added to a put. So the common
+//! publication — a key that is neither stored nor claimed, into an index with room — takes
+//! no lock: the writer counts itself in its own slot's filing word, checks that the gate is
+//! closed, takes the first empty bucket of the key's probe with a CAS of its head, and
+//! finishes the entry as any filing does (I2, then I1: `index.rs`). Filings alone never make
+//! a bucket empty nor move an entry, so each key has one place to go: the first empty bucket
+//! of its probe, which a second filer of the same key finds taken (it waits for the entry to
+//! be whole and compares keys, so no key is ever filed twice).
+//!
+//! Everything else that changes the index — removals and their backward shifts, claims,
+//! `clear`, a repair — runs under the index lock with the gate open: the holder opens it,
+//! then waits until every writer's filing word counts none, and closes it before giving the
+//! lock back. A filer counts itself in (SeqCst), then loads the gate (SeqCst); the holder
+//! stores the gate (SeqCst), then loads the filing words (SeqCst): in the single order of
+//! SeqCst operations, either the filer sees the gate open and backs off to the lock, or the
+//! holder sees it counted and waits for it (its count out is a Release store; the holder's
+//! load pairs with it, so it sees the finished entry). So the index lock's holder still
+//! changes the index alone, as the rest of the store assumes.
+//!
+//! A filer never waits for the lock while counted in, so the holder's wait always ends — but
+//! for a filer that died: the holder finds its writer gone (the epoch in its filing word is
+//! no longer its slot's occupant, or the occupant's OFD lock is gone), voids its count and
+//! repairs the index (`repair_index`), which drops a half-filed bucket and recounts the
+//! gauges it may have counted. A gate left open by a holder that died sends filers to the
+//! lock, whose next holder takes it over, repairs and closes the gate.
+
+use std::hint::spin_loop;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::Shared;
+use super::lock::IndexGuard;
+use crate::error::Result;
+use crate::layout::{Counter, WriterId, header, slot};
+
+/// A filing's count, given back when dropped.
+pub(super) struct Filing<'a>(&'a AtomicU64);
+
+impl Drop for Filing<'_> {
+    fn drop(&mut self) {
+        // Release: pairs with the SeqCst load of `open_gate` that sees the count out.
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Spins between two checks that a filer the gate's opener waits for still lives.
+const SPINS_PER_CHECK: u32 = 1024;
+
+/// The filing count in a slot's filing word.
+const COUNT: u64 = 0xffff_ffff;
+
+impl Shared {
+    fn gate(&self) -> Result<&AtomicU64> {
+        self.header(header::INDEX_GATE)
+    }
+
+    /// Make `me`'s filing word name its epoch (on taking a writer slot: the word is then
+    /// its own, and counts none).
+    pub(super) fn own_filing_word(&self, me: WriterId) -> Result<()> {
+        self.writer_slot(me.slot, slot::FILING)?
+            .store(u64::from(me.epoch) << 32, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether a writer that used to hold slot `s` died filing: its filing word still counts.
+    pub(super) fn left_filing(&self, s: u32) -> Result<bool> {
+        let word = self.writer_slot(s, slot::FILING)?.load(Ordering::Acquire);
+        Ok(word & COUNT != 0)
+    }
+
+    /// Count a filing of `me` in, if the gate is closed: `None` (counted out again) if the
+    /// index lock's holder has it open, and the filing is to take the lock.
+    pub(super) fn start_filing(&self, me: WriterId) -> Result<Option<Filing<'_>>> {
+        let word = self.writer_slot(me.slot, slot::FILING)?;
+        word.fetch_add(1, Ordering::SeqCst);
+        let filing = Filing(word);
+        if self.gate()?.load(Ordering::SeqCst) != 0 {
+            return Ok(None);
+        }
+        Ok(Some(filing))
+    }
+
+    /// Count one more object in the `objects` gauge for a filing (counted in), if the index
+    /// has room for it without evicting: the gauge is added to atomically, as other filers
+    /// add theirs meanwhile (claims change only behind the gate). Whether it did.
+    pub(super) fn count_filing(&self, _filing: &Filing<'_>) -> Result<bool> {
+        let objects = self.counter(Counter::Objects)?;
+        let claims = self.counter(Counter::Claims)?.load(Ordering::Relaxed);
+        if objects.fetch_add(1, Ordering::Relaxed) + claims < self.layout.max_objects {
+            return Ok(true);
+        }
+        objects.fetch_sub(1, Ordering::Relaxed);
+        Ok(false)
+    }
+
+    /// Take back what [`Shared::count_filing`] counted, for a filing that did not file.
+    pub(super) fn uncount_filing(&self, _filing: &Filing<'_>) -> Result<()> {
+        self.counter(Counter::Objects)?
+            .fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Open the gate (index lock held) and wait until no writer is filing. Whether one died
+    /// filing: the index then needs [`Shared::repair_index`] before anything else.
+    pub(super) fn open_gate(&self, _index: &IndexGuard<'_>) -> Result<bool> {
+        self.gate()?.store(1, Ordering::SeqCst);
+        let mut died = false;
+        for s in 0..self.layout.max_writers {
+            let word = self.writer_slot(s, slot::FILING)?;
+            let mut spins = 0u32;
+            loop {
+                let seen = word.load(Ordering::SeqCst);
+                if seen & COUNT == 0 {
+                    break;
+                }
+                spins = spins.wrapping_add(1);
+                if spins % SPINS_PER_CHECK != 0 {
+                    spin_loop();
+                    continue;
+                }
+                let filer = WriterId {
+                    slot: s,
+                    epoch: (seen >> 32) as u32,
+                };
+                if self.writer_alive(filer)? {
+                    std::thread::yield_now();
+                } else if word
+                    .compare_exchange(seen, seen & !COUNT, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    died = true;
+                }
+            }
+        }
+        Ok(died)
+    }
+
+    /// Close the gate (the index lock's holder, before giving it back): filings may start.
+    pub(super) fn close_gate(&self) -> Result<()> {
+        // Release: a filer that sees it closed (its SeqCst load) sees every change made
+        // behind it.
+        self.gate()?.store(0, Ordering::Release);
+        Ok(())
+    }
+}
