@@ -104,15 +104,22 @@ pub(super) enum Seen {
 }
 
 /// What a writer filing a key without the index lock found on its probe.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Taken {
+pub(super) enum Taken<'s> {
     /// This bucket, taken for the key (its head set, its version still 0).
-    Bucket(u64),
+    Bucket(TakenBucket<'s>),
     /// The key is stored already.
     Stored,
     /// The key is claimed, or a bucket on the way stayed half filed: the index lock's
     /// holder sorts it out.
     Locked,
+}
+
+/// A bucket taken for a filing: its words, resolved before it was taken, so that finishing
+/// the entry cannot fail halfway (and leave the bucket taken by a writer that lives on).
+pub(super) struct TakenBucket<'s> {
+    version: &'s AtomicU64,
+    hash: &'s AtomicU64,
+    slot: &'s [AtomicU64; SLOT_WORDS],
 }
 
 /// How long a filer waits for another's entry of the same key tag to be whole.
@@ -335,11 +342,6 @@ impl Shared {
         fence(Ordering::Release);
         self.bucket_head(bucket)?
             .store(head.pack(), Ordering::Relaxed);
-        self.fill_bucket(bucket, hash, slot, version)
-    }
-
-    /// Write `bucket`'s key slot and hash, then its version (I1): the end of every filing.
-    fn fill_bucket(&self, bucket: u64, hash: u64, slot: &[u8], version: u64) -> Result<()> {
         self.seg
             .write_from(self.layout.key_slot_offset(bucket), RawBytes::from(slot))?;
         self.bucket_hash(bucket)?.store(hash, Ordering::Relaxed);
@@ -355,7 +357,7 @@ impl Shared {
     /// change in progress) until [`Shared::finish_filing`]. Behind the gate buckets are only
     /// ever taken and filed, never emptied nor moved, so another filer of the same key meets
     /// this bucket on its probe and waits for the entry to compare keys.
-    pub(super) fn take_bucket(&self, query: &Query<'_>, head: Bucket) -> Result<Taken> {
+    pub(super) fn take_bucket(&self, query: &Query<'_>, head: Bucket) -> Result<Taken<'_>> {
         'probe: for bucket in self.probe(query.hash) {
             let [head_word, version_word] =
                 self.seg.atomics::<2>(self.layout.bucket_offset(bucket))?;
@@ -366,6 +368,13 @@ impl Shared {
                 let seen = head_word.load(Ordering::Acquire);
                 let (key, claimed) = match Bucket::unpack(seen) {
                     Bucket::Empty => {
+                        let taken = TakenBucket {
+                            version: version_word,
+                            hash: self.bucket_hash(bucket)?,
+                            slot: self
+                                .seg
+                                .atomics::<SLOT_WORDS>(self.layout.key_slot_offset(bucket))?,
+                        };
                         if head_word
                             .compare_exchange(
                                 seen,
@@ -375,7 +384,7 @@ impl Shared {
                             )
                             .is_ok()
                         {
-                            return Ok(Taken::Bucket(bucket));
+                            return Ok(Taken::Bucket(taken));
                         }
                         continue; // another filer took it: what for?
                     }
@@ -409,11 +418,17 @@ impl Shared {
     }
 
     /// Finish filing `query`'s key at `version` in the bucket [`Shared::take_bucket`] took:
-    /// I2, then the key slot and hash, then I1.
-    pub(super) fn finish_filing(&self, bucket: u64, query: &Query<'_>, version: u64) -> Result<()> {
+    /// I2, then the key slot (word by word; past the key's end a slot is never compared)
+    /// and the hash, then I1.
+    pub(super) fn finish_filing(taken: TakenBucket<'_>, query: &Query<'_>, version: u64) {
         // I2: a lookup that reads any byte written below sees version 0 or the new one.
         fence(Ordering::Release);
-        self.fill_bucket(bucket, query.hash, query.slot_bytes(), version)
+        for (slot_word, bytes) in taken.slot.iter().zip(query.slot_bytes().chunks(8)) {
+            slot_word.store(word(bytes), Ordering::Relaxed);
+        }
+        taken.hash.store(query.hash, Ordering::Relaxed);
+        // I1: the head and key slot are visible to whoever loads this version with Acquire.
+        taken.version.store(version, Ordering::Release);
     }
 
     /// File `query`'s key as stored in the chunk `(address, id)`, in `bucket` (empty, or

@@ -5,8 +5,9 @@
 //! block nobody lives to fill, which the next sweep reclaims, or a published chunk that no
 //! key names, which it evicts: nothing half-written is ever readable.
 
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 
+use super::super::Shared;
 use super::super::index::{Found, Query, Taken};
 use super::super::lock::{IndexGuard, LockGuard};
 use super::super::ring::Census;
@@ -37,6 +38,31 @@ struct Shape {
     payload_len: u64,
     /// The whole block: header, payload, long key, metadata, rounded up to `ALIGN`.
     size: u64,
+}
+
+/// A filled chunk's words that publishing it writes, resolved first (so that a publication
+/// without the lock cannot fail between taking its bucket and finishing its entry).
+struct ChunkMarks<'s> {
+    key_hash: &'s AtomicU64,
+    id: &'s AtomicU64,
+    state: &'s AtomicU64,
+}
+
+impl ChunkMarks<'_> {
+    /// Make the chunk readable under `id` (P1) and live, before its index entry is.
+    fn mark_live(&self, query: &Query<'_>, id: u64) {
+        self.key_hash.store(query.hash(), Ordering::Relaxed);
+        // P1: the chunk is readable from here on.
+        self.id.store(id, Ordering::Release);
+        crash::point("publish.id");
+        let live = BlockState {
+            kind: BlockKind::Live,
+            referenced: false,
+            keyed: true,
+        };
+        self.state.store(live.pack(), Ordering::Release);
+        crash::point("publish.live");
+    }
 }
 
 impl Writer {
@@ -292,7 +318,7 @@ impl Writer {
             Found::Claimed { bucket, .. } => (bucket, true),
             Found::Vacant { bucket } => (bucket, false),
         };
-        self.mark_live(query, address, id)?;
+        self.chunk_marks(address)?.mark_live(query, id);
         self.shared.file_entry(&index, bucket, query, address, id)?;
         if claimed {
             self.shared.adjust(&index, Counter::Claims, -1)?;
@@ -305,6 +331,7 @@ impl Writer {
     /// entry. Whether it did (if not, the index lock's holder is to).
     fn publish_unlocked(&self, query: &Query<'_>, address: u64, id: u64) -> Result<bool> {
         let sh = &self.shared;
+        let marks = self.chunk_marks(address)?;
         let Some(filing) = sh.start_filing(self.me)? else {
             return Ok(false);
         };
@@ -315,8 +342,10 @@ impl Writer {
             key: query.kref(),
             address,
         };
-        let bucket = match sh.take_bucket(query, head)? {
-            Taken::Bucket(bucket) => bucket,
+        // `take_bucket` resolves the words to write before it takes the bucket, and nothing
+        // after it can fail: a bucket left taken by a writer that lives on is never repaired.
+        let taken = match sh.take_bucket(query, head)? {
+            Taken::Bucket(taken) => taken,
             Taken::Stored => {
                 sh.uncount_filing(&filing)?;
                 return Err(Error::DuplicateKey(query.key.to_owned()));
@@ -327,29 +356,19 @@ impl Writer {
             }
         };
         crash::point("publish.filing");
-        self.mark_live(query, address, id)?;
-        sh.finish_filing(bucket, query, id)?;
+        marks.mark_live(query, id);
+        Shared::finish_filing(taken, query, id);
         Ok(true)
     }
 
-    /// Make the filled chunk at `address` readable under `id` (P1) and live, before its
-    /// index entry is.
-    fn mark_live(&self, query: &Query<'_>, address: u64, id: u64) -> Result<()> {
+    /// The words of the filled chunk at `address` that publishing it writes.
+    fn chunk_marks(&self, address: u64) -> Result<ChunkMarks<'_>> {
         let sh = &self.shared;
-        sh.chunk(address, chunk::KEY_HASH)?
-            .store(query.hash(), Ordering::Relaxed);
-        // P1: the chunk is readable from here on.
-        sh.chunk(address, chunk::ID)?.store(id, Ordering::Release);
-        crash::point("publish.id");
-        let live = BlockState {
-            kind: BlockKind::Live,
-            referenced: false,
-            keyed: true,
-        };
-        sh.chunk(address, chunk::STATE)?
-            .store(live.pack(), Ordering::Release);
-        crash::point("publish.live");
-        Ok(())
+        Ok(ChunkMarks {
+            key_hash: sh.chunk(address, chunk::KEY_HASH)?,
+            id: sh.chunk(address, chunk::ID)?,
+            state: sh.chunk(address, chunk::STATE)?,
+        })
     }
 
     /// Where `query`'s key is (or would be filed), under the index lock, with room made for
