@@ -29,12 +29,36 @@
 //! lock, whose next holder takes it over, repairs and closes the gate.
 
 use std::hint::spin_loop;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::Shared;
+use super::index::{Query, SLOT_WORDS};
 use super::lock::IndexGuard;
-use crate::error::Result;
-use crate::layout::{Counter, WriterId, header, slot};
+use crate::error::{Error, Result};
+use crate::keyhash::word;
+use crate::layout::{Bucket, Counter, WriterId, header, slot};
+
+/// What a writer filing a key without the index lock found on its probe.
+pub(super) enum Taken<'s> {
+    /// This bucket, taken for the key (its head set, its version still 0).
+    Bucket(TakenBucket<'s>),
+    /// The key is stored already.
+    Stored,
+    /// The key is claimed, or a bucket on the way stayed half filed: the index lock's
+    /// holder sorts it out.
+    Locked,
+}
+
+/// A bucket taken for a filing: its words, resolved before it was taken, so that finishing
+/// the entry cannot fail halfway (and leave the bucket taken by a writer that lives on).
+pub(super) struct TakenBucket<'s> {
+    version: &'s AtomicU64,
+    hash: &'s AtomicU64,
+    slot: &'s [AtomicU64; SLOT_WORDS],
+}
+
+/// How long a filer waits for another's entry of the same key tag to be whole.
+const FILING_SPINS: u32 = 1024;
 
 /// A filing's count, given back when dropped.
 pub(super) struct Filing<'a>(&'a AtomicU64);
@@ -144,5 +168,85 @@ impl Shared {
         // behind it.
         self.gate()?.store(0, Ordering::Release);
         Ok(())
+    }
+
+    /// Take the bucket `query`'s key is to be filed in as `head`, without the index lock (a
+    /// filing counted in behind the closed gate, `gate.rs`): the first empty bucket of its
+    /// probe, taken with a CAS of its head. Its version stays 0 (lookups take it for a
+    /// change in progress) until [`Shared::finish_filing`]. Behind the gate buckets are only
+    /// ever taken and filed, never emptied nor moved, so another filer of the same key meets
+    /// this bucket on its probe and waits for the entry to compare keys.
+    pub(super) fn take_bucket(&self, query: &Query<'_>, head: Bucket) -> Result<Taken<'_>> {
+        'probe: for bucket in self.probe(query.hash()) {
+            let [head_word, version_word] =
+                self.seg.atomics::<2>(self.layout.bucket_offset(bucket))?;
+            let mut spins = 0;
+            loop {
+                // Acquire: pairs with a remover's Release store of `Empty` (its version 0 is
+                // visible) and with another filer's CAS.
+                let seen = head_word.load(Ordering::Acquire);
+                let (key, claimed) = match Bucket::unpack(seen) {
+                    Bucket::Empty => {
+                        let taken = TakenBucket {
+                            version: version_word,
+                            hash: self.bucket_hash(bucket)?,
+                            slot: self
+                                .seg
+                                .atomics::<SLOT_WORDS>(self.layout.key_slot_offset(bucket))?,
+                        };
+                        if head_word
+                            .compare_exchange(
+                                seen,
+                                head.pack(),
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            )
+                            .is_ok()
+                        {
+                            return Ok(Taken::Bucket(taken));
+                        }
+                        continue; // another filer took it: what for?
+                    }
+                    Bucket::Live { key, .. } => (key, false),
+                    Bucket::Claim { key, .. } => (key, true),
+                };
+                if key != query.kref() {
+                    continue 'probe;
+                }
+                // Acquire: pairs with I1 (the whole entry is visible).
+                if version_word.load(Ordering::Acquire) != 0 {
+                    if !self.key_slot_matches(bucket, query)? {
+                        continue 'probe;
+                    }
+                    return Ok(if claimed {
+                        Taken::Locked
+                    } else {
+                        Taken::Stored
+                    });
+                }
+                spins += 1;
+                if spins > FILING_SPINS {
+                    return Ok(Taken::Locked);
+                }
+                spin_loop();
+            }
+        }
+        Err(Error::Corrupt(
+            "the key index has no empty bucket (it is never filled past half)".into(),
+        ))
+    }
+
+    /// Finish filing `query`'s key at `version` in the bucket [`Shared::take_bucket`] took:
+    /// I2, then the key slot (word by word; past the key's end a slot is never compared)
+    /// and the hash, then I1.
+    pub(super) fn finish_filing(taken: TakenBucket<'_>, query: &Query<'_>, version: u64) {
+        // I2: a lookup that reads any byte written below sees version 0 or the new one.
+        fence(Ordering::Release);
+        for (slot_word, bytes) in taken.slot.iter().zip(query.slot_bytes().chunks(8)) {
+            slot_word.store(word(bytes), Ordering::Relaxed);
+        }
+        taken.hash.store(query.hash(), Ordering::Relaxed);
+        // I1: the head and key slot are visible to whoever loads this version with Acquire.
+        taken.version.store(version, Ordering::Release);
     }
 }

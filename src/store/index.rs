@@ -11,8 +11,9 @@
 //! is a hash, one or two buckets and a key compare.
 //!
 //! Lookups read each bucket under a seqlock on its version word (I1/I2 in the protocol of
-//! [`store`](super)). Every change is made under the index lock: filing an entry or a claim,
-//! turning a claim into an entry in place, and removing one. A removal leaves no tombstone:
+//! [`store`](super)). A new key is filed without a lock, behind the index gate (`gate.rs`);
+//! every other change is made under the index lock: filing a claim, turning a claim into an
+//! entry in place, and removing either. A removal leaves no tombstone:
 //! the entries after it in its cluster whose probe would pass the gap are moved back into it
 //! (backward shift), so the table never silts up with deleted entries and probes stay as
 //! short as the load allows. A move copies the entry before its old place is reused, so an
@@ -34,7 +35,7 @@ use crate::layout::{Bucket, Counter, KEY_SLOT_SIZE, KeyRef, WriterId, chunk, hea
 use crate::segment::RawBytes;
 
 /// The words of a key slot.
-const SLOT_WORDS: usize = (KEY_SLOT_SIZE / 8) as usize;
+pub(super) const SLOT_WORDS: usize = (KEY_SLOT_SIZE / 8) as usize;
 
 /// A key as the index looks for it: hashed once per operation.
 #[derive(Debug)]
@@ -67,7 +68,7 @@ impl<'k> Query<'k> {
     }
 
     /// What the key slot holds for this key.
-    fn slot_bytes(&self) -> &[u8] {
+    pub(super) fn slot_bytes(&self) -> &[u8] {
         match &self.digest {
             Some(digest) => digest,
             None => self.key.as_bytes(),
@@ -103,28 +104,6 @@ pub(super) enum Seen {
     Absent,
 }
 
-/// What a writer filing a key without the index lock found on its probe.
-pub(super) enum Taken<'s> {
-    /// This bucket, taken for the key (its head set, its version still 0).
-    Bucket(TakenBucket<'s>),
-    /// The key is stored already.
-    Stored,
-    /// The key is claimed, or a bucket on the way stayed half filed: the index lock's
-    /// holder sorts it out.
-    Locked,
-}
-
-/// A bucket taken for a filing: its words, resolved before it was taken, so that finishing
-/// the entry cannot fail halfway (and leave the bucket taken by a writer that lives on).
-pub(super) struct TakenBucket<'s> {
-    version: &'s AtomicU64,
-    hash: &'s AtomicU64,
-    slot: &'s [AtomicU64; SLOT_WORDS],
-}
-
-/// How long a filer waits for another's entry of the same key tag to be whole.
-const FILING_SPINS: u32 = 1024;
-
 /// Where a key is, or would go, as the index lock's holder finds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Found {
@@ -154,7 +133,7 @@ impl Shared {
         self.seg.atomic(self.layout.bucket_offset(bucket) + 8)
     }
 
-    fn bucket_hash(&self, bucket: u64) -> Result<&AtomicU64> {
+    pub(super) fn bucket_hash(&self, bucket: u64) -> Result<&AtomicU64> {
         self.seg.atomic(self.layout.bucket_hash_offset(bucket))
     }
 
@@ -172,7 +151,7 @@ impl Shared {
     /// Whether bucket `bucket`'s key slot holds `query`'s key (read racily: the caller
     /// confirms the bucket's version after).
     #[inline(always)]
-    fn key_slot_matches(&self, bucket: u64, query: &Query<'_>) -> Result<bool> {
+    pub(super) fn key_slot_matches(&self, bucket: u64, query: &Query<'_>) -> Result<bool> {
         let slot = self
             .seg
             .atomics::<SLOT_WORDS>(self.layout.key_slot_offset(bucket))?;
@@ -194,7 +173,7 @@ impl Shared {
     }
 
     /// The buckets a probe for `hash` visits, in order (each once).
-    fn probe(&self, hash: u64) -> impl Iterator<Item = u64> {
+    pub(super) fn probe(&self, hash: u64) -> impl Iterator<Item = u64> {
         let n = self.layout.index_buckets;
         let start = hash & (n - 1);
         (0..n).map(move |i| (start + i) & (n - 1))
@@ -349,86 +328,6 @@ impl Shared {
         self.bucket_version(bucket)?
             .store(version, Ordering::Release);
         Ok(())
-    }
-
-    /// Take the bucket `query`'s key is to be filed in as `head`, without the index lock (a
-    /// filing counted in behind the closed gate, `gate.rs`): the first empty bucket of its
-    /// probe, taken with a CAS of its head. Its version stays 0 (lookups take it for a
-    /// change in progress) until [`Shared::finish_filing`]. Behind the gate buckets are only
-    /// ever taken and filed, never emptied nor moved, so another filer of the same key meets
-    /// this bucket on its probe and waits for the entry to compare keys.
-    pub(super) fn take_bucket(&self, query: &Query<'_>, head: Bucket) -> Result<Taken<'_>> {
-        'probe: for bucket in self.probe(query.hash) {
-            let [head_word, version_word] =
-                self.seg.atomics::<2>(self.layout.bucket_offset(bucket))?;
-            let mut spins = 0;
-            loop {
-                // Acquire: pairs with a remover's Release store of `Empty` (its version 0 is
-                // visible) and with another filer's CAS.
-                let seen = head_word.load(Ordering::Acquire);
-                let (key, claimed) = match Bucket::unpack(seen) {
-                    Bucket::Empty => {
-                        let taken = TakenBucket {
-                            version: version_word,
-                            hash: self.bucket_hash(bucket)?,
-                            slot: self
-                                .seg
-                                .atomics::<SLOT_WORDS>(self.layout.key_slot_offset(bucket))?,
-                        };
-                        if head_word
-                            .compare_exchange(
-                                seen,
-                                head.pack(),
-                                Ordering::AcqRel,
-                                Ordering::Acquire,
-                            )
-                            .is_ok()
-                        {
-                            return Ok(Taken::Bucket(taken));
-                        }
-                        continue; // another filer took it: what for?
-                    }
-                    Bucket::Live { key, .. } => (key, false),
-                    Bucket::Claim { key, .. } => (key, true),
-                };
-                if key != query.kref {
-                    continue 'probe;
-                }
-                // Acquire: pairs with I1 (the whole entry is visible).
-                if version_word.load(Ordering::Acquire) != 0 {
-                    if !self.key_slot_matches(bucket, query)? {
-                        continue 'probe;
-                    }
-                    return Ok(if claimed {
-                        Taken::Locked
-                    } else {
-                        Taken::Stored
-                    });
-                }
-                spins += 1;
-                if spins > FILING_SPINS {
-                    return Ok(Taken::Locked);
-                }
-                spin_loop();
-            }
-        }
-        Err(Error::Corrupt(
-            "the key index has no empty bucket (it is never filled past half)".into(),
-        ))
-    }
-
-    /// Finish filing `query`'s key at `version` in the bucket [`Shared::take_bucket`] took:
-    /// I2, then the key slot (word by word; past the key's end a slot is never compared)
-    /// and the hash, then I1.
-    pub(super) fn finish_filing(taken: TakenBucket<'_>, query: &Query<'_>, version: u64) {
-        // I2: a lookup that reads any byte written below sees version 0 or the new one.
-        fence(Ordering::Release);
-        for (slot_word, bytes) in taken.slot.iter().zip(query.slot_bytes().chunks(8)) {
-            slot_word.store(word(bytes), Ordering::Relaxed);
-        }
-        taken.hash.store(query.hash, Ordering::Relaxed);
-        // I1: the head and key slot are visible to whoever loads this version with Acquire.
-        taken.version.store(version, Ordering::Release);
     }
 
     /// File `query`'s key as stored in the chunk `(address, id)`, in `bucket` (empty, or

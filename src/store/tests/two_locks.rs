@@ -436,7 +436,7 @@ fn die_filing(b: Writer, key: &str) {
         };
         assert!(matches!(
             sh.take_bucket(&query, head).unwrap(),
-            index::Taken::Bucket(_)
+            gate::Taken::Bucket(_)
         ));
         std::mem::forget(filing);
     }

@@ -8,7 +8,8 @@
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::super::Shared;
-use super::super::index::{Found, Query, Taken};
+use super::super::gate::Taken;
+use super::super::index::{Found, Query};
 use super::super::lock::{IndexGuard, LockGuard};
 use super::super::ring::Census;
 use super::super::{crash, mac_words};
