@@ -99,7 +99,8 @@ pub(super) struct Entry {
 pub(super) enum Seen {
     Stored(Entry),
     Claimed(WriterId),
-    /// Its bucket is being changed right now (a claim becoming an entry, say).
+    /// Its bucket is being changed right now (a claim becoming an entry, say), or entries
+    /// kept moving while [`Shared::seek`] tried to confirm a miss: it may be stored.
     Changing,
     Absent,
 }
@@ -120,8 +121,8 @@ pub(super) struct Filed {
     pub(super) version: u64,
 }
 
-/// Lookups that found a move in progress try again this often before answering with what
-/// they saw (a holder that died moving leaves the count odd until the lock is taken over).
+/// Lookups that found a move in progress try again this often before answering `Changing`
+/// (a holder that died moving leaves the count odd until the lock is taken over).
 const SEEK_ATTEMPTS: usize = 64;
 
 impl Shared {
@@ -192,13 +193,13 @@ impl Shared {
         if matches!(seen, Seen::Stored(_) | Seen::Claimed(_)) {
             return Ok(seen);
         }
-        self.confirm_miss(query, seen)
+        self.confirm_miss(query)
     }
 
-    /// [`Shared::seek`] after a first probe that found nothing (`seen`): probe again until
-    /// no move overlapped the probe.
+    /// [`Shared::seek`] after a first probe that found nothing: probe again until no move
+    /// overlapped the probe; `Changing` if none could be confirmed so.
     #[inline(never)]
-    fn confirm_miss(&self, query: &Query<'_>, mut seen: Seen) -> Result<Seen> {
+    fn confirm_miss(&self, query: &Query<'_>) -> Result<Seen> {
         let moves = self.moves()?;
         for _ in 0..SEEK_ATTEMPTS {
             let before = moves.load(Ordering::Acquire);
@@ -206,7 +207,7 @@ impl Shared {
                 spin_loop();
                 continue;
             }
-            seen = self.probe_for(query)?;
+            let seen = self.probe_for(query)?;
             if matches!(seen, Seen::Stored(_) | Seen::Claimed(_)) {
                 return Ok(seen);
             }
@@ -215,7 +216,8 @@ impl Shared {
                 return Ok(seen);
             }
         }
-        Ok(seen)
+        // Unconfirmed: a change that skips the index lock on a miss must not skip it here.
+        Ok(Seen::Changing)
     }
 
     /// One probe for `query` (a seqlock read per bucket, I1/I2 in the protocol).

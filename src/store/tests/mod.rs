@@ -4,10 +4,11 @@
 //! `inspect`, orphans), `model` (a proptest state machine against a model). Several writers:
 //! `members` (sharing, joining, leaving, metadata), `claims` (single flight, a full index),
 //! `crash` (writers that die: their stamps void, a lock they held taken over and repaired),
-//! `writers_model` (three writers against a model), `buffers` (allocation buffers), `two_locks`
-//! (the index and the ring agree after races and deaths). `race`:
-//! threads racing (readers against an evicting writer; several writers' threads on the same
-//! keys, in a small ring and in one where every object is carved from a buffer).
+//! `writers_model` (three writers against a model), `buffers` (allocation buffers), `lookups`
+//! (lock-free lookups meeting a change in progress), `two_locks` (the index and the ring
+//! agree after races and deaths). `race`: threads racing (readers against an evicting
+//! writer; several writers' threads on the same keys, in a small ring and in one where every
+//! object is carved from a buffer).
 
 use std::collections::HashMap;
 
@@ -19,6 +20,7 @@ mod basics;
 mod buffers;
 mod claims;
 mod crash;
+mod lookups;
 mod members;
 mod model;
 mod protection;

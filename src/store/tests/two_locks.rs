@@ -35,6 +35,21 @@ fn check(w: &Writer, orphans: bool) {
             Bucket::Empty => {}
         }
     }
+    // Every entry is reachable: its key's probe, from its home bucket, finds it (no empty
+    // bucket lies between), and no key has two entries.
+    let mut keys = std::collections::HashSet::new();
+    for filed in sh.filed().unwrap() {
+        if let Some(key) = sh.key_of(&filed).unwrap() {
+            assert!(keys.insert(key.clone()), "key {key} filed twice");
+            match sh.find(&index, &w.query(&key)).unwrap() {
+                index::Found::Stored(entry) => assert_eq!(entry.bucket, filed.bucket, "{key}"),
+                other => panic!(
+                    "key {key} in bucket {} unreachable: {other:?}",
+                    filed.bucket
+                ),
+            }
+        }
+    }
     let mut in_use = 0;
     for block in sh.blocks(&ring).unwrap() {
         if block.state.kind != BlockKind::Free {
@@ -480,4 +495,85 @@ fn a_writer_that_joins_the_slot_of_one_that_died_filing_repairs_the_index_first(
     c.put("half", &[&[7u8; 500]]).unwrap();
     assert_eq!(a.read_key("half").unwrap(), vec![7u8; 500]);
     check_consistent(&a);
+}
+
+/// Whether `key` is stored, as the index lock's holder finds it (no lookup race).
+fn stored_under_lock(w: &Writer, key: &str) -> bool {
+    let _busy = w.enter().unwrap();
+    let index = w.shared.lock_index(w.me).unwrap();
+    matches!(
+        w.shared.find(&index, &w.query(key)).unwrap(),
+        index::Found::Stored(_)
+    )
+}
+
+#[test]
+fn filings_racing_removals_in_a_dense_index_lose_no_entry() {
+    // A 64-bucket index kept nearly half full, so clusters are long: each thread puts and
+    // invalidates keys only it touches (so it knows whether each is stored) among shared
+    // keys every thread puts and invalidates, whose removals shift entries back while
+    // filings take buckets. No ring wrap, no index full: nothing is ever evicted.
+    let config = Config {
+        max_writers: 3,
+        max_objects: Some(32),
+        ..Config::new(64 << 20, 1, None)
+    };
+    let first = Writer::create_with(&config, None).unwrap();
+    let writers = [join(&first), join(&first), first];
+    std::thread::scope(|scope| {
+        for (wi, w) in writers.iter().enumerate() {
+            for t in 0..2u64 {
+                scope.spawn(move || {
+                    let me = wi as u64 * 2 + t;
+                    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (me + 1));
+                    let mut stored = [false; 3];
+                    for _ in 0..20_000 {
+                        if rng.below(2) == 0 {
+                            let k = rng.below(12);
+                            let key = format!("shared{k}");
+                            match rng.below(2) {
+                                0 => match w.put(&key, &[&payload(k, 100)]) {
+                                    Ok(h) => w.release(&h).unwrap(),
+                                    Err(Error::DuplicateKey(_)) => {}
+                                    Err(e) => panic!("put: {e}"),
+                                },
+                                _ => w.invalidate(&key).unwrap(),
+                            }
+                            continue;
+                        }
+                        let i = rng.below(3) as usize;
+                        let key = format!("own{me}.{i}");
+                        let tag = 1000 + me * 3 + i as u64;
+                        if stored[i] {
+                            match w.read_key(&key) {
+                                Ok(got) => assert_eq!(got, payload(tag, 100), "{key}"),
+                                // A lookup may miss it while a move is stalled: not lost.
+                                Err(Error::KeyNotFound(_)) => {
+                                    assert!(stored_under_lock(w, &key), "{key} lost");
+                                }
+                                Err(e) => panic!("read {key}: {e}"),
+                            }
+                            w.invalidate(&key).unwrap();
+                            assert!(!stored_under_lock(w, &key), "{key} invalidated");
+                        } else {
+                            assert!(!stored_under_lock(w, &key), "{key} not put");
+                            match w.put(&key, &[&payload(tag, 100)]) {
+                                Ok(h) => w.release(&h).unwrap(),
+                                Err(e) => panic!("put {key}: {e}"),
+                            }
+                            assert!(stored_under_lock(w, &key), "{key} put");
+                        }
+                        stored[i] = !stored[i];
+                        if rng.below(8) == 0 {
+                            std::thread::yield_now();
+                        }
+                    }
+                });
+            }
+        }
+    });
+    assert_eq!(stats_of(&writers[0])["evictions"], 0);
+    for w in &writers {
+        check_consistent(w);
+    }
 }

@@ -70,8 +70,12 @@ impl Writer {
     pub fn unclaim(&self, key: &str) -> Result<()> {
         self.check_open()?;
         let query = self.query(key);
-        if !matches!(self.shared.seek(&query)?, Seen::Claimed(owner) if owner == self.me) {
-            return Ok(());
+        // Without the lock only when the claim is surely not ours: a lookup that met a change
+        // in progress (`Changing`) may have missed it.
+        match self.shared.seek(&query)? {
+            Seen::Claimed(owner) if owner == self.me => {}
+            Seen::Changing => {}
+            _ => return Ok(()),
         }
         let _busy = self.enter()?;
         let index = self.lock_index()?;

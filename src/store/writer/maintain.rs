@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{Ordering, fence};
 
-use super::super::index::Found;
+use super::super::index::{Found, Seen};
 use super::super::ring::Census;
 use super::super::{Stats, crash, update_word};
 use super::Writer;
@@ -18,7 +18,9 @@ impl Writer {
     pub fn invalidate(&self, key: &str) -> Result<()> {
         self.check_open()?;
         let query = self.query(key);
-        if self.shared.lookup(&query)?.is_none() {
+        // Without the lock only when the key is surely not stored: a lookup that met a change
+        // in progress (`Changing`) may have missed it.
+        if matches!(self.shared.seek(&query)?, Seen::Absent | Seen::Claimed(_)) {
             return Ok(());
         }
         let _busy = self.enter()?;
