@@ -321,11 +321,11 @@ impl Shared {
         version_word.store(0, Ordering::Relaxed);
         // I2: a lookup that reads any byte written below sees version 0 or the new one.
         fence(Ordering::Release);
-        self.bucket_head(bucket)?
-            .store(head.pack(), Ordering::Relaxed);
         self.seg
             .write_from(self.layout.key_slot_offset(bucket), RawBytes::from(slot))?;
         self.bucket_hash(bucket)?.store(hash, Ordering::Relaxed);
+        self.bucket_head(bucket)?
+            .store(head.pack(), Ordering::Relaxed);
         // I1: the head and key slot are visible to whoever loads this version with Acquire.
         self.bucket_version(bucket)?
             .store(version, Ordering::Release);

@@ -380,6 +380,7 @@ fn filing_race() {
     const KEYS: u64 = 1500;
     let stored = std::sync::Mutex::new(vec![0u32; KEYS as usize]);
     let done = std::sync::atomic::AtomicBool::new(false);
+    let start = std::sync::Barrier::new(6);
     std::thread::scope(|scope| {
         let gate_keeper = &writers[2];
         let done = &done;
@@ -397,8 +398,9 @@ fn filing_race() {
         let mut putters = Vec::new();
         for (wi, w) in writers.iter().enumerate() {
             for t in 0..2u64 {
-                let stored = &stored;
+                let (stored, start) = (&stored, &start);
                 putters.push(scope.spawn(move || {
+                    start.wait();
                     // Each thread walks the keys from its own starting point.
                     let start = (wi as u64 * 2 + t) * KEYS / 6;
                     for n in 0..KEYS {

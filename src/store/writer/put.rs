@@ -345,7 +345,9 @@ impl Writer {
         };
         // `take_bucket` resolves the words to write before it takes the bucket, and nothing
         // after it can fail: a bucket left taken by a writer that lives on is never repaired.
-        let taken = match sh.take_bucket(query, head)? {
+        let taken = match sh.take_bucket(query, head).inspect_err(|_| {
+            let _ = sh.uncount_filing(&filing);
+        })? {
             Taken::Bucket(taken) => taken,
             Taken::Stored => {
                 sh.uncount_filing(&filing)?;
