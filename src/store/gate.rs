@@ -171,7 +171,7 @@ impl Shared {
     }
 
     /// Take the bucket `query`'s key is to be filed in as `head`, without the index lock (a
-    /// filing counted in behind the closed gate, `gate.rs`): the first empty bucket of its
+    /// filing counted in behind the closed gate): the first empty bucket of its
     /// probe, taken with a CAS of its head. Its version stays 0 (lookups take it for a
     /// change in progress) until [`Shared::finish_filing`]. Behind the gate buckets are only
     /// ever taken and filed, never emptied nor moved, so another filer of the same key meets
