@@ -70,6 +70,24 @@ impl Drop for Filing<'_> {
     }
 }
 
+/// An object a filing counted in the `objects` gauge ahead of filing it: taken back when
+/// dropped, unless the filing filed it ([`Counted::keep`]). Dropped before its [`Filing`]
+/// (declared after it), so the holder never sees the gauge change behind the gate.
+pub(super) struct Counted<'a>(&'a AtomicU64);
+
+impl Counted<'_> {
+    /// The object was filed: it stays counted.
+    pub(super) fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Spins between two checks that a filer the gate's opener waits for still lives.
 const SPINS_PER_CHECK: u32 = 1024;
 
@@ -109,22 +127,14 @@ impl Shared {
 
     /// Count one more object in the `objects` gauge for a filing (counted in), if the index
     /// has room for it without evicting: the gauge is added to atomically, as other filers
-    /// add theirs meanwhile (claims change only behind the gate). Whether it did.
-    pub(super) fn count_filing(&self, _filing: &Filing<'_>) -> Result<bool> {
+    /// add theirs meanwhile (claims change only behind the gate). `None`, counting nothing,
+    /// if it has not.
+    pub(super) fn count_filing(&self, _filing: &Filing<'_>) -> Result<Option<Counted<'_>>> {
         let objects = self.counter(Counter::Objects)?;
         let claims = self.counter(Counter::Claims)?.load(Ordering::Relaxed);
-        if objects.fetch_add(1, Ordering::Relaxed) + claims < self.layout.max_objects {
-            return Ok(true);
-        }
-        objects.fetch_sub(1, Ordering::Relaxed);
-        Ok(false)
-    }
-
-    /// Take back what [`Shared::count_filing`] counted, for a filing that did not file.
-    pub(super) fn uncount_filing(&self, _filing: &Filing<'_>) -> Result<()> {
-        self.counter(Counter::Objects)?
-            .fetch_sub(1, Ordering::Relaxed);
-        Ok(())
+        let before = objects.fetch_add(1, Ordering::Relaxed);
+        let counted = Counted(objects);
+        Ok((before + claims < self.layout.max_objects).then_some(counted))
     }
 
     /// Open the gate (index lock held) and wait until no writer is filing. Whether one died

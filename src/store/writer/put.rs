@@ -310,7 +310,8 @@ impl Writer {
     /// can be evicted for it. A new key is filed without a lock (`gate.rs`); a claimed one,
     /// or one for which the index must make room, under the index lock.
     fn publish(&self, query: &Query<'_>, address: u64, id: u64) -> Result<()> {
-        if self.publish_unlocked(query, address, id)? {
+        let marks = self.chunk_marks(address)?;
+        if self.publish_unlocked(query, address, id, &marks)? {
             return Ok(());
         }
         let (_ring, index, found) = self.find_with_room(query)?;
@@ -319,7 +320,7 @@ impl Writer {
             Found::Claimed { bucket, .. } => (bucket, true),
             Found::Vacant { bucket } => (bucket, false),
         };
-        self.chunk_marks(address)?.mark_live(query, id);
+        marks.mark_live(query, id);
         self.shared.file_entry(&index, bucket, query, address, id)?;
         if claimed {
             self.shared.adjust(&index, Counter::Claims, -1)?;
@@ -330,37 +331,35 @@ impl Writer {
     /// Publish without the index lock, if the gate is closed, the index has room and the
     /// key is neither stored nor claimed: take its bucket, mark the chunk live, finish the
     /// entry. Whether it did (if not, the index lock's holder is to).
-    fn publish_unlocked(&self, query: &Query<'_>, address: u64, id: u64) -> Result<bool> {
+    fn publish_unlocked(
+        &self,
+        query: &Query<'_>,
+        address: u64,
+        id: u64,
+        marks: &ChunkMarks<'_>,
+    ) -> Result<bool> {
         let sh = &self.shared;
-        let marks = self.chunk_marks(address)?;
         let Some(filing) = sh.start_filing(self.me)? else {
             return Ok(false);
         };
-        if !sh.count_filing(&filing)? {
+        let Some(counted) = sh.count_filing(&filing)? else {
             return Ok(false);
-        }
+        };
         let head = Bucket::Live {
             key: query.kref(),
             address,
         };
         // `take_bucket` resolves the words to write before it takes the bucket, and nothing
         // after it can fail: a bucket left taken by a writer that lives on is never repaired.
-        let taken = match sh.take_bucket(query, head).inspect_err(|_| {
-            let _ = sh.uncount_filing(&filing);
-        })? {
+        let taken = match sh.take_bucket(query, head)? {
             Taken::Bucket(taken) => taken,
-            Taken::Stored => {
-                sh.uncount_filing(&filing)?;
-                return Err(Error::DuplicateKey(query.key.to_owned()));
-            }
-            Taken::Locked => {
-                sh.uncount_filing(&filing)?;
-                return Ok(false);
-            }
+            Taken::Stored => return Err(Error::DuplicateKey(query.key.to_owned())),
+            Taken::Locked => return Ok(false),
         };
         crash::point("publish.filing");
         marks.mark_live(query, id);
         Shared::finish_filing(taken, query, id);
+        counted.keep();
         Ok(true)
     }
 
