@@ -23,9 +23,10 @@
 //!
 //! A filer never waits for the lock while counted in, so the holder's wait always ends — but
 //! for a filer that died: the holder finds its writer gone (the epoch in its filing word is
-//! no longer its slot's occupant, or the occupant's OFD lock is gone), voids its count and
-//! repairs the index (`repair_index`), which drops a half-filed bucket and recounts the
-//! gauges it may have counted. A gate left open by a holder that died sends filers to the
+//! no longer its slot's occupant, or the occupant's OFD lock is gone), repairs the index
+//! (`repair_index`), which drops a half-filed bucket and recounts the gauges it may have
+//! counted, and only then voids its count: a holder that fails or dies before that leaves
+//! the count, and so the repair, to the next one. A gate left open by a holder that died sends filers to the
 //! lock, whose next holder takes it over, repairs and closes the gate.
 
 use std::hint::spin_loop;
@@ -88,6 +89,12 @@ impl Drop for Counted<'_> {
     }
 }
 
+/// The filing word of a writer that died counted in, as the gate's opener saw it.
+pub(super) struct DeadFiling {
+    slot: u32,
+    seen: u64,
+}
+
 /// Spins between two checks that a filer the gate's opener waits for still lives.
 const SPINS_PER_CHECK: u32 = 1024;
 
@@ -137,11 +144,13 @@ impl Shared {
         Ok((before + claims < self.layout.max_objects).then_some(counted))
     }
 
-    /// Open the gate (index lock held) and wait until no writer is filing. Whether one died
-    /// filing: the index then needs [`Shared::repair_index`] before anything else.
-    pub(super) fn open_gate(&self, _index: &IndexGuard<'_>) -> Result<bool> {
+    /// Open the gate (index lock held) and wait until no writer is filing: the filing words
+    /// of the writers that died counted in, as seen (empty unless one did). Their counts
+    /// stand until [`Shared::void_filings`], after the [`Shared::repair_index`] they call
+    /// for: a holder that fails or dies before then leaves them for the next one.
+    pub(super) fn open_gate(&self, _index: &IndexGuard<'_>) -> Result<Vec<DeadFiling>> {
         self.gate()?.store(1, Ordering::SeqCst);
-        let mut died = false;
+        let mut dead = Vec::new();
         for s in 0..self.layout.max_writers {
             let word = self.writer_slot(s, slot::FILING)?;
             let mut spins = 0u32;
@@ -159,17 +168,31 @@ impl Shared {
                     slot: s,
                     epoch: (seen >> 32) as u32,
                 };
-                if self.writer_alive(filer)? {
-                    std::thread::yield_now();
-                } else if word
-                    .compare_exchange(seen, seen & !COUNT, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    died = true;
+                if !self.writer_alive(filer)? {
+                    dead.push(DeadFiling { slot: s, seen });
+                    break;
                 }
+                std::thread::yield_now();
             }
         }
-        Ok(died)
+        Ok(dead)
+    }
+
+    /// Void the counts of writers that died filing (index lock held, the index repaired
+    /// since [`Shared::open_gate`] found them). A word that changed meanwhile is left as it
+    /// is: only a joiner of the slot changes it, and only once no count is left in it.
+    pub(super) fn void_filings(&self, _index: &IndexGuard<'_>, dead: &[DeadFiling]) -> Result<()> {
+        for filing in dead {
+            let word = self.writer_slot(filing.slot, slot::FILING)?;
+            // The count goes, the epoch stays (so the word still names no live writer).
+            let _ = word.compare_exchange(
+                filing.seen,
+                filing.seen & !COUNT,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+        Ok(())
     }
 
     /// Close the gate (the index lock's holder, before giving it back): filings may start.

@@ -93,10 +93,11 @@ impl Shared {
     /// may take it; a holder of the index lock never takes the ring lock.
     pub(super) fn lock_index(&self, me: WriterId) -> Result<IndexGuard<'_>> {
         let guard = IndexGuard(self.acquire(me, header::INDEX_LOCK)?);
-        let filer_died = self.open_gate(&guard)?;
-        if guard.0.taken_over || filer_died {
+        let dead_filings = self.open_gate(&guard)?;
+        if guard.0.taken_over || !dead_filings.is_empty() {
             self.repair_index(&guard)?;
         }
+        self.void_filings(&guard, &dead_filings)?;
         Ok(guard)
     }
 

@@ -116,9 +116,17 @@ fn a_store_whose_writers_all_died_cannot_be_joined_and_is_prunable() {
     pretend_writer_dead(a);
     assert_eq!(status(&name).unwrap(), Status::Live, "b lives");
     pretend_writer_dead(b);
-    assert!(matches!(status(&name).unwrap(), Status::Orphaned(_)));
-    assert!(matches!(Writer::join(&info), Err(Error::WriterGone(_))));
-    crate::segment::unlink(&name).unwrap();
+    // From here on, a store another test creates meanwhile may prune the segment (its
+    // creation sweeps orphans, and only orphans): gone is that same verdict.
+    fn pruned<T>(r: &Result<T>) -> bool {
+        matches!(r, Err(Error::NotFound(_)))
+    }
+    let verdict = status(&name);
+    assert!(pruned(&verdict) || matches!(verdict, Ok(Status::Orphaned(_))));
+    let joined = Writer::join(&info);
+    assert!(pruned(&joined) || matches!(joined, Err(Error::WriterGone(_))));
+    let unlinked = crate::segment::unlink(&name);
+    assert!(pruned(&unlinked) || unlinked.is_ok());
 }
 
 #[test]

@@ -480,6 +480,32 @@ fn a_writer_that_dies_filing_is_repaired_by_the_next_holder_of_the_index_lock() 
 }
 
 #[test]
+fn a_holder_that_stops_before_repairing_leaves_a_dead_filers_count_to_the_next() {
+    let (a, b, _) = two_writers_four_objects();
+    {
+        let _busy = a.enter().unwrap();
+        let index = a.shared.lock_index(a.me).unwrap();
+        // Let b file behind a's back (as if a had taken the lock after b counted in), die
+        // there, and have a find it, then stop (an error, a death) before repairing.
+        a.shared.close_gate().unwrap();
+        die_filing(b, "half");
+        assert_eq!(a.shared.open_gate(&index).unwrap().len(), 1);
+    }
+    assert!(
+        a.shared.left_filing(1).unwrap(),
+        "the count stands until the repair it calls for is done"
+    );
+    a.put("half", &[&[7u8; 500]]).unwrap();
+    assert!(
+        !a.shared.left_filing(1).unwrap(),
+        "the next holder repaired, then voided"
+    );
+    assert_eq!(a.read_key("half").unwrap(), vec![7u8; 500]);
+    assert_eq!(stats_of(&a)["objects"], 5);
+    check_consistent(&a);
+}
+
+#[test]
 fn a_writer_that_joins_the_slot_of_one_that_died_filing_repairs_the_index_first() {
     let (a, b, _) = two_writers_four_objects();
     die_filing(b, "half");
