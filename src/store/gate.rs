@@ -26,8 +26,8 @@
 //! no longer its slot's occupant, or the occupant's OFD lock is gone), repairs the index
 //! (`repair_index`), which drops a half-filed bucket and recounts the gauges it may have
 //! counted, and only then voids its count: a holder that fails or dies before that leaves
-//! the count, and so the repair, to the next one. A gate left open by a holder that died sends filers to the
-//! lock, whose next holder takes it over, repairs and closes the gate.
+//! the count, and so the repair, to the next one. A gate left open by a holder that died
+//! sends filers to the lock, whose next holder takes it over, repairs and closes the gate.
 
 use std::hint::spin_loop;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
