@@ -4,8 +4,9 @@ moments, replaced in the dead writer's slot, while readers check every handle.
 
 Two episodes with a deterministic schedule arm every point of ``_core.CRASH_POINTS`` once,
 the first with the core's writers, the second with ``ShmSenderCache.join`` caches (about a
-minute on two loaded cores); the test fails unless each point actually killed a
-writer, so a schedule that stops reaching a point is noticed.  Longer runs:
+minute on two loaded cores); a point no writer reached (its budget of operations ran out
+first) is armed again in up to three more episodes. The test fails unless each point actually
+killed a writer, so a schedule that stops reaching a point is noticed.  Longer runs:
 ``python -m tests.drift --model multi_writer --seconds 600``.
 """
 
@@ -44,6 +45,17 @@ def test_every_crash_point_kills_a_writer_and_no_reader_sees_wrong_bytes() -> No
             ((points[:half], "store"), (points[half:], "cache"))
         ):
             mw.run_multi_writer_episode(SEED, episode, stats, log=log, points=armed, layer=layer)
+        # A writer armed with a point may run out of operations before it passes there (a
+        # rare point, such as `lab.split`, on a busy machine): the points no writer died at
+        # are armed again, in up to three more episodes (odd ones: the coordinator closes
+        # first, as in episode 1), each with a schedule of its own. Episode 5 is skipped: four
+        # writers share its ring, whose share per writer slot makes buffers too small to carve
+        # its objects from, so it never reaches `lab.split`.
+        for episode in (3, 7, 9):
+            missed = [point for point in points if stats.faults[f"crash:{point}"] == 0]
+            if not missed:
+                break
+            mw.run_multi_writer_episode(SEED, episode, stats, log=log, points=missed, layer="store")
     except OracleFailure:
         print("\n".join(log))
         raise
