@@ -402,9 +402,9 @@ fn filing_race() {
                 putters.push(scope.spawn(move || {
                     start.wait();
                     // Each thread walks the keys from its own starting point.
-                    let start = (wi as u64 * 2 + t) * KEYS / 6;
+                    let first_key = (wi as u64 * 2 + t) * KEYS / 6;
                     for n in 0..KEYS {
-                        let k = (start + n) % KEYS;
+                        let k = (first_key + n) % KEYS;
                         match w.put(&format!("k{k}"), &[&payload(k, 100)]) {
                             Ok(h) => {
                                 w.release(&h).unwrap();
