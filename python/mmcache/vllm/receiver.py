@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -102,6 +103,9 @@ class _VllmShmReader(ShmReceiverCache):
         self._leases: cachetools.LRUCache[tuple[str, ShmHandle], Any] = cachetools.LRUCache(
             lease_bytes, getsizeof=item_size
         )
+        # The reader resolves without a lock (worker threads read in parallel); the leases
+        # are Python state threads share: two inserts evicting at once would pop one key twice.
+        self._leases_lock = threading.Lock()
 
     def get_and_update_item(self, item: Any, mm_hash: str) -> Any:
         if isinstance(item, _Rejected):
@@ -112,8 +116,9 @@ class _VllmShmReader(ShmReceiverCache):
         lease = (mm_hash, item)
         # A replay of a leased object refreshes the lease and keeps its views: what the
         # replay read is a private copy, which would not keep the object in the ring.
-        if self._leases.get(lease) is None and item_size(views) <= self._leases.maxsize:
-            self._leases[lease] = views
+        with self._leases_lock:
+            if self._leases.get(lease) is None and item_size(views) <= self._leases.maxsize:
+                self._leases[lease] = views
         return item_from_mmcache(views, pin_memory=self._pin_memory)
 
     def give_back(self, handle: ShmHandle, mm_hash: str) -> None:
@@ -124,7 +129,8 @@ class _VllmShmReader(ShmReceiverCache):
 
     def clear_cache(self) -> None:
         """Let the objects kept for replays go."""
-        self._leases.clear()
+        with self._leases_lock:
+            self._leases.clear()
 
 
 def _can_pin() -> bool:

@@ -4,7 +4,8 @@ vLLM's P0 touches every hash of a request, updates the items one call at a time,
 ``release_sender_touches()``.  The first touch begins an mmcache request (a touch after the
 request's updates begins the next one) and the release ends it, so a touched item stays
 protected for the whole request, as on the receiver.  A request whose updates did not all
-happen (it raised part-way) is abandoned: the handles it was issued are given back.
+happen (it raised part-way) is abandoned: the handles it was issued are given back.  Each
+thread brackets its own request (vLLM's renderer runs ``--renderer-num-workers`` threads).
 
 A request vLLM rejects after the cache issued its handles (a prompt replacement that fails,
 a prompt too long) never reaches the workers: vLLM's frontend runs each render in
@@ -105,6 +106,16 @@ def rendering() -> Iterator[None]:
             cache._end_lookup()
 
 
+class _Bracket(threading.local):
+    """One thread's request as vLLM brackets it (renderer threads each run their own): the
+    touches and updates it made so far and the outputs it was issued."""
+
+    def __init__(self) -> None:
+        self.touches = 0
+        self.updates = 0
+        self.issued: list[Any] = []
+
+
 class _SenderAdapter:
     """vLLM's P0 cache interface over an mmcache sender (``self._sender``), with vLLM's
     request bracket mapped onto ``begin_request`` / ``end_request`` (see the module)."""
@@ -113,9 +124,7 @@ class _SenderAdapter:
 
     def _adopt(self, sender: BaseSenderCache) -> None:
         self._sender = sender
-        self._touches = 0
-        self._updates = 0
-        self._issued: list[Any] = []
+        self._bracket = _Bracket()
         self._invalidation_lock = threading.Lock()
         self._looking_up: set[int] = set()
         """Threads whose request is between its lookup and its release."""
@@ -169,10 +178,10 @@ class _SenderAdapter:
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Protect ``mm_hash`` until the request ends; the first touch of a request (a touch
         after the open request's updates) begins it."""
-        if self._updates or not self._sender.in_request:
+        if self._bracket.updates or not self._sender.in_request:
             self._end_request()
             self._sender.begin_request()
-        self._touches += 1
+        self._bracket.touches += 1
         self._sender.touch_sender_cache_item(mm_hash)
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -181,8 +190,9 @@ class _SenderAdapter:
                 self._to_mmcache(mm_item), mm_hash
             )
         if self._sender.in_request:
-            self._updates += 1
-            self._issued.append(data)
+            bracket = self._bracket
+            bracket.updates += 1
+            bracket.issued.append(data)
         return self._to_vllm(data, mm_item), prompt_updates
 
     def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
@@ -192,8 +202,9 @@ class _SenderAdapter:
                 [self._to_mmcache(item) for item in mm_items], mm_hashes
             )
         if self._sender.in_request:
-            self._updates += len(outputs)
-            self._issued += [data for data, _ in outputs]
+            bracket = self._bracket
+            bracket.updates += len(outputs)
+            bracket.issued += [data for data, _ in outputs]
         return [
             (self._to_vllm(data, item), updates)
             for (data, updates), item in zip(outputs, mm_items, strict=True)
@@ -211,14 +222,15 @@ class _SenderAdapter:
         self._end_lookup()
 
     def _end_request(self) -> None:
+        bracket = self._bracket
         if self._sender.in_request:
-            if self._updates < self._touches:
-                self._abandon(self._issued)
+            if bracket.updates < bracket.touches:
+                self._abandon(bracket.issued)
             elif (issued := getattr(_render, "issued", None)) is not None:
-                issued.append((self, self._issued))
+                issued.append((self, bracket.issued))
             self._sender.end_request()
-        self._touches = self._updates = 0
-        self._issued = []
+        bracket.touches = bracket.updates = 0
+        bracket.issued = []
 
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` now, or, while another thread's request is between its lookup
