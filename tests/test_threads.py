@@ -18,10 +18,11 @@ import queue
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import cachetools
 import numpy as np
 import pytest
 import torch
@@ -767,3 +768,109 @@ def test_a_pickled_lru_cache_has_its_own_lock() -> None:
     lru.put("a", truth(KEYS[0]))
     copy = pickle.loads(pickle.dumps(lru))
     assert copy.lock is not lru.lock and is_truth(KEYS[0], copy.get("a"))
+
+
+# -- operations on the whole state while other threads change it -------------------------------
+
+
+def emulate_old_cachetools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cachetools before 7.0.2 (pyproject allows 5.3 on) has no ``Cache.clear``: it clears
+    through ``MutableMapping.clear``, popping items until ``popitem`` raises ``KeyError``."""
+    monkeypatch.setattr(cachetools.Cache, "clear", MutableMapping.clear)
+
+
+@pytest.mark.parametrize("cachetools_clear", ["installed", "before 7.0.2"])
+@pytest.mark.parametrize("cache_type", [SenderCache, ReceiverCache])
+def test_a_clear_while_another_threads_request_protects_an_item_leaves_nothing_behind(
+    cache_type: type,
+    cachetools_clear: str,
+    actors: tuple[Actor, Actor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM clears P0's cache from its event loop while a renderer thread is inside a
+    request: the item that request protects goes too, and is a plain miss afterwards."""
+    if cachetools_clear != "installed":
+        emulate_old_cachetools(monkeypatch)
+    a, _ = actors
+    cache = cache_type(capacity_gb(8 * KiB))
+    sender = cache_type is SenderCache
+    item = fill_item(KiB)
+
+    def update(key: str) -> Any:
+        return cache.get_and_update_item((item, None) if sender else item, key)
+
+    for key in ("a", "b", "c"):
+        update(key)
+    a(cache.begin_request)
+    a(cache.touch_sender_cache_item if sender else cache.touch_receiver_cache_item, "a")
+    cache.clear_cache()
+    a(cache.end_request)
+    assert cache.keys() == []
+    assert cache.stats()["entries"] == 0 and cache.stats()["used_bytes"] == 0
+    if sender:
+        assert not cache.is_cached_item("a")
+    update("a")
+    assert cache.keys() == ["a"]
+    if sender:
+        cache.invalidate("a")
+        assert cache.keys() == []
+
+
+def hammer(change: Callable[[int], None], read: Callable[[], object], reads: int) -> None:
+    """``read()`` ``reads`` times while another thread calls ``change(i)`` for i = 0, 1, ...;
+    fails with what a read raised."""
+    stop, start = threading.Event(), threading.Barrier(2)
+
+    def changer() -> None:
+        start.wait()
+        i = 0
+        while not stop.is_set():
+            change(i)
+            i += 1
+
+    thread = threading.Thread(target=changer)
+    thread.start()
+    start.wait()
+    try:
+        for _ in range(reads):
+            read()
+    finally:
+        stop.set()
+        thread.join(JOIN_DEADLINE_S)
+
+
+def test_pickling_an_lru_cache_while_another_thread_changes_it() -> None:
+    lru = LRUCache(64 * KiB)
+
+    def change(i: int) -> None:
+        lru.put_if_fits(f"k{i % 200}", fill_item(64))
+        lru.pop(f"k{(i * 7) % 200}")
+
+    hammer(change, lambda: pickle.loads(pickle.dumps(lru)), 3000)
+
+
+def test_pickling_a_receiver_cache_while_another_thread_updates_it() -> None:
+    p1 = ReceiverCache(capacity_gb(64 * KiB))
+
+    def change(i: int) -> None:
+        p1.get_and_update_item(fill_item(64), f"k{i % 200}")
+        if i % 50 == 0:
+            p1.clear_cache()
+
+    hammer(change, lambda: pickle.loads(pickle.dumps(p1)), 3000)
+
+
+def test_an_lru_caches_items_and_values_are_a_snapshot_that_changes_no_recency() -> None:
+    lru = LRUCache(1 << 20)
+    for key in ("a", "b", "c"):
+        lru.put(key, fill_item(8))
+    lru.touch("a")
+    order = lru.recency_order()
+    assert [k for k, _ in lru.items()] == ["a", "b", "c"] and len(lru.values()) == 3
+    assert lru.recency_order() == order == ["b", "c", "a"]
+
+    def change(i: int) -> None:
+        lru.put(f"k{i % 100}", fill_item(8))
+        lru.pop(f"k{(i + 50) % 100}")
+
+    hammer(change, lambda: (list(lru.items()), list(lru.values())), 3000)

@@ -34,6 +34,7 @@ recovers it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -112,10 +113,12 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its lock (a copy gets its own) and without requests in flight
-        (each thread's, in this process)."""
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
+        (each thread's, in this process), from a copy taken under the lock: pickle reads
+        the state after this returns, while other threads may change the cache."""
+        with self._lock:
+            state = {k: v for k, v in self.__dict__.items() if k != "_lock"}
+            # Itself not copied: a bound method in the state (a getsizeof) names it.
+            return copy.deepcopy(state, {id(self): self})
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

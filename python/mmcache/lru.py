@@ -8,9 +8,10 @@ keeps their hot paths cheap.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, ItemsView, Iterator, ValuesView
 from typing import Any, NamedTuple
 
 import cachetools
@@ -199,11 +200,27 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
     def clear(self) -> None:
         """Remove every entry, protected ones included, and reset the statistics
         (evictions included)."""
+        # Unprotected first: before 7.0.2 cachetools clears by calling popitem() until it
+        # raises KeyError, which ours does as soon as only protected entries are left.
+        self.unprotect_all()
         super().clear()
         self._order.clear()
-        self.unprotect_all()
         self.evictions = 0
         self._lookups.reset()
+
+    def items(self) -> ItemsView[Hashable, Any]:
+        """The entries as they are now (a copy, not a live view); reading them changes no
+        recency."""
+        return self._entries().items()
+
+    def values(self) -> ValuesView[Any]:
+        """The values as they are now (a copy, not a live view); reading them changes no
+        recency."""
+        return self._entries().values()
+
+    def _entries(self) -> dict[Hashable, Any]:
+        value = super().__getitem__  # cachetools' own: no recency change
+        return {key: value(key) for key in list(super().__iter__())}
 
     def stat(self, delta: bool = False) -> CacheInfo:
         """Cumulative statistics, or with ``delta=True`` the change since the previous
@@ -235,11 +252,13 @@ class LRUCache(UnsynchronizedLRUCache):
         """Held by every method."""
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled without its lock (a copy gets its own)."""
+        """Pickled without its lock (a copy gets its own), from a copy taken under the
+        lock: pickle reads the state after this returns, while other threads may change the
+        cache."""
         with self.lock:
-            state = self.__dict__.copy()
-        del state["lock"]
-        return state
+            state = {k: v for k, v in self.__dict__.items() if k != "lock"}
+            # Itself not copied: a bound method in the state (a getsizeof) names it.
+            return copy.deepcopy(state, {id(self): self})
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -261,6 +280,10 @@ class LRUCache(UnsynchronizedLRUCache):
         """The keys (in insertion order) as they were when iteration began."""
         with self.lock:
             return iter(list(super().__iter__()))
+
+    def _entries(self) -> dict[Hashable, Any]:
+        with self.lock:
+            return super()._entries()
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         with self.lock:
