@@ -105,16 +105,18 @@ def gone(name: str) -> bool:
 
 @pytest.fixture
 def unlinked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names this process unlinks from now on (``prune`` unlinks through
-    ``_core.unlink_segment``), whatever other processes remove meanwhile."""
+    """The names this process removes from now on (``prune`` removes through
+    ``_core.remove_orphaned_segment``), whatever other processes remove meanwhile."""
     names: list[str] = []
-    unlink = _core.unlink_segment
+    remove = _core.remove_orphaned_segment
 
-    def recording(name: str) -> None:
-        names.append(name)
-        unlink(name)
+    def recording(name: str) -> bool:
+        removed = remove(name)
+        if removed:
+            names.append(name)
+        return removed
 
-    monkeypatch.setattr(_core, "unlink_segment", recording)
+    monkeypatch.setattr(_core, "remove_orphaned_segment", recording)
     return names
 
 

@@ -384,6 +384,10 @@ def list_segments() -> list[str]:
 def unlink_segment(name: str) -> None:
     """Remove a segment's name (its memory is freed once every process unmaps it)."""
 
+def remove_orphaned_segment(name: str) -> bool:
+    """Remove the segment ``name`` if it is orphaned, judged again under a lock every remover
+    takes (so the name cannot pass to a new store in between); whether it was removed."""
+
 def generate_segment_name() -> str:
     """A fresh name of the kind :meth:`ShmObjectStore.create` generates, for a store another
     process is to create with it: this one then knows the name even if that process dies

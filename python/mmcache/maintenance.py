@@ -62,9 +62,14 @@ def prune(*, dry_run: bool = False) -> list[str]:
         if status != "orphaned":
             continue
         if not dry_run:
+            # Judged again under a lock every remover takes: the name may have passed to a
+            # new store since (a writer restarted under it), or be gone (another prune).
             try:
-                _core.unlink_segment(name)
-            except FileNotFoundError:
-                continue  # another prune got there first
+                removed = _core.remove_orphaned_segment(name)
+            except (_core.MmcacheError, OSError) as exc:
+                logger.warning("cannot remove segment %s: %s", name, exc)
+                continue
+            if not removed:
+                continue
         orphans.append(name)
     return orphans

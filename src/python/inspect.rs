@@ -98,6 +98,14 @@ pub(super) fn unlink_segment(name: &str) -> PyResult<()> {
     Ok(crate::segment::unlink(name)?)
 }
 
+/// Remove segment `name` if it is orphaned, judged again while holding a lock that every
+/// remover of a segment takes (so the name is not given to a new store in between); whether
+/// it did.
+#[pyfunction]
+pub(super) fn remove_orphaned_segment(name: &str) -> PyResult<bool> {
+    Ok(store::remove_if_orphaned(name, false)?)
+}
+
 /// A fresh name of the kind `ShmObjectStore.create` generates (`mmc_<this process's
 /// pid>_<random>`), for a store another process is to create with it: this one then knows
 /// the name even if that process dies while creating it, and can remove what it left.
@@ -111,6 +119,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(generate_segment_name, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(list_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_orphaned_segment, m)?)?;
     m.add_function(wrap_pyfunction!(segment_status, m)?)?;
     m.add_function(wrap_pyfunction!(unlink_segment, m)?)?;
     Ok(())

@@ -23,7 +23,7 @@
 
 use std::cell::UnsafeCell;
 use std::collections::BTreeMap;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Once;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -75,13 +75,53 @@ fn install() {
     });
 }
 
-/// Registers a liveness-lock descriptor until the returned guard is dropped.
-pub fn register_lock_fd(fd: RawFd) -> Registration {
-    let process = Process::current();
-    REGISTRY.with(|r| *r.lock_fds.entry(fd).or_insert(0) += 1);
-    Registration {
-        what: Registered::LockFd(fd),
-        process,
+/// A descriptor that holds liveness locks, known to the fork handlers for as long as it is
+/// open: it is opened and closed with the registry's lock held, which `fork()` waits for, so
+/// no child inherits it unregistered (and so keeps its locks, a dead writer looking alive).
+#[derive(Debug)]
+pub struct LockFd {
+    /// `Some` until dropped.
+    fd: Option<OwnedFd>,
+    process: Process,
+}
+
+impl LockFd {
+    /// Open the descriptor with `open` and register it, as one step for the fork handlers.
+    pub fn open<E>(open: impl FnOnce() -> Result<OwnedFd, E>) -> Result<LockFd, E> {
+        let process = Process::current();
+        REGISTRY.with(|r| {
+            let fd = open()?;
+            *r.lock_fds.entry(fd.as_raw_fd()).or_insert(0) += 1;
+            Ok(LockFd {
+                fd: Some(fd),
+                process,
+            })
+        })
+    }
+
+    pub fn fd(&self) -> &OwnedFd {
+        self.fd.as_ref().expect("open until dropped")
+    }
+}
+
+impl Drop for LockFd {
+    fn drop(&mut self) {
+        let fd = self.fd.take();
+        if !self.process.is_current() {
+            return; // a forked child's copy: it points at /dev/null and the registry is empty
+        }
+        REGISTRY.with(|r| {
+            if let Some(fd) = fd {
+                let raw = fd.as_raw_fd();
+                if let Some(n) = r.lock_fds.get_mut(&raw) {
+                    *n -= 1;
+                    if *n == 0 {
+                        r.lock_fds.remove(&raw);
+                    }
+                }
+                drop(fd); // closed while listed: the number is never reused unlisted
+            }
+        });
     }
 }
 
@@ -94,23 +134,15 @@ pub fn register_view(start: *const u8, len: usize) -> Registration {
         entry.0 = entry.0.max(len);
         entry.1 += 1;
     });
-    Registration {
-        what: Registered::View(start),
-        process,
-    }
+    Registration { start, process }
 }
 
-#[derive(Debug)]
-enum Registered {
-    LockFd(RawFd),
-    View(usize),
-}
-
-/// Keeps one descriptor or view in the registry; removing it is a no-op in a forked child
-/// (the child handler already emptied the registry the child inherited).
+/// Keeps one view in the registry; removing it is a no-op in a forked child (the child
+/// handler already emptied the registry the child inherited).
 #[derive(Debug)]
 pub struct Registration {
-    what: Registered,
+    /// The view's start address.
+    start: usize,
     process: Process,
 }
 
@@ -119,21 +151,11 @@ impl Drop for Registration {
         if !self.process.is_current() {
             return;
         }
-        REGISTRY.with(|r| match self.what {
-            Registered::LockFd(fd) => {
-                if let Some(n) = r.lock_fds.get_mut(&fd) {
-                    *n -= 1;
-                    if *n == 0 {
-                        r.lock_fds.remove(&fd);
-                    }
-                }
-            }
-            Registered::View(start) => {
-                if let Some((_, n)) = r.views.get_mut(&start) {
-                    *n -= 1;
-                    if *n == 0 {
-                        r.views.remove(&start);
-                    }
+        REGISTRY.with(|r| {
+            if let Some((_, n)) = r.views.get_mut(&self.start) {
+                *n -= 1;
+                if *n == 0 {
+                    r.views.remove(&self.start);
                 }
             }
         });
@@ -303,7 +325,91 @@ impl<T> SpinLock<T> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::LockRange;
+    use super::super::os::{SHM_DIR, flock, ofd_fcntl};
     use super::*;
+    use std::time::{Duration, Instant};
+
+    /// In a forked child: whether one of its descriptors' open file descriptions holds an OFD
+    /// lock (the fork handler pointed every lock descriptor it knew at /dev/null).
+    fn inherits_a_lock() -> bool {
+        std::fs::read_dir("/proc/self/fdinfo").is_ok_and(|dir| {
+            dir.filter_map(|e| e.ok())
+                .any(|e| std::fs::read_to_string(e.path()).is_ok_and(|i| i.contains("OFDLCK")))
+        })
+    }
+
+    /// Forks while another thread opens lock descriptors, locks through them and closes them
+    /// again: each is known to the fork handlers whenever it is open, so no child shares a
+    /// lock (which would keep a dead writer looking alive for as long as the child lives).
+    #[test]
+    fn a_child_forked_while_lock_descriptors_open_and_close_holds_none_of_their_locks() {
+        let path = format!("{SHM_DIR}/mmc_forktest_{}", std::process::id());
+        std::fs::write(&path, [0u8; 64]).unwrap();
+        let open = || {
+            std::fs::File::options()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map(OwnedFd::from)
+        };
+        let stop = AtomicBool::new(false);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (forks, leaks) = std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let fds: Vec<LockFd> = (0..32).map(|_| LockFd::open(open).unwrap()).collect();
+                    for fd in &fds {
+                        let range = LockRange { start: 0, len: 8 };
+                        let mut lock = flock(libc::F_RDLCK as _, range);
+                        ofd_fcntl(fd.fd(), libc::F_OFD_SETLK, &mut lock).unwrap();
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                    drop(fds);
+                }
+            });
+            let (mut forks, mut leaks, mut alive) = (0u32, 0u32, 0u32);
+            let mut reap = |alive: &mut u32, options: libc::c_int| {
+                let mut status = 0;
+                // SAFETY: reaping this test's own children; `status` is a valid out-pointer.
+                while *alive > 0 && unsafe { libc::waitpid(-1, &mut status, options) } > 0 {
+                    *alive -= 1;
+                    leaks += u32::from(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 1);
+                }
+            };
+            while Instant::now() < deadline {
+                if alive < 16 {
+                    // SAFETY: the child only reads /proc, sleeps and leaves with `_exit`.
+                    match unsafe { libc::fork() } {
+                        0 => {
+                            let inherited = (0..10).any(|_| {
+                                std::thread::sleep(Duration::from_millis(2));
+                                inherits_a_lock()
+                            });
+                            // SAFETY: leaving the child at once, running nothing of the parent's.
+                            unsafe { libc::_exit(i32::from(inherited)) };
+                        }
+                        pid if pid > 0 => {
+                            forks += 1;
+                            alive += 1;
+                        }
+                        _ => {}
+                    }
+                }
+                reap(&mut alive, libc::WNOHANG);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            stop.store(true, Ordering::Relaxed);
+            reap(&mut alive, 0);
+            (forks, leaks)
+        });
+        std::fs::remove_file(&path).unwrap();
+        assert!(forks > 100, "only {forks} forks");
+        assert_eq!(
+            leaks, 0,
+            "{leaks} of {forks} children shared a lock descriptor's locks"
+        );
+    }
 
     #[test]
     fn registrations_are_counted_and_removed() {

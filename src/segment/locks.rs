@@ -6,9 +6,69 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-use super::os::{flock, lock_held, ofd_fcntl};
-use super::{LockRange, Segment};
+use super::fork::LockFd;
+use super::os::{SHM_DIR, flock, fstat, lock_held, ofd_fcntl, open_regular, unlink};
+use super::{Access, LockRange, Segment};
 use crate::error::{Error, Result};
+
+/// An exclusive lock on a byte range of the file `/dev/shm/<name>` referred to when it was
+/// taken, for whoever removes a segment it does not belong to (an orphan's sweep): if every
+/// process that removes a segment's name first locks the file that name refers to, nobody can
+/// give the name to another file between a sweep's verdict on it and its removal.
+#[derive(Debug)]
+pub struct NameLock {
+    name: String,
+    fd: LockFd,
+}
+
+impl NameLock {
+    /// Open `/dev/shm/<name>` and take the exclusive lock on `range` through a new open file
+    /// description, waiting for it if `wait`: `None` if the name is gone, or, without `wait`,
+    /// if another description holds a lock there.
+    pub fn take(name: &str, range: LockRange, wait: bool) -> Result<Option<NameLock>> {
+        let fd = match LockFd::open(|| open_regular(name, Access::ReadWrite).map(|(fd, _)| fd)) {
+            Ok(fd) => fd,
+            Err(Error::NotFound(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let cmd = if wait {
+            libc::F_OFD_SETLKW
+        } else {
+            libc::F_OFD_SETLK
+        };
+        loop {
+            match ofd_fcntl(fd.fd(), cmd, &mut flock(libc::F_WRLCK as _, range)) {
+                Ok(()) => {
+                    return Ok(Some(NameLock {
+                        name: name.to_owned(),
+                        fd,
+                    }));
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
+                    return Ok(None);
+                }
+                Err(e) => return Err(Error::os("locking a segment to remove it", e)),
+            }
+        }
+    }
+
+    /// Whether the name still refers to the file locked (not removed, nor given to another).
+    pub fn still_named(&self) -> Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        let locked = fstat(self.fd.fd())?;
+        Ok(
+            std::fs::symlink_metadata(format!("{SHM_DIR}/{}", self.name)).is_ok_and(|named| {
+                named.dev() == locked.st_dev as u64 && named.ino() == locked.st_ino as u64
+            }),
+        )
+    }
+
+    /// Remove the name (the lock goes when this is dropped).
+    pub fn unlink(&self) -> Result<()> {
+        unlink(&self.name)
+    }
+}
 
 impl Segment {
     /// Whether the creator took its liveness lock (false only where the kernel has no OFD
@@ -19,7 +79,7 @@ impl Segment {
 
     fn lock_fd(&self) -> Result<&OwnedFd> {
         match &self.lock_fd {
-            Some((_, fd)) => Ok(fd),
+            Some(fd) => Ok(fd.fd()),
             None => Err(Error::InvalidArgument(
                 "a segment opened read-only takes no locks".into(),
             )),
@@ -91,6 +151,13 @@ impl Segment {
     /// which never holds one.
     pub fn lock_held(&self, range: LockRange) -> Result<bool> {
         lock_held(&self.fd, range)
+    }
+
+    /// Whether an open file description other than this segment's lock descriptor (in any
+    /// process) holds a lock on `range`: the probe goes through the lock descriptor, whose own
+    /// locks never conflict with it.
+    pub fn lock_held_by_others(&self, range: LockRange) -> Result<bool> {
+        lock_held(self.lock_fd()?, range)
     }
 
     /// Sleep while the 32-bit word at `offset` (the low half of an aligned `u64` field, on a

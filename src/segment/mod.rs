@@ -60,7 +60,8 @@ mod reserve;
 
 pub use access::RawBytes;
 pub(crate) use access::written_whole;
-pub use fork::{Process, Registration, register_view};
+pub use fork::{LockFd, Process, Registration, register_view};
+pub use locks::NameLock;
 use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};
 pub use os::{
@@ -101,9 +102,9 @@ pub struct Segment {
     /// description alive, in a forked child too, so it never holds a lock).
     fd: OwnedFd,
     /// A second open file description, never mapped, that holds this process's liveness
-    /// locks (read-write segments only). Registered so a forked child lets go of its share;
-    /// the registration drops first, so the descriptor number is never reused while listed.
-    lock_fd: Option<(Registration, OwnedFd)>,
+    /// locks (read-write segments only). Known to the fork handlers, so a forked child lets
+    /// go of its share.
+    lock_fd: Option<LockFd>,
     /// Whether the creator got its lock (false only where the kernel has no OFD locks).
     creator_locked: bool,
     /// Keeps faults in our mappings explained while they exist.
@@ -161,11 +162,10 @@ fn pause_in_creation_for_tests() {
     }
 }
 
-/// A second open file description of `/dev/shm/<name>`, for liveness locks only, registered
-/// with the fork handlers.
-fn open_lock_fd(name: &str) -> Result<(Registration, OwnedFd)> {
-    let (fd, _) = open_regular(name, Access::ReadWrite)?;
-    Ok((fork::register_lock_fd(fd.as_raw_fd()), fd))
+/// A second open file description of `/dev/shm/<name>`, for liveness locks only, known to
+/// the fork handlers.
+fn open_lock_fd(name: &str) -> Result<LockFd> {
+    LockFd::open(|| open_regular(name, Access::ReadWrite).map(|(fd, _)| fd))
 }
 
 impl Segment {
@@ -220,9 +220,9 @@ impl Segment {
             let _ = unlink(name);
             e
         };
-        let (registration, lock_fd) = open_lock_fd(name).map_err(fail)?;
+        let lock_fd = open_lock_fd(name).map_err(fail)?;
         let creator_locked = match ofd_fcntl(
-            &lock_fd,
+            lock_fd.fd(),
             libc::F_OFD_SETLK,
             &mut flock(libc::F_RDLCK as _, creator_lock),
         ) {
@@ -253,7 +253,7 @@ impl Segment {
             unlink_on_drop: AtomicBool::new(true),
             fault_registrations: vec![fault::register(base.as_ptr(), len, fault::Mapping::Shared)],
             fd,
-            lock_fd: Some((registration, lock_fd)),
+            lock_fd: Some(lock_fd),
             creator_locked,
             reserved: Reserved::prefix(len, 0),
             background_from: None,

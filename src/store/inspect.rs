@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use super::open_shared;
 use crate::error::{Error, Result};
 use crate::layout::{
-    self, Counter, LAYOUT_VERSION, Layout, Liveness, STORE_CLOSED, SlotState, WRITER_LOCK,
-    WriterId, header, slot,
+    self, Counter, LAYOUT_VERSION, Layout, Liveness, MEMBERSHIP_LOCK, STORE_CLOSED, SlotState,
+    WRITER_LOCK, WriterId, header, slot,
 };
 use crate::segment::{self, Access};
 
@@ -214,6 +214,26 @@ pub fn remove_orphans() -> Vec<String> {
     list_segments()
         .into_iter()
         .filter(|name| matches!(status(name), Ok(Status::Orphaned(_))))
-        .filter(|name| segment::unlink(name).is_ok())
+        .filter(|name| remove_if_orphaned(name, false).unwrap_or(false))
         .collect()
+}
+
+/// Remove segment `name` if [`status`] finds it orphaned, judged while holding the exclusive
+/// [`MEMBERSHIP_LOCK`] of the file the name refers to: no writer can join it meanwhile, and
+/// nobody else can remove the name (every remover holds that lock, a last writer leaving
+/// included), so the name cannot be given to a new store between the verdict and the removal.
+/// Returns whether it removed it; `false` when the name is gone, is another file than when
+/// locked, is not orphaned, or (without `wait`) is being joined, left or removed by someone.
+pub fn remove_if_orphaned(name: &str, wait: bool) -> Result<bool> {
+    let Some(lock) = segment::NameLock::take(name, MEMBERSHIP_LOCK, wait)? else {
+        return Ok(false);
+    };
+    if !lock.still_named()? || !matches!(status(name)?, Status::Orphaned(_)) {
+        return Ok(false);
+    }
+    match lock.unlink() {
+        Ok(()) => Ok(true),
+        Err(Error::NotFound(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
 }

@@ -7,12 +7,14 @@
 //! (what readers, `inspect` and `prune` ask) is one lock test in any PID namespace.
 //!
 //! Joining and leaving happen under the exclusive [`MEMBERSHIP_LOCK`] (held for a few system
-//! calls; the kernel drops it if its holder dies): a leaving writer gives up its locks, tests
-//! whether any writer still holds the shared lock, and if none does marks the store closed and
-//! unlinks it — all before a joiner can look. A joiner refuses a store that is closed or whose
-//! writers are all gone (readers have been told it is gone; `prune` may remove it any
-//! moment). So the segment is unlinked exactly once, by the last writer to leave (or by
-//! `prune` once every writer is dead).
+//! calls; the kernel drops it if its holder dies): a leaving writer gives up its slot's lock,
+//! tests through its own lock descriptor whether any other writer holds the shared lock, and
+//! if none does marks the store closed and unlinks it, giving up its own shared lock only
+//! then — all before a joiner can look, and while a sweep still sees the store live. A joiner
+//! takes the shared lock first, then refuses a store that is closed or has no other writer
+//! (readers have been told it is gone; a sweep may be removing it: see `remove_if_orphaned`,
+//! which holds the membership lock too). So the segment is unlinked exactly once, by the last
+//! writer to leave (or by a sweep once every writer is dead).
 
 use std::sync::atomic::Ordering;
 
@@ -127,13 +129,16 @@ impl Shared {
         if self.header(header::STORE_STATE)?.load(Ordering::Acquire) != STORE_LIVE {
             return Err(gone("the last writer closed the store"));
         }
-        if !self.seg.lock_held(WRITER_LOCK)? {
-            return Err(gone("every writer has exited the store"));
-        }
+        // Our shared lock first, then another writer's looked for: a last writer that dies
+        // in between leaves the store to us, not to a sweep that finds no lock held.
         if !self.seg.try_lock_shared(WRITER_LOCK)? {
             return Err(Error::Corrupt(
                 "someone holds the writers' shared lock exclusively".into(),
             ));
+        }
+        if !self.seg.lock_held_by_others(WRITER_LOCK)? {
+            self.seg.unlock(WRITER_LOCK)?;
+            return Err(gone("every writer has exited the store"));
         }
         match self.claim_writer_slot()? {
             Some(me) => Ok(me),
@@ -169,8 +174,7 @@ impl Shared {
         });
         let last = if locks {
             self.seg.unlock(self.layout.writer_slot_lock(me.slot))?;
-            self.seg.unlock(WRITER_LOCK)?;
-            !self.seg.lock_held(WRITER_LOCK)?
+            !self.seg.lock_held_by_others(WRITER_LOCK)?
         } else {
             true // the pid fallback has one writer
         };
@@ -178,7 +182,12 @@ impl Shared {
             // Release pairs with the readers' Acquire load in `Shared::any_writer_alive`.
             self.header(header::STORE_STATE)?
                 .store(STORE_CLOSED, Ordering::Release);
+            // Unlinked while our shared lock still shows the store live: a sweep cannot take
+            // it for an orphan and remove it, and then we a successor made under its name.
             self.seg.unlink()?;
+        }
+        if locks {
+            self.seg.unlock(WRITER_LOCK)?;
         }
         Ok(last)
     }

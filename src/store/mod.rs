@@ -146,7 +146,8 @@ mod writer;
 
 pub use crash::POINTS as CRASH_POINTS;
 pub use inspect::{
-    SegmentInfo, SlotInfo, Status, WriterSlotInfo, inspect, list_segments, remove_orphans, status,
+    SegmentInfo, SlotInfo, Status, WriterSlotInfo, inspect, list_segments, remove_if_orphaned,
+    remove_orphans, status,
 };
 pub use reader::{Lease, Reader, View};
 pub use writer::Writer;

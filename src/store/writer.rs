@@ -90,6 +90,7 @@ impl Writer {
     /// Create a store, this writer its first.
     pub fn create_with(config: &Config, name: Option<&str>) -> Result<Writer> {
         let layout = Layout::new(config)?;
+        let name_given = name.is_some();
         let name = match name {
             Some(n) => segment::validate_name(n)?.to_owned(),
             None => segment::generate_name()?,
@@ -99,6 +100,11 @@ impl Writer {
         // What dead creators left goes first (SPEC §5, guarantee 10): the new store may need
         // their space, and "the next store's creation frees it" is the promise.
         super::remove_orphans();
+        if name_given {
+            // An orphan of this name that a sweep elsewhere is removing: wait for it to go, or
+            // remove it here, rather than find the name taken.
+            let _ = super::remove_if_orphaned(&name, true);
+        }
         // The header and the slot tables are read by every process from the start; the key
         // index and the ring are reserved in the background and by the puts that need them.
         let eager = usize::try_from(layout.bucket_offset(0)).unwrap_or(total);
