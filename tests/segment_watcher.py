@@ -134,7 +134,7 @@ class SegmentWatcher:
 
 def remove_orphans(noted: dict[str, int]) -> list[str]:
     """Remove the segments of ``noted`` (name: creator pid) whose creator has died and that
-    no writer holds (``segment_status`` says ``orphaned``); returns their names."""
+    no writer holds (``remove_orphaned_segment`` judges them); returns their names."""
     from mmcache import MmcacheError, _core
 
     removed = []
@@ -142,11 +142,10 @@ def remove_orphans(noted: dict[str, int]) -> list[str]:
         if parent_pid(pid) is not None:
             continue  # the creator lives (or its pid names another process now)
         try:
-            if _core.segment_status(name)[0] != "orphaned":
-                continue
-            _core.unlink_segment(name)
+            if not _core.remove_orphaned_segment(name):
+                continue  # not orphaned, or gone meanwhile
         except (OSError, MmcacheError):
-            continue  # gone meanwhile (FileNotFoundError), or unreadable: leave it
+            continue  # unreadable: leave it
         removed.append(name)
     return removed
 
