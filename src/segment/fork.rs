@@ -344,7 +344,8 @@ mod tests {
     /// lock (which would keep a dead writer looking alive for as long as the child lives).
     #[test]
     fn a_child_forked_while_lock_descriptors_open_and_close_holds_none_of_their_locks() {
-        let path = format!("{SHM_DIR}/mmc_forktest_{}", std::process::id());
+        // Not an `mmc_` name: other tests' store creations would sweep it as a broken segment.
+        let path = format!("{SHM_DIR}/forktest_{}", std::process::id());
         std::fs::write(&path, [0u8; 64]).unwrap();
         let open = || {
             std::fs::File::options()
@@ -368,17 +369,22 @@ mod tests {
                     drop(fds);
                 }
             });
-            let (mut forks, mut leaks, mut alive) = (0u32, 0u32, 0u32);
-            let mut reap = |alive: &mut u32, options: libc::c_int| {
-                let mut status = 0;
-                // SAFETY: reaping this test's own children; `status` is a valid out-pointer.
-                while *alive > 0 && unsafe { libc::waitpid(-1, &mut status, options) } > 0 {
-                    *alive -= 1;
+            let (mut forks, mut leaks) = (0u32, 0u32);
+            // This test's children only (other tests wait for theirs).
+            let mut alive: Vec<libc::pid_t> = Vec::new();
+            let mut reap = |alive: &mut Vec<libc::pid_t>, options: libc::c_int| {
+                alive.retain(|&pid| {
+                    let mut status = 0;
+                    // SAFETY: waiting for a child of this test; `status` is a valid out-pointer.
+                    if unsafe { libc::waitpid(pid, &mut status, options) } != pid {
+                        return true;
+                    }
                     leaks += u32::from(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 1);
-                }
+                    false
+                });
             };
             while Instant::now() < deadline {
-                if alive < 16 {
+                if alive.len() < 16 {
                     // SAFETY: the child only reads /proc, sleeps and leaves with `_exit`.
                     match unsafe { libc::fork() } {
                         0 => {
@@ -391,7 +397,7 @@ mod tests {
                         }
                         pid if pid > 0 => {
                             forks += 1;
-                            alive += 1;
+                            alive.push(pid);
                         }
                         _ => {}
                     }
