@@ -98,7 +98,10 @@
 //! **Reclaim (P2, P3).** Under the ring lock, the evictor evicts a chunk only when, after marking
 //! it EVICTING (S2), no live writer's hazard names it nor (while it is keyed) pins it, and for every
 //! occupied reader slot the word is stamped for an earlier occupant or holds no view and (for
-//! a claimed, not draining, slot) no reference. It takes the chunk out of the index, stores
+//! a claimed, not draining, slot) no reference. The reader slots' claim words are loaded then,
+//! after the hazards, never earlier in the sweep: a reader may attach meanwhile and be issued a
+//! reference by a hit, whose writer loaded its claim word before clearing the hazard (Release;
+//! the evictor's SeqCst load that saw the hazard clear sees the attach too). It takes the chunk out of the index, stores
 //! `id = 0`, and issues a **Release fence** (P2) before any of its bytes change. A writer that
 //! later fills those bytes took the ring lock after the evictor released it, and issues its own
 //! **Release fence** (P3) before filling, so P2's guarantee carries over to its writes.

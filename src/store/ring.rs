@@ -41,31 +41,27 @@ pub(super) enum Verdict {
     Keep,
 }
 
-/// Who is alive, asked at most once per slot for one sweep (each answer may cost a
-/// system call).
+/// Who is alive, asked at most once per slot occupant for one sweep (each answer may cost a
+/// system call). Not who occupies the slots: readers attach during a sweep, so `held` loads
+/// the claim words afresh for every chunk.
 pub(super) struct Census {
     pub(super) me: WriterId,
     /// `(address, id)` of every published chunk this sweep evicted (the writer forgets its
     /// records of them).
     pub(super) evicted: Vec<(u64, u64)>,
-    occupants: Vec<Occupant>,
-    readers_dead: [Option<bool>; MAX_READERS as usize],
+    /// Per reader slot: the claim word of the occupant judged, and whether it was dead.
+    readers_dead: [Option<(u64, bool)>; MAX_READERS as usize],
     writers: [Option<(u32, bool)>; MAX_WRITERS as usize],
 }
 
 impl Census {
-    pub(super) fn new(shared: &Shared, me: WriterId) -> Result<Census> {
-        Ok(Census {
+    pub(super) fn new(me: WriterId) -> Census {
+        Census {
             me,
             evicted: Vec::new(),
-            occupants: shared.occupants()?,
             readers_dead: [None; MAX_READERS as usize],
             writers: [None; MAX_WRITERS as usize],
-        })
-    }
-
-    pub(super) fn occupants(&self) -> &[Occupant] {
-        &self.occupants
+        }
     }
 
     /// Whether `writer` lives (this writer always does).
@@ -88,8 +84,10 @@ impl Census {
 
     /// Whether reader `o` is gone; if so, free its slot (crediting everything it held).
     fn reader_gone(&mut self, shared: &Shared, o: &Occupant) -> Result<bool> {
-        if let Some(dead) = self.readers_dead[o.slot as usize] {
-            return Ok(dead);
+        if let Some((word, dead)) = self.readers_dead[o.slot as usize] {
+            if word == o.word {
+                return Ok(dead);
+            }
         }
         let dead = !shared.occupant_alive(o.slot, o.claim)?;
         if dead {
@@ -107,7 +105,7 @@ impl Census {
                 shared.bump(Counter::ReadersReclaimed, 1);
             }
         }
-        self.readers_dead[o.slot as usize] = Some(dead);
+        self.readers_dead[o.slot as usize] = Some((o.word, dead));
         Ok(dead)
     }
 }
@@ -231,8 +229,16 @@ impl Shared {
         }
         // The tag readers stamp their words with: the low 32 bits of the chunk MAC.
         let sig_tag = self.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) as u32;
-        for i in 0..census.occupants().len() {
-            let o = census.occupants()[i];
+        for slot in 0..self.layout.n_readers {
+            // Loaded now, after S2 and the hazards, not when the sweep began: a reader may
+            // have attached since and been issued a reference by a hit. That hit's writer
+            // loaded this claim word before it cleared its hazard (Release), and the SeqCst
+            // load above that saw the hazard cleared makes the attach visible here too.
+            let (word, claim) = self.claim(slot)?;
+            if !claim.is_occupied() {
+                continue;
+            }
+            let o = Occupant { slot, claim, word };
             // Acquire: pairs with the readers' AcqRel/Release CASes on their words.
             let w = SlotWord::unpack(self.word(address, o.slot)?.load(Ordering::Acquire));
             let holds = w.stamp == SlotWord::stamp_for(sig_tag, o.claim.epoch as u64)

@@ -186,3 +186,39 @@ fn release_credits_only_the_readers_its_handle_was_issued_to() {
         "after_late's reference for the early reader stays"
     );
 }
+
+/// A reader that attaches while a put waits for the ring lock, is issued a reference on "a"
+/// by another writer's hit (hits take no ring lock) and reads it through a protected lease:
+/// the put's sweep, judging "a" afterwards, sees that reader (it loads the reader slots for
+/// each chunk it judges, not once when the put began), keeps "a", and the lease reads "a".
+#[test]
+fn a_reader_attached_while_a_put_waits_for_the_ring_lock_keeps_its_lease() {
+    let w = store(2048, 1, 2);
+    let w2 = join(&w);
+    let len = (1024 - w.layout().chunk_header_size) as usize;
+    let a = payload(1, len);
+    w.put("a", &[&a]).unwrap(); // no reader attached yet: no reference on it
+    w.put("b", &[&payload(2, len)]).unwrap(); // the ring is full
+    w.pin("b").unwrap(); // so the put's only candidate is "a"
+    let guard = w2.shared.lock(w2.me).unwrap(); // another writer mid-sweep
+    std::thread::scope(|s| {
+        let putter = s.spawn(|| w.put("c", &[&payload(3, len)]));
+        std::thread::sleep(std::time::Duration::from_millis(300)); // it waits for the lock
+        let r = Reader::attach(&w.reader_info()).unwrap();
+        let h = w2.get_cached("a").unwrap();
+        let lease = r.acquire(&h, "a").unwrap();
+        assert!(lease.is_protected());
+        drop(guard);
+        let put = putter.join().unwrap();
+        let mut out = vec![0u8; lease.len()];
+        let copied = lease.copy_to(&mut out);
+        assert!(
+            copied.is_err() || out == a,
+            "a protected lease on \"a\" read other bytes (the put of \"c\": {put:?})"
+        );
+        assert!(
+            put.is_err(),
+            "\"c\" took the place of a leased object: {put:?}"
+        );
+    });
+}

@@ -39,7 +39,7 @@ impl Writer {
             Seen::Claimed(owner) if self.shared.writer_alive(owner)? => return Ok(false),
             _ => {}
         }
-        let mut census = Census::new(&self.shared, self.me)?;
+        let mut census = Census::new(self.me);
         let (_ring, index, found) = match self.find_with_room(&query) {
             Ok(found) => found,
             Err(Error::IndexFull(_)) => return Ok(true),
@@ -101,7 +101,7 @@ impl Writer {
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         let mut pause = FIRST_PAUSE;
         loop {
-            let mut census = Census::new(&self.shared, self.me)?;
+            let mut census = Census::new(self.me);
             let mut still = Vec::with_capacity(pending.len());
             for i in pending {
                 let waiting = match self.shared.seek(&queries[i])? {
@@ -140,7 +140,7 @@ impl Writer {
     pub(super) fn reap_dead_claims(&self) -> Result<()> {
         let _busy = self.enter()?;
         let lock = self.lock_index()?;
-        let mut census = Census::new(&self.shared, self.me)?;
+        let mut census = Census::new(self.me);
         self.reap_claims(&lock, &mut census)
     }
 

@@ -47,7 +47,10 @@ impl Writer {
         self.return_lab(&lock, &mut self.lab())?;
         let index = self.lock_index()?;
         let sh = &self.shared;
-        let mut census = Census::new(sh, self.me)?;
+        let mut census = Census::new(self.me);
+        // Who held references when the clear began; a reader attached since keeps its own
+        // (its chunks are then kept: `held` sees it).
+        let occupants = sh.occupants()?;
         let mut cleared = 0;
         let mut forgotten = Vec::new();
         for block in sh.blocks(&lock)? {
@@ -70,7 +73,7 @@ impl Writer {
             sh.chunk(address, chunk::STATE)?
                 .store(unkeyed.pack(), Ordering::SeqCst);
             let sig_tag = sh.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) as u32;
-            for o in census.occupants() {
+            for o in &occupants {
                 let stamp = SlotWord::stamp_for(sig_tag, o.claim.epoch as u64);
                 update_word(sh.word(address, o.slot)?, |w| {
                     (w.stamp == stamp && w.outstanding > 0).then_some(SlotWord {
@@ -109,7 +112,7 @@ impl Writer {
         let index = self.lock_index()?;
         let occupants = sh.occupants()?;
         let (mut chunks, mut reserved, mut pinned, mut outstanding, mut views) = (0, 0, 0, 0, 0);
-        let mut census = Census::new(sh, self.me)?;
+        let mut census = Census::new(self.me);
         self.reap_claims(&index, &mut census)?;
         for block in sh.blocks(&lock)? {
             let address = block.address;

@@ -198,7 +198,7 @@ impl Writer {
                 return Ok(carved);
             }
         }
-        let mut census = Census::new(&self.shared, self.me)?;
+        let mut census = Census::new(self.me);
         let lock = self.lock()?;
         crash::point("alloc.locked");
         // Under the lock: `close` looks for reservations under it after setting the flag.
@@ -417,7 +417,7 @@ impl Writer {
             return Ok(true);
         }
         let sh = &self.shared;
-        let mut census = Census::new(sh, self.me)?;
+        let mut census = Census::new(self.me);
         self.reap_claims(index, &mut census)?;
         for _ in 0..4 {
             if self.index_has_room(index)? {
