@@ -851,6 +851,10 @@ def test_credentials_in_the_url_never_reach_logs_repr_or_errors(
         f"redis://:{PASSWORD}@127.0.0.1:1?chunk_kb=none",
         f"redis://127.0.0.1:1?password={PASSWORD}&chunk_kb=none",
         f"http://user:{PASSWORD}@127.0.0.1:1",
+        # Not percent-encoded: '/', '?' and '#' end the netloc where a URL parser looks.
+        f"redis://:{PASSWORD}/b64+tail@127.0.0.1:1/0",
+        f"redis://default:{PASSWORD}#rest@127.0.0.1:1",
+        f"redis://:{PASSWORD}?rest@127.0.0.1:1",
     ],
 )
 def test_a_bad_url_with_credentials_is_an_error_that_does_not_repeat_them(url: str) -> None:

@@ -137,14 +137,17 @@ _SECRET_PARAMETER = re.compile(r"pass|pwd|secret|token|auth|cred|key", re.IGNORE
 def redact_url(url: str) -> str:
     """``url`` as it may be shown (logs, reprs, errors): the userinfo (``user:password@``)
     and the value of every password-like query parameter become ``***``; the rest (scheme,
-    host, port, path, other options) still says which store it is."""
+    host, port, path, other options) still says which store it is. A password pasted without
+    percent-encoding may hold ``/``, ``?`` or ``#``, which end the netloc where a URL parser
+    looks: everything up to the last ``@`` after the scheme goes."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        url = f"{scheme}://***@{rest.rpartition('@')[2]}"
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<an unparseable URL>"
     netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
     query = "&".join(
         f"{name}=***" if sep and _SECRET_PARAMETER.search(unquote(name)) else f"{name}{sep}{value}"
         for name, sep, value in (field.partition("=") for field in parts.query.split("&"))

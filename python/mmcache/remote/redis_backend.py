@@ -333,6 +333,13 @@ class RedisBackend:
                 f"not a Redis/Valkey URL: {redact_url(url)!r} (expected redis://HOST:PORT or "
                 "valkey://HOST:PORT)"
             )
+        if "@" in url.partition("://")[2] and "@" not in parts.netloc:
+            # The userinfo holds a '/', '?' or '#': parsed, the password would pass for a
+            # host, a port or a path (and reach an error message).
+            raise ValueError(
+                f"the user:password of {redact_url(url)!r} holds '/', '?' or '#': "
+                "percent-encode them (urllib.parse.quote(password, safe=''))"
+            )
         query = parse_qs(parts.query, keep_blank_values=True)
         chunk_kb = query.pop("chunk_kb", [str(CHUNK_BYTES >> 10)])[-1]
         try:
