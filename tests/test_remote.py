@@ -53,7 +53,7 @@ from mmcache.remote.envelope import (
     seal,
 )
 from mmcache.remote.local_server import LocalServer, start_valkey
-from mmcache.remote.redis_backend import CHUNK_BYTES
+from mmcache.remote.redis_backend import CHUNK_BYTES, UPLOAD_LEASE_MS
 from tests.servers import kill, resume, stall
 
 MiB = 1 << 20
@@ -532,6 +532,51 @@ def test_a_damaged_value_is_a_counted_miss(
         assert store.get(key(1)) is None
         assert store.stats()[counter] == 1
         assert same(store.get(key(2)), make_item(2, size))  # the healthy item still reads
+
+
+def test_a_value_whose_chunk_is_gone_is_put_again_by_the_next_host(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """A chunk evicted (``allkeys-lru``) or flushed from under its manifest: the read that
+    finds the value incomplete deletes the manifest, so the item is not refused as present
+    for good."""
+    item = make_item(2, 3 * MiB)
+    with open_store(server.url, namespace) as store:
+        store.put(key(2), item)
+        raw.delete(_chunks_of(raw, namespace, 2)[0])
+        assert store.get(key(2)) is None and store.stats()["incomplete"] == 1
+    with open_store(server.url, namespace) as other_host:
+        other_host.put(key(2), item)
+        assert same(other_host.get(key(2)), item), other_host.stats()
+        assert other_host.stats()["puts"] == 1
+
+
+def test_a_chunked_put_cut_short_leaves_only_keys_that_expire(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """A put whose deadline passes after its chunks went out, before its manifest did, leaves
+    no key that lives longer than the upload's lease; a complete put's keys then live as long
+    as the value (here: for ever)."""
+    with open_store(server.url, namespace) as store:
+        client = store._backend._client  # type: ignore[attr-defined]
+        set_value = client.set
+
+        def manifest_times_out(name: str, value: bytes, **options: Any) -> Any:
+            if value[:4] == b"MMCK":
+                raise redis.exceptions.TimeoutError("the deadline passed")
+            return set_value(name, value, **options)
+
+        client.set = manifest_times_out
+        store.put(key(3), make_item(3, 3 * MiB))
+        client.set = set_value
+        assert store.stats()["timeouts"] == 1 and store.stats()["puts"] == 0
+        left = _chunks_of(raw, namespace, 3)
+        assert len(left) == 4 and raw.exists(_value_key(namespace, 3)) == 0
+        assert all(0 < raw.pttl(name) <= UPLOAD_LEASE_MS for name in left)
+        store.put(key(4), make_item(4, 3 * MiB))
+        assert store.stats()["puts"] == 1
+        kept = [*_chunks_of(raw, namespace, 4), _value_key(namespace, 4)]
+        assert len(kept) == 5 and all(raw.pttl(name) == -1 for name in kept)
 
 
 def test_a_wrong_secret_makes_every_value_a_miss(server: LocalServer, namespace: str) -> None:

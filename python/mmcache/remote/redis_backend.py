@@ -5,7 +5,9 @@ payload split into chunk keys written first, then a small *manifest* under the i
 naming them and holding the header (``SET NX``: the first writer wins, and a reader never sees
 a manifest before its chunks).  Chunk keys carry the writer's random nonce, so two hosts
 putting one item at once never mix their chunks; the loser deletes its own.  Each chunk is one
-part of the envelope's digest (see :mod:`.envelope`).
+part of the envelope's digest (see :mod:`.envelope`).  Chunks and manifest are written to live
+:data:`UPLOAD_LEASE_MS` and given the value's lifetime in one transaction once the manifest
+won, so a put cut short leaves nothing behind for long.
 
 A reader fetches the manifests (and small values) of a whole batch in one round trip - a
 ``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
@@ -14,7 +16,8 @@ the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at 
 reply it reads off the socket itself: each chunk goes straight into one buffer allocated for
 the whole value - no copy in the client's parser, no join - and is hashed as soon as it is
 in, while the server is still sending the next.  A value missing any chunk (evicted by
-``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss.
+``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss, and its manifest is
+deleted (if unchanged) so that the item can be put again.
 
 Claims (:class:`~.backend.ClaimingBackend`) are keys beside the item's (``<key>/claim``)
 holding the claiming host's id with a ``PX`` expiry, so a host that dies holding one frees it
@@ -35,6 +38,7 @@ nor one that sends its reply a byte at a time holds a call longer.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import struct
@@ -72,6 +76,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNK_BYTES", "RedisBackend", "claim_key"]
 
+logger = logging.getLogger(__name__)
+
 CHUNK_BYTES = 1 << 20
 """Values larger than this are split into chunks of this size (the URL's ``chunk_kb`` query
 parameter sets another, e.g. for a proxy that limits value sizes)."""
@@ -86,6 +92,10 @@ _SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": 
 _MAX_LINE = 1 << 16  # a reply's type line (an error message at most)
 _LINE_READ = 64  # bytes asked for when a type line is next (the rest goes straight in place)
 _SKIP_READ = 1 << 16  # bytes read at a time from a chunk of the wrong length, to drop them
+UPLOAD_LEASE_MS = 60_000
+"""How long a chunked value's keys live until its put completes: a put cut short (its
+deadline, a lost connection) leaves nothing that outlives this; a complete one then gives them
+the value's own lifetime in one transaction."""
 
 
 def chunk_key(key: str, nonce: bytes, index: int) -> str:
@@ -131,6 +141,19 @@ _RELEASE_SCRIPT = """
 local dropped = 0
 for i = 1, #KEYS do
   if redis.call("GET", KEYS[i]) == ARGV[1] then
+    dropped = dropped + redis.call("DEL", KEYS[i])
+  end
+end
+return dropped
+"""
+
+# KEYS: keys of broken values; ARGV: each one's value as read.  Deletes those still holding
+# exactly that value (a manifest whose chunks are gone, say), so that the next put of the
+# item is not refused as present.
+_DROP_SCRIPT = """
+local dropped = 0
+for i = 1, #KEYS do
+  if redis.call("GET", KEYS[i]) == ARGV[i] then
     dropped = dropped + redis.call("DEL", KEYS[i])
   end
 end
@@ -436,7 +459,26 @@ class RedisBackend:
                 values[position][2].append(digest)
         for position, (buffer, size, chunk_digests) in values.items():
             out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
+        broken = zip(keys, heads, out, strict=True)
+        self._drop_broken([(key, head) for key, head, got in broken if got is INCOMPLETE])
         return out
+
+    def _drop_broken(self, broken: list[tuple[str, bytes | TooLarge | None]]) -> None:
+        """Delete the manifests read from ``broken`` keys (their chunks gone: evicted, or
+        flushed) if they still hold what was read, so the item can be put again; best effort
+        (a failure leaves it to the next reader)."""
+        if not broken:
+            return
+        try:
+            self._call(
+                self._client.eval,
+                _DROP_SCRIPT,
+                len(broken),
+                *(key for key, _ in broken),
+                *(head for _, head in broken),
+            )
+        except Exception:  # a read's outcome does not depend on it
+            logger.debug("could not drop %d broken remote values", len(broken), exc_info=True)
 
     def _heads(
         self, keys: Sequence[str], claim: tuple[str, bool, int] | None = None
@@ -511,16 +553,30 @@ class RedisBackend:
             return False  # put-if-absent: do not upload chunks nobody will read
         nonce = os.urandom(16)
         names: list[str] = []
+        # Every key lives only the upload's lease until the put completes (a put cut short
+        # leaves nothing behind for longer), unless the value's own lifetime is shorter.
+        leased = self._ttl_ms is None or self._ttl_ms > UPLOAD_LEASE_MS
+        px = UPLOAD_LEASE_MS if leased else self._ttl_ms
         pipe = self._client.pipeline(transaction=False)
         for start in range(0, body.nbytes, self._chunk):
             names.append(chunk_key(key, nonce, len(names)))
-            pipe.set(names[-1], body[start : start + self._chunk], px=self._ttl_ms)
+            pipe.set(names[-1], body[start : start + self._chunk], px=px)
         self._call(pipe.execute)
         manifest = _MANIFEST.pack(_MANIFEST_MAGIC, nonce, len(names), self._chunk, body.nbytes)
-        if self._call(self._client.set, key, manifest + header, nx=True, px=self._ttl_ms):
-            return True
-        self._call(self._client.delete, *names)  # another writer won: drop our chunks
-        return False
+        if not self._call(self._client.set, key, manifest + header, nx=True, px=px):
+            self._call(self._client.delete, *names)  # another writer won: drop our chunks
+            return False
+        if leased:
+            # The value's lifetime for all its keys at once (a transaction): all of them, or
+            # none, and then all go when the lease ends.
+            pipe = self._client.pipeline(transaction=True)
+            for name in (*names, key):
+                if self._ttl_ms is None:
+                    pipe.persist(name)
+                else:
+                    pipe.pexpire(name, self._ttl_ms)
+            self._call(pipe.execute)
+        return True
 
     def close(self) -> None:
         self._fetchers.shutdown(wait=False, cancel_futures=True)
