@@ -134,7 +134,7 @@ def test_worker_threads_resolving_at_once_get_their_items_and_keep_the_leases_wh
             features, expected = work[i]
             try:
                 worker.get_and_update_features(features)
-            except BaseException as exc:  # noqa: BLE001 - reported below, with its type
+            except BaseException as exc:  # reported below, with its type
                 errors.append(exc)
             else:
                 if not same_item(features[0].data, expected):
