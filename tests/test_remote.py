@@ -984,6 +984,25 @@ def test_every_outcome_of_a_probe_settles_the_breaker(
 # Deadlines: a call ends by its deadline, whole, whatever the server does
 
 
+def test_a_chunk_fetch_queued_behind_another_ends_by_its_own_deadline(
+    server: LocalServer, namespace: str
+) -> None:
+    """The chunks of a batch are fetched on the backend's fetch thread too; a read whose share
+    waits there behind another's (here: one that never ends) still ends by its deadline."""
+    with open_store(server.url, namespace, timeout_s=0.3) as store:
+        store.put(key(5), make_item(5, 3 * MiB))
+        fetchers = store._backend._fetchers  # type: ignore[attr-defined]
+        release = threading.Event()
+        busy = fetchers.submit(release.wait, 10 * HANG_S)
+        try:
+            got = in_time(lambda: store.get(key(5)))
+        finally:
+            release.set()
+            busy.result()
+        assert got is None and store.stats()["timeouts"] == 1
+        assert same(store.get(key(5)), make_item(5, 3 * MiB))  # the next read is whole
+
+
 def _resp_command(buffer: bytearray) -> list[bytes] | None:
     """Take the next whole RESP command (an array of bulk strings) off ``buffer``."""
     if not buffer.startswith(b"*") or (end := buffer.find(b"\r\n")) < 0:

@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
@@ -522,7 +523,17 @@ class RedisBackend:
             self._fetchers.submit(self._fetch_share, names[s], views[s], deadline) for s in shares
         ]
         first = self._fetch_share(names[:step], views[:step], deadline)
-        return first + [digest for future in futures for digest in future.result()]
+        try:
+            # Bounded too: a share queued behind another call's would end by that call's
+            # deadline, not this one's.
+            rest = [
+                future.result(timeout=max(0.0, deadline - time.monotonic())) for future in futures
+            ]
+        except FutureTimeout as exc:
+            for future in futures:
+                future.cancel()
+            raise RemoteTimeout("the chunks' fetch ran past the deadline") from exc
+        return first + [digest for share in rest for digest in share]
 
     def _fetch_share(
         self, names: list[str], views: list[memoryview], deadline: float
