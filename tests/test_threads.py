@@ -19,7 +19,6 @@ import random
 import sys
 import threading
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import cachetools
@@ -41,6 +40,7 @@ from mmcache import (
     make_caches,
 )
 from mmcache.caches import BaseSenderCache
+from tests.actors import Actor
 
 GiB = 1 << 30
 KiB = 1024
@@ -583,20 +583,6 @@ def test_make_caches_from_threads() -> None:
 
 
 # -- the request bracket is per thread ----------------------------------------------------------
-
-
-class Actor:
-    """Runs calls in a thread of its own, one at a time, so a test can interleave two
-    threads' calls in a chosen order."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1)
-
-    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._pool.submit(fn, *args).result(timeout=60)
-
-    def close(self) -> None:
-        self._pool.shutdown()
 
 
 @pytest.fixture

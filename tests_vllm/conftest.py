@@ -27,7 +27,7 @@ from standin import write_hf_cache  # noqa: E402
 write_hf_cache(Path(os.environ["HF_HOME"]))
 
 import mmcache.vllm  # noqa: E402
-from vllm_helpers import MiB, vllm_config  # noqa: E402
+from vllm_helpers import MiB, shm_caches  # noqa: E402
 
 collect_ignore = ["upstream"]
 
@@ -46,16 +46,6 @@ def installed() -> Iterator[None]:
 
 @pytest.fixture
 def shm_pair() -> Iterator[tuple[Any, Any]]:
-    """P0's cache and one worker's (its reader slot claimed, so references count); a module
-    may define its own."""
-    from vllm.multimodal.cache import (
-        processor_cache_from_config,
-        worker_receiver_cache_from_config,
-    )
-
-    config = vllm_config("shm", 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    worker = worker_receiver_cache_from_config(config, object())
-    yield p0, worker
-    worker._shm_cache.close()
-    p0.close()
+    """:func:`shm_caches` of a 4 MiB ring; a module may define its own."""
+    with shm_caches(4 * MiB) as pair:
+        yield pair

@@ -12,39 +12,25 @@ from __future__ import annotations
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from vllm_helpers import MiB, feature, kwargs_item, outstanding, same_item, vllm_config
-
-
-class Thread:
-    """A thread of its own that runs the calls given to it one at a time, so that a test
-    decides exactly how two threads' calls interleave."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1)
-
-    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._pool.submit(fn, *args).result(timeout=60)
-
-    def close(self) -> None:
-        self._pool.shutdown()
+from tests.actors import Actor
+from vllm_helpers import MiB, feature, kwargs_item, outstanding, same_item, shm_caches
 
 
 @pytest.fixture
-def two_threads() -> Iterator[tuple[Thread, Thread]]:
-    a, b = Thread(), Thread()
+def two_threads() -> Iterator[tuple[Actor, Actor]]:
+    a, b = Actor(), Actor()
     yield a, b
     a.close()
     b.close()
 
 
 def test_a_threads_release_judges_its_own_request_not_anothers(
-    shm_pair: tuple[Any, Any], two_threads: tuple[Thread, Thread]
+    shm_pair: tuple[Any, Any], two_threads: tuple[Actor, Actor]
 ) -> None:
     """b's request (one item, updated) ends while a's (two items touched, none updated yet)
     is open: b's handle stays issued for its worker, and a's complete request keeps its two."""
@@ -65,7 +51,7 @@ def test_a_threads_release_judges_its_own_request_not_anothers(
 
 
 def test_another_threads_update_does_not_end_a_request_between_its_touches(
-    shm_pair: tuple[Any, Any], two_threads: tuple[Thread, Thread]
+    shm_pair: tuple[Any, Any], two_threads: tuple[Actor, Actor]
 ) -> None:
     """An update made by b between a's two touches is not "a touch after a's updates": a's
     request goes on, and the item its first touch protected stays pinned."""
@@ -93,17 +79,8 @@ def test_another_threads_update_does_not_end_a_request_between_its_touches(
 def small_leases() -> Iterator[tuple[Any, Any]]:
     """P0 and a worker whose reader keeps 2 MiB of leases (a quarter of the ring): a few
     100 KB items each, so the threads' inserts evict one another's."""
-    from vllm.multimodal.cache import (
-        processor_cache_from_config,
-        worker_receiver_cache_from_config,
-    )
-
-    config = vllm_config("shm", 8 * MiB)
-    p0 = processor_cache_from_config(config)
-    worker = worker_receiver_cache_from_config(config, object())
-    yield p0, worker
-    worker._shm_cache.close()
-    p0.close()
+    with shm_caches(8 * MiB) as pair:
+        yield pair
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -114,3 +116,20 @@ def outstanding(p0: Any) -> int:
     """The references P0's ring has issued that its one reader has not read or given back."""
     (reader,) = mmcache.inspect(p0.ring.name)["readers"]
     return int(reader["outstanding"])
+
+
+@contextmanager
+def shm_caches(capacity_bytes: int) -> Iterator[tuple[Any, Any]]:
+    """P0's cache of a ring of ``capacity_bytes`` and one worker's (its reader slot claimed,
+    so references count); the worker keeps a quarter of the ring for replays."""
+    from vllm.multimodal.cache import (
+        processor_cache_from_config,
+        worker_receiver_cache_from_config,
+    )
+
+    config = vllm_config("shm", capacity_bytes)
+    p0 = processor_cache_from_config(config)
+    worker = worker_receiver_cache_from_config(config, object())
+    yield p0, worker
+    worker._shm_cache.close()
+    p0.close()
