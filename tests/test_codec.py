@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmcache import SegmentCorruptError, serde
+from mmcache import ItemNotEncodableError, SegmentCorruptError, serde
 from mmcache._core import ShmObjectStore, ShmReader, ShmWriter
 
 # torch warns whenever it makes a complex32 tensor (encoding a strided one makes a copy).
@@ -572,3 +572,90 @@ def test_zero_copy_decoding_holds_the_one_export_its_pointer_came_from() -> None
     gc.collect()
     assert bytearray_exports(payload) == 0
     assert not serde.decode(serde.pack(item), copy=False)["a"].flags.writeable
+
+
+# -- values a walk or a hostile header could get wrong ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scalar",
+    [np.str_(""), np.bytes_(b""), np.array(["ab", ""])[1]],
+    ids=["str_", "bytes_", "str_ of an array"],
+)
+def test_an_empty_numpy_string_scalar_round_trips(scalar: Any) -> None:
+    """Their dtype has no size (``<U0``, ``|S0``) while their bytes are one NUL item."""
+    out = serde.decode(serde.pack({"s": scalar}))["s"]
+    assert type(out) is type(scalar) and out == scalar
+
+
+def test_an_empty_void_scalar_is_refused_when_encoded() -> None:
+    with pytest.raises(ItemNotEncodableError, match=r"item\['v'\]"):
+        serde.pack({"v": np.void(b"")})
+
+
+def test_a_header_with_a_sizeless_string_dtype_is_corrupt_not_an_allocation() -> None:
+    """``|S0`` items, 2^33 of them, in a part of no bytes: numpy would make them one byte each
+    and hand back 8 GiB of uninitialised memory."""
+    payload = bytearray(serde.pack({"a": np.zeros((0,), dtype="S1")}))
+    at = payload.index(b"|S1")
+    payload[at : at + 3] = b"|S0"
+    payload[at + 4 : at + 12] = (1 << 33).to_bytes(8, "little")
+    for copy in (True, False):
+        with pytest.raises(SegmentCorruptError, match="no size"):
+            serde.decode(bytes(payload), copy=copy)
+
+
+def test_a_dict_changed_while_its_values_are_walked_is_encoded_as_it_was() -> None:
+    class Grows(dict[str, Any]):
+        """A mapping (not a plain dict, so walked through ``items()``) that adds a key to
+        the item holding it when walked."""
+
+        def __init__(self, outer: dict[str, Any]) -> None:
+            super().__init__()
+            self.outer = outer
+
+        def items(self) -> Any:
+            self.outer["late"] = 1
+            return iter(())
+
+    item: dict[str, Any] = {"a": None, "b": 2}
+    item["a"] = Grows(item)
+    assert serde.decode(serde.pack(item)) == {"a": {}, "b": 2}
+
+
+def test_pack_copies_a_tensors_bytes_even_when_a_keys_finalizer_frees_its_storage() -> None:
+    """The last reference to a field's key (here a fresh ``str`` subclass each ``items()``)
+    goes only after the copy: its ``__del__`` runs Python code, which here frees the storage
+    whose address the encoder had just read."""
+    code = """if True:
+        from collections.abc import Mapping
+        import torch
+        from mmcache import serde
+        N = 64 << 20
+        t = torch.full((N,), 7, dtype=torch.uint8)
+        class Key(str):
+            def __del__(self):
+                t.untyped_storage().resize_(0)
+        class Item(Mapping):
+            def __getitem__(self, k): return t
+            def __len__(self): return 1
+            def __iter__(self): return iter(["a"])
+            def items(self): return [(Key("a"), t)]
+        payload = serde.pack(Item())
+        raise SystemExit(0 if set(payload[-N:]) == {7} else 3)
+    """
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-500:])
+
+
+def test_an_array_whose_shape_disagrees_with_its_buffer_is_refused_when_encoded() -> None:
+    class Reshaped(np.ndarray):  # type: ignore[type-arg]
+        @property  # type: ignore[misc]
+        def shape(self) -> tuple[int, ...]:
+            return (7,)
+
+    array = np.arange(3, dtype=np.float32).view(Reshaped)
+    with pytest.raises(ItemNotEncodableError, match="shape"):
+        serde.pack({"a": array})

@@ -20,7 +20,10 @@
 //! storage's memory is uniquely owned (torch offers no reference to it from Python). Both run
 //! holding the GIL (torch/csrc/StorageMethods.cpp, StorageSharing.cpp), so the encoder reads
 //! each storage's address and size last, once the walk is over (no Python code runs between
-//! those reads and the copy), and copies out of torch storages keep the GIL
+//! those reads and the copy: the references the walk took, such as the keys on a tensor's
+//! path, whose `__del__` is Python code, are released only with the encoding, after the copy;
+//! a dict is walked as a copy, since its values' code may change it), and copies out of torch
+//! storages keep the GIL
 //! ([`Encoded::copying`]); a refusal found then still names its field (each tensor's part
 //! keeps the path the walk took to it). A resize inside one of torch's own kernels, which run
 //! with the GIL released (`Tensor.resize_`), races with every reader of that tensor, torch's
@@ -150,11 +153,21 @@ enum Part<'py> {
 
 impl Part<'_> {
     /// The part's keeper, a tensor's storage's memory read now (an `ItemNotEncodableError`
-    /// naming the tensor's field if it cannot hold the tensor's bytes).
-    fn hold(self, py: Python<'_>) -> PyResult<Keeper> {
+    /// naming the tensor's field if it cannot hold the tensor's bytes), and the references the
+    /// walk took to find it, which must outlive the copy: dropping the last reference to a
+    /// key may run its `__del__`, Python code that could free the memory just read.
+    fn hold(self, py: Python<'_>, walked: &mut Vec<Py<PyAny>>) -> PyResult<Keeper> {
         match self {
             Part::Held(keeper) => Ok(keeper),
-            Part::Tensor(t) => t.hold().map_err(|e| e.into_pyerr(py, &t.path)),
+            Part::Tensor(t) => {
+                let keeper = t.hold().map_err(|e| e.into_pyerr(py, &t.path));
+                walked.push(t.tensor_type.into_any().unbind());
+                walked.extend(t.path.into_iter().filter_map(|step| match step {
+                    Step::Key(key) => Some(key.unbind()),
+                    Step::Index(_) => None,
+                }));
+                keeper
+            }
         }
     }
 }
@@ -235,6 +248,9 @@ pub(super) struct Encoded {
     parts: Vec<Keeper>,
     /// Whether a part lies in a torch storage (copies of it keep the GIL: module doc).
     in_storage: bool,
+    /// What the walk held on the way to the tensors (their keys, their types): released
+    /// with the encoding, after the copy (see `Part::hold`).
+    _walked: Vec<Py<PyAny>>,
 }
 
 impl Encoded {
@@ -264,15 +280,16 @@ impl Encoded {
             .finish()
             .map_err(|e| EncodeError::from(e).into_pyerr(py, &[]))?;
         let in_storage = enc.parts.iter().any(|p| matches!(p, Part::Tensor(_)));
-        let parts = enc
-            .parts
+        let mut walked = Vec::new();
+        let parts = std::mem::take(&mut enc.parts)
             .into_iter()
-            .map(|p| p.hold(py))
+            .map(|p| p.hold(py, &mut walked))
             .collect::<PyResult<_>>()?;
         Ok(Encoded {
             header,
             parts,
             in_storage,
+            _walked: walked,
         })
     }
 
@@ -450,7 +467,8 @@ impl<'py> Encoder<'py> {
         self.check_depth(depth)?;
         let open = self.header.begin(Container::Dict);
         let mut n = 0;
-        for (k, v) in d.iter() {
+        // A copy of it: walking its values may run Python code that changes the dict.
+        for (k, v) in d.copy()?.iter() {
             self.entry(&k, &v, depth)?;
             n += 1;
         }
@@ -557,6 +575,14 @@ impl<'py> Encoder<'py> {
             }
         };
         let shape = dims(&a.getattr(intern!(py, "shape"))?)?;
+        let itemsize: u64 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        let nbytes = shape.iter().try_fold(itemsize, |n, &d| n.checked_mul(d));
+        if nbytes != Some(buffer.len() as u64) {
+            return Err(EncodeError::refused(format!(
+                "an array of shape {shape:?} whose buffer is {} bytes (a subclass's shape?)",
+                buffer.len()
+            )));
+        }
         self.header.array(&descr, &shape, buffer.len() as u64)?;
         self.parts.push(Part::Held(Keeper::Export(buffer)));
         Ok(())
@@ -565,12 +591,25 @@ impl<'py> Encoder<'py> {
     fn scalar(&mut self, v: &Bound<'py, PyAny>) -> EncodeResult<()> {
         let py = self.py;
         let dtype = v.getattr(intern!(py, "dtype"))?;
-        let descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
+        let mut descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
         let raw = v.call_method0(intern!(py, "tobytes"))?;
-        self.header.scalar(
-            &descr,
-            raw.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes(),
-        )?;
+        let raw = raw.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes();
+        let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        if raw.len() != itemsize || itemsize == 0 {
+            // An empty str_ or bytes_ (`<U0`, `|S0`) gives one NUL item: stored as that, it
+            // decodes to the same empty value. An empty void has no bytes to decode from.
+            descr = match (descr.as_bytes().get(1), raw.len()) {
+                (Some(b'U'), 4) => format!("{}U1", &descr[..1]),
+                (Some(b'S'), 1) => "|S1".to_owned(),
+                _ => {
+                    return Err(EncodeError::refused(format!(
+                        "a numpy scalar of dtype {descr} whose bytes are {} long",
+                        raw.len()
+                    )));
+                }
+            };
+        }
+        self.header.scalar(&descr, raw)?;
         Ok(())
     }
 }

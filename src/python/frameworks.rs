@@ -104,6 +104,12 @@ pub(super) fn array_dtype<'py>(py: Python<'py>, descr: &str) -> PyResult<(Bound<
         return Err(corrupt(problem.into()).into());
     }
     let itemsize: u64 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+    // numpy makes an `S0` or `U0` array one byte or character wide: a hostile header could
+    // have it allocate its shape's worth of uninitialised memory for a part of no bytes.
+    // (`V0` arrays exist, and hold nothing.)
+    if itemsize == 0 && dtype.getattr(intern!(py, "kind"))?.ne("V")? {
+        return Err(corrupt("has items of no size".into()).into());
+    }
     let mut cache = lock(&ARRAY_DTYPES);
     let map = cache.get_or_insert_with(HashMap::new);
     if map.len() < DTYPE_CACHE_ENTRIES {
