@@ -39,7 +39,7 @@ from mmcache.remote import (
     is_shareable_key,
     redis_backend,
 )
-from mmcache.remote.backend import RemoteUnreachable, ValueTooLarge
+from mmcache.remote.backend import RemoteUnreachable, ValueTooLarge, redact_url
 from mmcache.remote.envelope import (
     HEADER_SIZE,
     MIN_PART_BYTES,
@@ -906,6 +906,19 @@ def test_a_bad_url_with_credentials_is_an_error_that_does_not_repeat_them(url: s
     with pytest.raises(ValueError) as error:  # noqa: PT011 - its message is checked below
         RemoteStore(url, namespace="m@1")
     assert PASSWORD not in str(error.value) and "127.0.0.1" in str(error.value)
+
+
+def test_a_url_given_as_an_option_loses_its_credentials_and_the_store_keeps_its_address() -> None:
+    shown = redact_url(f"mooncake://10.0.0.5:50051?metadata=http://alice:{PASSWORD}@10.0.0.9:80/m")
+    assert shown == "mooncake://10.0.0.5:50051?metadata=http://***@10.0.0.9:80/m"
+
+
+def test_credentials_in_mooncakes_metadata_url_are_refused() -> None:
+    """Mooncake's client logs each metadata request's URL in full."""
+    url = f"mooncake://127.0.0.1:1?metadata=http://alice:{PASSWORD}@127.0.0.1:2/metadata"
+    with pytest.raises(ValueError, match="metadata") as error:
+        RemoteStore(url, namespace="m@1")
+    assert PASSWORD not in str(error.value) and "127.0.0.1:1" in str(error.value)
 
 
 def test_a_password_in_the_query_is_redacted_too(namespace: str) -> None:

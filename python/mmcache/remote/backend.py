@@ -132,24 +132,37 @@ class ClaimingBackend(Backend, Protocol):
 
 # Query parameters whose values may be credentials (redis-py reads ``password=``, for one).
 _SECRET_PARAMETER = re.compile(r"pass|pwd|secret|token|auth|cred|key", re.IGNORECASE)
+# A URL with userinfo as an option's value: what goes is up to its last '@'.
+_URL_IN_VALUE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*(?:%3A|:)(?:%2F|/){2}).*@", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
-    """``url`` as it may be shown (logs, reprs, errors): the userinfo (``user:password@``)
-    and the value of every password-like query parameter become ``***``; the rest (scheme,
-    host, port, path, other options) still says which store it is. A password pasted without
-    percent-encoding may hold ``/``, ``?`` or ``#``, which end the netloc where a URL parser
-    looks: everything up to the last ``@`` after the scheme goes."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        url = f"{scheme}://***@{rest.rpartition('@')[2]}"
+    """``url`` as it may be shown (logs, reprs, errors): the userinfo (``user:password@``),
+    the userinfo of a URL given as an option's value (Mooncake's ``metadata=``) and the value
+    of every password-like query parameter become ``***``; the rest (scheme, host, port, path,
+    other options) still says which store it is. A password pasted without percent-encoding
+    may hold ``/``, ``?`` or ``#``, which end the netloc where a URL parser looks: an ``@``
+    found anywhere else then hides everything up to it."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<an unparseable URL>"
     netloc = parts.netloc
-    query = "&".join(
-        f"{name}=***" if sep and _SECRET_PARAMETER.search(unquote(name)) else f"{name}{sep}{value}"
-        for name, sep, value in (field.partition("=") for field in parts.query.split("&"))
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    fields = [field.partition("=") for field in parts.query.split("&")] if parts.query else []
+    # Every '@' should be the netloc's or one of a URL given as an option's value.
+    accounted = parts.netloc.count("@") + sum(
+        value.count("@") for _, eq, value in fields if eq and _URL_IN_VALUE.match(value)
     )
-    return parts._replace(netloc=netloc, query=query if parts.query else "").geturl()
+    scheme, colon_slashes, rest = url.partition("://")
+    if colon_slashes and rest.count("@") > accounted:
+        return redact_url(f"{scheme}://***@{rest.rpartition('@')[2]}")
+    shown = []
+    for name, eq, value in fields:
+        if eq and _SECRET_PARAMETER.search(unquote(name)):
+            shown.append(f"{name}=***")
+        else:
+            shown.append(name + eq + _URL_IN_VALUE.sub(r"\1***@", value))
+    query = "&".join(shown)
+    return parts._replace(netloc=netloc, query=query).geturl()

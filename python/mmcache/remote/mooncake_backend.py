@@ -204,6 +204,12 @@ class MooncakeBackend:
         unknown = set(query) - options
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} in Mooncake URL {shown!r}")
+        if "@" in query.get("metadata", ""):
+            # Mooncake's client logs every metadata request's URL in full.
+            raise ValueError(
+                "Mooncake logs its metadata server's URL as written: put no user:password in "
+                f"the metadata= of {shown!r}"
+            )
         segment_mb, buffer_mb = (
             _mib(query, name, default, shown)
             for name, default in (("segment_mb", 256), ("buffer_mb", 64))

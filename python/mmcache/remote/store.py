@@ -358,9 +358,11 @@ class RemoteStore(ClosesOnExit):
     def stats(self, *, latencies: bool = True) -> dict[str, float]:
         """Counters and (unless ``latencies=False``) latency percentiles.
 
-        ``hits`` / ``misses`` (gets), ``puts`` (values stored), ``put_present`` (already
-        there), ``bytes_read`` / ``bytes_written`` (payloads), ``contains_keys`` /
-        ``contains_found``, ``claims_released`` (claims :meth:`release_claims` dropped);
+        ``hits`` / ``misses`` (gets), ``puts`` (values stored; with Mooncake, whose put of a
+        present key answers as one that stored it, hosts racing to put one key may both
+        count it), ``put_present`` (already there), ``bytes_read`` / ``bytes_written``
+        (payloads), ``contains_keys`` / ``contains_found``, ``claims_released`` (claims
+        :meth:`release_claims` dropped);
         failures: ``timeouts``, ``unreachable``, ``server_errors``, ``corrupt``,
         ``incomplete`` (a chunk gone), ``too_large`` (a stored value over ``max_value_mb``,
         not read), ``version_mismatch``, ``digest_mismatch``,
