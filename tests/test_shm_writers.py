@@ -292,7 +292,10 @@ def test_reput_with_unshareable_updates_never_gives_the_old_ones() -> None:
         b.invalidate("k")
         handle, _ = b.get_and_update_item((item("k"), PromptUpdate("k", "b")), "k")
         check_handle(reader, handle, "k")
-        with pytest.raises(CacheMissError):  # not the old object's updates
+        # Not cached for `a` (it cannot decode the new object's updates, and those it kept
+        # are the old object's), and its lookup says so as its hit does.
+        assert not a.is_cached_item("k") and a.is_cached(["k"]) == [False]
+        with pytest.raises(CacheMissError):
             a.get_and_update([None], ["k"])
         handle, got = a.get_and_update_item((item("k"), updates("k", "a2")), "k")
         assert got == updates("k", "a2")

@@ -227,21 +227,22 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def _learn_prompt_updates(self, mm_hash: str) -> bool:
-        """Read and keep the prompt updates another writer stored with ``mm_hash``; whether
-        they could be had (the key is stored and they are shareable with this writer)."""
+    def _learn_prompt_updates(self, mm_hash: str, monotonic_id: int) -> bool:
+        """Read and keep the prompt updates another writer stored with ``mm_hash``'s object of
+        ``monotonic_id`` (stored now, by ``is_cached_item``'s lookup); whether they could be had
+        (it is still stored and they are shareable with this writer)."""
         with self._lock:
-            if mm_hash in self._prompt_updates:  # this writer's other thread just put it
-                return True
+            kept = self._prompt_updates.get(mm_hash)
+            if kept is not None and kept[0] == monotonic_id:
+                return True  # this writer's other thread just put it, or learnt them
             try:
-                meta = self._store.read_meta(mm_hash)
+                meta = self._store.read_meta(mm_hash, monotonic_id=monotonic_id)
             except KeyError:
-                return False
+                return False  # replaced or gone since
             prompt_updates = self._codec.decode(meta)
             if prompt_updates is NOT_SHAREABLE:
                 return False
-            # Which object they belong to is checked by the hit that returns them.
-            self._keep_prompt_updates(mm_hash, None, prompt_updates)
+            self._keep_prompt_updates(mm_hash, monotonic_id, prompt_updates)
             return True
 
     def is_cached(

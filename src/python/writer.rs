@@ -301,8 +301,9 @@ impl ShmWriter {
 /// The native base class of `ShmSenderCache`: its `is_cached_item` (P0 asks it of every item
 /// of every request) as a C method of this class, so that a call of it is specialised as a
 /// method's and runs no Python frame. Whether a key is stored, by the writer's lock-free
-/// lookup, and the cache keeps its prompt updates, in `kept` (the cache's own dict, read with
-/// the GIL held); a key stored but not kept is answered by the cache's
+/// lookup, and the cache keeps the prompt updates of that very object (by monotonic id), in
+/// `kept` (the cache's own dict of `key: (monotonic id, prompt updates)`, read with the GIL
+/// held); a key stored but not kept for that object is answered by the cache's
 /// `_learn_prompt_updates`. The writer and the dict are given once, by `_check_with`.
 #[pyclass(subclass, frozen, module = "mmcache._core")]
 pub(crate) struct CachedItemCheck {
@@ -335,14 +336,16 @@ impl CachedItemCheck {
             ));
         };
         let key = mm_hash.to_str()?;
-        if !state.writer.get().writer.with(py, |w| w.is_cached(key))?? {
+        let Some(id) = state.writer.get().writer.with(py, |w| w.stored_id(key))?? else {
             return Ok(false);
-        }
-        if state.kept.bind(py).contains(mm_hash)? {
-            return Ok(true);
+        };
+        if let Some(kept) = state.kept.bind(py).get_item(mm_hash)? {
+            if kept_for(kept.as_ptr(), id) {
+                return Ok(true);
+            }
         }
         cache
-            .call_method1(intern!(py, "_learn_prompt_updates"), (mm_hash,))?
+            .call_method1(intern!(py, "_learn_prompt_updates"), (mm_hash, id))?
             .is_truthy()
     }
 
@@ -375,21 +378,44 @@ impl CachedItemCheck {
             .writer
             .get()
             .writer
-            .with(py, |w| w.is_cached(key).ok());
-        if !stored.ok().flatten()? {
+            .with(py, |w| w.stored_id(key).ok());
+        let Some(id) = stored.ok().flatten()? else {
             return Some(false);
-        }
+        };
         // SAFETY: `kept` is a dict and `mm_hash` an exact str (its hash and equality cannot
-        // raise); an error (-1) is left to `answer`, with the exception cleared.
-        match unsafe { ffi::PyDict_Contains(state.kept.as_ptr(), mm_hash) } {
-            1 => Some(true),
-            0 => None,
-            _ => {
-                // SAFETY: attached to the interpreter, with an exception set.
-                unsafe { ffi::PyErr_Clear() };
-                None
-            }
+        // raise); the result is borrowed, alive while the dict holds it (no Python code runs
+        // before `kept_for` is done with it); null with an error set is left to `answer`.
+        let kept = unsafe { ffi::PyDict_GetItemWithError(state.kept.as_ptr(), mm_hash) };
+        if kept.is_null() {
+            // SAFETY: attached to the interpreter; clears the error, if one is set.
+            unsafe { ffi::PyErr_Clear() };
+            return None;
         }
+        kept_for(kept, id).then_some(true)
+    }
+}
+
+/// Whether `kept`, a value of the cache's `kept` dict (`(monotonic id, prompt updates)`), is
+/// for the object of monotonic id `id` (the prompt updates of an object the key named before
+/// are not this one's: another writer may have put it again with others).
+fn kept_for(kept: *mut ffi::PyObject, id: u64) -> bool {
+    // SAFETY: `kept` is a live object (borrowed for the call); the tuple is checked before
+    // its first item is read, and an int's conversion error is cleared (it answers false).
+    unsafe {
+        if ffi::PyTuple_Check(kept) == 0 || ffi::PyTuple_Size(kept) < 1 {
+            return false;
+        }
+        let kept_id = ffi::PyTuple_GetItem(kept, 0);
+        if kept_id.is_null() || ffi::PyLong_Check(kept_id) == 0 {
+            ffi::PyErr_Clear();
+            return false;
+        }
+        let value = ffi::PyLong_AsUnsignedLongLong(kept_id);
+        if value == u64::MAX && !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+            return false;
+        }
+        value == id
     }
 }
 

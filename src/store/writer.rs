@@ -421,6 +421,12 @@ impl Writer {
         Ok(self.shared.lookup(&self.query(key))?.is_some())
     }
 
+    /// The monotonic id of the object stored under `key` now, if one is.
+    pub fn stored_id(&self, key: &str) -> Result<Option<u64>> {
+        self.check_open()?;
+        Ok(self.shared.lookup(&self.query(key))?.map(|entry| entry.id))
+    }
+
     /// Every stored key (a snapshot).
     pub fn keys(&self) -> Result<Vec<String>> {
         self.check_open()?;
