@@ -167,3 +167,27 @@ fn closed_writer_is_reported_to_readers() {
         "the creator unlinks on close"
     );
 }
+
+/// A put that fails after filling its block (here: the index is full of unread objects)
+/// issues no handle, so no reader is owed a reference for it: `inspect`'s outstanding
+/// (`refs - acks`) stays where it was, and the block and its bytes are given back.
+#[test]
+fn a_put_that_fails_after_its_fill_owes_the_readers_nothing() {
+    let refs_of = |r: &Reader| {
+        let stats = r.stats().unwrap();
+        stats.into_iter().find(|(k, _)| *k == "refs").unwrap().1
+    };
+    let config = Config {
+        max_objects: Some(4),
+        ..Config::new(1 << 16, 1, None)
+    };
+    let w = Writer::create_with(&config, None).unwrap();
+    let r = Reader::attach(&w.reader_info()).unwrap();
+    for i in 0..4 {
+        w.put(&format!("held{i}"), &[b"unread"]).unwrap();
+    }
+    assert_eq!(refs_of(&r), 4);
+    assert!(matches!(w.put("x", &[b"x"]), Err(Error::IndexFull(4))));
+    assert_eq!(stats_of(&w)["objects"], 4);
+    assert_eq!(refs_of(&r), 4, "no handle was issued for the failed put");
+}

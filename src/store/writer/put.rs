@@ -125,11 +125,19 @@ impl Writer {
             long_key,
             meta,
         );
+        // The readers are owed a reference each from publication on (counted first, so a
+        // reader's acknowledgement never comes before it); a put that fails takes it back.
+        let mut counted = false;
         let published = filled.and_then(|()| {
+            self.count_refs(&reader_set, true)?;
+            counted = true;
             crash::point("put.filled");
             self.publish(&query, address, id)
         });
         if let Err(e) = published {
+            if counted {
+                self.count_refs(&reader_set, false)?;
+            }
             let lock = self.lock()?;
             self.shared.unreserve(&lock, address)?;
             return Err(e);
@@ -244,6 +252,20 @@ impl Writer {
         })
     }
 
+    /// One reference more (or fewer, `add` false) in the `REFS` count of every reader of
+    /// `reader_set` (what `inspect` subtracts the reader's acknowledgements from).
+    fn count_refs(&self, reader_set: &ReaderSet, add: bool) -> Result<()> {
+        for &(s, _) in reader_set.members.iter() {
+            let refs = self.shared.slot(s, slot::REFS)?;
+            if add {
+                refs.fetch_add(1, Ordering::Relaxed);
+            } else {
+                refs.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
     /// Write everything but the id into the reserved block at `address` (no lock held).
     #[allow(clippy::too_many_arguments)]
     fn fill(
@@ -276,7 +298,6 @@ impl Writer {
             sh.pin_word(address, w)?.store(0, Ordering::Relaxed);
         }
         for &(s, epoch) in reader_set.members.iter() {
-            sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
             let word = SlotWord {
                 stamp: SlotWord::stamp_for(tag(mac), epoch as u64),
                 outstanding: 1,
