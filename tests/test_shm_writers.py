@@ -20,7 +20,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
 import json
 import multiprocessing as mp
 import os
@@ -300,6 +302,37 @@ def test_reput_with_unshareable_updates_never_gives_the_old_ones() -> None:
         handle, got = a.get_and_update_item((item("k"), updates("k", "a2")), "k")
         assert got == updates("k", "a2")
         check_handle(reader, handle, "k")
+
+
+class Modality(enum.IntEnum):
+    IMAGE = 1
+
+
+Span = collections.namedtuple("Span", "start length")
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        [Span(3, 5)],
+        {"modality": Modality.IMAGE},
+        collections.defaultdict(list, {"image": [0, 4]}),
+        collections.OrderedDict(a=1),
+    ],
+    ids=["namedtuple", "IntEnum", "defaultdict", "OrderedDict"],
+)
+def test_plain_prompt_updates_of_a_subclass_are_not_shared_as_their_base(given: Any) -> None:
+    """The plain codec gives a subclass back as its base type (a namedtuple as a tuple):
+    such prompt updates are not shareable, so the other writer processes the item itself
+    rather than get other objects."""
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        assert a.get_and_update_item((item("k"), given), "k")[1] is given
+        assert b.is_cached(["k"]) == [False] and a.stats()["unshared_prompt_updates"] == 1
+        _, got = b.get_and_update_item((item("k"), given), "k")
+        assert got is given
 
 
 def test_a_key_put_by_another_writer_meanwhile_is_issued() -> None:

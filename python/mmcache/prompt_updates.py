@@ -7,7 +7,8 @@ metadata (``put_item(..., meta=)``; readers never see it), encoded by
 
 * ``"plain"`` (the default): the package's native item codec, which holds plain data (``None``,
   ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples and ``str``-keyed dicts of
-  them; tensors and arrays too) and never runs code when decoding;
+  them; tensors and arrays too) and never runs code when decoding; of exactly those types
+  (a namedtuple or an ``IntEnum`` would come back as its base, so it is not shareable);
 * ``"pickle"``: :mod:`pickle`, for engines whose prompt updates are objects (vLLM's are
   dataclasses); only a writer that opted in decodes it (every writer of a store holds its
   secret, so they trust each other as much as the process that made them);
@@ -24,6 +25,8 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
+
+import numpy as np
 
 from mmcache import _core
 
@@ -86,7 +89,32 @@ class PromptUpdatesCodec:
 
 
 def _plain_dumps(prompt_updates: Any) -> bytes:
+    if not _exactly_plain(prompt_updates, 0):
+        raise TypeError("not plain data of exactly the types it decodes to")
     return _core.pack_item({"u": prompt_updates})
+
+
+_PLAIN_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+_NESTING = 64  # the codec's own limit
+
+
+def _exactly_plain(value: Any, depth: int) -> bool:
+    """Whether ``value`` is plain data whose every part is of exactly a type the codec gives
+    back: a subclass (a namedtuple, an ``IntEnum``, a ``defaultdict``) would reach the other
+    writers as its base type, so such prompt updates are not shareable instead."""
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
+        return True
+    if depth >= _NESTING:
+        return False
+    if kind is list or kind is tuple:
+        return all(_exactly_plain(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(type(k) is str and _exactly_plain(v, depth + 1) for k, v in value.items())
+    # Arrays, numpy's scalars and tensors come back as exactly their own types.
+    if kind is np.ndarray or (issubclass(kind, np.generic) and kind.__module__ == "numpy"):
+        return True
+    return (kind.__module__, kind.__qualname__) == ("torch", "Tensor")
 
 
 def _plain_loads(data: bytes) -> Any:
