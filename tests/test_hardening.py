@@ -679,3 +679,37 @@ def test_an_in_place_op_on_a_zero_copy_tensor_dies_explaining_why(faulthandler: 
         timeout=120,
     )
     assert other.returncode == -signal.SIGSEGV and "mmcache:" not in other.stderr
+
+
+SENDS_ITSELF_SIGBUS = textwrap.dedent(
+    """
+    import os, signal, sys
+    from mmcache import ShmSenderCache
+    if sys.argv[1] == "ignored":
+        signal.signal(signal.SIGBUS, signal.SIG_IGN)
+    with ShmSenderCache(1 / 1024):
+        os.kill(os.getpid(), signal.SIGBUS)
+        print("after the first", flush=True)
+        os.kill(os.getpid(), signal.SIGBUS)
+        print("after the second", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("disposition", ["default", "ignored"])
+def test_a_fault_signal_sent_by_kill_keeps_the_disposition_before_mmcaches(
+    disposition: str,
+) -> None:
+    """No fault and no instruction to run again: the explainer hands the signal on at once,
+    as the disposition before it says (the default kills at the first; ignored stays so)."""
+    result = subprocess.run(
+        [sys.executable, "-c", SENDS_ITSELF_SIGBUS, disposition],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if disposition == "default":
+        assert result.returncode == -signal.SIGBUS and "after" not in result.stdout, result
+    else:
+        assert result.returncode == 0 and "after the second" in result.stdout, result
+    assert "mmcache:" not in result.stderr

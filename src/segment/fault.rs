@@ -13,6 +13,8 @@
 //! A handler, installed once when the first mapping is registered, prints one line naming the
 //! cause when the faulting address lies in a registered mapping, then hands the signal on to
 //! whatever handler was installed before it (faulthandler's, say) or to the default action.
+//! The same signal sent by a process (`kill`, `raise`: no fault, no instruction to run again)
+//! goes to what was there before at once: ignored, that handler, or the default action.
 //! It only uses async-signal-safe operations: atomic loads from a fixed table and `write(2)`.
 
 use std::sync::OnceLock;
@@ -133,13 +135,20 @@ fn lookup(address: usize) -> Option<Mapping> {
 }
 
 extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
-    let address = if info.is_null() {
+    let code = if info.is_null() {
         0
     } else {
-        // SAFETY: the kernel passes a valid siginfo_t for SA_SIGINFO handlers of fault
-        // signals (checked non-null above); si_addr is the faulting address.
-        (unsafe { (*info).si_addr() }) as usize
+        // SAFETY: the kernel passes a valid siginfo_t to an SA_SIGINFO handler (non-null).
+        unsafe { (*info).si_code }
     };
+    if code <= 0 {
+        // Sent by a process (`kill`, `raise`: SI_USER, SI_TKILL, ...), not a fault: nothing to
+        // explain and no instruction to run again. What was there before us decides.
+        on_sent(sig, info, context);
+        return;
+    }
+    // SAFETY: as above; for a fault, si_addr is the faulting address.
+    let address = (unsafe { (*info).si_addr() }) as usize;
     let message = match (sig, lookup(address)) {
         (libc::SIGSEGV, Some(Mapping::Views)) => Some(VIEW_WRITE),
         (libc::SIGBUS, Some(_)) => Some(TRUNCATED),
@@ -163,8 +172,43 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, context: *m
         let restore = if is_handler { previous } else { empty_action() };
         // SAFETY: sigaction is async-signal-safe; `restore` is a saved or default disposition.
         unsafe { libc::sigaction(sig, &restore, std::ptr::null_mut()) };
-    } else if previous.sa_flags & libc::SA_SIGINFO != 0 {
-        // Someone else's fault and a handler to chain to: call it as the kernel would.
+    } else {
+        // Someone else's fault and a handler to chain to.
+        call_handler(&previous, sig, info, context);
+    }
+}
+
+/// A fault signal a process sent: handled as the disposition before ours would have: ignored,
+/// the previous handler called, or (the default) the process killed by it.
+fn on_sent(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
+    let index = if sig == libc::SIGSEGV { 0 } else { 1 };
+    let previous = PREVIOUS
+        .get()
+        .map(|p| p[index])
+        .unwrap_or_else(empty_action);
+    if previous.sa_sigaction == libc::SIG_IGN {
+        return;
+    }
+    if previous.sa_sigaction == libc::SIG_DFL {
+        // SAFETY: sigaction and raise are async-signal-safe; the signal, blocked while this
+        // handler runs, is delivered with the default action as it returns.
+        unsafe {
+            libc::sigaction(sig, &empty_action(), std::ptr::null_mut());
+            libc::raise(sig);
+        }
+    } else {
+        call_handler(&previous, sig, info, context);
+    }
+}
+
+/// Call the handler `previous` installed (not SIG_DFL nor SIG_IGN) as the kernel would.
+fn call_handler(
+    previous: &libc::sigaction,
+    sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    context: *mut libc::c_void,
+) {
+    if previous.sa_flags & libc::SA_SIGINFO != 0 {
         // SAFETY: a handler installed with SA_SIGINFO has this signature.
         let handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
             unsafe { std::mem::transmute(previous.sa_sigaction) };
