@@ -285,7 +285,13 @@ impl Reader {
             return Err(self.stale());
         }
         let len = sh.chunk(address, chunk::LEN)?.load(Ordering::Relaxed);
-        if !layout.valid_payload(address, len) {
+        // Checked again after the length was read (Acquire fence, pairs with P2/P3): a length
+        // read from a block reused meanwhile would bound the copy by another chunk's word,
+        // reaching pages nobody reserved (a SIGBUS where /dev/shm is full).
+        fence(Ordering::Acquire);
+        if !sh.chunk_matches(address, handle.monotonic_id, &mac)?
+            || !layout.valid_payload(address, len)
+        {
             return Err(self.stale());
         }
         let stamp = SlotWord::stamp_for(tag(&mac), self.epoch as u64);
