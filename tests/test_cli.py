@@ -61,6 +61,10 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--remote", "memcached://auto"], "expected redis://"),
         (["simulate", "--json", "/no/such/directory/out.json"], "does not exist"),
         (["bench", "--json", "/no/such/directory/out.json"], "does not exist"),
+        # Refused before the run, not after it.
+        (["simulate", "--json", "/"], "--json /: is a directory"),
+        (["simulate", "--plot", "/"], "--plot /: is a directory"),
+        (["bench", "--json", "/"], "--json /: is a directory"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(args: list[str], message: str) -> None:
@@ -158,3 +162,17 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
         "cache get (zero-copy)",
     ]
     assert all(s in result.stdout for s in ("x memcpy", "16 MiB", "cache put"))
+
+
+def test_simulate_writes_its_json_even_when_its_output_pipe_closes_early(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    args = ["simulate", "--requests", "10", "--catalogue", "5", "--json", str(out)]
+    with subprocess.Popen(
+        [sys.executable, "-m", "mmcache", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    ) as child:
+        assert child.stdout is not None
+        child.stdout.close()  # like `| head -1` that has read its line
+        child.wait(timeout=300)
+    assert json.loads(out.read_text())["runs"]

@@ -87,6 +87,10 @@ def test_inspect_without_a_name_lists_live_segments(live_store: _core.ShmObjectS
     result = mmcache("inspect")
     assert result.returncode == 0
     assert f"{live_store.name}  live" in result.stdout
+    as_json = mmcache("inspect", "--json")
+    assert as_json.returncode == 0
+    listed = {entry["name"]: entry for entry in json.loads(as_json.stdout)}
+    assert listed[live_store.name]["status"] == "live"
 
 
 def test_inspect_of_a_missing_segment_fails_clearly() -> None:

@@ -289,7 +289,12 @@ def _missing_cli_module() -> str | None:
 
 
 def _check_output(path: Path | None, flag: str) -> None:
-    if path is not None and not path.parent.is_dir():
+    """Refuse an output path before the run, not after it."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise _UsageError(f"{flag} {path}: is a directory (give a file name)")
+    if not path.parent.is_dir():
         raise _UsageError(f"{flag} {path}: directory {path.parent} does not exist")
 
 
@@ -359,11 +364,12 @@ def _simulate(args: argparse.Namespace) -> int:
         except SimulationError as exc:
             print(f"mmcache simulate: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
-    render(config, runs, out)
+    # The files first: a table drawn into a pipe closed early must not lose them.
     if args.json is not None:
         write_json(args.json, config, runs)
     if args.plot is not None:
         write_plot(args.plot, runs)
+    render(config, runs, out)
     failed = [run for run in runs if not run.ok]
     for run in failed:
         print(
@@ -390,9 +396,9 @@ def _bench(args: argparse.Namespace) -> int:
     )
     with status:
         results = run_benchmarks(quick=args.quick)
-    render(results, Console())
-    if args.json is not None:
+    if args.json is not None:  # before the table (see `_simulate`)
         args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+    render(results, Console())
     return 0
 
 
@@ -408,7 +414,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from mmcache.maintenance import inspect
 
     if args.name is None:
-        return _list_segments()
+        return _list_segments(as_json=args.json)
     try:
         info = inspect(args.name)
     except FileNotFoundError:
@@ -449,23 +455,31 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list_segments() -> int:
+def _list_segments(*, as_json: bool) -> int:
+    """Every segment on this host and its status: lines, or (``--json``) a JSON list of
+    ``{"name", "status", "why"}``."""
     from mmcache import MmcacheError, _core
 
-    names = sorted(_core.list_segments())
-    if not names:
-        print("no mmcache segment on this host")
-    for name in names:
+    listed = []
+    for name in sorted(_core.list_segments()):
         try:
             status, why = _core.segment_status(name)
-            state = {
-                "live": "live",
-                "orphaned": f"orphaned ({why}: `mmcache prune` removes it)",
-                "undecided": f"left alone ({why})",
-            }[status]
         except (OSError, MmcacheError) as exc:
-            state = f"unreadable ({exc})"
-        print(f"{name}  {state}")
+            status, why = "unreadable", str(exc)
+        listed.append({"name": name, "status": status, "why": why})
+    if as_json:
+        print(json.dumps(listed, indent=2))
+        return 0
+    if not listed:
+        print("no mmcache segment on this host")
+    for entry in listed:
+        state = {
+            "live": "live",
+            "orphaned": f"orphaned ({entry['why']}: `mmcache prune` removes it)",
+            "undecided": f"left alone ({entry['why']})",
+            "unreadable": f"unreadable ({entry['why']})",
+        }[entry["status"]]
+        print(f"{entry['name']}  {state}")
     return 0
 
 
