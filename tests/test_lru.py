@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
 
+import cachetools
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from mmcache import CacheInfo, LRUCache
 
@@ -89,6 +97,41 @@ def test_replacing_a_value_updates_its_size_and_recency() -> None:
     assert cache.currsize == 70 and cache.recency_order() == ["b", "a"]
 
 
+def make_room_as_cachetools_before_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cachetools before 8.0 (pyproject allows 5.3 on) made room for a replacing value's
+    whole size while the value it replaces still took its own: it evicted more than needed,
+    and when only protected entries were left, ``popitem`` raised ``KeyError``."""
+    installed = cachetools.Cache.__setitem__
+
+    def setitem(cache: cachetools.Cache, key: Hashable, value: Any) -> None:  # type: ignore[type-arg]
+        size = cache.getsizeof(value)
+        if key in cache and size > cache.getsizeof(cachetools.Cache.__getitem__(cache, key)):
+            while cache.currsize + size > cache.maxsize:
+                cache.popitem()
+        installed(cache, key, value)
+
+    monkeypatch.setattr(cachetools.Cache, "__setitem__", setitem)
+
+
+@pytest.mark.parametrize("cachetools_room", ["installed", "before 8.0"])
+def test_a_protected_entry_replaced_by_a_bigger_value_that_fits_evicts_nothing_needed(
+    cachetools_room: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P1 replaces a protected item with a bigger payload under the same key: the old value's
+    room is given back before any eviction, whatever cachetools does."""
+    if cachetools_room != "installed":
+        make_room_as_cachetools_before_8(monkeypatch)
+    cache = LRUCache(100, getsizeof=len)
+    for key, size in (("p", 30), ("q", 20)):
+        cache.put(key, b"x" * size)
+        cache.protect(key)
+    cache.put("a", b"x" * 20)
+    cache.put("p", b"x" * 60)  # 60 + 20 + 20 = 100: everything still fits
+    assert cache.recency_order() == ["q", "a", "p"] and cache.currsize == 100
+    assert cache.is_protected("p") and cache.protected_bytes == 80
+    assert cache.evictions == 0
+
+
 def test_pop_and_clear() -> None:
     cache = unit_cache(3)
     for key in "xyzw":
@@ -160,5 +203,11 @@ class LRUAgainstModel(RuleBasedStateMachine):
         assert self.cache.stat() == CacheInfo(self.hits, self.total)
 
 
+MODEL_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestLRUAgainstModel = LRUAgainstModel.TestCase
-TestLRUAgainstModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestLRUAgainstModel.settings = MODEL_SETTINGS
+
+
+def test_agrees_with_the_model_on_cachetools_before_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    make_room_as_cachetools_before_8(monkeypatch)
+    run_state_machine_as_test(LRUAgainstModel, settings=MODEL_SETTINGS)

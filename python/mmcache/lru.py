@@ -98,9 +98,14 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
                 f"a value of {size} bytes cannot fit in a cache of {self.maxsize} bytes "
                 f"beside its {self._room_taken_by_others(key)} protected bytes"
             )
+        if key in self:
+            # The replaced value gives its room back before any eviction: cachetools before
+            # 8.0 made room for the whole new size beside it, evicting more than needed and,
+            # once only protected entries were left, failing in popitem().
+            cachetools.Cache.__delitem__(self, key)  # its protection stays
+            del self._order[key]
         super().__setitem__(key, value)  # evicts through popitem() as needed
-        self._order[key] = None
-        self._order.move_to_end(key)
+        self._order[key] = None  # most recent
         if key in self._protected:  # a protected entry replaced in place: its new size
             self._protected_bytes += size - self._protected[key]
             self._protected[key] = size
