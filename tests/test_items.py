@@ -158,6 +158,29 @@ def test_hash_distinguishes_types_values_and_structure() -> None:
     assert content_hash(np.float32(0)) == content_hash(np.array(0.0, dtype=np.float32))
 
 
+def test_hash_tells_structured_dtypes_of_one_size_apart() -> None:
+    """Two record layouts of the same bytes (both ``|V8`` by ``dtype.str``) are two inputs."""
+    data = np.zeros(2, dtype=np.uint64)
+    pair = data.view([("x", "<i4"), ("y", "<i4")])
+    whole = data.view([("xy", "<i8")])
+    floats = data.view([("x", "<f4"), ("y", "<f4")])
+    assert pair.dtype.str == whole.dtype.str == floats.dtype.str
+    assert len({content_hash(pair), content_hash(whole), content_hash(floats)}) == 3
+    assert content_hash(pair) == content_hash(pair.copy())
+
+
+def test_hash_takes_ints_of_any_size() -> None:
+    """Past Python's limit on converting an int to decimal text (4300 digits by default,
+    settable per process), an int is still hashed, alike in every process."""
+    huge = 7**6000  # 5071 digits
+    assert content_hash(huge) != content_hash(huge + 1)
+    assert content_hash(-huge) != content_hash(huge)
+    code = "import sys; from mmcache import content_hash; sys.set_int_max_str_digits(640);"
+    code += "print(content_hash(7**6000, 10**639))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == content_hash(huge, 10**639)
+
+
 def test_hash_ignores_kwarg_order_and_memory_layout() -> None:
     assert content_hash(a=1, b=2) == content_hash(b=2, a=1)
     assert content_hash({"a": 1, "b": 2}) == content_hash({"b": 2, "a": 1})

@@ -144,8 +144,9 @@ def item_size(value: object) -> int:
 def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
-    Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, shape and
-    bytes, whatever their memory layout), ``str``, ``int``, ``float``, ``bool``, ``None`` and
+    Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, a record's
+    fields included, shape and bytes, whatever their memory layout), ``str``, ``int`` (of
+    any size), ``float``, ``bool``, ``None`` and
     lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
     type and length, so different inputs cannot collide by concatenation.
@@ -154,6 +155,11 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     _feed(h, list(parts), "parts")
     _feed(h, {name: kwargs[name] for name in sorted(kwargs)}, "kwargs")
     return h.hexdigest()
+
+
+# Ints this wide have at most 603 digits, under the smallest limit Python lets a process set
+# on converting an int to decimal text (640).
+_DECIMAL_INT_BITS = 2000
 
 
 def _feed(h: Any, value: object, path: str) -> None:
@@ -168,7 +174,10 @@ def _feed(h: Any, value: object, path: str) -> None:
     elif isinstance(value, bool):
         tag(b"B", b"\x01" if value else b"\x00")
     elif isinstance(value, int):
-        tag(b"I", str(value).encode())
+        if value.bit_length() <= _DECIMAL_INT_BITS:
+            tag(b"I", str(value).encode())
+        else:  # decimal text is refused past a per-process limit: the bytes, alike anywhere
+            tag(b"J", value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True))
     elif isinstance(value, float):
         tag(b"F", value.hex().encode())
     elif isinstance(value, str):
@@ -181,7 +190,9 @@ def _feed(h: Any, value: object, path: str) -> None:
             arr = arr.copy(order="C")
         if arr.dtype.hasobject:
             raise TypeError(f"content_hash: {path} is an object array, which has no content bytes")
-        tag(b"A", f"{arr.dtype.str}{arr.shape}".encode())
+        # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8").
+        fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
+        tag(b"A", f"{arr.dtype.str}{fields}{arr.shape}".encode())
         tag(b"D", arr.reshape(-1).view(np.uint8).data)
     elif is_tensor(value):
         tensor: Any = value
