@@ -115,6 +115,8 @@ def test_a_request_with_a_malformed_input_changes_nothing(cache_type: type) -> N
     with cache_type(gb(1 << 20)) as cache:
         cache.get_and_update_item((make_item("t"), updates_of("t")), "t")
         cache.touch_sender_cache_item("t")
+        if isinstance(cache, ShmSenderCache):
+            assert cache.is_cached(["a", "b", "c"], claim=True) == [False] * 3
         before = cache.make_stats()
         inputs = [(make_item("a"), updates_of("a")), None, "not a pair", (make_item("c"), [])]
         with pytest.raises(TypeError, match="P0 input for b must be"):

@@ -108,9 +108,12 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
     :meth:`stats` and logged once.
 
     A request that raises leaves no reference behind: :meth:`get_and_update` checks that
-    every ``None`` item is cached before it issues any handle (:class:`CacheMissError`
-    listing every missing hash), and should an item still miss part-way, the handles issued
-    for the items before it are given back before the error propagates.
+    every ``None`` item is cached (:class:`CacheMissError` listing every missing hash) and
+    every other one a pair (``TypeError``) before it issues any handle, and should an item
+    still fail part-way (a miss; an item the codec cannot hold), the handles issued for the
+    items before it are given back, and the request's claims and pins of its items end,
+    before the error propagates.  Items it put before the failure stay cached: whole, and
+    referenced by no handle.
 
     ``capacity_gb`` sizes the ring (:class:`~mmcache.errors.ShmTooSmallError`, a
     ``MemoryError``, at creation if ``/dev/shm`` cannot hold it); ``n_readers`` is the
