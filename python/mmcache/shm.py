@@ -111,8 +111,8 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
     every ``None`` item is cached (:class:`CacheMissError` listing every missing hash) and
     every other one a pair (``TypeError``) before it issues any handle, and should an item
     still fail part-way (a miss; an item the codec cannot hold), the handles issued for the
-    items before it are given back, and the request's claims and pins of its items end,
-    before the error propagates.  Items it put before the failure stay cached: whole, and
+    items before it are given back before the error propagates (its claims and pins end with
+    the request: at once, unless it runs inside :meth:`begin_request`).  Items it put before the failure stay cached: whole, and
     referenced by no handle.
 
     ``capacity_gb`` sizes the ring (:class:`~mmcache.errors.ShmTooSmallError`, a
