@@ -106,6 +106,29 @@ def test_batch_lengths_must_match() -> None:
             cache.get_and_update([None], ["a", "b"])
 
 
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ShmSenderCache])
+def test_a_request_with_a_malformed_input_changes_nothing(cache_type: type) -> None:
+    """An input that is neither ``(item, prompt_updates)`` nor ``None`` is refused before any
+    item of the request is applied: in ``lru`` mode an item put in P0's mirror by a request
+    that never reaches P1 would be a drift; in ``shm`` mode nothing is left claimed, pinned
+    or referenced."""
+    with cache_type(gb(1 << 20)) as cache:
+        cache.get_and_update_item((make_item("t"), updates_of("t")), "t")
+        cache.touch_sender_cache_item("t")
+        if isinstance(cache, ShmSenderCache):
+            assert cache.is_cached(["a", "b", "c"], claim=True) == [False] * 3
+        before = cache.make_stats()
+        inputs = [(make_item("a"), updates_of("a")), None, "not a pair", (make_item("c"), [])]
+        with pytest.raises(TypeError, match="P0 input for b must be"):
+            cache.get_and_update(inputs, ["a", "t", "b", "c"])
+        assert cache.is_cached(["a", "t", "b", "c"]) == [False, True, False, False]
+        assert cache.make_stats() == before, "nothing was looked up"
+        if isinstance(cache, ShmSenderCache):
+            stats = cache.stats()
+            assert stats["store_outstanding_refs"] == 0 and stats["store_pinned"] == 0
+            assert stats["store_claims"] == 0
+
+
 # -- per-cache semantics ---------------------------------------------------------------------
 
 

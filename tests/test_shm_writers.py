@@ -221,6 +221,27 @@ def test_unshareable_updates_are_not_cached_for_other_writers(
             check_handle(reader, handle, "k")
 
 
+def test_only_puts_count_as_unshared_prompt_updates(caplog: pytest.LogCaptureFixture) -> None:
+    """``unshared_prompt_updates`` counts puts (and the warning names a put): data sent for
+    an item another writer stored is a hit, and an item served uncached is put nowhere."""
+    with (
+        ShmSenderCache(0.01, max_writers=2, max_object_size_mb=0.5) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        put, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        hit, _ = b.get_and_update_item((item("k"), PromptUpdate("k", "b")), "k")
+        assert hit.monotonic_id == put.monotonic_id, "a hit, not a put"
+        big = {"x": torch.zeros(1 << 20, dtype=torch.uint8)}
+        data, _ = b.get_and_update_item((big, PromptUpdate("big", "b")), "big")
+        assert data is big and b.stats()["uncached_oversize"] == 1
+        assert b.stats()["unshared_prompt_updates"] == 0
+        assert "cannot be shared" not in caplog.text
+        b.get_and_update_item((item("m"), PromptUpdate("m", "b")), "m")
+        assert b.stats()["unshared_prompt_updates"] == 1 and "cannot be shared" in caplog.text
+        a.release_handles([put])
+        b.release_handles([hit])
+
+
 @pytest.mark.parametrize(
     "codec",
     ["pickle", (lambda u: json.dumps(dataclasses.asdict(u)).encode(), json.loads)],

@@ -349,15 +349,18 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
         return []
 
     def _check_request(self, items: Sequence[SenderInput], mm_hashes: Sequence[str]) -> None:
-        """``CacheMissError`` listing every hash whose item is ``None`` but is not cached, in
+        """``TypeError`` for an input that is neither ``(item, prompt_updates)`` nor ``None``,
+        and ``CacheMissError`` listing every hash whose item is ``None`` but is not cached, in
         request order, before anything is applied or issued: a request P0 cannot assemble
-        leaves the cache as it was (the engine invalidates the reported hashes and resends
-        the request with their data)."""
-        missing = [
-            h
-            for item, h in zip(items, mm_hashes, strict=True)
-            if item is None and not self.is_cached_item(h)
-        ]
+        leaves the cache as it was (in ``lru`` mode, items its earlier inputs put would be in
+        P0's mirror but never reach P1; after a miss the engine invalidates the reported
+        hashes and resends the request with their data)."""
+        missing = []
+        for item, h in zip(items, mm_hashes, strict=True):
+            if item is not None:
+                split_sender_input(item, h)
+            elif not self.is_cached_item(h):
+                missing.append(h)
         if missing:
             raise CacheMissError(missing)
 

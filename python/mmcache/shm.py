@@ -108,9 +108,12 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
     :meth:`stats` and logged once.
 
     A request that raises leaves no reference behind: :meth:`get_and_update` checks that
-    every ``None`` item is cached before it issues any handle (:class:`CacheMissError`
-    listing every missing hash), and should an item still miss part-way, the handles issued
-    for the items before it are given back before the error propagates.
+    every ``None`` item is cached (:class:`CacheMissError` listing every missing hash) and
+    every other one a pair (``TypeError``) before it issues any handle, and should an item
+    still fail part-way (a miss; an item the codec cannot hold), the handles issued for the
+    items before it are given back before the error propagates (its claims and pins end with
+    the request: at once, unless it runs inside :meth:`begin_request`).  Items it put
+    before the failure stay cached: whole, and referenced by no handle.
 
     ``capacity_gb`` sizes the ring (:class:`~mmcache.errors.ShmTooSmallError`, a
     ``MemoryError``, at creation if ``/dev/shm`` cannot hold it); ``n_readers`` is the
@@ -363,7 +366,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         refuses for a key stored meanwhile (a hit ignores the data); ``ReferencesSaturatedError``
         when a reader holds the most references to it."""
         store = self._store
-        meta = self._shared_prompt_updates(mm_hash, prompt_updates) if self._shares_updates else b""
+        meta = self._codec.encode(prompt_updates) if self._shares_updates else b""
         attempts = _PUT_ATTEMPTS
         while attempts:  # (not `for … in range`: a range object per put)
             attempts -= 1
@@ -391,6 +394,8 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                 if not store.is_cached(mm_hash):
                     raise
             else:
+                if self._shares_updates and not meta:
+                    self._unshared_put(mm_hash, prompt_updates)
                 self._keep_prompt_updates(mm_hash, handle.monotonic_id, prompt_updates)
                 return handle, prompt_updates
             stored = store.issue_if_present(mm_hash)
@@ -474,26 +479,24 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             f"({largest}; raise it to cache items this large)"
         )
 
-    def _shared_prompt_updates(self, mm_hash: str, prompt_updates: Any) -> bytes:
-        """The metadata that carries ``prompt_updates`` to the other writers (of a store they
-        can join); empty, counted and logged once, when the codec cannot encode them."""
-        meta = self._codec.encode(prompt_updates)
-        if not meta:
-            self._unshared += 1
-            if "unshared" not in self._warned:
-                self._warned.add("unshared")
-                logger.warning(
-                    "the prompt updates of item %s cannot be shared with the other writers "
-                    "(the %r codec cannot encode a %s, or they exceed %d bytes): the other "
-                    "writers process the item again. Pass prompt_updates_codec='pickle' (or a "
-                    "(dumps, loads) pair); further ones are counted in "
-                    "stats()['unshared_prompt_updates'].",
-                    mm_hash,
-                    self._codec.name,
-                    type(prompt_updates).__qualname__,
-                    MAX_META_BYTES,
-                )
-        return meta
+    def _unshared_put(self, mm_hash: str, prompt_updates: Any) -> None:
+        """``mm_hash`` was put without its prompt updates, which the codec cannot encode (of a
+        store other writers can join): counted and logged once. Only once put: data that
+        turns out a hit, or is served uncached, is stored by nobody."""
+        self._unshared += 1
+        if "unshared" not in self._warned:
+            self._warned.add("unshared")
+            logger.warning(
+                "the prompt updates of item %s cannot be shared with the other writers "
+                "(the %r codec cannot encode a %s, or they exceed %d bytes): the other "
+                "writers process the item again. Pass prompt_updates_codec='pickle' (or a "
+                "(dumps, loads) pair); further ones are counted in "
+                "stats()['unshared_prompt_updates'].",
+                mm_hash,
+                self._codec.name,
+                type(prompt_updates).__qualname__,
+                MAX_META_BYTES,
+            )
 
     def _drop_dangling_prompt_updates(self) -> None:
         """Forget prompt updates of evicted objects (amortised: the threshold doubles). Each
