@@ -67,25 +67,22 @@ that item local (counted as ``remote_unencodable``).
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 import os
-import queue
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
-from mmcache.items import Item, item_size
+from mmcache.items import Item
 from mmcache.lru import CacheInfo
 from mmcache.protection import Holds, RequestState
 from mmcache.remote.store import RemoteStore, is_shareable_key
+from mmcache.remote.waiting import Fetched, Publisher
 
 __all__ = ["TieredSenderCache"]
 
-logger = logging.getLogger("mmcache")
 MiB = 1 << 20
 _T = TypeVar("_T")
 _FIRST_POLL_S = 0.002  # the first look again at items another host claimed ...
@@ -100,159 +97,6 @@ def _takes_claims(cache: BaseSenderCache) -> bool:
     except (TypeError, ValueError):
         return False
     return {"claim", "wait_s"} <= parameters.keys()
-
-
-class _Publisher:
-    """A daemon writer thread putting ``(key, record)`` pairs into the remote store from a
-    queue bounded by ``capacity`` items and ``capacity_bytes`` (an item counts until its put
-    returns); a key already queued is not queued twice.  The claims (held by ``owner``) on
-    keys passed to :meth:`release_after_put` are dropped once the key's put returned,
-    whatever the outcome.  Thread-safe."""
-
-    def __init__(self, remote: RemoteStore, owner: str, capacity: int, capacity_bytes: int) -> None:
-        self._remote = remote
-        self._owner = owner
-        self._queue: queue.Queue[tuple[str, Item] | None] = queue.Queue(maxsize=capacity)
-        self._queued: dict[str, int] = {}  # key -> its bytes, until its put returns
-        self._queued_bytes = 0
-        self._releasing: set[str] = set()  # queued keys whose claim ends after their put
-        self._capacity_bytes = capacity_bytes
-        self._closed = False
-        self._lock = threading.Lock()
-        self.dropped = 0
-        self.failed = 0  # only the writer thread counts it
-        self._thread = threading.Thread(target=self._run, name="mmcache-remote-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, key: str, record: Item) -> bool:
-        """Queue ``record`` for ``key``; whether this call queued it (never once closed)."""
-        size = item_size(record)
-        with self._lock:
-            if self._closed or key in self._queued:
-                return False
-            if self._queued_bytes + size > self._capacity_bytes:
-                self.dropped += 1
-                return False
-            try:
-                self._queue.put_nowait((key, record))
-            except queue.Full:
-                self.dropped += 1
-                return False
-            self._queued[key] = size
-            self._queued_bytes += size
-            return True
-
-    def release_after_put(self, keys: Sequence[str]) -> list[str]:
-        """Have the claims on those of ``keys`` whose put is pending dropped once it returned;
-        the others (whose claims the caller drops now)."""
-        with self._lock:
-            pending = {k for k in keys if k in self._queued}
-            self._releasing |= pending
-        return [k for k in keys if k not in pending]
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                self._publish(*job)
-            except Exception:  # a bug must not end publishing for the life of the engine
-                self.failed += 1
-                if self.failed == 1:
-                    logger.exception("publishing item %s to the remote tier failed", job[0])
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
-
-    def _publish(self, key: str, record: Item) -> None:
-        try:
-            self._remote.put(key, record)
-        finally:  # after the put: a waiting host finds the item, not a gap
-            with self._lock:
-                self._queued_bytes -= self._queued.pop(key)
-                release = key in self._releasing
-                self._releasing.discard(key)
-            if release:
-                self._remote.release_claims([key], self._owner)
-
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until every queued item was put (at most ``timeout_s``); whether it was."""
-        deadline = time.monotonic() + timeout_s
-        with self._queue.all_tasks_done:
-            while self._queue.unfinished_tasks:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._queue.all_tasks_done.wait(remaining)
-        return True
-
-    def close(self, timeout_s: float) -> None:
-        """Put what is queued (waiting at most ``timeout_s``) and stop the writer thread;
-        nothing is queued after (:meth:`submit` answers ``False``).  Idempotent."""
-        self.flush(timeout_s)
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._queue.put(None)  # behind what was queued before the flag: it is put too
-        self._thread.join(timeout_s)
-
-
-class _Fetched:
-    """The items :meth:`TieredSenderCache.is_cached` fetched, waiting for their update, as
-    ``(item, prompt_updates)``: at most ``limit`` items and ``limit_bytes`` of them, the
-    oldest dropped first.  Used under the cache's lock (``in`` alone is atomic)."""
-
-    class _Entry:
-        __slots__ = ("record", "served", "size")
-
-        def __init__(self, record: tuple[Item, Any], size: int) -> None:
-            self.record = record
-            self.size = size
-            self.served = False  # whether an update has used it
-
-    def __init__(self, limit: int, limit_bytes: int) -> None:
-        self._entries: OrderedDict[str, _Fetched._Entry] = OrderedDict()
-        self._bytes = 0
-        self._limit = limit
-        self._limit_bytes = limit_bytes
-
-    def __contains__(self, mm_hash: object) -> bool:
-        return mm_hash in self._entries
-
-    def get(self, mm_hash: str) -> tuple[Item, Any] | None:
-        found = self._entries.get(mm_hash)
-        return None if found is None else found.record
-
-    def served(self, mm_hash: str) -> bool:
-        """An update used ``mm_hash``'s item: whether it is the first (False when absent)."""
-        found = self._entries.get(mm_hash)
-        if found is None or found.served:
-            return False
-        found.served = True
-        return True
-
-    def pop(self, mm_hash: str) -> None:
-        found = self._entries.pop(mm_hash, None)
-        if found is not None:
-            self._bytes -= found.size
-
-    def add(self, mm_hash: str, record: tuple[Item, Any]) -> list[str]:
-        """Keep ``record`` for ``mm_hash`` (unless one is kept already: the same item,
-        verified); the hashes dropped to stay in bounds (``mm_hash`` itself, if its item
-        alone is over them)."""
-        if mm_hash in self._entries:
-            return []
-        entry = self._entries[mm_hash] = _Fetched._Entry(record, item_size(record[0]))
-        self._bytes += entry.size
-        dropped: list[str] = []
-        while len(self._entries) > self._limit or self._bytes > self._limit_bytes:
-            h, oldest = self._entries.popitem(last=False)
-            self._bytes -= oldest.size
-            dropped.append(h)
-        return dropped
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._bytes = 0
 
 
 class _Claim:
@@ -320,12 +164,12 @@ class TieredSenderCache(BaseSenderCache):
         self._request: _Request = _Request()  # the calling thread's
         # Under the lock from here on.
         self._claims: dict[str, _Claim] = {}  # hash -> the claim a request of this host holds
-        self._prefetched = _Fetched(prefetch_limit, int(prefetch_limit_mb * MiB))
+        self._prefetched = Fetched(prefetch_limit, int(prefetch_limit_mb * MiB))
         # The requests that wait for a fetched item (their is_cached found it): it is dropped
         # once the last of them has updated it (or given up).
         self._waiting = Holds(self._prefetched.__contains__, self._prefetched.pop)
         self._counts: Counter[str] = Counter()
-        self._publisher = _Publisher(
+        self._publisher = Publisher(
             remote, self.host_id, publish_queue, int(publish_queue_mb * MiB)
         )
 
