@@ -168,7 +168,8 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         in this process or another: a P0 cache over the same ring
         (:class:`~mmcache.errors.NoWriterSlotError`, naming ``max_writers``, when every
         writer slot is taken; ``InvalidHandleError`` for a handle that is not the store's;
-        ``WriterGoneError`` once every writer left)."""
+        ``FileNotFoundError`` once the last writer closed the store, which unlinks it;
+        ``WriterGoneError`` once every writer died)."""
         if not isinstance(writer_handle, WriterHandle):
             raise TypeError(
                 f"ShmSenderCache.join takes a WriterHandle (from writer_handle()), not a "
