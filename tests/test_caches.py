@@ -100,6 +100,19 @@ def test_capacity_must_not_be_negative() -> None:
         SenderCache(-1)
 
 
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_is_cached_refuses_one_hash_for_a_list(mode: str) -> None:
+    # A str is a sequence of one-character hashes: its answer, a non-empty list, would read
+    # as "cached" in `if p0.is_cached(h):`.
+    p0, _ = make_caches(mode, capacity_gb=gb(4 << 20))  # type: ignore[arg-type]
+    assert p0 is not None
+    with p0:
+        for one in ("a" * 64, b"a" * 64):
+            with pytest.raises(TypeError, match="a list of mm_hashes"):
+                p0.is_cached(one)  # type: ignore[arg-type]
+        assert p0.is_cached(["a" * 64]) == [False]
+
+
 def test_batch_lengths_must_match() -> None:
     for cache in (SenderCache(1), ReceiverCache(1), ProcessorOnlyCache(1)):
         with pytest.raises(ValueError, match="1 items but 2 mm_hashes"):

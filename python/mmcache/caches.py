@@ -88,6 +88,16 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.4g}"
 
 
+def check_hash_list(mm_hashes: Sequence[str]) -> None:
+    """``TypeError`` for one hash where a list of them is expected (a str would be read as a
+    list of one-character hashes)."""
+    if isinstance(mm_hashes, str | bytes):
+        raise TypeError(
+            f"is_cached takes a list of mm_hashes, not one {type(mm_hashes).__name__}: "
+            "is_cached([mm_hash]) or is_cached_item(mm_hash)"
+        )
+
+
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
     number)."""
@@ -334,6 +344,7 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
 
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
         """:meth:`is_cached_item` for each hash."""
+        check_hash_list(mm_hashes)
         return [self.is_cached_item(h) for h in mm_hashes]
 
     @abstractmethod
