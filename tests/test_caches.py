@@ -101,6 +101,13 @@ def test_capacity_must_not_be_negative() -> None:
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_capacity_must_be_a_number(mode: str) -> None:
+    # E.g. read from an environment variable and passed on unconverted.
+    with pytest.raises(TypeError, match="capacity_gb must be a number of GiB, not str"):
+        make_caches(mode, capacity_gb="4")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_is_cached_refuses_one_hash_for_a_list(mode: str) -> None:
     # A str is a sequence of one-character hashes: its answer, a non-empty list, would read
     # as "cached" in `if p0.is_cached(h):`.

@@ -100,8 +100,14 @@ def check_hash_list(mm_hashes: Sequence[str]) -> None:
 
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
-    number)."""
-    if not (capacity_gb >= 0 and math.isfinite(capacity_gb)):
+    number; ``TypeError`` unless a number)."""
+    try:
+        valid = capacity_gb >= 0 and math.isfinite(capacity_gb)
+    except TypeError:
+        raise TypeError(
+            f"capacity_gb must be a number of GiB, not {type(capacity_gb).__name__}"
+        ) from None
+    if not valid:
         raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
     return int(capacity_gb * GiB)
 
