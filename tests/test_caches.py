@@ -120,6 +120,22 @@ def test_is_cached_refuses_one_hash_for_a_list(mode: str) -> None:
         assert p0.is_cached(["a" * 64]) == [False]
 
 
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_p0_refuses_an_item_that_is_not_a_mapping(mode: str) -> None:
+    # An array passed as the item itself: every mode refuses it at P0 (P1's ReceiverCache
+    # and the ring would refuse it too, after P0 had counted it as cached).
+    p0, _ = make_caches(mode, capacity_gb=gb(4 << 20))  # type: ignore[arg-type]
+    assert p0 is not None
+    with p0:
+        with pytest.raises(TypeError, match="an item must be a mapping of field names, not"):
+            p0.get_and_update_item((torch.zeros(4), []), "a")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="an item must be a mapping of field names, not"):
+            p0.get_and_update([(make_item("b"), []), (torch.zeros(4), [])], ["b", "c"])  # type: ignore[list-item]
+        assert p0.is_cached(["a", "c"]) == [False, False]
+        if mode != "shm":  # nothing of the request applied (the ring keeps what it stored)
+            assert not p0.is_cached_item("b")
+
+
 def test_batch_lengths_must_match() -> None:
     for cache in (SenderCache(1), ReceiverCache(1), ProcessorOnlyCache(1)):
         with pytest.raises(ValueError, match="1 items but 2 mm_hashes"):

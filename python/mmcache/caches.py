@@ -449,6 +449,15 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
     return item[0], item[1]
 
 
+def _mapping_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
+    """:func:`split_sender_input`, with ``TypeError`` unless the item is a mapping (as the
+    ring and P1's :class:`ReceiverCache` require)."""
+    data, prompt_updates = split_sender_input(item, mm_hash)
+    if not isinstance(data, Mapping):
+        raise TypeError(f"an item must be a mapping of field names, not {type(data).__name__}")
+    return data, prompt_updates
+
+
 class _LruSenderCache(BaseSenderCache):
     """A P0 cache over an LRU; subclasses choose what an entry keeps.
 
@@ -479,6 +488,8 @@ class _LruSenderCache(BaseSenderCache):
         """A hit returns the stored entry's output; a miss stores the item if it fits (see
         the module's docstring) and returns it as given.  ``CacheMissError`` for a miss
         without data."""
+        if item is not None:
+            _mapping_input(item, mm_hash)
         with self._lock:
             entry = self._lru.get(mm_hash)
             if entry is not None:
@@ -488,6 +499,12 @@ class _LruSenderCache(BaseSenderCache):
             self._cache_if_fits(self._protection, mm_hash, self._entry(data, prompt_updates))
             self._protection.updated(mm_hash)
             return data, prompt_updates
+
+    def _check_request(self, items: Sequence[SenderInput], mm_hashes: Sequence[str]) -> None:
+        super()._check_request(items, mm_hashes)
+        for item, h in zip(items, mm_hashes, strict=True):
+            if item is not None:
+                _mapping_input(item, h)
 
     def is_cached_item(self, mm_hash: str) -> bool:
         # No lock: one lookup in the LRU's dict, atomic by itself.
