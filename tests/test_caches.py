@@ -100,6 +100,42 @@ def test_capacity_must_not_be_negative() -> None:
         SenderCache(-1)
 
 
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_capacity_must_be_a_number(mode: str) -> None:
+    # E.g. read from an environment variable and passed on unconverted.
+    with pytest.raises(TypeError, match="capacity_gb must be a number of GiB, not str"):
+        make_caches(mode, capacity_gb="4")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_is_cached_refuses_one_hash_for_a_list(mode: str) -> None:
+    # A str is a sequence of one-character hashes: its answer, a non-empty list, would read
+    # as "cached" in `if p0.is_cached(h):`.
+    p0, _ = make_caches(mode, capacity_gb=gb(4 << 20))  # type: ignore[arg-type]
+    assert p0 is not None
+    with p0:
+        for one in ("a" * 64, b"a" * 64):
+            with pytest.raises(TypeError, match="a list of mm_hashes"):
+                p0.is_cached(one)  # type: ignore[arg-type]
+        assert p0.is_cached(["a" * 64]) == [False]
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_p0_refuses_an_item_that_is_not_a_mapping(mode: str) -> None:
+    # An array passed as the item itself: every mode refuses it at P0 (P1's ReceiverCache
+    # and the ring would refuse it too, after P0 had counted it as cached).
+    p0, _ = make_caches(mode, capacity_gb=gb(4 << 20))  # type: ignore[arg-type]
+    assert p0 is not None
+    with p0:
+        with pytest.raises(TypeError, match="an item must be a mapping of field names, not"):
+            p0.get_and_update_item((torch.zeros(4), []), "a")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="an item must be a mapping of field names, not"):
+            p0.get_and_update([(make_item("b"), []), (torch.zeros(4), [])], ["b", "c"])  # type: ignore[list-item]
+        assert p0.is_cached(["a", "c"]) == [False, False]
+        if mode != "shm":  # nothing of the request applied (the ring keeps what it stored)
+            assert not p0.is_cached_item("b")
+
+
 def test_batch_lengths_must_match() -> None:
     for cache in (SenderCache(1), ReceiverCache(1), ProcessorOnlyCache(1)):
         with pytest.raises(ValueError, match="1 items but 2 mm_hashes"):

@@ -189,7 +189,8 @@ class ShmObjectStore:
     def join(writer_handle: WriterHandle) -> ShmWriter:
         """One more writer of ``writer_handle``'s store, in this process or another
         (``NoWriterSlotError`` when ``max_writers`` writers live; ``InvalidHandleError`` for a
-        secret that is not the store's; ``WriterGoneError`` if every writer left)."""
+        secret that is not the store's; ``FileNotFoundError`` once the last writer closed it;
+        ``WriterGoneError`` if every writer died)."""
     @staticmethod
     def attach(handle: ReaderHandle) -> ShmReader:
         """A reader of ``handle``'s segment, in a reader slot of its own."""

@@ -88,10 +88,26 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.4g}"
 
 
+def check_hash_list(mm_hashes: Sequence[str]) -> None:
+    """``TypeError`` for one hash where a list of them is expected (a str would be read as a
+    list of one-character hashes)."""
+    if isinstance(mm_hashes, str | bytes):
+        raise TypeError(
+            f"is_cached takes a list of mm_hashes, not one {type(mm_hashes).__name__}: "
+            "is_cached([mm_hash]) or is_cached_item(mm_hash)"
+        )
+
+
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
-    number)."""
-    if not (capacity_gb >= 0 and math.isfinite(capacity_gb)):
+    number; ``TypeError`` unless a number)."""
+    try:
+        valid = capacity_gb >= 0 and math.isfinite(capacity_gb)
+    except TypeError:
+        raise TypeError(
+            f"capacity_gb must be a number of GiB, not {type(capacity_gb).__name__}"
+        ) from None
+    if not valid:
         raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
     return int(capacity_gb * GiB)
 
@@ -334,6 +350,7 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
 
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
         """:meth:`is_cached_item` for each hash."""
+        check_hash_list(mm_hashes)
         return [self.is_cached_item(h) for h in mm_hashes]
 
     @abstractmethod
@@ -435,6 +452,15 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
     return item[0], item[1]
 
 
+def _mapping_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
+    """:func:`split_sender_input`, with ``TypeError`` unless the item is a mapping (as the
+    ring and P1's :class:`ReceiverCache` require)."""
+    data, prompt_updates = split_sender_input(item, mm_hash)
+    if not isinstance(data, Mapping):
+        raise TypeError(f"an item must be a mapping of field names, not {type(data).__name__}")
+    return data, prompt_updates
+
+
 class _LruSenderCache(BaseSenderCache):
     """A P0 cache over an LRU; subclasses choose what an entry keeps.
 
@@ -465,6 +491,8 @@ class _LruSenderCache(BaseSenderCache):
         """A hit returns the stored entry's output; a miss stores the item if it fits (see
         the module's docstring) and returns it as given.  ``CacheMissError`` for a miss
         without data."""
+        if item is not None:
+            _mapping_input(item, mm_hash)
         with self._lock:
             entry = self._lru.get(mm_hash)
             if entry is not None:
@@ -474,6 +502,12 @@ class _LruSenderCache(BaseSenderCache):
             self._cache_if_fits(self._protection, mm_hash, self._entry(data, prompt_updates))
             self._protection.updated(mm_hash)
             return data, prompt_updates
+
+    def _check_request(self, items: Sequence[SenderInput], mm_hashes: Sequence[str]) -> None:
+        super()._check_request(items, mm_hashes)
+        for item, h in zip(items, mm_hashes, strict=True):
+            if item is not None:
+                _mapping_input(item, h)
 
     def is_cached_item(self, mm_hash: str) -> bool:
         # No lock: one lookup in the LRU's dict, atomic by itself.

@@ -68,7 +68,7 @@ examples:
 """
 _PRUNE_EXAMPLES = """\
 examples:
-  mmcache prune --dry-run       list the segments whose creator is dead
+  mmcache prune --dry-run       list the segments whose writers all died
   mmcache prune                 remove them
 """
 
@@ -243,8 +243,8 @@ def _parser() -> _Parser:
         "prune",
         help="remove segments left behind by dead processes",
         description=fill(
-            "Find the segments mmcache created on this host whose creator process is "
-            "dead, and remove them."
+            "Find the segments mmcache created on this host whose writers all died, and "
+            "remove them."
         ),
         epilog=_PRUNE_EXAMPLES,
         formatter_class=formatter,

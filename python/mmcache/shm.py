@@ -59,6 +59,7 @@ from mmcache.caches import (
     SenderInput,
     SenderOutput,
     capacity_bytes,
+    check_hash_list,
     logger,
     split_sender_input,
 )
@@ -171,7 +172,8 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         in this process or another: a P0 cache over the same ring
         (:class:`~mmcache.errors.NoWriterSlotError`, naming ``max_writers``, when every
         writer slot is taken; ``InvalidHandleError`` for a handle that is not the store's;
-        ``WriterGoneError`` once every writer left)."""
+        ``FileNotFoundError`` once the last writer closed the store, which unlinks it;
+        ``WriterGoneError`` once every writer died)."""
         if not isinstance(writer_handle, WriterHandle):
             raise TypeError(
                 f"ShmSenderCache.join takes a WriterHandle (from writer_handle()), not a "
@@ -268,6 +270,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         every claim it holds, its earlier calls' included (they are claimed again after the
         wait if still missing and nobody else claimed them meanwhile), so
         two requests that claimed each other's items in turns never wait for each other."""
+        check_hash_list(mm_hashes)
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
         is_cached_item = self.is_cached_item  # (looked up once)
