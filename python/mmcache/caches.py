@@ -440,7 +440,9 @@ class BaseReceiverCache(BaseCache[Any, Any]):
 
 
 def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
-    """``(item, prompt_updates)`` of a P0 input; ``CacheMissError`` for ``None``."""
+    """``(item, prompt_updates)`` of a P0 input; ``CacheMissError`` for ``None``,
+    ``TypeError`` unless a pair whose item is a mapping (as the ring and P1's
+    :class:`ReceiverCache` require: an item P1 refuses would be a drift)."""
     if item is None:
         raise CacheMissError([mm_hash])
     # A tuple of types, not `tuple | list`: that union is built anew at each call (P0's put).
@@ -449,16 +451,11 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
             f"P0 input for {mm_hash} must be (item, prompt_updates) or None, "
             f"not {type(item).__qualname__}"
         )
-    return item[0], item[1]
-
-
-def _mapping_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
-    """:func:`split_sender_input`, with ``TypeError`` unless the item is a mapping (as the
-    ring and P1's :class:`ReceiverCache` require)."""
-    data, prompt_updates = split_sender_input(item, mm_hash)
-    if not isinstance(data, Mapping):
+    data = item[0]
+    # The exact type first: a check against the Mapping ABC costs more on P0's put.
+    if type(data) is not dict and not isinstance(data, Mapping):
         raise TypeError(f"an item must be a mapping of field names, not {type(data).__name__}")
-    return data, prompt_updates
+    return data, item[1]
 
 
 class _LruSenderCache(BaseSenderCache):
@@ -491,8 +488,6 @@ class _LruSenderCache(BaseSenderCache):
         """A hit returns the stored entry's output; a miss stores the item if it fits (see
         the module's docstring) and returns it as given.  ``CacheMissError`` for a miss
         without data."""
-        if item is not None:
-            _mapping_input(item, mm_hash)
         with self._lock:
             entry = self._lru.get(mm_hash)
             if entry is not None:
@@ -502,12 +497,6 @@ class _LruSenderCache(BaseSenderCache):
             self._cache_if_fits(self._protection, mm_hash, self._entry(data, prompt_updates))
             self._protection.updated(mm_hash)
             return data, prompt_updates
-
-    def _check_request(self, items: Sequence[SenderInput], mm_hashes: Sequence[str]) -> None:
-        super()._check_request(items, mm_hashes)
-        for item, h in zip(items, mm_hashes, strict=True):
-            if item is not None:
-                _mapping_input(item, h)
 
     def is_cached_item(self, mm_hash: str) -> bool:
         # No lock: one lookup in the LRU's dict, atomic by itself.
