@@ -46,6 +46,11 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--mode", "lru", "--compare"], "not allowed with argument"),
         (["simulate", "--capacity-gb", "0"], "cannot hold one request"),
         (["simulate", "--capacity-gb", "1000000"], "/dev/shm"),
+        (["simulate", "--capacity-gb", "inf"], "--capacity-gb must be a finite number"),
+        (["simulate", "--capacity-gb", "nan"], "--capacity-gb must be a finite number"),
+        (["simulate", "--capacity-gb", "-1"], "--capacity-gb must be a finite number"),
+        # Beyond what the pipes between the processes hold unread: the run would deadlock.
+        (["simulate", "--inflight", "100000"], "--inflight must be between 1 and"),
         (["simulate", "--workers", "100000"], "--workers must be between 1 and"),
         (["simulate", "--workers", "0"], "--workers must be between 1 and"),
         (["simulate", "--inject-drift", "2"], "--inject-drift must be between 0 and"),
@@ -59,6 +64,13 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--remote", "redis://auto", "--mode", "none"], "--remote needs a P0 cache"),
         (["simulate", "--remote", "http://127.0.0.1:1"], "--remote http://127.0.0.1:1: expected"),
         (["simulate", "--remote", "memcached://auto"], "expected redis://"),
+        # Refused before any process starts, naming the flag and what is missing.
+        (["simulate", "--remote", "redis://"], "--remote redis://: no host"),
+        (["simulate", "--remote", "valkey://:6379"], "--remote valkey://: no host"),
+        (["simulate", "--remote", "mooncake://"], "--remote mooncake://: no host"),
+        (["simulate", "--remote", "mooncake://master"], "--remote mooncake://: no port"),
+        (["simulate", "--remote", "redis://host:notaport"], "--remote redis://: bad port"),
+        (["simulate", "--remote", "redis://host:99999"], "--remote redis://: bad port"),
         (["simulate", "--json", "/no/such/directory/out.json"], "does not exist"),
         (["bench", "--json", "/no/such/directory/out.json"], "does not exist"),
         # Refused before the run, not after it.

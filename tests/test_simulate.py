@@ -195,6 +195,10 @@ def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
         ({"frontends": 2, "mode": "lru"}, "P1's cache mirrors the LRU of one P0"),
         ({"claim_wait_s": float("nan")}, "--claim-wait-s"),
         ({"claim_wait_s": -1.0}, "--claim-wait-s"),
+        ({"mode": "shm", "capacity_gb": float("inf")}, "--capacity-gb must be a finite number"),
+        ({"mode": "lru", "capacity_gb": float("nan")}, "--capacity-gb must be a finite number"),
+        ({"inflight": 10**6}, "--inflight"),
+        ({"remote": "redis://"}, "no host"),
     ],
 )
 def test_impossible_configurations_are_refused(changes: dict[str, Any], message: str) -> None:

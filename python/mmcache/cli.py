@@ -154,7 +154,7 @@ def _parser() -> _Parser:
         "--inflight",
         type=_positive_int,
         default=defaults.inflight,
-        help="requests in flight at once (default: %(default)s)",
+        help="requests in flight at once, at most 256 (default: %(default)s)",
     )
     sim.add_argument(
         "--inject-drift",
