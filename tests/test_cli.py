@@ -6,6 +6,7 @@ Every command runs as ``python -m mmcache ...`` in a subprocess, as a user would
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -176,15 +177,34 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     assert all(s in result.stdout for s in ("x memcpy", "16 MiB", "cache put"))
 
 
+def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``mmcache args`` with its stdout a pipe nobody reads any more (like ``| head -1``
+    that has read its line, or ``| true``)."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "mmcache", *args],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(writer)
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["prune", "--dry-run"]])
+def test_a_closed_output_pipe_ends_the_command_quietly(args: list[str]) -> None:
+    result = _into_a_closed_pipe(*args)
+    # As a command killed by SIGPIPE: 128 + 13, and nothing on stderr.
+    assert (result.returncode, result.stderr) == (141, "")
+
+
 def test_simulate_writes_its_json_even_when_its_output_pipe_closes_early(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    args = ["simulate", "--requests", "10", "--catalogue", "5", "--json", str(out)]
-    with subprocess.Popen(
-        [sys.executable, "-m", "mmcache", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    ) as child:
-        assert child.stdout is not None
-        child.stdout.close()  # like `| head -1` that has read its line
-        child.wait(timeout=300)
+    result = _into_a_closed_pipe(
+        "simulate", "--requests", "10", "--catalogue", "5", "--json", str(out)
+    )
+    assert (result.returncode, result.stderr) == (141, "")
     assert json.loads(out.read_text())["runs"]
