@@ -206,9 +206,10 @@ def _supervise(
 def _failure(config: SimulationConfig, pipelines: list[_Pipeline]) -> SimulationError:
     """The error that names the process whose death ended the run.
 
-    When one process dies its peers exit too (their pipes close), in an order nobody
-    controls; the cause is the process killed by a signal, else a P0 that failed, else the
-    first that failed.  The others get a moment to be reaped first, so the cause is known.
+    When one process dies its peers exit too (their pipes close: status
+    :data:`~.wire.PEER_GONE`), in an order nobody controls; the cause is the process killed
+    by a signal, else a P0 that failed otherwise, else the first that did.  The others get a
+    moment to be reaped first, so the cause is known.
     """
     processes = [proc for p in pipelines for proc in p.processes]
     deadline = time.monotonic() + 2.0
@@ -220,8 +221,9 @@ def _failure(config: SimulationConfig, pipelines: list[_Pipeline]) -> Simulation
             f"P0 (frontend) closed its connection to the driver during the {config.label} run"
         )
     killed = [proc for proc in failed if cast(int, proc.exitcode) < 0]
-    frontends = [proc for proc in failed if proc.name.startswith("P0")]
-    culprit = (killed or frontends or failed)[0]
+    causes = [proc for proc in failed if proc.exitcode != wire.PEER_GONE] or failed
+    frontends = [proc for proc in causes if proc.name.startswith("P0")]
+    culprit = (killed or frontends or causes)[0]
     code = cast(int, culprit.exitcode)
     if code < 0:
         try:
