@@ -6,6 +6,7 @@ Every command runs as ``python -m mmcache ...`` in a subprocess, as a user would
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,11 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--mode", "lru", "--compare"], "not allowed with argument"),
         (["simulate", "--capacity-gb", "0"], "cannot hold one request"),
         (["simulate", "--capacity-gb", "1000000"], "/dev/shm"),
+        (["simulate", "--capacity-gb", "inf"], "--capacity-gb must be a finite number"),
+        (["simulate", "--capacity-gb", "nan"], "--capacity-gb must be a finite number"),
+        (["simulate", "--capacity-gb", "-1"], "--capacity-gb must be a finite number"),
+        # Beyond what the pipes between the processes hold unread: the run would deadlock.
+        (["simulate", "--inflight", "100000"], "--inflight must be between 1 and"),
         (["simulate", "--workers", "100000"], "--workers must be between 1 and"),
         (["simulate", "--workers", "0"], "--workers must be between 1 and"),
         (["simulate", "--inject-drift", "2"], "--inject-drift must be between 0 and"),
@@ -59,6 +65,13 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--remote", "redis://auto", "--mode", "none"], "--remote needs a P0 cache"),
         (["simulate", "--remote", "http://127.0.0.1:1"], "--remote http://127.0.0.1:1: expected"),
         (["simulate", "--remote", "memcached://auto"], "expected redis://"),
+        # Refused before any process starts, naming the flag and what is missing.
+        (["simulate", "--remote", "redis://"], "--remote redis://: no host"),
+        (["simulate", "--remote", "valkey://:6379"], "--remote valkey://: no host"),
+        (["simulate", "--remote", "mooncake://"], "--remote mooncake://: no host"),
+        (["simulate", "--remote", "mooncake://master"], "--remote mooncake://: no port"),
+        (["simulate", "--remote", "redis://host:notaport"], "--remote redis://: bad port"),
+        (["simulate", "--remote", "redis://host:99999"], "--remote redis://: bad port"),
         (["simulate", "--json", "/no/such/directory/out.json"], "does not exist"),
         (["bench", "--json", "/no/such/directory/out.json"], "does not exist"),
         # Refused before the run, not after it.
@@ -164,15 +177,34 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     assert all(s in result.stdout for s in ("x memcpy", "16 MiB", "cache put"))
 
 
+def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``mmcache args`` with its stdout a pipe nobody reads any more (like ``| head -1``
+    that has read its line, or ``| true``)."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "mmcache", *args],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(writer)
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["prune", "--dry-run"]])
+def test_a_closed_output_pipe_ends_the_command_quietly(args: list[str]) -> None:
+    result = _into_a_closed_pipe(*args)
+    # As a command killed by SIGPIPE: 128 + 13, and nothing on stderr.
+    assert (result.returncode, result.stderr) == (141, "")
+
+
 def test_simulate_writes_its_json_even_when_its_output_pipe_closes_early(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    args = ["simulate", "--requests", "10", "--catalogue", "5", "--json", str(out)]
-    with subprocess.Popen(
-        [sys.executable, "-m", "mmcache", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    ) as child:
-        assert child.stdout is not None
-        child.stdout.close()  # like `| head -1` that has read its line
-        child.wait(timeout=300)
+    result = _into_a_closed_pipe(
+        "simulate", "--requests", "10", "--catalogue", "5", "--json", str(out)
+    )
+    assert (result.returncode, result.stderr) == (141, "")
     assert json.loads(out.read_text())["runs"]

@@ -195,6 +195,10 @@ def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
         ({"frontends": 2, "mode": "lru"}, "P1's cache mirrors the LRU of one P0"),
         ({"claim_wait_s": float("nan")}, "--claim-wait-s"),
         ({"claim_wait_s": -1.0}, "--claim-wait-s"),
+        ({"mode": "shm", "capacity_gb": float("inf")}, "--capacity-gb must be a finite number"),
+        ({"mode": "lru", "capacity_gb": float("nan")}, "--capacity-gb must be a finite number"),
+        ({"inflight": 10**6}, "--inflight"),
+        ({"remote": "redis://"}, "no host"),
     ],
 )
 def test_impossible_configurations_are_refused(changes: dict[str, Any], message: str) -> None:
@@ -381,7 +385,7 @@ def test_a_worker_whose_ring_is_gone_before_it_attaches_exits_quietly(
     wire.send(setup, {"type": "setup", "reader": pickle.dumps(handle)})
     with pytest.raises(SystemExit) as exit_status:
         worker_main(0, inbox, [outbox])
-    assert exit_status.value.code == 1
+    assert exit_status.value.code == wire.PEER_GONE
     assert capsys.readouterr().err == ""
 
 
@@ -573,6 +577,57 @@ def test_sigkill_of_p0_ends_with_one_line_naming_it(attempt: int) -> None:
     assert "P0 (frontend)" in lines[0] and "SIGKILL" in lines[0]
     assert "Traceback" not in stderr and "EOFError" not in stderr
     assert ring not in _core.list_segments(), "the driver removes the ring P0 left"
+
+
+def _a_worker_of(driver: int, ring: str, p0: int, deadline: float) -> int:
+    """A worker of the simulation: a pipeline process other than P0 with its ring mapped
+    (P1 passes the reader handle on without attaching)."""
+    while time.monotonic() < deadline:
+        for pid in _pipeline_processes(driver) - {p0}:
+            try:
+                if f"/dev/shm/{ring}" in Path(f"/proc/{pid}/maps").read_text():
+                    return pid
+            except OSError:
+                continue
+        time.sleep(0.1)
+    pytest.fail("no worker attached to the ring")
+
+
+def test_sigkill_of_a_worker_ends_with_one_line_naming_it() -> None:
+    """The peers it leaves (P0 reading its results, P1) stop without a traceback of theirs,
+    and the line names the worker, not them."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mmcache",
+            "simulate",
+            "--requests",
+            "5000",
+            "--catalogue",
+            "20",
+            "--capacity-gb",
+            "0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ring, p0 = _ring_of(proc.pid, time.monotonic() + 60)
+        worker = _a_worker_of(proc.pid, ring, p0, time.monotonic() + 60)
+        children = _pipeline_processes(proc.pid)
+        time.sleep(0.5)  # let requests flow
+        os.kill(worker, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "worker" in lines[0] and "SIGKILL" in lines[0]
+    assert not any(_running(child) for child in children)
+    assert ring not in _core.list_segments()
 
 
 # --------------------------------------------------------------------------------------------

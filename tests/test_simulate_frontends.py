@@ -18,7 +18,7 @@ from mmcache import Feature, ShmHandle, ShmSenderCache, content_hash
 from mmcache.simulate import SimulationConfig, wire
 from mmcache.simulate.engine import _serve
 from mmcache.simulate.frontend import _Frontend, _Pending
-from mmcache.simulate.processes import _wrong_unverified_tensors
+from mmcache.simulate.processes import _combine, _wrong_unverified_tensors
 from mmcache.simulate.workload import TARGET_SIDE, Catalogue, process, tensor_digests
 from tests.test_simulate import TINY, figures, simulate
 
@@ -144,10 +144,54 @@ def test_items_another_frontend_processed_are_checked_against_its_truth() -> Non
         producer = {"processed_truth": processed, "remote_truth": [], "deferred_truth": []}
         return [consumer, producer]
 
+    def wrong(reports: list[dict[str, Any]]) -> list[int]:
+        return [_wrong_unverified_tensors(reports, of=report) for report in reports]
+
     truth_lists = [list(d) for d in truth]
-    assert _wrong_unverified_tensors(reports([[7, truth_lists]])) == 2  # the tampered item
+    assert wrong(reports([[7, truth_lists]])) == [2, 0]  # the consumer's tampered item
     # An image no frontend processed has no truth: everything received for it is wrong.
-    assert _wrong_unverified_tensors(reports([])) == 3 * 2
+    assert wrong(reports([])) == [3 * 2, 0]
+
+
+def _report(frontend: int, **figures: Any) -> dict[str, Any]:
+    """A frontend's report to the driver: one request of one image, and ``figures``."""
+    counts = ("requests", "items", "lookups", "hits", "processed", "tensors_checked")
+    zeros = (
+        "claim_waits", "remote_hits", "cross_host_hits", "processing_s", "bytes_moved",
+        "payload_bytes_moved", "baseline_bytes", "shm_bytes", "served_uncached", "dropped",
+        "retries", "unrecovered", "wrong_tensors",
+    )  # fmt: skip
+    return {
+        "host": 0,
+        "frontend": frontend,
+        **dict.fromkeys(counts, 1),
+        **dict.fromkeys(zeros, 0),
+        "elapsed_s": 1.0,
+        "latencies_ms": [1.0],
+        "evictions": 0,
+        "evictions_shared": True,
+        "seen": np.packbits(np.array([True, False])).tobytes(),
+        "processed_truth": [],
+        "remote_truth": [],
+        "deferred_truth": [],
+        "remote": None,
+        **figures,
+    }
+
+
+def test_per_frontend_wrong_tensors_add_up_to_the_run_s() -> None:
+    # Frontend 1 served image 0 from frontend 0's work, and its workers received other
+    # tensors than frontend 0 processed: frontend 1's wrong tensors, counted in its row too.
+    truth = [["pixel_values", b"a"], ["image_sizes", b"b"]]
+    received = [["pixel_values", b"x"], ["image_sizes", b"b"]]
+    reports = [
+        _report(0, processed_truth=[[0, truth]]),
+        _report(1, deferred_truth=[[0, received, 1]]),
+    ]
+    run = _combine(SimulationConfig(frontends=2, catalogue=2), reports)
+    assert run.wrong_tensors == 2
+    assert [f["wrong_tensors"] for f in run.per_frontend] == [0, 2]
+    assert [h["wrong_tensors"] for h in run.per_host] == [2]
 
 
 def test_an_item_evicted_between_lookup_and_update_is_processed_after_all() -> None:

@@ -6,7 +6,8 @@ simulate's messages); this module imports neither until :func:`main` has checked
 Exit status: 0 on success; 1 when a run failed (wrong tensors, an unrecovered drift, a
 process that died, a segment that cannot be read); 2 for invalid flags, a configuration
 that cannot run or a missing ``cli`` extra, with one line on stderr saying why; 130 after
-Ctrl-C.
+Ctrl-C; 141 (128 + SIGPIPE), quietly, when stdout was closed before the output was written
+(``| head -1``; the files of ``--json`` and ``--plot`` are written before the table).
 """
 
 from __future__ import annotations
@@ -15,14 +16,20 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from textwrap import fill
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+#: What the shell reports for a command that SIGPIPE killed.
+EXIT_BROKEN_PIPE = 128 + 13
 
 CLI_EXTRA_MODULES = ("rich", "msgpack")
 """What the ``cli`` extra installs and the commands import."""
@@ -154,7 +161,7 @@ def _parser() -> _Parser:
         "--inflight",
         type=_positive_int,
         default=defaults.inflight,
-        help="requests in flight at once (default: %(default)s)",
+        help="requests in flight at once, at most 256 (default: %(default)s)",
     )
     sim.add_argument(
         "--inject-drift",
@@ -269,13 +276,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prog = f"mmcache {args.command}"
     try:
-        return int(args.run(args))
+        status = int(args.run(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return status
     except _UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Whoever read stdout has gone (`| head -1`): stop quietly, as a tool killed by
+        # SIGPIPE. What is still buffered goes to /dev/null, or the flush at exit fails
+        # again (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def _missing_cli_module() -> str | None:
@@ -286,6 +301,19 @@ def _missing_cli_module() -> str | None:
         except ImportError:
             return name
     return None
+
+
+def _stdout_console() -> Console:
+    """A rich console on stdout that lets :func:`main` handle a closed pipe (rich's own
+    handling exits with status 1, which says a run failed)."""
+    from rich.console import Console
+
+    class _StdoutConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True  # nothing more to draw
+            raise BrokenPipeError
+
+    return _StdoutConsole()
 
 
 def _check_output(path: Path | None, flag: str) -> None:
@@ -341,7 +369,7 @@ def _simulate(args: argparse.Namespace) -> int:
         claim_wait_s=args.claim_wait_s,
     )
     configs = config.compared() if args.compare else [config]
-    out = Console()
+    out = _stdout_console()
     err = Console(stderr=True)
     columns = (
         TextColumn("{task.description:<24}"),
@@ -398,7 +426,7 @@ def _bench(args: argparse.Namespace) -> int:
         results = run_benchmarks(quick=args.quick)
     if args.json is not None:  # before the table (see `_simulate`)
         args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
-    render(results, Console())
+    render(results, _stdout_console())
     return 0
 
 
@@ -407,7 +435,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from mmcache import MmcacheError
@@ -424,7 +451,7 @@ def _inspect(args: argparse.Namespace) -> int:
         # Not a segment (a FIFO, a directory, a link, a path outside /dev/shm), or corrupt.
         print(f"mmcache inspect: error: {args.name}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    console = Console()
+    console = _stdout_console()
     if args.json:
         console.print_json(json.dumps(info, default=str))
         return 0

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from mmcache.factory import MODES
 from mmcache.simulate.workload import TARGET_SIDE
@@ -29,6 +30,10 @@ MAX_REQUESTS = 10**15
 MAX_HOSTS = 8
 #: Frontends (P0 processes) of one host: each is a writer slot of the host's store.
 MAX_FRONTENDS = 8
+#: P0 sends requests in flight before it reads a result: every worker's results for them,
+#: and P1's misses, must fit unread in a pipe (64 KiB), or P0, P1 and the workers block
+#: writing to one another for ever.
+MAX_INFLIGHT = 256
 #: How long a frontend waits, by default, for an image another frontend is processing.
 CLAIM_WAIT_S = 5.0
 #: ``--remote`` URLs that start a server for the run instead of naming one.
@@ -145,6 +150,10 @@ class SimulationConfig:
             raise ConfigError(
                 f"--inject-drift must be between 0 and {MAX_DRIFT}, not {self.inject_drift}"
             )
+        if not 1 <= self.inflight <= MAX_INFLIGHT:
+            raise ConfigError(
+                f"--inflight must be between 1 and {MAX_INFLIGHT}, not {self.inflight}"
+            )
         if not 1 <= self.hosts <= MAX_HOSTS:
             raise ConfigError(f"--hosts must be between 1 and {MAX_HOSTS}, not {self.hosts}")
         self._validate_frontends()
@@ -152,8 +161,12 @@ class SimulationConfig:
             self._validate_remote()
         if self.mode == "none":
             return
+        if not (math.isfinite(self.capacity_gb) and self.capacity_gb >= 0):
+            raise ConfigError(
+                f"--capacity-gb must be a finite number of GiB >= 0, not {self.capacity_gb}"
+            )
         needed = self.max_items * ITEM_BYTES
-        if not (math.isfinite(self.capacity_gb) and self.capacity_gb * 2**30 >= needed):
+        if self.capacity_gb * 2**30 < needed:
             raise ConfigError(
                 f"--capacity-gb {self.capacity_gb:g} cannot hold one request's {self.max_items} "
                 f"items of {ITEM_BYTES / 2**20:.1f} MiB in mode {self.mode}; use at least "
@@ -204,8 +217,26 @@ class SimulationConfig:
                 f"--remote {remote}: expected redis://HOST:PORT, valkey://HOST:PORT, "
                 f"mooncake://HOST:PORT or one of {', '.join(AUTO_REMOTES)}"
             )
-        if remote.endswith("://auto") and remote not in AUTO_REMOTES:
-            raise ConfigError(f"--remote {remote}: only {', '.join(AUTO_REMOTES)} start a server")
+        if remote.endswith("://auto"):
+            if remote not in AUTO_REMOTES:
+                raise ConfigError(
+                    f"--remote {remote}: only {', '.join(AUTO_REMOTES)} start a server"
+                )
+            return
+        # Checked here rather than by each P0 as it makes its cache: once, before anything
+        # starts. Only the scheme is shown: the rest may hold a password.
+        parts = urlsplit(remote)
+        expected = f"expected {scheme}://HOST:PORT"
+        if not parts.hostname:
+            raise ConfigError(f"--remote {scheme}://: no host; {expected}")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ConfigError(
+                f"--remote {scheme}://: bad port (not a number from 0 to 65535); {expected}"
+            ) from None
+        if port is None and scheme == "mooncake":
+            raise ConfigError(f"--remote {scheme}://: no port (the master's); {expected}")
 
 
 @dataclass

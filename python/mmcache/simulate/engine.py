@@ -15,35 +15,23 @@ per image, and the driver checks them against what that other frontend processed
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
-from mmcache import CacheMissError, ReceiverCache, ShmReceiverCache, WriterGoneError, _core
+from mmcache import CacheMissError, ReceiverCache, ShmReceiverCache, _core
 from mmcache.simulate import wire
 from mmcache.simulate.config import SimulationError
 from mmcache.simulate.workload import tensor_digests
 
 
-@contextlib.contextmanager
-def _quiet_when_peer_exits() -> Iterator[None]:
-    """Exit with status 1, without a traceback, when a peer process went away (P0 stopped
-    on Ctrl-C, or failed: its own traceback says why; the driver names a P0 that was
-    killed): a pipe closed, or P0's ring reports its writer gone."""
-    try:
-        yield
-    except (EOFError, BrokenPipeError, ConnectionResetError, WriterGoneError):
-        raise SystemExit(1) from None
-
-
 def engine_core_main(frontends: list[Connection], workers: list[Connection]) -> None:
     """P1's process: resolve each request's features with the ``lru`` receiver cache (if any)
     and forward them to every worker; report misses to the P0 that sent the request."""
-    with _quiet_when_peer_exits():
+    with wire.exit_when_peer_gone():
         _engine_core(frontends, workers)
 
 
@@ -151,7 +139,7 @@ class _Tally:
 def worker_main(rank: int, inbox: Connection, outboxes: list[Connection]) -> None:
     """A worker's process: resolve handles with its own ring reader (``shm``), verify every
     tensor against P0's digest, and report to the P0 (one of ``outboxes``) that sent it."""
-    with _quiet_when_peer_exits():
+    with wire.exit_when_peer_gone():
         _worker(rank, inbox, outboxes)
 
 
@@ -164,7 +152,7 @@ def _worker(rank: int, inbox: Connection, outboxes: list[Connection]) -> None:
             ShmReceiverCache(pickle.loads(reader), copy=False) if reader is not None else None
         )
     except FileNotFoundError:  # P0 died before this worker attached, and its ring is gone
-        raise SystemExit(1) from None
+        raise SystemExit(wire.PEER_GONE) from None
     running = set(range(len(outboxes)))
     try:
         for outbox, tally in zip(outboxes, tallies, strict=True):

@@ -522,9 +522,10 @@ def frontend_main(
             local.close()
         return
     try:
-        wire.send(engine, setup)
-        report = _Frontend(config, host, frontend, local, tiered, engine, results, events).run()
-        wire.send(events, {"type": "result", "report": report})
+        with wire.exit_when_peer_gone():
+            wire.send(engine, setup)
+            p0 = _Frontend(config, host, frontend, local, tiered, engine, results, events)
+            wire.send(events, {"type": "result", "report": p0.run()})
     finally:
         if tiered is not None:
             tiered.close()  # publishes what is queued, closes the local cache too

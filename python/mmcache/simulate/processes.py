@@ -206,9 +206,10 @@ def _supervise(
 def _failure(config: SimulationConfig, pipelines: list[_Pipeline]) -> SimulationError:
     """The error that names the process whose death ended the run.
 
-    When one process dies its peers exit too (their pipes close), in an order nobody
-    controls; the cause is the process killed by a signal, else a P0 that failed, else the
-    first that failed.  The others get a moment to be reaped first, so the cause is known.
+    When one process dies its peers exit too (their pipes close: status
+    :data:`~.wire.PEER_GONE`), in an order nobody controls; the cause is the process killed
+    by a signal, else a P0 that failed otherwise, else the first that did.  The others get a
+    moment to be reaped first, so the cause is known.
     """
     processes = [proc for p in pipelines for proc in p.processes]
     deadline = time.monotonic() + 2.0
@@ -220,8 +221,9 @@ def _failure(config: SimulationConfig, pipelines: list[_Pipeline]) -> Simulation
             f"P0 (frontend) closed its connection to the driver during the {config.label} run"
         )
     killed = [proc for proc in failed if cast(int, proc.exitcode) < 0]
-    frontends = [proc for proc in failed if proc.name.startswith("P0")]
-    culprit = (killed or frontends or failed)[0]
+    causes = [proc for proc in failed if proc.exitcode != wire.PEER_GONE] or failed
+    frontends = [proc for proc in causes if proc.name.startswith("P0")]
+    culprit = (killed or frontends or causes)[0]
     code = cast(int, culprit.exitcode)
     if code < 0:
         try:
@@ -312,6 +314,11 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
     def total(name: str) -> Any:
         return sum(r[name] for r in reports)
 
+    # Each frontend's wrong tensors include those of the items it did not verify itself, so
+    # the per-host and per-frontend rows add up to the run's.
+    unverified = [_wrong_unverified_tensors(reports, of=r) for r in reports]
+    for report, wrong in zip(reports, unverified, strict=True):
+        report["wrong_tensors"] += wrong
     elapsed = max(r["elapsed_s"] for r in reports)
     requests, items, lookups, processed = (
         total(n) for n in ("requests", "items", "lookups", "processed")
@@ -356,7 +363,7 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         retries=total("retries"),
         unrecovered=total("unrecovered"),
         tensors_checked=total("tensors_checked"),
-        wrong_tensors=total("wrong_tensors") + _wrong_unverified_tensors(reports),
+        wrong_tensors=total("wrong_tensors"),
         distinct_images=int(seen.sum()),
         remote_hits=total("remote_hits"),
         cross_host_hits=total("cross_host_hits"),
@@ -388,26 +395,23 @@ def _evictions(reports: list[dict[str, Any]]) -> int | None:
     return max(known) if reports[0]["evictions_shared"] else sum(known)
 
 
-def _wrong_unverified_tensors(reports: list[dict[str, Any]]) -> int:
+def _wrong_unverified_tensors(reports: list[dict[str, Any]], *, of: dict[str, Any]) -> int:
     """Tensors P0 could not give the workers a truth for, checked against what processing
     the same image gave on any host or frontend (or that none of them processed at all):
     those the remote tier supplied, and those a frontend served from another frontend's
-    work (the workers recorded what they received)."""
+    work (the workers recorded what they received): those of the frontend that reported
+    ``of``, one of ``reports``."""
     truth: dict[int, list[Any]] = {}
     for r in reports:
         for image, digests in r["processed_truth"]:
             if truth.setdefault(image, digests) != digests:
                 raise SimulationError(f"image {image} was processed into different tensors twice")
     remote: int = sum(
-        len(digests)
-        for r in reports
-        for image, digests in r["remote_truth"]
-        if truth.get(image) != digests
+        len(digests) for image, digests in of["remote_truth"] if truth.get(image) != digests
     )
     shared: int = sum(
         times * max(len(digests), len(truth.get(image, ())))
-        for r in reports
-        for image, digests, times in r["deferred_truth"]
+        for image, digests, times in of["deferred_truth"]
         if truth.get(image) != digests
     )
     return remote + shared

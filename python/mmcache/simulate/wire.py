@@ -16,7 +16,8 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -24,7 +25,22 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from mmcache import Feature, ShmHandle
+from mmcache import Feature, ShmHandle, WriterGoneError
+
+#: The exit status of a process that stopped because a peer went away: never the cause of
+#: a failed run, so the driver names the peer.
+PEER_GONE = 3
+
+
+@contextlib.contextmanager
+def exit_when_peer_gone() -> Iterator[None]:
+    """Exit with :data:`PEER_GONE`, without a traceback, when a peer process went away (a
+    pipe closed, or the ring reports its writer gone): the peer failed, or the driver stopped
+    the run (Ctrl-C), and the driver says which."""
+    try:
+        yield
+    except (EOFError, BrokenPipeError, ConnectionResetError, WriterGoneError):
+        raise SystemExit(PEER_GONE) from None
 
 
 @dataclass
