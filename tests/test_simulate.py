@@ -545,25 +545,22 @@ def test_a_p0_killed_while_creating_its_ring_leaves_no_segment() -> None:
     assert ring not in _core.list_segments(), "the half-made ring outlived the run"
 
 
+def _a_long_simulation() -> subprocess.Popen[str]:
+    """``mmcache simulate`` with more requests than a test waits for (it kills a process)."""
+    command = [sys.executable, "-m", "mmcache", "simulate", "--requests", "5000"]
+    command += ["--catalogue", "20", "--capacity-gb", "0.05"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _one_line_naming(stderr: str, who: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert who in lines[0] and "SIGKILL" in lines[0]
+
+
 @pytest.mark.parametrize("attempt", range(3))
 def test_sigkill_of_p0_ends_with_one_line_naming_it(attempt: int) -> None:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mmcache",
-            "simulate",
-            "--requests",
-            "5000",
-            "--catalogue",
-            "20",
-            "--capacity-gb",
-            "0.05",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _a_long_simulation()
     try:
         ring, p0 = _ring_of(proc.pid, time.monotonic() + 60)
         time.sleep(0.5 + attempt * 0.7)  # let requests flow (a different moment each time)
@@ -572,9 +569,7 @@ def test_sigkill_of_p0_ends_with_one_line_naming_it(attempt: int) -> None:
     finally:
         proc.kill()
     assert proc.returncode == 1
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr
-    assert "P0 (frontend)" in lines[0] and "SIGKILL" in lines[0]
+    _one_line_naming(stderr, "P0 (frontend)")
     assert "Traceback" not in stderr and "EOFError" not in stderr
     assert ring not in _core.list_segments(), "the driver removes the ring P0 left"
 
@@ -596,23 +591,7 @@ def _a_worker_of(driver: int, ring: str, p0: int, deadline: float) -> int:
 def test_sigkill_of_a_worker_ends_with_one_line_naming_it() -> None:
     """The peers it leaves (P0 reading its results, P1) stop without a traceback of theirs,
     and the line names the worker, not them."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mmcache",
-            "simulate",
-            "--requests",
-            "5000",
-            "--catalogue",
-            "20",
-            "--capacity-gb",
-            "0.05",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _a_long_simulation()
     try:
         ring, p0 = _ring_of(proc.pid, time.monotonic() + 60)
         worker = _a_worker_of(proc.pid, ring, p0, time.monotonic() + 60)
@@ -623,9 +602,7 @@ def test_sigkill_of_a_worker_ends_with_one_line_naming_it() -> None:
     finally:
         proc.kill()
     assert proc.returncode == 1
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr
-    assert "worker" in lines[0] and "SIGKILL" in lines[0]
+    _one_line_naming(stderr, "worker")
     assert not any(_running(child) for child in children)
     assert ring not in _core.list_segments()
 
