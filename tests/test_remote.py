@@ -913,6 +913,13 @@ def test_a_url_given_as_an_option_loses_its_credentials_and_the_store_keeps_its_
     assert shown == "mooncake://10.0.0.5:50051?metadata=http://***@10.0.0.9:80/m"
 
 
+@pytest.mark.parametrize("url", ["redis://", "mooncake://", "redis:///0", "valkey://?db=1"])
+def test_a_url_without_a_host_is_shown_as_given(url: str) -> None:
+    """An empty authority keeps its "//" (shown as "redis:", a URL without one reads as
+    another mistake)."""
+    assert redact_url(url) == url
+
+
 def test_credentials_in_mooncakes_metadata_url_are_refused() -> None:
     """Mooncake's client logs each metadata request's URL in full."""
     url = f"mooncake://127.0.0.1:1?metadata=http://alice:{PASSWORD}@127.0.0.1:2/metadata"

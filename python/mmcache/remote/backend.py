@@ -165,4 +165,7 @@ def redact_url(url: str) -> str:
         else:
             shown.append(name + eq + _URL_IN_VALUE.sub(r"\1***@", value))
     query = "&".join(shown)
-    return parts._replace(netloc=netloc, query=query).geturl()
+    shown_url = parts._replace(netloc=netloc, query=query).geturl()
+    if colon_slashes and not netloc:  # geturl() drops an empty authority's "//"
+        shown_url = shown_url.replace(":", "://", 1)
+    return shown_url
