@@ -183,3 +183,19 @@ def test_a_forked_child_leaves_its_parents_registration_alone(
     finally:
         receiver.close()
     assert cudart.unregistered == [address]
+
+
+def test_close_frees_the_reader_slot_even_if_cuda_fails_to_unregister(
+    sender: ShmSenderCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda(monkeypatch, FakeCudart())
+    receiver = ShmReceiverCache(sender.handle(), copy=False, pin_memory=True)
+
+    def failed(*args: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", failed)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        receiver.close()
+    # The one reader slot was given back all the same: a new reader attaches.
+    ShmReceiverCache(sender.handle()).close()
