@@ -557,6 +557,19 @@ def test_receiver_reports_every_miss_in_order_and_ingests_the_rest() -> None:
     assert features[3].data is kept
 
 
+def test_receiver_batched_update_reports_every_miss_and_ingests_the_rest() -> None:
+    # get_and_update is one request, as get_and_update_features is: it stopped at the first
+    # miss, reporting only it and leaving the rest of the request unapplied.
+    receiver = ReceiverCache(1)
+    kept, fresh = make_item("d"), make_item("b")
+    receiver.get_and_update_item(kept, "d")
+    with pytest.raises(CacheMissError) as info:
+        receiver.get_and_update([None, fresh, None, None, None], ["a", "b", "c", "d", "e"])
+    assert info.value.mm_hashes == ["a", "c", "e"]
+    assert receiver.get_and_update_item(None, "b") is fresh
+    assert receiver.get_and_update([None, None], ["d", "b"]) == [kept, fresh]
+
+
 def test_invalidate_and_one_resend_recover_from_drift() -> None:
     truth = {k: make_item(k) for k in "xyz"}
     sender, receiver = SenderCache(1), ReceiverCache(1)

@@ -7,6 +7,7 @@ CUDA itself is replaced by a recorder here, so these run the same on every machi
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -151,3 +152,50 @@ def test_pinned_copies_ask_torch_for_pinned_memory(
             with pytest.raises(MemoryError, match="pinned memory") as refused:
                 receiver.get_and_update_item(handle, "k")
             assert isinstance(refused.value.__cause__, RuntimeError)
+
+
+def test_a_forked_child_leaves_its_parents_registration_alone(
+    sender: ShmSenderCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The registration is the parent's (a child has no CUDA context of its own: torch refuses
+    # to initialise CUDA there): closing or dropping the inherited receiver in the child
+    # must neither raise nor unregister anything.
+    cudart = FakeCudart()
+    fake_cuda(monkeypatch, cudart)
+
+    def refused(*args: Any) -> None:
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    receiver = ShmReceiverCache(sender.handle(), copy=False, pin_memory=True)
+    address = cudart.registered[0][0]
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            monkeypatch.setattr(torch.cuda, "synchronize", refused)
+            receiver.close()
+            code = 0 if cudart.unregistered == [] else 2
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        receiver.close()
+    assert cudart.unregistered == [address]
+
+
+def test_close_frees_the_reader_slot_even_if_cuda_fails_to_unregister(
+    sender: ShmSenderCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda(monkeypatch, FakeCudart())
+    receiver = ShmReceiverCache(sender.handle(), copy=False, pin_memory=True)
+
+    def failed(*args: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", failed)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        receiver.close()
+    # The one reader slot was given back all the same: a new reader attaches.
+    ShmReceiverCache(sender.handle()).close()

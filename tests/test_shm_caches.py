@@ -467,6 +467,23 @@ def test_gone_objects_are_misses_listed_in_order(
     assert same_item(retry[0].data, make_item("a")) and same_item(retry[1].data, make_item("c"))
 
 
+def test_batched_update_resolves_every_handle_and_reports_every_miss(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    # get_and_update stopped at the first gone object: the other misses went unreported and
+    # the handles after it unread, so their references pinned the ring.
+    ha, hb, hc = (put(sender, k) for k in "abc")  # the ring is full
+    sender.release_handles([ha, hb])  # as if their first delivery was aborted ...
+    put(sender, "d")  # ... so new items reclaim them; "c" is still held by its handle
+    put(sender, "e")
+    assert cached(sender, "abcde") == set("cde")
+    with pytest.raises(CacheMissError) as info:
+        reader.get_and_update([ha, hb, hc], ["a", "b", "c"])
+    assert info.value.mm_hashes == ["a", "b"]
+    # "c" was read: its reference is given back, so the ring can reclaim it for "f".
+    assert isinstance(put(sender, "f"), ShmHandle) and not sender.is_cached_item("c")
+
+
 def test_a_handle_from_before_a_clear_never_reads_other_data(
     sender: ShmSenderCache, reader: ShmReceiverCache
 ) -> None:

@@ -412,14 +412,37 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (:class:`~mmcache.shm.ShmReceiverCache`, whose threads resolve in parallel).
         """
         keys = [f.mm_hash or f.identifier for f in features]
+
+        def deliver(i: int, data: Any) -> None:
+            features[i].data = data
+
+        self._resolve_request([f.data for f in features], keys, deliver)
+        return features
+
+    def get_and_update(self, items: Sequence[Any], mm_hashes: Sequence[str]) -> list[Any]:
+        """The resolved ``items``, as :meth:`get_and_update_features` resolves a request
+        (every item, every miss in one :class:`CacheMissError`): stopping at the first miss,
+        as the senders' batched call does, would leave the rest of the request unapplied
+        here (and, in ``shm``, its handles unread, pinning their objects)."""
+        if len(items) != len(mm_hashes):
+            raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
+        outputs = list(items)
+        self._resolve_request(items, mm_hashes, outputs.__setitem__)
+        return outputs
+
+    def _resolve_request(
+        self, items: Sequence[Any], keys: Sequence[str], deliver: Callable[[int, Any], None]
+    ) -> None:
+        """Touch every key, then resolve every item, handing the ``i``-th result to
+        ``deliver(i, result)``; raise as :meth:`get_and_update_features` says."""
         missed: list[bool] = []
         failure: Exception | None = None
         with self._lock, self._request_scope(keys):
-            for feature, key in zip(features, keys, strict=True):
-                self.touch_receiver_cache_item(key, feature.data)
-            for feature, key in zip(features, keys, strict=True):
+            for item, key in zip(items, keys, strict=True):
+                self.touch_receiver_cache_item(key, item)
+            for i, (item, key) in enumerate(zip(items, keys, strict=True)):
                 try:
-                    feature.data = self.get_and_update_item(feature.data, key)
+                    deliver(i, self.get_and_update_item(item, key))
                     missed.append(False)
                 except CacheMissError:
                     missed.append(True)
@@ -431,7 +454,6 @@ class BaseReceiverCache(BaseCache[Any, Any]):
             if any(missed):
                 missing = [k for k, m in zip(keys, missed, strict=True) if m or self._not_held(k)]
                 raise CacheMissError(missing)
-        return features
 
     def _not_held(self, key: str) -> bool:
         """Whether a request that missed should also report ``key``, which it resolved but

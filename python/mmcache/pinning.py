@@ -15,6 +15,7 @@ caller falls back to plain memory with one warning.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,13 @@ _HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every CUD
 _HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads it
 HOST_REGISTER_FLAGS = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY
 """The flags a read-only mapping is registered with."""
+
+# This process's token, new in every forked child: a registration belongs to the process
+# that made it.  A forked child inherits the receiver (and its finalizer) but not the CUDA
+# context, which torch refuses to initialise there.  Not a PID: PIDs of different PID
+# namespaces can be equal.
+_process = [object()]
+os.register_at_fork(after_in_child=lambda: _process.__setitem__(0, object()))
 
 
 def pinning_unavailable() -> str | None:
@@ -48,7 +56,8 @@ def _cuda_error(cudart: Any, err: Any) -> str:
 
 def register_read_only(address: int, length: int) -> Callable[[], None]:
     """Register ``length`` bytes of read-only host memory at ``address`` with CUDA; return the
-    function that unregisters them (call it before the memory is unmapped).
+    function that unregisters them (call it before the memory is unmapped; in a forked child
+    it does nothing).
 
     Raises ``RuntimeError`` when CUDA refuses (no device, a driver without read-only
     registration, too little lockable memory, ...).
@@ -60,7 +69,11 @@ def register_read_only(address: int, length: int) -> Callable[[], None]:
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {length} bytes failed: {_cuda_error(cudart, err)}")
 
+    registered_in = _process[0]
+
     def unregister() -> None:
+        if _process[0] is not registered_in:
+            return  # a forked child's copy: the registration is its parent's
         # A DMA from this memory may still be queued (non_blocking copies): let it finish.
         torch.cuda.synchronize()
         err = cudart.cudaHostUnregister(address)

@@ -726,7 +726,10 @@ class ShmReceiverCache(BaseReceiverCache):
     def close(self) -> None:
         """Detach, freeing the reader slot (what it had not read is credited), and unregister
         a pinned mapping; idempotent. Zero-copy views still alive stay valid (unpinned)."""
-        if self._unregister is not None:
-            self._unregister()
-        if not self._store.closed:
-            self._store.close()
+        try:
+            if self._unregister is not None:
+                self._unregister()
+        finally:
+            # Detached even if CUDA fails to unregister: the slot would stay taken for good.
+            if not self._store.closed:
+                self._store.close()
