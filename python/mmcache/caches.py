@@ -409,7 +409,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
 
         The request is one atomic step for the cache (other threads' calls wait for it),
         except in caches that hold no state of their own to guard
-        (:class:`~mmcache.shm.ShmReceiverCache`, whose threads resolve in parallel).
+        (:class:`~mmcache.shm_receiver.ShmReceiverCache`, whose threads resolve in parallel).
         """
         keys = [f.mm_hash or f.identifier for f in features]
 

@@ -34,27 +34,21 @@ resolve (and copy) in parallel.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-import warnings
-import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from mmcache import pinning, serde
+from mmcache import serde
 from mmcache._core import (
     CachedItemCheck,
     KeyExistsError,
     ReaderHandle,
     ShmObjectStore,
-    ShmReader,
     ShmWriter,
-    StaleHandleError,
     WriterHandle,
 )
 from mmcache.caches import (
-    BaseReceiverCache,
     BaseSenderCache,
     SenderInput,
     SenderOutput,
@@ -78,6 +72,7 @@ from mmcache.prompt_updates import (
     PromptUpdatesCodecSpec,
 )
 from mmcache.protection import Hold, Holds, RequestState
+from mmcache.shm_receiver import ShmReceiverCache
 
 __all__ = ["ShmReceiverCache", "ShmSenderCache"]
 
@@ -634,102 +629,3 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
 # `is_cached_item` (`CachedItemCheck`'s, a C method) as a method of exactly this class: CPython
 # 3.11 specialises a call of a C method only on instances of exactly its class.
 ShmSenderCache.is_cached_item = CachedItemCheck._method_for(ShmSenderCache)  # type: ignore[method-assign, assignment]
-
-
-class ShmReceiverCache(BaseReceiverCache):
-    """A worker's cache in ``shm`` mode: one reader of the ring P0 writes.
-
-    Resolves an :class:`ShmHandle` to the item it stands for (a handle whose object is gone
-    is a :class:`CacheMissError`; a forged or mismatched one raises
-    :class:`~mmcache.errors.InvalidHandleError`), returns a plain item as is and skips
-    ``None``.  Each instance claims its own reader slot (``NoReaderSlotError`` when all are
-    taken) until :meth:`close`.
-
-    With ``copy=False`` tensors and arrays are read-only zero-copy views of shared memory;
-    each keeps its object from being reclaimed until the last view of it is gone. With
-    ``copy=True`` (the default) each tensor and array is copied once, straight out of the
-    ring, into memory of its own (one allocation per item for its tensors).
-
-    ``pin_memory=True`` makes resolved tensors pinned host memory, so ``.to("cuda",
-    non_blocking=True)`` is a DMA: with ``copy=False`` the reader's read-only mapping of the
-    ring is registered with CUDA once, here (and unregistered by :meth:`close`), so the
-    zero-copy views are pinned with no copy at all; with ``copy=True`` the copies go to
-    torch's pinned allocator. Without a CUDA device, or if CUDA refuses, it warns once and
-    resolves unpinned.
-    """
-
-    def __init__(
-        self, handle: ReaderHandle, *, copy: bool = True, pin_memory: bool = False
-    ) -> None:
-        super().__init__()
-        # Nothing in Python to guard (a request's state is per thread; the core reader is
-        # thread-safe): no lock, so worker threads resolve and copy in parallel.
-        self._lock = contextlib.nullcontext()
-        self._store: ShmReader = ShmObjectStore.attach(handle)
-        self._copy = copy
-        self._pin_copies = False
-        self._unregister: weakref.finalize[[], ShmReceiverCache] | None = None
-        if pin_memory:
-            self._pin()
-        self._plain_copies = copy and not self._pin_copies
-
-    def _pin(self) -> None:
-        problem = pinning.pinning_unavailable()
-        if problem is None and self._copy:
-            self._pin_copies = True
-            return
-        if problem is None:
-            address, length = self._store.view_mapping()
-            try:
-                unregister = pinning.register_read_only(address, length)
-            except RuntimeError as exc:
-                problem = str(exc)
-            else:
-                # Also when the cache is dropped without close(): before the mapping goes.
-                self._unregister = weakref.finalize(self, unregister)
-                return
-        warnings.warn(
-            f"ShmReceiverCache(pin_memory=True): {problem}; resolving into unpinned memory",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-    @property
-    def pinned(self) -> bool:
-        """Whether resolved tensors are pinned (``pin_memory=True`` took effect)."""
-        return self._pin_copies or (self._unregister is not None and self._unregister.alive)
-
-    def get_and_update_item(self, item: Item | ShmHandle | None, mm_hash: str) -> Item | None:
-        # Handles first: an isinstance check against the Mapping ABC costs more than the
-        # rest of the call's Python together.
-        if type(item) is not ShmHandle:
-            if item is None or isinstance(item, Mapping):
-                return item
-            raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
-        try:
-            if self._plain_copies:
-                # The core's defaults, passed as none: PyO3 parses keywords at ~0.25 µs a
-                # call, 5 % of a 4 KiB item's resolve.
-                return self._store.resolve_item(item, mm_hash)
-            return self._store.resolve_item(
-                item, mm_hash, copy=self._copy, pin_memory=self._pin_copies
-            )
-        except StaleHandleError:
-            raise CacheMissError([mm_hash]) from None
-
-    def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
-        """Nothing to do: references are taken by P0 and given back by reading."""
-
-    def clear_cache(self) -> None:
-        """Nothing to do: a reader does not own the ring (P0 clears it)."""
-
-    def close(self) -> None:
-        """Detach, freeing the reader slot (what it had not read is credited), and unregister
-        a pinned mapping; idempotent. Zero-copy views still alive stay valid (unpinned)."""
-        try:
-            if self._unregister is not None:
-                self._unregister()
-        finally:
-            # Detached even if CUDA fails to unregister: the slot would stay taken for good.
-            if not self._store.closed:
-                self._store.close()
