@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from mmcache.vllm import aborts
@@ -83,4 +84,48 @@ def test_a_worker_gives_back_only_what_it_was_never_given(
     assert outstanding(p0) == 1
     step(worker, {"waiting": waiting}, None, set())
     assert same_item(TRUTH["a"], waiting[0].data)
+    assert outstanding(p0) == 0
+
+
+def engine_core(scheduler: Any) -> Any:
+    """A stand-in for vLLM's engine core (paused, rejecting new requests) over
+    ``scheduler``."""
+    return SimpleNamespace(
+        scheduler=scheduler,
+        reject_new_requests=True,
+        _send_finish_outputs_to_client=lambda *args: None,
+        _send_error_outputs_to_client=lambda *args: None,
+    )
+
+
+def test_requests_the_engine_core_rejects_give_their_handles_back(
+    shm_pair: tuple[Any, Any],
+) -> None:
+    # The engine core drops a request that arrives while it is paused (an RL loop's weight
+    # update), or that fails its checks there (a structured-output grammar it cannot
+    # compile): the request never reaches the scheduler, nor a worker.
+    p0, worker = shm_pair
+    scheduler = SimpleNamespace(has_request=lambda request_id: False)
+    core = engine_core(scheduler)
+    paused = SimpleNamespace(
+        request_id="paused",
+        mm_features=request_features(p0, ["a", "b"]),
+        abort_immediately=False,
+        client_index=0,
+        kv_transfer_params=None,
+    )
+    assert EngineCoreProc._reject_add_while_paused(core, paused)
+    invalid = SimpleNamespace(
+        request_id="invalid", mm_features=request_features(p0, ["a"]), client_index=0
+    )
+    EngineCoreProc._handle_request_validation_error(core, invalid, ValueError("grammar"))
+    failed = SimpleNamespace(
+        request_id="failed", mm_features=request_features(p0, ["b"]), client_index=0
+    )
+    EngineCoreProc._handle_request_preproc_error(core, failed)
+    assert outstanding(p0) == 4
+    output = aborts._schedule(lambda self: SimpleNamespace())(scheduler)
+    unread = getattr(output, aborts.UNREAD_ATTR, None)
+    assert unread is not None and set(unread) == {"paused", "invalid", "failed"}
+    step(worker, {}, unread, set())
     assert outstanding(p0) == 0

@@ -3,6 +3,7 @@ errors, clearing and the small-``/dev/shm`` fallback, all through vLLM's own fac
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -28,6 +29,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 import mmcache.vllm as mv
 from mmcache import ReferencesSaturatedError, ShmHandle, pinning
+from mmcache.vllm import publish
 from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
 
 LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
@@ -350,6 +352,45 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
 def test_workers_refuse_to_start_when_no_ring_was_published() -> None:
     with pytest.raises(RuntimeError, match=mv.READER_HANDLE_ENV):
         worker_receiver_cache_from_config(vllm_config("shm", MiB), LOCK)
+
+
+def _malformed(published: str) -> list[str]:
+    """``published`` (a handle's JSON) made unusable in each way a stale or hand-edited
+    environment can: not JSON, not an object, a field missing, one too many, a secret that
+    is not hex, a size out of range."""
+    fields = json.loads(published)
+    return [
+        "{oops",
+        "[1, 2]",
+        json.dumps({k: v for k, v in fields.items() if k != "secret"}),
+        json.dumps({**fields, "extra": 1}),
+        json.dumps({**fields, "secret": "zz" + fields["secret"]}),
+        json.dumps({**fields, "capacity": -1}),
+    ]
+
+
+def test_a_malformed_published_handle_is_an_error_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker (or an API server) that inherited a stale or hand-edited environment: the
+    # error says which variable is wrong, never the secret it holds.
+    config = vllm_config("shm", 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    try:
+        published = os.environ[mv.READER_HANDLE_ENV]
+        secret = json.loads(published)["secret"]
+        for value in _malformed(published):
+            monkeypatch.setenv(mv.READER_HANDLE_ENV, value)
+            with pytest.raises(ValueError, match=mv.READER_HANDLE_ENV) as caught:
+                worker_receiver_cache_from_config(config, LOCK)
+            assert secret not in str(caught.value)
+        writer = publish.publish_writer(p0.ring.writer_handle())
+        for value in _malformed(writer):
+            monkeypatch.setenv(mv.WRITER_HANDLE_ENV, value)
+            with pytest.raises(ValueError, match=mv.WRITER_HANDLE_ENV):
+                publish.published_writer_handle()
+    finally:
+        p0.close()
 
 
 def test_workers_resolve_into_unpinned_memory_where_pinning_fails(

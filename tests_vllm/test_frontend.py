@@ -215,3 +215,29 @@ def test_an_invalidation_from_another_thread_waits_for_the_request_in_its_lookup
         assert not p0.is_cached_item("b")
     finally:
         p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_waits_for_every_modality_of_the_request_in_its_lookup(
+    mode: str,
+) -> None:
+    # vLLM looks a request up once per modality (`_get_cache_missing_items`): the second
+    # modality's lookup is still inside the request the first one began.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert p0.is_cached(["a"]) == [True]  # the images
+        other_thread = threading.Thread(target=p0.invalidate, args=("a",))
+        other_thread.start()
+        other_thread.join()
+        assert p0.is_cached(["b"]) == [False]  # the videos, of the same request
+        assert p0.is_cached_item("a"), "the invalidation landed inside the request"
+        for h in ["a", "b"]:
+            p0.touch_sender_cache_item(h)
+        p0.get_and_update_item(None, "a")  # would be a miss had it landed
+        p0.get_and_update_item((TRUTH["b"], []), "b")
+        p0.release_sender_touches()
+        assert p0.is_cached(["a", "b"]) == [False, True], "not applied after the request"
+        p0.release_sender_touches()
+    finally:
+        p0.close()

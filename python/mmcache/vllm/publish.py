@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from mmcache._core import ReaderHandle, WriterHandle
 
@@ -42,6 +43,8 @@ WRITER_HANDLE_ENV = "MMCACHE_VLLM_WRITER_HANDLE"
 """Where the launcher of several API servers publishes the ring's ``WriterHandle`` for them
 (JSON; empty when it could not make a ring)."""
 
+_Handle = TypeVar("_Handle", ReaderHandle, WriterHandle)
+
 _FIELDS = ("name", "capacity", "n_readers", "max_object_size", "layout_version")
 
 
@@ -54,17 +57,26 @@ def _encode(handle: ReaderHandle | WriterHandle | None, extra: tuple[str, ...] =
     return json.dumps(fields)
 
 
-def _decode(env: str, remedy: str) -> dict[str, Any] | None:
-    """The fields published in ``env``, ``None`` when published empty; ``RuntimeError``
-    naming ``remedy`` when nothing was published."""
+def _decode(env: str, make: Callable[..., _Handle], remedy: str) -> _Handle | None:
+    """The handle published in ``env``, ``None`` when published empty; ``RuntimeError``
+    naming ``remedy`` when nothing was published, ``ValueError`` naming ``env`` (and not
+    its value, which holds the secret) when what was published is no such handle."""
     value = os.environ.get(env)
     if value is None:
         raise RuntimeError(f"no shared-memory ring was published ({env} is not set): {remedy}")
     if not value:
         return None
-    fields: dict[str, Any] = json.loads(value)
-    fields["secret"] = bytes.fromhex(fields["secret"])
-    return fields
+    try:
+        fields: dict[str, Any] = json.loads(value)
+        fields["secret"] = bytes.fromhex(fields["secret"])
+        return make(**fields)
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        # (The exception's own text names a field or a position, never a value.)
+        raise ValueError(
+            f"{env} holds no {make.__name__} ({type(exc).__name__}: {exc}): it was not "
+            "published by this mmcache (a stale or edited environment?); unset it, and "
+            "start vLLM again"
+        ) from None
 
 
 def publish(handle: ReaderHandle | None) -> str:
@@ -92,20 +104,20 @@ def withdraw(value: str, env: str = READER_HANDLE_ENV) -> None:
 def published_handle() -> ReaderHandle | None:
     """The ``ReaderHandle`` P0 published, ``None`` when it runs without a ring;
     ``RuntimeError`` when nothing was published."""
-    fields = _decode(
+    return _decode(
         READER_HANDLE_ENV,
+        ReaderHandle,
         "the frontend must run vLLM with mmcache too (MMCACHE_VLLM=1) and build its cache "
         "before it starts the engine",
     )
-    return None if fields is None else ReaderHandle(**fields)
 
 
 def published_writer_handle() -> WriterHandle | None:
     """The ``WriterHandle`` the launcher of several API servers published, ``None`` when it
     made no ring; ``RuntimeError`` when nothing was published."""
-    fields = _decode(
+    return _decode(
         WRITER_HANDLE_ENV,
+        WriterHandle,
         "the launcher of the API servers (vllm serve --api-server-count N) must run with "
         "mmcache too (MMCACHE_VLLM=1)",
     )
-    return None if fields is None else WriterHandle(**fields)

@@ -149,10 +149,15 @@ class _SenderAdapter:
         """vLLM's lookup of a request's items: applies the invalidations queued so far, then
         holds new ones back until this request is released (see the module)."""
         me = threading.get_ident()
+        bracket = self._bracket
         with self._invalidation_lock:
-            self._looking_up.discard(me)  # a lookup of this thread whose request failed
-            self._apply_pending_invalidations()
-            self._looking_up.add(me)
+            # vLLM looks a request up once per modality: a lookup with no touch since this
+            # thread's last one is of the same request, and applies nothing.  After touches,
+            # the earlier lookup's request never got its release: this is the next request.
+            if me not in self._looking_up or bracket.touches or bracket.updates:
+                self._looking_up.discard(me)
+                self._apply_pending_invalidations()
+                self._looking_up.add(me)
         if (issued := getattr(_render, "issued", None)) is not None:
             issued.append((self, []))  # so that the render closes this lookup
         return self._look_up(mm_hashes)
