@@ -24,6 +24,7 @@ from mmcache import (
     Feature,
     InvalidHandleError,
     MmcacheError,
+    ReaderHandle,
     ReceiverCache,
     ShmHandle,
     ShmReceiverCache,
@@ -550,6 +551,19 @@ def test_a_forged_handle_does_not_leave_the_rest_of_its_request_unread(
     assert same_item(features[1].data, make_item("b"))
     assert same_item(features[2].data, make_item("c"))
     assert sender.stats()["store_outstanding_refs"] == 1  # only the genuine handle of a
+
+
+def test_a_reader_handle_of_another_secret_is_refused_at_attach() -> None:
+    """A stale handle (its name since taken by a new ring) fails at once, taking no slot,
+    rather than failing every handle it would read."""
+    with ShmSenderCache(RING / GiB, n_readers=1) as sender:
+        mine = sender.handle()
+        fields = {f: getattr(mine, f) for f in ("name", "capacity", "n_readers")}
+        fields |= {"max_object_size": mine.max_object_size, "secret": bytes(32)}
+        stale = ReaderHandle(**fields, layout_version=mine.layout_version)
+        with pytest.raises(InvalidHandleError, match="secret"):
+            ShmReceiverCache(stale)
+        ShmReceiverCache(mine).close()  # the only slot is still free
 
 
 def test_each_receiver_takes_a_reader_slot() -> None:

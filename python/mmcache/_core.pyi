@@ -193,7 +193,8 @@ class ShmObjectStore:
         ``WriterGoneError`` if every writer died)."""
     @staticmethod
     def attach(handle: ReaderHandle) -> ShmReader:
-        """A reader of ``handle``'s segment, in a reader slot of its own."""
+        """A reader of ``handle``'s segment, in a reader slot of its own
+        (``InvalidHandleError``, taking no slot, for a secret that is not the store's)."""
     @property
     def name(self) -> str: ...
     @property

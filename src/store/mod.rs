@@ -130,7 +130,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
-use crate::handle::MAC_LEN;
+use crate::handle::{MAC_LEN, Signer};
 use crate::layout::{
     Claim, Counter, Layout, Liveness, STORE_LIVE, SlotWord, WRITER_LOCK, WriterId, chunk, header,
     slot,
@@ -230,6 +230,22 @@ impl Shared {
     #[inline]
     fn pin_word(&self, address: u64, writer_slot: u32) -> Result<&AtomicU64> {
         self.chunk(address, self.layout.pin_word(writer_slot))
+    }
+
+    /// `InvalidHandle` unless `signer`'s secret is the store's (a `role` handle of another
+    /// store, e.g. a stale one whose name a new store took).
+    fn check_secret(&self, signer: &Signer, role: &str) -> Result<()> {
+        let stored = [
+            self.header(header::VERIFIER)?.load(Ordering::Relaxed),
+            self.header(header::VERIFIER + 8)?.load(Ordering::Relaxed),
+        ];
+        if stored != signer.verifier() {
+            return Err(Error::InvalidHandle(format!(
+                "the {role} handle's secret does not match store {:?}",
+                self.seg.name()
+            )));
+        }
+        Ok(())
     }
 
     fn payload_offset(&self, address: u64) -> u64 {

@@ -98,6 +98,9 @@ impl Reader {
                 info.name
             )));
         }
+        // Before a slot is taken: a reader of another store's secret could verify nothing.
+        let signer = Signer::new(info.secret);
+        shared.check_secret(&signer, "reader")?;
         if !shared.any_writer_alive()? {
             return Err(Error::WriterGone(format!(
                 "every writer of {:?} closed it or exited",
@@ -120,7 +123,7 @@ impl Reader {
                 .store(((epoch as u64) << 32) | start, Ordering::Release);
             return Ok(Arc::new(Reader {
                 shared,
-                signer: Signer::new(info.secret),
+                signer,
                 slot: s,
                 epoch,
                 process: Process::current(),

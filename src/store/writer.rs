@@ -23,7 +23,7 @@ use crate::handle::{Handle, Signer};
 use crate::keyhash::KeyHasher;
 use crate::layout::{
     BlockKind, BlockState, Config, Counter, LAYOUT_VERSION, Layout, Liveness, PinWord, SlotWord,
-    WRITER_LOCK, WriterId, chunk, header, slot,
+    WRITER_LOCK, WriterId, chunk, slot,
 };
 use crate::segment::{self, Process, Segment};
 use state::{Private, Release};
@@ -165,16 +165,7 @@ impl Writer {
             )));
         }
         let signer = Signer::new(info.secret);
-        let stored = [
-            shared.header(header::VERIFIER)?.load(Ordering::Relaxed),
-            shared.header(header::VERIFIER + 8)?.load(Ordering::Relaxed),
-        ];
-        if stored != signer.verifier() {
-            return Err(Error::InvalidHandle(format!(
-                "the writer handle's secret does not match store {:?}",
-                info.name
-            )));
-        }
+        shared.check_secret(&signer, "writer")?;
         if shared.liveness != Liveness::Locks {
             return Err(Error::InvalidArgument(
                 "this store tells liveness by pids (no OFD locks): it has one writer".into(),
@@ -219,7 +210,7 @@ impl Writer {
                 .seg
                 .unlock(w.shared.layout.writer_slot_lock(w.me.slot))?;
             w.shared
-                .header(header::LIVENESS)?
+                .header(crate::layout::header::LIVENESS)?
                 .store(liveness.code(), Ordering::Relaxed);
         }
         w.shared.liveness = liveness;

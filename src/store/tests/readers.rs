@@ -30,6 +30,18 @@ fn set_claim_pid(w: &Writer, r: &Reader, pid: u32) {
 }
 
 #[test]
+fn a_reader_handle_of_another_secret_takes_no_slot() {
+    let w = writer(2048, 1);
+    let mut wrong = w.reader_info();
+    wrong.secret[0] ^= 1;
+    assert!(matches!(
+        Reader::attach(&wrong),
+        Err(Error::InvalidHandle(_))
+    ));
+    Reader::attach(&w.reader_info()).expect("the only slot is still free");
+}
+
+#[test]
 fn slots_are_claimed_freed_and_reclaimed_from_dead_readers() {
     let w = writer(2048, 1);
     assert_eq!(w.liveness(), Liveness::Locks);
