@@ -219,11 +219,14 @@ def test_the_claim_wait_is_set_through_the_environment(monkeypatch: pytest.Monke
     close = launcher.open_ring(config(-1))
     try:
         monkeypatch.setenv(sender.CLAIM_WAIT_ENV, "soon")
-        with pytest.raises(ValueError, match=sender.CLAIM_WAIT_ENV):
+        with pytest.raises(ValueError, match=sender.CLAIM_WAIT_ENV) as refused:
             processor_cache_from_config(config(0))
         monkeypatch.setenv(sender.CLAIM_WAIT_ENV, "0")  # no single flight
         first, second = servers = [processor_cache_from_config(config(r)) for r in (0, 1)]
         try:
+            # The refused one took no writer slot (its traceback, kept, would keep it alive).
+            assert refused.traceback is not None
+            assert first.ring.stats()["store_writers_attached"] == 3  # the launcher's too
             assert first.is_cached(["a"]) == [False]
             assert second.is_cached(["a"]) == [False]
             assert first.ring.stats()["store_claims"] == 0

@@ -382,9 +382,9 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         self._published = ""
         self._claim_wait_s = 0.0
         if shares_one_ring(vllm_config):
+            self._claim_wait_s = claim_wait_s()  # before joining: a bad value holds no slot
             writer_handle = published_writer_handle()
             ring = None if writer_handle is None else join_ring(writer_handle)
-            self._claim_wait_s = claim_wait_s()
         else:
             ring = make_ring(vllm_config)
             self._published = publish(None if ring is None else ring.handle())
