@@ -416,11 +416,14 @@ def test_inspect_status_prune_and_the_cli_see_writer_slots(
         assert name not in prune(dry_run=True)
         os.kill(child.pid, signal.SIGKILL)
         child.join(TIMEOUT)
-        info = _core.inspect_segment(name)
-        assert [w["alive"] for w in info["writers"]] == [False, False]
-        assert not info["creator_alive"]
-        assert _core.segment_status(name)[0] == "orphaned"
-        assert name in prune()
+        # Any store's creation on this host removes an orphan: another test run may take
+        # this one first, so each check below allows for it being gone already.
+        with contextlib.suppress(FileNotFoundError):
+            info = _core.inspect_segment(name)
+            assert [w["alive"] for w in info["writers"]] == [False, False]
+            assert not info["creator_alive"]
+            assert _core.segment_status(name)[0] == "orphaned"
+        assert name in prune() or name not in _core.list_segments()
         assert name not in _core.list_segments()
     finally:
         reap(child)
