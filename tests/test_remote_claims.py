@@ -342,6 +342,33 @@ def test_a_claimer_that_gives_up_frees_its_claims_at_once(
         b.close()
 
 
+def test_a_request_that_ends_without_its_update_ends_its_claims(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    # As the shm ring's: a request whose processing raised ends (no update will come) and
+    # its claims end with it, in the store and here; the thread's next request, which waits,
+    # never takes them again (nobody would process the item: every other host would wait).
+    a = TieredSenderCache(ShmSenderCache(0.01), open_store(server.url, namespace, timeout_s=10))
+    b = open_p0(server.url, namespace, claim_ttl_s=20 * HANG_S)
+    try:
+        a.begin_request()
+        assert a.is_cached([key(1)], claim=True) == [False]
+        assert claim_of(raw, namespace, 1) == a.host_id and a.local.stats()["store_claims"] == 1
+        a.end_request()  # the request's processing raised: it ends without an update
+        assert a.local.stats()["store_claims"] == 0
+        assert claim_of(raw, namespace, 1) is None
+        assert b.is_cached([key(2)], claim=True) == [False]
+        a.begin_request()
+        assert in_time(lambda: a.is_cached([key(2)], claim=True, wait_s=0.2)) == [False]
+        assert claim_of(raw, namespace, 1) is None
+        a.end_request()
+        assert in_time(lambda: b.is_cached([key(1)], claim=True, wait_s=HANG_S)) == [False]
+        assert b.stats()["remote_claim_waits"] == 0 and claim_of(raw, namespace, 1) == b.host_id
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_claim_ends_only_once_the_published_item_is_stored(
     server: LocalServer, raw: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

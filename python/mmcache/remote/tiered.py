@@ -30,13 +30,14 @@ other's items (in turns: vLLM looks a request up once per modality) never wait f
 other.  A claim ends when the claimer publishes the item (dropped by the writer
 thread once the put returns, so a waiter finds the item before it finds the claim gone) or
 gives up: an update without data for it, an update that raises, ``release_sender_touches``,
-``close`` (if a put of the item is pending then - another request processed it too - the
-claim ends once that put returns); the claimer drops only its own claim
-(compare-and-delete).  A claim ends too once another request of this host has stored the
-item (the claim has nothing left to guard).  Every claim call is one call of the store,
-under its deadline and circuit breaker: a failing store costs one deadline and ends the
-wait (everything is processed here).  Claims need a store that holds
-them (:attr:`RemoteStore.supports_claims <mmcache.remote.RemoteStore.supports_claims>`:
+the end of its request (``end_request``: its update never came), ``close`` (if a put of the
+item is pending then - another request processed it too - the claim ends once that put
+returns); the claimer drops only its own claim (compare-and-delete).  A claim ends too once
+another request of this host has stored the item (the claim has nothing left to guard).
+Every claim call is one call of the store, under its deadline and circuit breaker: a failing
+store costs one deadline and ends the wait (everything is processed here).  Claims need a
+store that holds them
+(:attr:`RemoteStore.supports_claims <mmcache.remote.RemoteStore.supports_claims>`:
 Redis/Valkey); over Mooncake Store ``claim`` and ``wait_s`` change nothing.
 
 **Threads.**  Several threads may call one cache at once (an engine's pool of preprocessing
@@ -47,9 +48,9 @@ for another host's claim) holds up no other thread's local hits.  What a request
 calling thread's, as its request bracket is (passed on to the local cache): a fetched item
 waits for the update of every request whose :meth:`~TieredSenderCache.is_cached` found it
 (until the end of the request, inside a bracket), so one thread's update never takes it from
-another; and a claim belongs to the request that took it - only that request's update or
-``release_sender_touches`` (or ``close``) ends it.  Threads of one host share its
-:attr:`~TieredSenderCache.host_id`, so a request never waits on a claim another request of
+another; and a claim belongs to the request that took it - only that request's update,
+``release_sender_touches`` or ``end_request`` (or ``close``) ends it.  Threads of one host
+share its :attr:`~TieredSenderCache.host_id`, so a request never waits on a claim another request of
 this host holds: it processes the item too, as a writer's threads do with its local claims.
 :meth:`~TieredSenderCache.close` may run while other threads call in.
 
@@ -182,7 +183,8 @@ class TieredSenderCache(BaseSenderCache):
         misses of the request; the fetched items wait for :meth:`get_and_update`).
 
         With ``claim``, each remote miss nobody claimed is claimed for this request until its
-        update (or ``release_sender_touches``, ``close``, or ``claim_ttl_s``); with
+        update (or ``release_sender_touches``, ``end_request``, ``close``, or
+        ``claim_ttl_s``); with
         ``wait_s``, misses another host claimed are waited for, at most ``wait_s`` seconds
         for the whole call, and reported cached if they arrive; the request holds no claim
         while it waits (here or in the local cache: it claims again after the wait what is
@@ -473,10 +475,13 @@ class TieredSenderCache(BaseSenderCache):
 
     def end_request(self) -> None:
         """Close the calling thread's request here and in the local cache (a no-op when
-        none is open)."""
+        none is open).  Its claims end too: an item it claimed and never updated (the
+        request raised) would otherwise stay claimed, and be claimed again by the thread's
+        next request before a wait, while nobody processes it."""
         if self._request.open:
             super().end_request()
             self.local.end_request()
+            self._give_up_remote_claims()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
         self._waiting.give_all(self._request.holds)
