@@ -396,13 +396,14 @@ class TieredSenderCache(BaseSenderCache):
             if not self._request.open:  # else a later update of the request may need them
                 for h in mm_hashes:
                     self._waiting.give(self._request.holds, h)
-            self._counts["remote_published"] += len(fresh)
         queued = [
             h
             for h, (item, prompt_updates) in fresh.items()
             if self._publisher.submit(h, {"item": item, "prompt_updates": prompt_updates})
         ]
         with self._lock:  # a stored item needs no claim: another request's on it ends too
+            # Only what was queued: a dropped item is counted as dropped, not published.
+            self._counts["remote_published"] += len(queued)
             for h in queued:
                 if h not in ended and (claim := self._claims.get(h)) is not None:
                     ended[h] = claim
@@ -556,7 +557,8 @@ class TieredSenderCache(BaseSenderCache):
     def stats(self) -> dict[str, int]:
         """The local cache's counters, this tier's (``remote_served``: fetched items handed to
         the local cache, each counted once however many requests used it,
-        ``remote_lookups``, ``remote_published``, ``remote_publish_dropped``,
+        ``remote_lookups``, ``remote_published`` (processed items queued for the writer
+        thread; those a full queue turned away are ``remote_publish_dropped``),
         ``remote_publish_failed``, ``remote_prefetch_dropped``, ``remote_malformed``; single
         flight: ``remote_claims`` taken, ``remote_claim_waits`` (misses found claimed by
         another host and waited for), of which ``remote_claim_wait_hits`` arrived in time,
