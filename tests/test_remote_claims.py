@@ -392,6 +392,33 @@ def test_a_claim_ends_only_once_the_published_item_is_stored(
         p0.close()
 
 
+def test_close_waits_for_the_writer_at_most_its_timeout_and_frees_the_queued_claims(
+    server: LocalServer, raw: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(server.url, namespace, timeout_s=10)
+    release = threading.Event()
+    real_put = store.put
+
+    def held_put(k: str, record: Any) -> None:
+        release.wait(3 * HANG_S)  # a put that outlasts close's timeout (a slow store)
+        real_put(k, record)
+
+    monkeypatch.setattr(store, "put", held_put)
+    p0 = TieredSenderCache(SenderCache(0.05), store, publish_queue=1)
+    try:
+        for i in range(2):  # the writer holds item 0's put; item 1 fills the queue
+            assert p0.is_cached([key(i)], claim=True) == [False]
+            p0.get_and_update([item(i)], [key(i)])
+        assert claim_of(raw, namespace, 1) == p0.host_id
+        in_time(lambda: p0.close(timeout_s=0.1))
+        # Item 1 was never put (counted), and its claim does not wait for a put to come.
+        assert p0.stats()["remote_publish_dropped"] == 1
+        assert claim_of(raw, namespace, 1) is None
+    finally:
+        release.set()
+        p0.close()
+
+
 def test_a_host_never_waits_on_its_own_claims(server: LocalServer, namespace: str) -> None:
     p0 = open_p0(server.url, namespace)
     try:

@@ -538,7 +538,8 @@ class TieredSenderCache(BaseSenderCache):
         return self._publisher.flush(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Publish what is queued (waiting at most ``timeout_s``), end the claims every
+        """Publish what is queued (waiting at most ``timeout_s``; what is still queued then
+        is dropped, counted in ``remote_publish_dropped``), end the claims every
         request of this host holds (an update in flight's included), then close the local
         cache and the remote store.  Idempotent.
 
@@ -558,7 +559,8 @@ class TieredSenderCache(BaseSenderCache):
         """The local cache's counters, this tier's (``remote_served``: fetched items handed to
         the local cache, each counted once however many requests used it,
         ``remote_lookups``, ``remote_published`` (processed items queued for the writer
-        thread; those a full queue turned away are ``remote_publish_dropped``),
+        thread; those a full queue turned away, or :meth:`close` found still queued, are
+        ``remote_publish_dropped``),
         ``remote_publish_failed``, ``remote_prefetch_dropped``, ``remote_malformed``; single
         flight: ``remote_claims`` taken, ``remote_claim_waits`` (misses found claimed by
         another host and waited for), of which ``remote_claim_wait_hits`` arrived in time,
