@@ -491,7 +491,8 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
             waiter.join(HANG_S)  # its next look times out: the wait ends, b processes
             assert not waiter.is_alive() and waiting == [[False]]
             s = b.stats()
-            assert s["remote_timeouts"] >= 1 and s["remote_claim_wait_abandoned"] == 1
+            # One deadline in all: nothing is claimed again after the look that failed.
+            assert s["remote_timeouts"] == 1 and s["remote_claim_wait_abandoned"] == 1
             # A claiming lookup and a release with the server stalled: a deadline each.
             assert in_time(lambda: b.is_cached([key(2)], claim=True, wait_s=HANG_S)) == [False]
             a_thread.submit(a.release_sender_touches).result(HANG_S)  # a deadline, not a hang

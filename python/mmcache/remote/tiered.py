@@ -250,11 +250,13 @@ class TieredSenderCache(BaseSenderCache):
             # too, and what is still missing is claimed again after the wait.
             held = self._give_up_remote_claims()
             held_locally = self.local.give_up_claims()
-            arrived, elsewhere = self._wait_for_others(elsewhere, end)
+            arrived, elsewhere, failed = self._wait_for_others(elsewhere, end)
             hits += len(arrived)
             missing = [h for h in missing if h not in arrived]
             if held_locally:
                 self.local.is_cached(held_locally, claim=True)  # type: ignore[call-arg]
+            if failed:  # a failing store costs the wait one deadline: nothing is claimed again
+                break
             again = missing if claim else []  # this call's misses, to claim again
             if again or held:
                 asked = list(dict.fromkeys([*again, *held]))
@@ -268,10 +270,12 @@ class TieredSenderCache(BaseSenderCache):
             self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
             self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
 
-    def _wait_for_others(self, held_elsewhere: list[str], end: float) -> tuple[set[str], list[str]]:
+    def _wait_for_others(
+        self, held_elsewhere: list[str], end: float
+    ) -> tuple[set[str], list[str], bool]:
         """Look ``held_elsewhere`` up again (claiming nothing) with backoff until no other host
-        holds any of them or ``end``: those that arrived meanwhile (kept for the update), and
-        those still held elsewhere."""
+        holds any of them, ``end``, or a look fails: those that arrived meanwhile (kept for
+        the update), those still held elsewhere, and whether the store failed."""
         arrived: set[str] = set()
         delay = _FIRST_POLL_S
         while held_elsewhere and (left := end - time.monotonic()) > 0:
@@ -279,7 +283,9 @@ class TieredSenderCache(BaseSenderCache):
             delay = min(delay * 2, _MAX_POLL_S)
             found, held_elsewhere = self._fetch_claiming(held_elsewhere, False, set(held_elsewhere))
             arrived |= found
-        return arrived, held_elsewhere
+            if self.remote.last_call_failed:
+                return arrived, held_elsewhere, True
+        return arrived, held_elsewhere, False
 
     def _fetch_claiming(
         self,
