@@ -505,6 +505,40 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
         in_time(b.close)
 
 
+def test_a_server_that_stalls_as_a_wait_begins_costs_it_one_deadline(
+    own_server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store_options = {"timeout_s": 0.3, "breaker_failures": 100}
+    a = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    b = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    real_release = b.remote.release_claims
+
+    def release_as_the_server_stalls(keys: Sequence[str], owner: str) -> None:
+        stall(own_server)
+        real_release(keys, owner)
+
+    def b_request() -> list[bool]:  # one thread's: the claim is its request's
+        assert b.is_cached([key(2)], claim=True) == [False]  # an earlier lookup's claim
+        monkeypatch.setattr(b.remote, "release_claims", release_as_the_server_stalls)
+        return b.is_cached([key(1)], claim=True, wait_s=HANG_S)
+
+    try:
+        assert a.is_cached([key(1)], claim=True) == [False]
+        try:
+            # The wait gives item 2's claim up first: that release times out, and nothing
+            # more is asked of the store (no look, no claim taken again).
+            assert in_time(b_request) == [False]
+        finally:
+            resume(own_server)
+        s = b.stats()
+        assert s["remote_timeouts"] == 1
+        assert s["remote_claim_waits"] == s["remote_claim_wait_abandoned"] == 1
+    finally:
+        monkeypatch.undo()
+        in_time(a.close)
+        in_time(b.close)
+
+
 def test_a_local_cache_that_takes_claims_gets_them() -> None:
     class LocalWithClaims(SenderCache):
         asked: ClassVar[list[tuple[bool, float]]] = []

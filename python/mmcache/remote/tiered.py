@@ -274,18 +274,21 @@ class TieredSenderCache(BaseSenderCache):
         self, held_elsewhere: list[str], end: float
     ) -> tuple[set[str], list[str], bool]:
         """Look ``held_elsewhere`` up again (claiming nothing) with backoff until no other host
-        holds any of them, ``end``, or a look fails: those that arrived meanwhile (kept for
-        the update), those still held elsewhere, and whether the store failed."""
+        holds any of them, ``end``, or the store fails: those that arrived meanwhile (kept for
+        the update), those still held elsewhere (none once the store failed), and whether it
+        failed."""
         arrived: set[str] = set()
         delay = _FIRST_POLL_S
-        while held_elsewhere and (left := end - time.monotonic()) > 0:
+        # This thread's latest call: the release of its claims before the wait, else the
+        # lookup that found the claims, which answered.
+        failed = self.remote.last_call_failed
+        while held_elsewhere and not failed and (left := end - time.monotonic()) > 0:
             time.sleep(min(delay, left))
             delay = min(delay * 2, _MAX_POLL_S)
             found, held_elsewhere = self._fetch_claiming(held_elsewhere, False, set(held_elsewhere))
             arrived |= found
-            if self.remote.last_call_failed:
-                return arrived, held_elsewhere, True
-        return arrived, held_elsewhere, False
+            failed = self.remote.last_call_failed
+        return arrived, [] if failed else held_elsewhere, failed
 
     def _fetch_claiming(
         self,
