@@ -1297,6 +1297,34 @@ def test_items_waiting_to_be_published_are_bounded_by_bytes(
         p0.close()
 
 
+def test_an_item_the_full_queue_drops_is_not_counted_published(
+    server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(server.url, namespace)
+    release = threading.Event()
+    real_put = store.put
+
+    def held_put(k: str, item: Any) -> None:
+        release.wait(HANG_S)
+        real_put(k, item)
+
+    monkeypatch.setattr(store, "put", held_put)
+    p0 = TieredSenderCache(SenderCache(0.05), store, publish_queue=1)
+    try:
+        for i in range(3):  # the writer holds the first: the queue is full for the others
+            assert p0.is_cached([key(i)]) == [False]
+            p0.get_and_update([(make_item(i, 1000), ["<image>", i])], [key(i)])
+        release.set()
+        assert p0.flush()
+        s = p0.stats()
+        stored = sum(store.contains([key(i) for i in range(3)]))
+        assert s["remote_publish_dropped"] == 3 - stored
+        assert s["remote_published"] == stored
+    finally:
+        release.set()
+        p0.close()
+
+
 def test_items_fetched_for_the_coming_update_are_bounded_by_bytes(
     server: LocalServer, namespace: str
 ) -> None:

@@ -342,6 +342,33 @@ def test_a_claimer_that_gives_up_frees_its_claims_at_once(
         b.close()
 
 
+def test_a_request_that_ends_without_its_update_ends_its_claims(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    # As the shm ring's: a request whose processing raised ends (no update will come) and
+    # its claims end with it, in the store and here; the thread's next request, which waits,
+    # never takes them again (nobody would process the item: every other host would wait).
+    a = TieredSenderCache(ShmSenderCache(0.01), open_store(server.url, namespace, timeout_s=10))
+    b = open_p0(server.url, namespace, claim_ttl_s=20 * HANG_S)
+    try:
+        a.begin_request()
+        assert a.is_cached([key(1)], claim=True) == [False]
+        assert claim_of(raw, namespace, 1) == a.host_id and a.local.stats()["store_claims"] == 1
+        a.end_request()  # the request's processing raised: it ends without an update
+        assert a.local.stats()["store_claims"] == 0
+        assert claim_of(raw, namespace, 1) is None
+        assert b.is_cached([key(2)], claim=True) == [False]
+        a.begin_request()
+        assert in_time(lambda: a.is_cached([key(2)], claim=True, wait_s=0.2)) == [False]
+        assert claim_of(raw, namespace, 1) is None
+        a.end_request()
+        assert in_time(lambda: b.is_cached([key(1)], claim=True, wait_s=HANG_S)) == [False]
+        assert b.stats()["remote_claim_waits"] == 0 and claim_of(raw, namespace, 1) == b.host_id
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_claim_ends_only_once_the_published_item_is_stored(
     server: LocalServer, raw: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -362,6 +389,33 @@ def test_a_claim_ends_only_once_the_published_item_is_stored(
         assert p0.remote.contains([key(1)]) == [True]
         assert p0.stats()["remote_claims_released"] == 1
     finally:
+        p0.close()
+
+
+def test_close_waits_for_the_writer_at_most_its_timeout_and_frees_the_queued_claims(
+    server: LocalServer, raw: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(server.url, namespace, timeout_s=10)
+    release = threading.Event()
+    real_put = store.put
+
+    def held_put(k: str, record: Any) -> None:
+        release.wait(3 * HANG_S)  # a put that outlasts close's timeout (a slow store)
+        real_put(k, record)
+
+    monkeypatch.setattr(store, "put", held_put)
+    p0 = TieredSenderCache(SenderCache(0.05), store, publish_queue=1)
+    try:
+        for i in range(2):  # the writer holds item 0's put; item 1 fills the queue
+            assert p0.is_cached([key(i)], claim=True) == [False]
+            p0.get_and_update([item(i)], [key(i)])
+        assert claim_of(raw, namespace, 1) == p0.host_id
+        in_time(lambda: p0.close(timeout_s=0.1))
+        # Item 1 was never put (counted), and its claim does not wait for a put to come.
+        assert p0.stats()["remote_publish_dropped"] == 1
+        assert claim_of(raw, namespace, 1) is None
+    finally:
+        release.set()
         p0.close()
 
 
@@ -437,7 +491,8 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
             waiter.join(HANG_S)  # its next look times out: the wait ends, b processes
             assert not waiter.is_alive() and waiting == [[False]]
             s = b.stats()
-            assert s["remote_timeouts"] >= 1 and s["remote_claim_wait_abandoned"] == 1
+            # One deadline in all: nothing is claimed again after the look that failed.
+            assert s["remote_timeouts"] == 1 and s["remote_claim_wait_abandoned"] == 1
             # A claiming lookup and a release with the server stalled: a deadline each.
             assert in_time(lambda: b.is_cached([key(2)], claim=True, wait_s=HANG_S)) == [False]
             a_thread.submit(a.release_sender_touches).result(HANG_S)  # a deadline, not a hang
@@ -446,6 +501,40 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
             resume(own_server)
     finally:
         a_thread.shutdown(wait=False)
+        in_time(a.close)
+        in_time(b.close)
+
+
+def test_a_server_that_stalls_as_a_wait_begins_costs_it_one_deadline(
+    own_server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store_options = {"timeout_s": 0.3, "breaker_failures": 100}
+    a = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    b = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    real_release = b.remote.release_claims
+
+    def release_as_the_server_stalls(keys: Sequence[str], owner: str) -> None:
+        stall(own_server)
+        real_release(keys, owner)
+
+    def b_request() -> list[bool]:  # one thread's: the claim is its request's
+        assert b.is_cached([key(2)], claim=True) == [False]  # an earlier lookup's claim
+        monkeypatch.setattr(b.remote, "release_claims", release_as_the_server_stalls)
+        return b.is_cached([key(1)], claim=True, wait_s=HANG_S)
+
+    try:
+        assert a.is_cached([key(1)], claim=True) == [False]
+        try:
+            # The wait gives item 2's claim up first: that release times out, and nothing
+            # more is asked of the store (no look, no claim taken again).
+            assert in_time(b_request) == [False]
+        finally:
+            resume(own_server)
+        s = b.stats()
+        assert s["remote_timeouts"] == 1
+        assert s["remote_claim_waits"] == s["remote_claim_wait_abandoned"] == 1
+    finally:
+        monkeypatch.undo()
         in_time(a.close)
         in_time(b.close)
 

@@ -228,6 +228,7 @@ class RemoteStore(ClosesOnExit):
             op: deque(maxlen=_LATENCY_SAMPLES) for op in ("contains", "get", "put", "release")
         }
         self._closed = False
+        self._calls = threading.local()  # .failed: whether the thread's latest call failed
 
     # -- the interface ---------------------------------------------------------------------
 
@@ -347,6 +348,13 @@ class RemoteStore(ClosesOnExit):
                 **({"puts": 1, "bytes_written": len(payload)} if stored else {"put_present": 1})
             )
 
+    @property
+    def last_call_failed(self) -> bool:
+        """Whether the calling thread's latest call failed or was refused (the store failing
+        or closed, its breaker open) rather than answered: a miss it answered then is no
+        news of the key."""
+        return bool(getattr(self._calls, "failed", False))
+
     def close(self) -> None:
         """Close the connections; later calls are misses.  Idempotent."""
         with self._lock:
@@ -441,6 +449,7 @@ class RemoteStore(ClosesOnExit):
     def _call(self, op: str, call: Callable[[float], _T]) -> _T | None:
         """Run one backend call under the deadline and the breaker; ``None`` for a failure
         (counted, logged once)."""
+        self._calls.failed = True  # until the store answers
         if self._closed or not self._breaker.allow():
             self._count(skipped=1)
             return None
@@ -460,6 +469,7 @@ class RemoteStore(ClosesOnExit):
             self._transport_failure("server_errors", op, f"failed: {type(exc).__name__}: {exc}")
             return None
         else:
+            self._calls.failed = False
             elapsed = time.monotonic() - started
             with self._lock:
                 self._latency[op].append(elapsed)

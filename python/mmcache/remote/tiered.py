@@ -30,13 +30,14 @@ other's items (in turns: vLLM looks a request up once per modality) never wait f
 other.  A claim ends when the claimer publishes the item (dropped by the writer
 thread once the put returns, so a waiter finds the item before it finds the claim gone) or
 gives up: an update without data for it, an update that raises, ``release_sender_touches``,
-``close`` (if a put of the item is pending then - another request processed it too - the
-claim ends once that put returns); the claimer drops only its own claim
-(compare-and-delete).  A claim ends too once another request of this host has stored the
-item (the claim has nothing left to guard).  Every claim call is one call of the store,
-under its deadline and circuit breaker: a failing store costs one deadline and ends the
-wait (everything is processed here).  Claims need a store that holds
-them (:attr:`RemoteStore.supports_claims <mmcache.remote.RemoteStore.supports_claims>`:
+the end of its request (``end_request``: its update never came), ``close`` (if a put of the
+item is pending then - another request processed it too - the claim ends once that put
+returns); the claimer drops only its own claim (compare-and-delete).  A claim ends too once
+another request of this host has stored the item (the claim has nothing left to guard).
+Every claim call is one call of the store, under its deadline and circuit breaker: a failing
+store costs one deadline and ends the wait (everything is processed here).  Claims need a
+store that holds them
+(:attr:`RemoteStore.supports_claims <mmcache.remote.RemoteStore.supports_claims>`:
 Redis/Valkey); over Mooncake Store ``claim`` and ``wait_s`` change nothing.
 
 **Threads.**  Several threads may call one cache at once (an engine's pool of preprocessing
@@ -47,9 +48,9 @@ for another host's claim) holds up no other thread's local hits.  What a request
 calling thread's, as its request bracket is (passed on to the local cache): a fetched item
 waits for the update of every request whose :meth:`~TieredSenderCache.is_cached` found it
 (until the end of the request, inside a bracket), so one thread's update never takes it from
-another; and a claim belongs to the request that took it - only that request's update or
-``release_sender_touches`` (or ``close``) ends it.  Threads of one host share its
-:attr:`~TieredSenderCache.host_id`, so a request never waits on a claim another request of
+another; and a claim belongs to the request that took it - only that request's update,
+``release_sender_touches`` or ``end_request`` (or ``close``) ends it.  Threads of one host
+share its :attr:`~TieredSenderCache.host_id`, so a request never waits on a claim another request of
 this host holds: it processes the item too, as a writer's threads do with its local claims.
 :meth:`~TieredSenderCache.close` may run while other threads call in.
 
@@ -182,7 +183,8 @@ class TieredSenderCache(BaseSenderCache):
         misses of the request; the fetched items wait for :meth:`get_and_update`).
 
         With ``claim``, each remote miss nobody claimed is claimed for this request until its
-        update (or ``release_sender_touches``, ``close``, or ``claim_ttl_s``); with
+        update (or ``release_sender_touches``, ``end_request``, ``close``, or
+        ``claim_ttl_s``); with
         ``wait_s``, misses another host claimed are waited for, at most ``wait_s`` seconds
         for the whole call, and reported cached if they arrive; the request holds no claim
         while it waits (here or in the local cache: it claims again after the wait what is
@@ -248,11 +250,13 @@ class TieredSenderCache(BaseSenderCache):
             # too, and what is still missing is claimed again after the wait.
             held = self._give_up_remote_claims()
             held_locally = self.local.give_up_claims()
-            arrived, elsewhere = self._wait_for_others(elsewhere, end)
+            arrived, elsewhere, failed = self._wait_for_others(elsewhere, end)
             hits += len(arrived)
             missing = [h for h in missing if h not in arrived]
             if held_locally:
                 self.local.is_cached(held_locally, claim=True)  # type: ignore[call-arg]
+            if failed:  # a failing store costs the wait one deadline: nothing is claimed again
+                break
             again = missing if claim else []  # this call's misses, to claim again
             if again or held:
                 asked = list(dict.fromkeys([*again, *held]))
@@ -266,18 +270,25 @@ class TieredSenderCache(BaseSenderCache):
             self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
             self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
 
-    def _wait_for_others(self, held_elsewhere: list[str], end: float) -> tuple[set[str], list[str]]:
+    def _wait_for_others(
+        self, held_elsewhere: list[str], end: float
+    ) -> tuple[set[str], list[str], bool]:
         """Look ``held_elsewhere`` up again (claiming nothing) with backoff until no other host
-        holds any of them or ``end``: those that arrived meanwhile (kept for the update), and
-        those still held elsewhere."""
+        holds any of them, ``end``, or the store fails: those that arrived meanwhile (kept for
+        the update), those still held elsewhere (none once the store failed), and whether it
+        failed."""
         arrived: set[str] = set()
         delay = _FIRST_POLL_S
-        while held_elsewhere and (left := end - time.monotonic()) > 0:
+        # This thread's latest call: the release of its claims before the wait, else the
+        # lookup that found the claims, which answered.
+        failed = self.remote.last_call_failed
+        while held_elsewhere and not failed and (left := end - time.monotonic()) > 0:
             time.sleep(min(delay, left))
             delay = min(delay * 2, _MAX_POLL_S)
             found, held_elsewhere = self._fetch_claiming(held_elsewhere, False, set(held_elsewhere))
             arrived |= found
-        return arrived, held_elsewhere
+            failed = self.remote.last_call_failed
+        return arrived, [] if failed else held_elsewhere, failed
 
     def _fetch_claiming(
         self,
@@ -394,13 +405,14 @@ class TieredSenderCache(BaseSenderCache):
             if not self._request.open:  # else a later update of the request may need them
                 for h in mm_hashes:
                     self._waiting.give(self._request.holds, h)
-            self._counts["remote_published"] += len(fresh)
         queued = [
             h
             for h, (item, prompt_updates) in fresh.items()
             if self._publisher.submit(h, {"item": item, "prompt_updates": prompt_updates})
         ]
         with self._lock:  # a stored item needs no claim: another request's on it ends too
+            # Only what was queued: a dropped item is counted as dropped, not published.
+            self._counts["remote_published"] += len(queued)
             for h in queued:
                 if h not in ended and (claim := self._claims.get(h)) is not None:
                     ended[h] = claim
@@ -473,10 +485,13 @@ class TieredSenderCache(BaseSenderCache):
 
     def end_request(self) -> None:
         """Close the calling thread's request here and in the local cache (a no-op when
-        none is open)."""
+        none is open).  Its claims end too: an item it claimed and never updated (the
+        request raised) would otherwise stay claimed, and be claimed again by the thread's
+        next request before a wait, while nobody processes it."""
         if self._request.open:
             super().end_request()
             self.local.end_request()
+            self._give_up_remote_claims()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
         self._waiting.give_all(self._request.holds)
@@ -532,7 +547,8 @@ class TieredSenderCache(BaseSenderCache):
         return self._publisher.flush(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Publish what is queued (waiting at most ``timeout_s``), end the claims every
+        """Publish what is queued (waiting at most ``timeout_s``; what is still queued then
+        is dropped, counted in ``remote_publish_dropped``), end the claims every
         request of this host holds (an update in flight's included), then close the local
         cache and the remote store.  Idempotent.
 
@@ -551,7 +567,9 @@ class TieredSenderCache(BaseSenderCache):
     def stats(self) -> dict[str, int]:
         """The local cache's counters, this tier's (``remote_served``: fetched items handed to
         the local cache, each counted once however many requests used it,
-        ``remote_lookups``, ``remote_published``, ``remote_publish_dropped``,
+        ``remote_lookups``, ``remote_published`` (processed items queued for the writer
+        thread; those a full queue turned away, or :meth:`close` found still queued, are
+        ``remote_publish_dropped``),
         ``remote_publish_failed``, ``remote_prefetch_dropped``, ``remote_malformed``; single
         flight: ``remote_claims`` taken, ``remote_claim_waits`` (misses found claimed by
         another host and waited for), of which ``remote_claim_wait_hits`` arrived in time,

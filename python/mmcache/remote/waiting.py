@@ -4,6 +4,7 @@ writer thread's queue) and the fetched items waiting for their update (:class:`F
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -103,15 +104,29 @@ class Publisher:
         return True
 
     def close(self, timeout_s: float) -> None:
-        """Put what is queued (waiting at most ``timeout_s``) and stop the writer thread;
-        nothing is queued after (:meth:`submit` answers ``False``).  Idempotent."""
+        """Put what is queued (waiting at most ``timeout_s``: what is still queued then is
+        dropped, counted, and its claims dropped now) and stop the writer thread; nothing is
+        queued after (:meth:`submit` answers ``False``).  Idempotent."""
+        deadline = time.monotonic() + timeout_s
         self.flush(timeout_s)
+        unput: list[str] = []
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)  # behind what was queued before the flag: it is put too
-        self._thread.join(timeout_s)
+            # Emptied, so the sentinel below never waits for room behind a slow put (the
+            # store closes next: these would never be put).  No sentinel is queued yet.
+            with contextlib.suppress(queue.Empty):
+                while (job := self._queue.get_nowait()) is not None:
+                    self._queue.task_done()
+                    self._queued_bytes -= self._queued.pop(job[0])
+                    self.dropped += 1
+                    if job[0] in self._releasing:
+                        self._releasing.discard(job[0])
+                        unput.append(job[0])
+        self._remote.release_claims(unput, self._owner)
+        self._queue.put(None)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class Fetched:
