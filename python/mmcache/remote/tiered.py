@@ -22,8 +22,10 @@ miss another host claimed is waited for, up to ``T`` seconds for the whole call:
 is repeated with backoff (2 ms, doubling, at most 50 ms apart) until the item is there (a
 remote hit), the claim is gone without it (the claimer gave up or died: this host claims
 and processes it) or the time is up (this host processes it).  This host's own claims are
-never waited on.  A request never waits holding claims: before a wait it gives up every
-claim it holds, in the store and in the local cache, its earlier lookups' included, and
+never waited on.  A request never waits for another host holding claims: before such a
+wait it gives up every claim it holds, in the store and in the local cache, its earlier
+lookups' included (a wait inside the local cache, for another writer of this host's ring,
+keeps the store claims: a host waiting on those holds none itself), and
 after the wait it claims again those and the call's misses still missing (a miss another
 host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
 other's items (in turns: vLLM looks a request up once per modality) never wait for each
