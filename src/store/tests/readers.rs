@@ -203,3 +203,38 @@ fn a_put_that_fails_after_its_fill_owes_the_readers_nothing() {
     assert_eq!(stats_of(&w)["objects"], 4);
     assert_eq!(refs_of(&r), 4, "no handle was issued for the failed put");
 }
+
+/// A put counts its references for the reader set it loaded before its (unlocked, possibly
+/// long) fill: a reader that left meanwhile, its slot taken by a new one, must not have the
+/// reference counted for the newcomer, which can never consume it (the slot word is stamped
+/// for the old epoch). After the newcomer tried every handle, its `refs` equals its `acks`.
+#[test]
+fn a_put_counts_no_reference_for_a_reader_that_attached_during_its_fill() {
+    let counters = |r: &Reader| {
+        let stats: HashMap<_, _> = r.stats().unwrap().into_iter().collect();
+        (stats["refs"], stats["acks"])
+    };
+    let len = 64 << 20;
+    let w = Writer::create_with(&Config::new(3 * len, 1, Some(len)), None).unwrap();
+    let info = w.reader_info();
+    let first = Reader::attach(&info).unwrap();
+    let big = vec![7u8; len as usize];
+    let (handle, second) = std::thread::scope(|s| {
+        let put = s.spawn(|| w.put("big", &[&big]).unwrap());
+        // The put loads its reader set at once, then fills 64 MiB of fresh pages.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        drop(first);
+        let second = Reader::attach(&info).unwrap();
+        (put.join().unwrap(), second)
+    });
+    let lease = second.acquire(&handle, "big").unwrap();
+    let protected = lease.is_protected();
+    drop(lease);
+    let (refs, acks) = counters(&second);
+    assert_eq!(
+        refs,
+        acks,
+        "refs {refs}, acks {acks} (the put's reference was {}issued to the newcomer)",
+        if protected { "" } else { "not " }
+    );
+}

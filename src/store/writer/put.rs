@@ -253,14 +253,23 @@ impl Writer {
     }
 
     /// One reference more (or fewer, `add` false) in the `REFS` count of every reader of
-    /// `reader_set` (what `inspect` subtracts the reader's acknowledgements from).
+    /// `reader_set` (what `inspect` subtracts the reader's acknowledgements from) that still
+    /// occupies its slot: the set was loaded before the fill, and a slot whose reader left
+    /// meanwhile may hold a newcomer, who can never consume a reference stamped for the old
+    /// epoch (its `refs - acks` would stay one too high), and whose attach zeroed the count
+    /// (a take-back would wrap it: it saturates at 0 instead).
     fn count_refs(&self, reader_set: &ReaderSet, add: bool) -> Result<()> {
-        for &(s, _) in reader_set.members.iter() {
+        for &(s, epoch) in reader_set.members.iter() {
+            let (_, claim) = self.shared.claim(s)?;
+            if claim.epoch != epoch || !claim.is_occupied() {
+                continue;
+            }
             let refs = self.shared.slot(s, slot::REFS)?;
             if add {
                 refs.fetch_add(1, Ordering::Relaxed);
             } else {
-                refs.fetch_sub(1, Ordering::Relaxed);
+                let _ =
+                    refs.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
             }
         }
         Ok(())
