@@ -22,8 +22,8 @@ use crate::error::{Error, Result};
 use crate::handle::{Handle, Signer};
 use crate::keyhash::KeyHasher;
 use crate::layout::{
-    BlockKind, BlockState, Config, Counter, LAYOUT_VERSION, Layout, Liveness, PinWord, SlotWord,
-    WRITER_LOCK, WriterId, chunk, slot,
+    BlockKind, BlockState, Config, Counter, LAYOUT_VERSION, Layout, Liveness, PinWord, SlotState,
+    SlotWord, WRITER_LOCK, WriterId, chunk, slot,
 };
 use crate::segment::{self, Process, Segment};
 use state::{Private, Release};
@@ -446,8 +446,7 @@ impl Writer {
             .load(Ordering::Relaxed) as u32;
         let mut private = self.private();
         let members = &private.reader_set(sh)?.members;
-        self.add_references(key, entry.address, sig_tag, members)?;
-        let n_members = members.len() as u64;
+        let referenced = self.add_references(key, entry.address, sig_tag, members)?;
         crash::point("issue.protected");
         let state = sh.chunk(entry.address, chunk::STATE)?;
         if state.load(Ordering::Relaxed) & BlockState::REFERENCED_BIT == 0 {
@@ -455,32 +454,44 @@ impl Writer {
         }
         let handle = private.issue(&self.signer, key, (entry.address, entry.id));
         self.count(Counter::Hits, 1);
-        self.count(Counter::RefsIssued, n_members);
+        self.count(Counter::RefsIssued, referenced);
         if pinned == Some(entry.id) {
             self.change_pin_word(entry.address, |pins| pins.saturating_sub(1))?;
         }
         Ok(handle)
     }
 
-    /// One more reference per member of a reader set on the (protected) chunk at `address`.
+    /// One more reference per member of a reader set on the (protected) chunk at `address`;
+    /// how many were added (none for a member that left its slot since the set was loaded).
     /// Other writers may be adding theirs, so each word's limit is checked in its own CAS,
     /// and a refusal undoes the ones before (`Error::Saturated`, nothing changed).
-    fn add_references(
+    pub(super) fn add_references(
         &self,
         key: &str,
         address: u64,
         sig_tag: u32,
         members: &[(u32, u32)],
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let sh = &self.shared;
+        let mut added = 0;
         for (i, &(s, epoch)) in members.iter().enumerate() {
             let stamp = SlotWord::stamp_for(sig_tag, epoch as u64);
-            let mut saturated = false;
+            let (mut saturated, mut left) = (false, false);
             update_word(sh.word(address, s)?, |w| {
+                (saturated, left) = (false, false);
                 if w.stamp != stamp {
-                    // Stamped for an earlier occupant, who is gone: start afresh (the chunk
-                    // is protected, so this word is its own).
-                    return Some(SlotWord {
+                    // Stamped for another occupant. If the member still holds the slot, that
+                    // one is gone: start afresh (the chunk is protected, so this word is its
+                    // own). If the member left since the set was loaded, the word may be its
+                    // successor's, with views that protect leases: left alone. The claim is
+                    // loaded after the word, so a successor stamped before that load is seen
+                    // (its stamping writer loaded the claim before its Release CAS, which the
+                    // word's Acquire load read); one stamped after it changes the word, which
+                    // fails this CAS and judges again.
+                    left = !sh.claim(s).is_ok_and(|(_, claim)| {
+                        claim.state == SlotState::Claimed && claim.epoch == epoch
+                    });
+                    return (!left).then_some(SlotWord {
                         stamp,
                         outstanding: 1,
                         views: 0,
@@ -492,6 +503,9 @@ impl Writer {
                     ..w
                 })
             });
+            if left {
+                continue;
+            }
             if saturated {
                 for &(s, epoch) in &members[..i] {
                     self.credit(address, sig_tag, s, epoch)?;
@@ -503,8 +517,9 @@ impl Writer {
                 });
             }
             sh.slot(s, slot::REFS)?.fetch_add(1, Ordering::Relaxed);
+            added += 1;
         }
-        Ok(())
+        Ok(added)
     }
 
     /// Take back one reference of reader slot `(s, epoch)` on the chunk tagged `sig_tag`.

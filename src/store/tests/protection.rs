@@ -222,3 +222,40 @@ fn a_reader_attached_while_a_put_waits_for_the_ring_lock_keeps_its_lease() {
         );
     });
 }
+
+#[test]
+fn a_hit_from_a_stale_reader_set_leaves_a_newer_readers_lease_alone() {
+    // Writer `a` loaded its reader set while `old` held slot 0; before its hit's references
+    // land, `old` leaves, `new` takes the slot, `b`'s hit stamps the word for `new`, and `new`
+    // takes a protected lease. `a`'s stale member must not wipe that lease's view (with no
+    // view the chunk would be evictable under it).
+    let a = store(1 << 16, 1, 2);
+    let b = join(&a);
+    let info = a.reader_info();
+    let old = Reader::attach(&info).unwrap();
+    let old_epoch = a.shared.claim(old.slot()).unwrap().1.epoch;
+    let put = a.put("k", &[&[7u8; 900]]).unwrap();
+    read(&old, &put, "k").unwrap();
+    drop(old);
+    let new = Reader::attach(&info).unwrap();
+    assert_ne!(a.shared.claim(new.slot()).unwrap().1.epoch, old_epoch);
+    let h = b.get_cached("k").unwrap();
+    let lease = new.acquire(&h, "k").unwrap();
+    assert!(lease.is_protected());
+    let sig_tag = a
+        .shared
+        .chunk(h.address, chunk::SIG_LO)
+        .unwrap()
+        .load(Ordering::Relaxed) as u32;
+    let word = a.shared.word(h.address, new.slot()).unwrap();
+    let before = word.load(Ordering::Acquire);
+    a.add_references("k", h.address, sig_tag, &[(new.slot(), old_epoch)])
+        .unwrap();
+    assert_eq!(
+        word.load(Ordering::Acquire),
+        before,
+        "the newer reader's references and view were overwritten"
+    );
+    assert_eq!(SlotWord::unpack(before).views, 1);
+    drop(lease);
+}
