@@ -24,7 +24,9 @@ item of three float32 tensors of the same total size (codec included):
 - ``cache get (copy)`` / ``cache get (zero-copy)``: ``ShmReceiverCache.get_and_update_item``
   in one reader process.
 
-Performance is measured here, never asserted by a test.
+Each reader's last read is checked (off the clock) against what was written, so a read that
+returns the wrong bytes cannot look fast. Performance is measured here, never asserted by a
+test.
 """
 
 from __future__ import annotations
