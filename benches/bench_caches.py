@@ -142,6 +142,11 @@ def run(iterations: int = 200) -> list[dict[str, Any]]:
                         iterations,
                     ),
                 )
+                # Off the clock: a hit that read back other bytes must not look fast.
+                got = worker.get_and_update_item(shm.get_and_update_item(None, key)[0], key)
+                if got is None or not torch.equal(got["pixel_values"], item["pixel_values"]):
+                    raise RuntimeError(f"shm, {label}: the item read back differs")
+                del got
         if shm.stats()["uncached_full"] or shm.stats()["uncached_oversize"]:
             raise RuntimeError(f"the benchmark's ring served items uncached: {shm.stats()}")
     return rows

@@ -8,7 +8,8 @@ each size an item of one float32 tensor is put once, then fetched ``--iterations
 median is reported with the payload bytes per second.  ``contains`` of 16 keys counts the
 commands redis-py sends to the server in one call (socket writes).  Baselines, timed
 interleaved with the get (one of each per round): a plain redis-py ``GET`` of a raw value of
-the same size on the same Valkey server, and a numpy memcpy of the same size.  The load
+the same size on the same Valkey server, and a numpy copy of the same size into a new array
+(its allocation and first-touch page faults included, as a get's decode has them).  The load
 average is printed with the table: on a small machine it moves the figures more than anything.
 
 Run: ``python benches/bench_remote.py [--iterations N] [--json PATH]``.

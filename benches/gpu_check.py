@@ -87,6 +87,9 @@ def main() -> int:
             SHAPE, pin_memory=True
         ).copy_(item["pixel_values"])
         for name, tensor in resolved.items():
+            # Cleared first: every case copies the same item, so a case whose copies moved
+            # nothing would otherwise pass the check on what the previous case left.
+            dst.zero_()
             seconds = h2d_seconds(tensor, dst, args.iterations)
             if not torch.equal(dst.cpu(), item["pixel_values"]):
                 failures.append(f"{name}: the device copy differs from the item")

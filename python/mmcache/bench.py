@@ -24,14 +24,17 @@ item of three float32 tensors of the same total size (codec included):
 - ``cache get (copy)`` / ``cache get (zero-copy)``: ``ShmReceiverCache.get_and_update_item``
   in one reader process.
 
-Performance is measured here, never asserted by a test.
+Each reader's last read is checked (off the clock) against what was written, so a read that
+returns the wrong bytes cannot look fast. Performance is measured here, never asserted by a
+test.
 """
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from multiprocessing import get_context
@@ -182,10 +185,24 @@ def _result(
     )
 
 
+def _digest(data: object) -> str:
+    """A digest of what a read returned (bytes, a view, or an item of tensors), so that the
+    benchmark can check it against what was written: a read that returns the wrong bytes must
+    not look fast."""
+    h = hashlib.blake2b()
+    if isinstance(data, Mapping):
+        for name in sorted(data):
+            h.update(name.encode())
+            h.update(memoryview(np.ascontiguousarray(data[name])).cast("B"))
+    else:
+        h.update(memoryview(data).cast("B"))  # type: ignore[arg-type]
+    return h.hexdigest()
+
+
 def _reader_process(conn: Connection) -> None:
     """A reader of the pool: for each task, attach (to the store, or as the cache API's
-    receiver), receive the handles (the start signal), read every one, report the timings,
-    detach. ``None`` ends it."""
+    receiver), receive the handles (the start signal), read every one, report the timings
+    and (off the clock) the digest of the last read, detach. ``None`` ends it."""
     while (task := conn.recv()) is not None:
         reader_handle, copy, through_cache = task
         read: Callable[[ShmHandle], object]
@@ -204,13 +221,16 @@ def _reader_process(conn: Connection) -> None:
             conn.send("attached")
             handles = conn.recv()
             times = []
+            data = None
             began = time.perf_counter()
             for handle in handles:
+                del data  # as soon as it was read, as a caller that uses it and moves on
                 start = time.perf_counter()
                 data = read(handle)
                 times.append(time.perf_counter() - start)
-                del data
-            conn.send((times, began, time.perf_counter()))
+            ended = time.perf_counter()
+            conn.send((times, began, ended, _digest(data)))
+            del data
 
 
 class _ReaderPool:
@@ -235,12 +255,14 @@ class _ReaderPool:
         count: int,
         readers: int,
         copy: bool,
+        expected: str,
         through_cache: bool = False,
     ) -> tuple[list[float], float]:
         """Have ``readers`` processes attach, then read ``count`` handles from ``issue`` at
         once: every per-get time, and the wall time from the first start to the last end.
         (Handles are issued once every reader is attached: a handle issued before a reader
-        took its slot is not that reader's to acknowledge.)"""
+        took its slot is not that reader's to acknowledge.) Raises unless every reader's last
+        read has the digest ``expected``."""
         conns = self._conns[:readers]
         for conn in conns:
             conn.send((reader_handle, copy, through_cache))
@@ -250,6 +272,8 @@ class _ReaderPool:
         for conn in conns:
             conn.send(handles)
         reports = [conn.recv() for conn in conns]
+        if any(report[3] != expected for report in reports):
+            raise RuntimeError("a reader read back other bytes than the writer put")
         times = [t for report in reports for t in report[0]]
         wall = max(r[2] for r in reports) - min(r[1] for r in reports)
         return times, wall
@@ -269,7 +293,9 @@ def _get(
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     with _store_for(size, readers, 2) as store:
         store.release(store.put(_KEY, payload.data))
-        times, wall = pool.read(store.handle(), lambda: store.issue(_KEY), count, readers, copy)
+        times, wall = pool.read(
+            store.handle(), lambda: store.issue(_KEY), count, readers, copy, _digest(payload)
+        )
     op = "get (copy)" if copy else "get (zero-copy)"
     return BenchResult(
         op, size, readers, statistics.median(times), readers * count * size / wall, memcpy_s
@@ -288,9 +314,12 @@ def _cache_get(
                 raise RuntimeError(f"the benchmark's ring served its item uncached: {handle!r}")
             return handle
 
-        first, _ = cache.get_and_update_item((three_tensor_item(size), None), _KEY)
+        item = three_tensor_item(size)
+        first, _ = cache.get_and_update_item((item, None), _KEY)
         cache.release_handles([first])
-        times, wall = pool.read(cache.handle(), issue, count, 1, copy, through_cache=True)
+        times, wall = pool.read(
+            cache.handle(), issue, count, 1, copy, _digest(item), through_cache=True
+        )
     op = "cache get (copy)" if copy else "cache get (zero-copy)"
     return BenchResult(op, size, 1, statistics.median(times), count * size / wall, memcpy_s)
 
