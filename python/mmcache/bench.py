@@ -193,7 +193,7 @@ def _digest(data: object) -> str:
     if isinstance(data, Mapping):
         for name in sorted(data):
             h.update(name.encode())
-            h.update(memoryview(np.ascontiguousarray(data[name])).cast("B"))
+            h.update(np.ascontiguousarray(data[name]).tobytes())
     else:
         h.update(memoryview(data).cast("B"))  # type: ignore[arg-type]
     return h.hexdigest()
