@@ -1264,18 +1264,24 @@ def test_the_readme_example_runs_against_a_real_server(
         p0.close()
 
 
+def hold_puts(store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every put of ``store`` (its writer thread's) until the event returned is set."""
+    release = threading.Event()
+    real_put = store.put
+
+    def held_put(k: str, item: Any) -> None:
+        release.wait(HANG_S)
+        real_put(k, item)
+
+    monkeypatch.setattr(store, "put", held_put)
+    return release
+
+
 def test_items_waiting_to_be_published_are_bounded_by_bytes(
     server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = open_store(server.url, namespace)
-    release = threading.Event()
-    real_put = store.put
-
-    def slow_put(k: str, item: Any) -> None:
-        release.wait(HANG_S)
-        real_put(k, item)
-
-    monkeypatch.setattr(store, "put", slow_put)
+    release = hold_puts(store, monkeypatch)
     p0 = TieredSenderCache(SenderCache(0.05), store, publish_queue=64, publish_queue_mb=1)
 
     def serve(i: int) -> None:
@@ -1301,14 +1307,7 @@ def test_an_item_the_full_queue_drops_is_not_counted_published(
     server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = open_store(server.url, namespace)
-    release = threading.Event()
-    real_put = store.put
-
-    def held_put(k: str, item: Any) -> None:
-        release.wait(HANG_S)
-        real_put(k, item)
-
-    monkeypatch.setattr(store, "put", held_put)
+    release = hold_puts(store, monkeypatch)
     p0 = TieredSenderCache(SenderCache(0.05), store, publish_queue=1)
     try:
         for i in range(3):  # the writer holds the first: the queue is full for the others
