@@ -189,6 +189,24 @@ def test_a_request_awaited_to_the_end_keeps_its_handles_for_the_workers(
     assert outstanding(p0) == 0
 
 
+def invalidate_from_another_thread(p0: Any, mm_hash: str) -> None:
+    other_thread = threading.Thread(target=p0.invalidate, args=(mm_hash,))
+    other_thread.start()
+    other_thread.join()
+
+
+def finish_request_a_b(p0: Any) -> None:
+    """The rest of a request that looked up "a" (cached) and "b" (not), whose lookup an
+    invalidation of "a" arrived in: "a" is still a hit, and gone once the request is."""
+    for h in ["a", "b"]:
+        p0.touch_sender_cache_item(h)
+    p0.get_and_update_item(None, "a")  # would be a miss had it landed
+    p0.get_and_update_item((TRUTH["b"], []), "b")
+    p0.release_sender_touches()
+    assert p0.is_cached(["a", "b"]) == [False, True], "not applied after the request"
+    p0.release_sender_touches()
+
+
 @pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_an_invalidation_from_another_thread_waits_for_the_request_in_its_lookup(
     mode: str,
@@ -200,17 +218,9 @@ def test_an_invalidation_from_another_thread_waits_for_the_request_in_its_lookup
     try:
         vllm_p0_request(p0, ["a"])
         assert p0.is_cached(["a", "b"]) == [True, False]  # the renderer's lookup
-        other_thread = threading.Thread(target=p0.invalidate, args=("a",))
-        other_thread.start()
-        other_thread.join()
+        invalidate_from_another_thread(p0, "a")
         assert p0.is_cached_item("a"), "the invalidation landed inside the request"
-        for h in ["a", "b"]:
-            p0.touch_sender_cache_item(h)
-        p0.get_and_update_item(None, "a")  # would be a miss had it landed
-        p0.get_and_update_item((TRUTH["b"], []), "b")
-        p0.release_sender_touches()
-        assert p0.is_cached(["a", "b"]) == [False, True], "not applied after the request"
-        p0.release_sender_touches()
+        finish_request_a_b(p0)
         p0.invalidate("b")  # no request in its lookup: at once
         assert not p0.is_cached_item("b")
     finally:
@@ -227,17 +237,9 @@ def test_an_invalidation_waits_for_every_modality_of_the_request_in_its_lookup(
     try:
         vllm_p0_request(p0, ["a"])
         assert p0.is_cached(["a"]) == [True]  # the images
-        other_thread = threading.Thread(target=p0.invalidate, args=("a",))
-        other_thread.start()
-        other_thread.join()
+        invalidate_from_another_thread(p0, "a")
         assert p0.is_cached(["b"]) == [False]  # the videos, of the same request
         assert p0.is_cached_item("a"), "the invalidation landed inside the request"
-        for h in ["a", "b"]:
-            p0.touch_sender_cache_item(h)
-        p0.get_and_update_item(None, "a")  # would be a miss had it landed
-        p0.get_and_update_item((TRUTH["b"], []), "b")
-        p0.release_sender_touches()
-        assert p0.is_cached(["a", "b"]) == [False, True], "not applied after the request"
-        p0.release_sender_touches()
+        finish_request_a_b(p0)
     finally:
         p0.close()
