@@ -82,3 +82,25 @@ fn a_full_index_evicts_with_clock_or_refuses() {
     w.put("c", &[b"c"])
         .expect("the claim's bucket takes the entry");
 }
+
+#[test]
+fn a_full_index_with_nothing_to_evict_drops_a_dead_writers_claims_for_room() {
+    let config = Config {
+        max_objects: Some(4),
+        max_writers: 2,
+        ..Config::new(1 << 16, 1, None)
+    };
+    let a = Writer::create_with(&config, None).unwrap();
+    let b = join(&a);
+    let _r = Reader::attach(&a.reader_info()).unwrap();
+    for i in 0..3 {
+        a.put(&format!("held{i}"), &[b"unread"]).unwrap();
+    }
+    assert!(b.claim("c").unwrap());
+    assert!(matches!(a.put("x", &[b"x"]), Err(Error::IndexFull(4))));
+    pretend_writer_dead(b);
+    a.put("x", &[b"x"])
+        .expect("the dead writer's claim gave its room up");
+    assert_eq!(stats_of(&a)["claims"], 0);
+    assert_eq!(stats_of(&a)["objects"], 4);
+}
