@@ -6,6 +6,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-installed
 
+# Three venvs each install a CUDA build of torch (several GB with its libraries); pip's wheel
+# cache would keep a second copy of every one of them. Each venv installs once (its stamp),
+# so the cache saves nothing here, and a machine with little disk left ran out during a build.
+export PIP_NO_CACHE_DIR := 1
+
 .PHONY: build simulate test test-rust test-python test-vllm test-engine test-wheel wheel lint \
 	typecheck bench bench-vllm bench-engine clean mooncake-libs
 

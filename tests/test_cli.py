@@ -50,7 +50,6 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--capacity-gb", "inf"], "--capacity-gb must be a finite number"),
         (["simulate", "--capacity-gb", "nan"], "--capacity-gb must be a finite number"),
         (["simulate", "--capacity-gb", "-1"], "--capacity-gb must be a finite number"),
-        # Beyond what the pipes between the processes hold unread: the run would deadlock.
         (["simulate", "--inflight", "100000"], "--inflight must be between 1 and"),
         (["simulate", "--workers", "100000"], "--workers must be between 1 and"),
         (["simulate", "--workers", "0"], "--workers must be between 1 and"),

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from multiprocessing import Pipe
@@ -28,6 +29,7 @@ from mmcache import Feature, _core
 from mmcache.cli import main
 from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, wire
 from mmcache.simulate.engine import _serve, worker_main
+from mmcache.simulate.frontend import _Inbox
 from mmcache.simulate.workload import (
     Catalogue,
     decode_image,
@@ -387,6 +389,31 @@ def test_a_worker_whose_ring_is_gone_before_it_attaches_exits_quietly(
         worker_main(0, inbox, [outbox])
     assert exit_status.value.code == wire.PEER_GONE
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.usefixtures("hang_deadline")
+def test_p0_reads_replies_while_it_sends() -> None:
+    """P1 replies to each request before it reads the next (a miss names every hash of its
+    request): a P0 that sends a burst before reading anything fills the pipe one way while P1
+    fills it the other, and both wait for good. P0's inbox reads as replies come."""
+    p0, p1 = Pipe()
+    n = 300  # replies of 4 KiB: several times what a socket buffers
+
+    def engine_core() -> None:
+        for rid in range(n):
+            wire.recv(p1)
+            wire.send(p1, {"type": "miss", "rid": rid, "missing": ["f" * 64] * 64})
+        wire.send(p1, {"type": "stats"})
+
+    peer = threading.Thread(target=engine_core, daemon=True)
+    peer.start()
+    inbox = _Inbox([p0])
+    for rid in range(n):
+        wire.send(p0, {"type": "request", "rid": rid, "data": bytes(16 << 10)})
+    got = [inbox.next() for _ in range(n + 1)]
+    peer.join()
+    assert [header.get("rid") for _, header in got] == [*range(n), None]
+    assert {conn for conn, _ in got} == {p0}
 
 
 def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:

@@ -30,9 +30,8 @@ MAX_REQUESTS = 10**15
 MAX_HOSTS = 8
 #: Frontends (P0 processes) of one host: each is a writer slot of the host's store.
 MAX_FRONTENDS = 8
-#: P0 sends requests in flight before it reads a result: every worker's results for them,
-#: and P1's misses, must fit unread in a pipe (64 KiB), or P0, P1 and the workers block
-#: writing to one another for ever.
+#: Requests in flight per frontend, at most: far more than keeps every process of a run busy
+#: (P0 reads its results as they come, so no number of them can wedge the pipes).
 MAX_INFLIGHT = 256
 #: How long a frontend waits, by default, for an image another frontend is processing.
 CLAIM_WAIT_S = 5.0

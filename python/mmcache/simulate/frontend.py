@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import queue
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -128,6 +130,42 @@ class _LatencySample:
                 self.values[slot] = value
 
 
+class _Inbox:
+    """What P1 and the workers send this frontend, read by a thread of its own as it arrives,
+    up to each one's last message (its ``stats``). P0 must never stop reading while it
+    processes images or sends: P1 blocked on a full pipe to P0 reads no more of P0's requests,
+    and P0 blocked on a full pipe to P1 would wait for it for good (miss replies name up to a
+    request's every hash, so a few hundred of them fill a pipe)."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self._messages: queue.SimpleQueue[tuple[Connection, dict[str, Any]] | BaseException] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(
+            target=self._read, args=(conns,), name="mmcache-simulate-inbox", daemon=True
+        ).start()
+
+    def _read(self, conns: list[Connection]) -> None:
+        open_conns = list(conns)
+        try:
+            while open_conns:
+                for ready in wait(open_conns):
+                    conn = cast(Connection, ready)
+                    header, _ = wire.recv(conn)
+                    self._messages.put((conn, header))
+                    if header["type"] == "stats":
+                        open_conns.remove(conn)
+        except BaseException as e:  # a peer gone (EOFError), for the main thread to raise
+            self._messages.put(e)
+
+    def next(self) -> tuple[Connection, dict[str, Any]]:
+        """The next message and the connection it came on, waiting for it."""
+        message = self._messages.get()
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+
 class _Frontend:
     """P0: turns the request stream into messages, recovers from misses, measures."""
 
@@ -186,16 +224,16 @@ class _Frontend:
             header, _ = wire.recv(conn)
             if header["type"] != "ready":
                 raise SimulationError(f"expected a ready message, got {header['type']!r}")
+        inbox = _Inbox([self.engine, *self.results])
         started = time.perf_counter()
         submitted = 0
         while submitted < self.n_requests or self.pending:
             while submitted < self.n_requests and len(self.pending) < self.config.inflight:
                 self._submit(submitted)
                 submitted += 1
-            for ready in wait([self.engine, *self.results]):
-                self._receive(cast(Connection, ready))
+            self._receive(*inbox.next())
         elapsed = time.perf_counter() - started - self.upload_s
-        return self._finish(elapsed)
+        return self._finish(elapsed, inbox)
 
     def _submit(self, rid: int) -> None:
         images = next(self.requests)
@@ -343,8 +381,7 @@ class _Frontend:
             raise SimulationError(f"processing image {image} twice gave different tensors")
         return processed.tensors, processed.prompt_update
 
-    def _receive(self, conn: Connection) -> None:
-        header, _ = wire.recv(conn)
+    def _receive(self, conn: Connection, header: dict[str, Any]) -> None:
         pending = self.pending[header["rid"]]
         if header["attempt"] != pending.attempt:
             raise SimulationError(
@@ -388,12 +425,18 @@ class _Frontend:
 
     # The end of the run
 
-    def _finish(self, elapsed: float) -> dict[str, Any]:
+    def _finish(self, elapsed: float, inbox: _Inbox) -> dict[str, Any]:
         """Tell P1 and the workers this frontend is done, gather their counters for it and
         return its figures."""
         wire.send(self.engine, {"type": "stop"}, traffic=self.traffic)
-        engine, _ = wire.recv(self.engine)
-        workers = [wire.recv(conn)[0] for conn in self.results]
+        last: dict[Connection, dict[str, Any]] = {}
+        while len(last) <= len(self.results):
+            conn, header = inbox.next()
+            if header["type"] != "stats":
+                raise SimulationError(f"a {header['type']!r} message after the last request")
+            last[conn] = header
+        engine = last[self.engine]
+        workers = [last[conn] for conn in self.results]
         if self.tiered is not None:
             self.tiered.flush()  # what this host processed reaches the others before the end
         counts = self.counts
