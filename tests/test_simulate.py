@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 
 import mmcache.simulate as simulate_package
-from mmcache import Feature, _core
+from mmcache import Feature, _core, content_hash, make_caches
 from mmcache.cli import main
 from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, wire
 from mmcache.simulate.engine import _serve, worker_main
-from mmcache.simulate.frontend import _Inbox
+from mmcache.simulate.frontend import _Frontend, _Inbox, _Pending
 from mmcache.simulate.workload import (
+    TARGET_SIDE,
     Catalogue,
     decode_image,
     encode_image,
@@ -277,6 +278,30 @@ def test_injected_drift_is_recovered_by_one_retry(mode: str, tmp_path: Path) -> 
     else:
         # P0 owns the ring, so nothing drifts; the lost requests' handles were released.
         assert run["retries"] == 0 and run["served_uncached"] == 0
+
+
+def test_an_lru_retry_carries_every_items_data_to_p1() -> None:
+    """After lost updates P1's LRU evicts in another order than P0's mirror, so with other
+    requests in flight an item P0 still believes P1 holds may be gone by the time the retry
+    reaches P1: the retry sends every item's data, also where P0's cache answers ``None``."""
+    config = SimulationConfig(mode="lru", requests=1, catalogue=4, capacity_gb=0.03, workers=1)
+    p0_cache, _ = make_caches("lru", capacity_gb=config.capacity_gb)
+    engine, _peer = Pipe()
+    p0 = _Frontend(config, 0, 0, p0_cache, None, engine, [], engine)
+    catalogue = Catalogue(config.catalogue, config.seed)
+    images = [0, 1]
+    hashes = [content_hash(catalogue[i], size=TARGET_SIDE) for i in images]
+    pending = _Pending(images, hashes, started=0.0)
+
+    def sent() -> list[bool]:
+        """Which items the next attempt carries data for."""
+        return ["item" in entry for entry in p0._assemble(pending)[0]]
+
+    assert sent() == [True, True], "processed and sent"
+    assert sent() == [False, False], "P1 holds both, as far as P0 knows"
+    pending.retried = True
+    assert sent() == [True, True]
+    assert p0.counts.processed == 4 and p0.counts.hits == 2, "a retry's data is no hit"
 
 
 def test_several_workers_each_verify_everything(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ For each request P0 hashes every item, asks its cache which are cached, processe
 others, touches every hash, then updates its cache item by item and sends P1 what the cache
 returns: the data, ``None`` (P1 holds it: ``lru``) or a handle (``shm``). When P1 or a worker
 reports a :class:`~mmcache.CacheMissError`, P0 invalidates the missing hashes and sends the
-request once more: the retry processes them again and carries their data. With
+request once more: the retry processes them again and carries every item's data (in ``lru``
+also that of items P0 believes P1 holds: after lost updates the two LRUs evict in different
+orders, and other requests in flight may have made P1 drop one before the retry arrives). With
 ``inject_drift`` P0 loses some requests after updating its cache (as when a request is
 rejected before the engine sees it) and resubmits them, so the caches drift apart.
 
@@ -290,6 +292,8 @@ class _Frontend:
                 for h, i, hit in zip(hashes, pending.images, cached, strict=True)
             ]
             outputs = self._update(self.cache, inputs, pending)
+            if pending.retried:
+                self._attach_all_data(pending, inputs, outputs)
             # An item processed after all (evicted before the update) is no hit.
             local = [was and item is None for was, item in zip(local, inputs, strict=True)]
             waited = [other and item is None for other, item in zip(waited, inputs, strict=True)]
@@ -310,6 +314,17 @@ class _Frontend:
         ]
         handles = [data for data, _ in outputs if isinstance(data, ShmHandle)]
         return entries, buffers, handles
+
+    def _attach_all_data(
+        self, pending: _Pending, inputs: list[Any], outputs: list[SenderOutput]
+    ) -> None:
+        """A retry carries every item's data to P1, also where P0's cache answered ``None``
+        (``lru``: P1 holds it): once updates were lost, P1's LRU evicts in another order than
+        P0's, so with other requests in flight P1 may drop, before this retry reaches it, an
+        item that P0 still believes it holds (docs/reference.md, "Threads")."""
+        for j, (h, image) in enumerate(zip(pending.hashes, pending.images, strict=True)):
+            if outputs[j][0] is None:
+                inputs[j] = outputs[j] = self._process(h, image)
 
     def _update(
         self, cache: BaseSenderCache, inputs: list[Any], pending: _Pending
