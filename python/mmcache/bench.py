@@ -11,7 +11,8 @@ machines compare):
   once the first lap is done;
 - ``put (full index)``: the same, for objects under 16 KiB, into a 1 GiB ring whose key index
   (by default one object per 16 KiB of ring: 65,536) fills before its bytes do, so each put
-  evicts an object for the index's room;
+  evicts an object for the index's room (and, like ``put (first lap)``'s, writes ring pages
+  for the first time);
 - ``lookup``: ``is_cached`` of a present key;
 - ``get (copy)`` / ``get (zero-copy)``: a reader resolves a handle into bytes, or into a
   read-only view, in 1 to 4 reader *processes* reading the same handles at once; their
