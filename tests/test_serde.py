@@ -289,6 +289,21 @@ def test_numpy_scalars_keep_their_type() -> None:
         assert out[name] == value, name
 
 
+def test_a_dtype_its_descriptor_does_not_name_is_refused_not_turned_into_void() -> None:
+    """A user-defined numpy dtype (ml_dtypes' bfloat16 and float8s, numpy's own test dtype
+    rational) has a void descriptor ("<V8"): stored as that, it would come back as raw void
+    records, another dtype, so the encoder refuses it, in an array or as a scalar."""
+    from numpy._core._rational_tests import rational
+
+    from mmcache.errors import ItemNotEncodableError
+
+    values = np.array([rational(1, 3), rational(2, 5)], dtype=rational)
+    assert np.dtype(values.dtype.str) != values.dtype  # what makes it untransportable
+    for item, field in (({"frac": values}, "frac"), ({"one": values[0]}, "one")):
+        with pytest.raises(ItemNotEncodableError, match=f"{field}.*rational"):
+            encode(item)
+
+
 # -- tensors whose memory the encoder must not trust ----------------------------------------
 
 

@@ -81,7 +81,16 @@ pub(super) fn array_descr(dtype: &Bound<'_, PyAny>) -> PyResult<Result<String, S
     if let Some(problem) = array_dtype_problem(dtype)? {
         return Ok(Err(format!("array dtype {dtype} {problem}")));
     }
-    let descr: String = dtype.getattr(intern!(dtype.py(), "str"))?.extract()?;
+    let py = dtype.py();
+    let descr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+    // A user-defined dtype (ml_dtypes' bfloat16, numpy's test dtype `rational`) has a void
+    // descriptor ("<V8"): it would decode as raw void records, another dtype.
+    if !numpy(py)?.dtype.bind(py).call1((&descr,))?.eq(dtype)? {
+        return Ok(Err(format!(
+            "array dtype {dtype} is not the one its descriptor {descr:?} names (a user-defined \
+             dtype?)"
+        )));
+    }
     let mut cache = lock(&ARRAY_DESCRS);
     if cache.len() < DTYPE_CACHE_ENTRIES {
         cache.push((dtype.clone().unbind(), descr.clone()));
