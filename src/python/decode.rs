@@ -294,6 +294,10 @@ impl<'py> Decoder<'_, 'py> {
                     let key = dict_key(py, r.key()?);
                     dict.set_item(key, self.value(r)?)?;
                 }
+                // The encoder writes distinct keys: a repeated one would silently drop a value.
+                if dict.len() != n {
+                    return Err(corrupt("a dict names one key twice".into()));
+                }
                 dict.into_any()
             }
             Node::Tensor { dtype, shape, part } => self.tensor(dtype, shape, part)?,

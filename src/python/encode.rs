@@ -29,6 +29,8 @@
 //! with the GIL released (`Tensor.resize_`), races with every reader of that tensor, torch's
 //! own included.
 
+use std::collections::HashSet;
+
 use pyo3::exceptions::{PyException, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::marker::Ungil;
@@ -331,6 +333,25 @@ fn dims(shape: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         .collect()
 }
 
+/// A mapping key's text: keys must be `str`.
+fn key_text<'a>(key: &'a Bound<'_, PyAny>) -> EncodeResult<&'a str> {
+    key.cast::<PyString>()
+        .map_err(|_| EncodeError::refused(format!("key {} is not a str", key_segment(key))))?
+        .to_str()
+        .map_err(|_| EncodeError::refused("a key is not valid UTF-8".into()))
+}
+
+/// Refuse a key text `seen` holds already: the decoded dict would keep one of the two
+/// values (keys of a str subclass, or a mapping whose `items()` repeats a key).
+fn distinct(seen: &mut HashSet<String>, name: &str) -> EncodeResult<()> {
+    if !seen.insert(name.to_owned()) {
+        return Err(EncodeError::refused(format!(
+            "two keys are the str {name:?}: one value would be lost"
+        )));
+    }
+    Ok(())
+}
+
 fn key_segment(key: &Bound<'_, PyAny>) -> String {
     match key.repr() {
         Ok(r) => format!("[{r}]"),
@@ -451,12 +472,7 @@ impl<'py> Encoder<'py> {
         value: &Bound<'py, PyAny>,
         depth: usize,
     ) -> EncodeResult<()> {
-        let name = key
-            .cast::<PyString>()
-            .map_err(|_| EncodeError::refused(format!("key {} is not a str", key_segment(key))))?
-            .to_str()
-            .map_err(|_| EncodeError::refused("a key is not valid UTF-8".into()))?;
-        self.header.key(name)?;
+        self.header.key(key_text(key)?)?;
         self.path.push(Step::Key(key.clone()));
         self.value(value, depth)?;
         self.path.pop();
@@ -467,10 +483,20 @@ impl<'py> Encoder<'py> {
         self.check_depth(depth)?;
         let open = self.header.begin(Container::Dict);
         let mut n = 0;
+        // Only keys of a str subclass can be distinct keys of a dict and one text.
+        let mut plain_keys = true;
         // A copy of it: walking its values may run Python code that changes the dict.
-        for (k, v) in d.copy()?.iter() {
+        let copy = d.copy()?;
+        for (k, v) in copy.iter() {
             self.entry(&k, &v, depth)?;
+            plain_keys &= k.is_exact_instance_of::<PyString>();
             n += 1;
+        }
+        if !plain_keys {
+            let mut seen = HashSet::new();
+            for k in copy.keys() {
+                distinct(&mut seen, key_text(&k)?)?;
+            }
         }
         Ok(self.header.end(open, n)?)
     }
@@ -479,9 +505,11 @@ impl<'py> Encoder<'py> {
         self.check_depth(depth)?;
         let open = self.header.begin(Container::Dict);
         let mut n = 0;
+        let mut seen = HashSet::new();
         for pair in m.call_method0(intern!(self.py, "items"))?.try_iter()? {
             let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair?.extract()?;
             self.entry(&k, &v, depth)?;
+            distinct(&mut seen, key_text(&k)?)?;
             n += 1;
         }
         Ok(self.header.end(open, n)?)
