@@ -605,6 +605,25 @@ def test_a_header_with_a_sizeless_string_dtype_is_corrupt_not_an_allocation() ->
             serde.decode(bytes(payload), copy=copy)
 
 
+def test_a_header_with_strides_torch_cannot_hold_is_corrupt() -> None:
+    """An empty tensor of shape (0, 2^63-1, 2^63-1): no bytes, but strides past int64, which
+    torch refuses to build (``torch.empty``) and which came back saturated, a tensor whose
+    every reshaping raised later, in the worker."""
+    big = (1 << 63) - 1
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.empty((0, big, big))
+    node = b"\x0c\x07float32\x03" + struct.pack("<QQQI", 0, big, big, 1)
+    for copy in (True, False):
+        with pytest.raises(SegmentCorruptError, match="strides"):
+            serde.decode(raw_payload(dict_tree([node]), [0]), copy=copy)
+    # The largest shapes torch does build still round trip.
+    for shape in [(0, 1 << 31, 1 << 31), (1 << 62, 0, 1)]:
+        t = torch.empty(shape, dtype=torch.uint8)
+        for copy in (True, False):
+            out = serde.decode(serde.pack({"t": t}), copy=copy)["t"]
+            assert out.shape == t.shape and out.stride() == t.stride()
+
+
 def test_a_dict_changed_while_its_values_are_walked_is_encoded_as_it_was() -> None:
     class Grows(dict[str, Any]):
         """A mapping (not a plain dict, so walked through ``items()``) that adds a key to

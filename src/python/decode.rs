@@ -248,6 +248,18 @@ fn tensor_over<'py>(
     if let Some(d) = shape.dims().find(|&d| i64::try_from(d).is_err()) {
         return Err(corrupt(format!("dimension {d} too large")));
     }
+    // torch refuses a tensor whose C-contiguous strides overflow an i64, even one of no
+    // elements (`torch.empty((0, 2**62, 4))`): an encoder never wrote one.
+    let outer_stride = shape
+        .dims()
+        .skip(1)
+        .try_fold(1i64, |stride, d| stride.checked_mul((d as i64).max(1)));
+    if outer_stride.is_none() {
+        return Err(corrupt(format!(
+            "a tensor of shape {:?} has strides past 64 bits",
+            shape.dims().collect::<Vec<_>>()
+        )));
+    }
     let dims = shape.dims().map(|d| d as i64);
     match dtype.dlpack {
         Some(dl_type) => torch.import_dlpack(dlpack::capsule(py, data, dl_type, dims, keep)?),
