@@ -588,6 +588,25 @@ def test_an_empty_numpy_string_scalar_round_trips(scalar: Any) -> None:
     assert type(out) is type(scalar) and out == scalar
 
 
+@pytest.mark.parametrize(
+    "scalar",
+    [
+        np.str_("a\x00"),
+        np.bytes_(b"a\x00\x00"),
+        np.str_("\x00"),
+        np.bytes_(b"\x00"),
+        np.str_("\ud800"),
+    ],
+    ids=["str_", "bytes_", "str_ NUL", "bytes_ NUL", "str_ surrogate"],
+)
+def test_a_numpy_string_scalar_keeps_its_trailing_nuls(scalar: Any) -> None:
+    """A str_ or bytes_ scalar's dtype is its own length, trailing NULs included: rebuilt
+    through an array (which takes them for padding) they were gone, and the dtype shorter."""
+    out = serde.decode(serde.pack({"s": scalar}))["s"]
+    assert type(out) is type(scalar) and out.dtype == scalar.dtype
+    assert out == scalar and out.tobytes() == scalar.tobytes()
+
+
 def test_an_empty_void_scalar_is_refused_when_encoded() -> None:
     with pytest.raises(ItemNotEncodableError, match=r"item\['v'\]"):
         serde.pack({"v": np.void(b"")})

@@ -314,19 +314,51 @@ impl<'py> Decoder<'_, 'py> {
             }
             Node::Tensor { dtype, shape, part } => self.tensor(dtype, shape, part)?,
             Node::Array { descr, shape, part } => self.array(descr, shape, part)?,
-            Node::Scalar { descr, raw } => {
+            Node::Scalar { descr, raw } => self.scalar(descr, raw)?,
+        })
+    }
+
+    /// A numpy scalar of dtype `descr` whose bytes are `raw`.
+    fn scalar(&self, descr: &str, raw: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+        let py = self.py;
+        let numpy = numpy(py)?;
+        let wrong_size = || corrupt(format!("a {descr} scalar of {} bytes", raw.len()));
+        // A str_ or bytes_ is its whole dtype, trailing NULs included (and an empty one has
+        // no bytes): built from its bytes, as an array's item would take NULs for padding.
+        match descr.as_bytes() {
+            [order @ (b'<' | b'>'), b'U', ..] => {
+                if raw.len() % 4 != 0 || descr[2..] != (raw.len() / 4).to_string() {
+                    return Err(wrong_size());
+                }
+                let codec = if *order == b'<' {
+                    "utf-32-le"
+                } else {
+                    "utf-32-be"
+                };
+                PyBytes::new(py, raw)
+                    .call_method1(intern!(py, "decode"), (codec, "surrogatepass"))
+                    .and_then(|text| numpy.str_.bind(py).call1((text,)))
+                    .map_err(|e| refused(py, "a scalar", e))
+            }
+            [b'|', b'S', ..] => {
+                if descr[2..] != raw.len().to_string() {
+                    return Err(wrong_size());
+                }
+                numpy.bytes_.bind(py).call1((PyBytes::new(py, raw),))
+            }
+            _ => {
                 let (dtype, itemsize) = array_dtype(py, descr)?;
                 if raw.len() as u64 != itemsize {
-                    return Err(corrupt(format!("a {descr} scalar of {} bytes", raw.len())));
+                    return Err(wrong_size());
                 }
-                numpy(py)?
+                numpy
                     .frombuffer
                     .bind(py)
                     .call1((PyBytes::new(py, raw), dtype))
                     .and_then(|a| a.get_item(0))
-                    .map_err(|e| refused(py, "a scalar", e))?
+                    .map_err(|e| refused(py, "a scalar", e))
             }
-        })
+        }
     }
 
     /// Part `p`'s offset and length, checked to be `numel * itemsize` bytes.

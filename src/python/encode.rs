@@ -619,16 +619,16 @@ impl<'py> Encoder<'py> {
     fn scalar(&mut self, v: &Bound<'py, PyAny>) -> EncodeResult<()> {
         let py = self.py;
         let dtype = v.getattr(intern!(py, "dtype"))?;
-        let mut descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
+        let descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
         let raw = v.call_method0(intern!(py, "tobytes"))?;
-        let raw = raw.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes();
+        let mut raw = raw.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes();
         let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
         if raw.len() != itemsize || itemsize == 0 {
-            // An empty str_ or bytes_ (`<U0`, `|S0`) gives one NUL item: stored as that, it
-            // decodes to the same empty value. An empty void has no bytes to decode from.
-            descr = match (descr.as_bytes().get(1), raw.len()) {
-                (Some(b'U'), 4) => format!("{}U1", &descr[..1]),
-                (Some(b'S'), 1) => "|S1".to_owned(),
+            // An empty str_ or bytes_ (`<U0`, `|S0`) gives one NUL item: stored as no bytes
+            // (a NUL is a character of a str_ or bytes_ scalar). An empty void has no bytes
+            // to decode from.
+            raw = match (descr.as_bytes().get(1), raw.len(), itemsize) {
+                (Some(b'U'), 4, 0) | (Some(b'S'), 1, 0) => &[],
                 _ => {
                     return Err(EncodeError::refused(format!(
                         "a numpy scalar of dtype {descr} whose bytes are {} long",

@@ -26,6 +26,8 @@ pub(super) struct Numpy {
     pub(super) empty: Py<PyAny>,
     pub(super) frombuffer: Py<PyAny>,
     pub(super) ascontiguousarray: Py<PyAny>,
+    pub(super) str_: Py<PyAny>,
+    pub(super) bytes_: Py<PyAny>,
 }
 
 static NUMPY: PyOnceLock<Numpy> = PyOnceLock::new();
@@ -40,6 +42,8 @@ pub(super) fn numpy(py: Python<'_>) -> PyResult<&'static Numpy> {
             empty: np.getattr("empty")?.unbind(),
             frombuffer: np.getattr("frombuffer")?.unbind(),
             ascontiguousarray: np.getattr("ascontiguousarray")?.unbind(),
+            str_: np.getattr("str_")?.unbind(),
+            bytes_: np.getattr("bytes_")?.unbind(),
         })
     })
 }
