@@ -643,6 +643,15 @@ def test_a_header_with_strides_torch_cannot_hold_is_corrupt() -> None:
             assert out.shape == t.shape and out.stride() == t.stride()
 
 
+def test_an_empty_tensor_of_a_huge_dimension_round_trips() -> None:
+    """torch builds a float32 tensor of shape (2^63-1, 0): no bytes, but its first dimension
+    times the item size overflowed before the 0 was reached, and it was refused as too large."""
+    t = torch.empty(((1 << 63) - 1, 0))
+    for copy in (True, False):
+        out = serde.decode(serde.pack({"t": t}), copy=copy)["t"]
+        assert out.shape == t.shape and out.dtype == t.dtype
+
+
 def test_a_dict_changed_while_its_values_are_walked_is_encoded_as_it_was() -> None:
     class Grows(dict[str, Any]):
         """A mapping (not a plain dict, so walked through ``items()``) that adds a key to

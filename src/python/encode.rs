@@ -565,10 +565,14 @@ impl<'py> Encoder<'py> {
                 .call_method0(intern!(py, "contiguous"))?
         };
         let shape = dims(&t.getattr(intern!(py, "shape"))?)?;
-        let nbytes = shape
-            .iter()
-            .try_fold(dt.itemsize, |n, &d| n.checked_mul(d))
-            .ok_or_else(|| EncodeError::refused("tensor too large".into()))?;
+        // A tensor with a dimension of 0 holds no bytes, however large the others (torch
+        // builds `torch.empty((2**63 - 1, 0))`): a product in order overflowed before the 0.
+        let nbytes = if shape.contains(&0) {
+            Some(0)
+        } else {
+            shape.iter().try_fold(dt.itemsize, |n, &d| n.checked_mul(d))
+        }
+        .ok_or_else(|| EncodeError::refused("tensor too large".into()))?;
         let (storage, element) = tensor_storage(torch, &t, nbytes)?;
         self.header.tensor(dt.name, &shape, nbytes)?;
         self.parts.push(Part::Tensor(TensorBytes {
