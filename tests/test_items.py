@@ -198,6 +198,22 @@ def test_hash_sees_every_byte() -> None:
     assert content_hash(t) != content_hash(u)
 
 
+def test_hash_sees_a_masked_arrays_mask() -> None:
+    """A MaskedArray's mask is not in its data: hashing the data alone gave arrays that mask
+    different elements (and the plain array) one hash, so one's processed item served both."""
+    data = [1.0, 2.0, 3.0]
+    hashes = {
+        content_hash(np.ma.array(data, mask=[0, 1, 0])),
+        content_hash(np.ma.array(data, mask=[1, 0, 0])),
+        content_hash(np.ma.array(data)),
+        content_hash(np.array(data)),
+    }
+    assert len(hashes) == 4
+    assert content_hash(np.ma.array(data, mask=[0, 1, 0])) == content_hash(
+        np.ma.array(np.array(data), mask=np.array([False, True, False]))
+    )
+
+
 def test_hash_rejects_unsupported_values() -> None:
     with pytest.raises(TypeError, match="parts"):
         content_hash(object())

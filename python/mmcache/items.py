@@ -145,7 +145,8 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
     Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, a record's
-    fields included, shape and bytes, whatever their memory layout), ``str``, ``int`` (of
+    fields included, shape and bytes, whatever their memory layout; a masked array's mask
+    too), ``str``, ``int`` (of
     any size), ``float``, ``bool``, ``None`` and
     lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
@@ -194,6 +195,12 @@ def _feed(h: Any, value: object, path: str) -> None:
         fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
         tag(b"A", f"{arr.dtype.str}{fields}{arr.shape}".encode())
         tag(b"D", arr.reshape(-1).view(np.uint8).data)
+        # Which elements a masked array masks is not in its data: its own tag keeps it apart.
+        # (A MaskedArray exists only once numpy.ma is loaded: never imported here.)
+        ma = sys.modules.get("numpy.ma")
+        if ma is not None and isinstance(value, ma.MaskedArray):
+            mask = np.ascontiguousarray(ma.getmaskarray(value))
+            tag(b"K", mask.reshape(-1).view(np.uint8).data)
     elif is_tensor(value):
         tensor: Any = value
         t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
