@@ -214,6 +214,19 @@ def test_hash_sees_a_masked_arrays_mask() -> None:
     )
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_hash_sees_a_quantized_tensors_scale() -> None:
+    """A quantized tensor's bytes are its integers: 1.0 at scale 0.1 and 2.0 at scale 0.2 are
+    both 10s, and had one hash."""
+    ones = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    twos = torch.quantize_per_tensor(torch.full((3,), 2.0), 0.2, 0, torch.qint8)
+    assert torch.equal(ones.int_repr(), twos.int_repr())
+    assert content_hash(ones) != content_hash(twos)
+    assert content_hash(ones) == content_hash(
+        torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    )
+
+
 def test_hash_rejects_unsupported_values() -> None:
     with pytest.raises(TypeError, match="parts"):
         content_hash(object())

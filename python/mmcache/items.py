@@ -205,6 +205,8 @@ def _feed(h: Any, value: object, path: str) -> None:
         tensor: Any = value
         t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         tag(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.is_quantized:  # its bytes are integers whose scale is elsewhere: its values
+            t = t.dequantize()
         tag(b"D", t.reshape(-1).view(sys.modules["torch"].uint8).numpy().data)
     elif isinstance(value, list | tuple):
         tag(b"L" if isinstance(value, list) else b"U", struct.pack("<Q", len(value)))
