@@ -6,6 +6,7 @@ import copy
 import pickle
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -225,6 +226,26 @@ def test_hash_sees_a_quantized_tensors_scale() -> None:
     assert content_hash(ones) == content_hash(
         torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
     )
+
+
+@pytest.mark.skipif(
+    np.finfo(np.longdouble).nmant != 63, reason="long double is not x87 extended precision here"
+)
+@pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble, ">f16"], ids=str)
+def test_hash_of_long_doubles_ignores_their_padding(dtype: Any) -> None:
+    """An x87 long double is 10 bytes in 16: the other 6 are whatever memory held (a pointer's
+    bits, in practice), so equal arrays hashed apart, and differently in every process."""
+    a = np.full(3, 1.5, dtype=dtype)
+    b = a.copy()
+    native = b if b.dtype.isnative else b.view(b.dtype.newbyteorder("="))
+    rows = native.view(np.uint8).reshape(-1, np.dtype(np.longdouble).itemsize)
+    if not b.dtype.isnative:
+        rows = rows[:, ::-1]  # a swapped long double's padding comes first
+    rows[:, 10:] = 0xAB
+    assert (a == b).all() and a.tobytes() != b.tobytes()
+    assert content_hash(a) == content_hash(b)
+    rows[0, 0] ^= 1  # a significant bit
+    assert content_hash(a) != content_hash(b)
 
 
 def test_hash_rejects_unsupported_values() -> None:

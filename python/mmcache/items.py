@@ -158,6 +158,10 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     return h.hexdigest()
 
 
+# An x87 extended-precision long double (x86's) is 10 significant bytes stored in 12 or 16:
+# the rest is whatever memory held, and would make equal arrays hash apart in every process.
+_LONG_DOUBLE_BYTES = 10 if np.finfo(np.longdouble).nmant == 63 else None
+
 # Ints this wide have at most 603 digits, under the smallest limit Python lets a process set
 # on converting an int to decimal text (640).
 _DECIMAL_INT_BITS = 2000
@@ -194,7 +198,13 @@ def _feed(h: Any, value: object, path: str) -> None:
         # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8").
         fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
         tag(b"A", f"{arr.dtype.str}{fields}{arr.shape}".encode())
-        tag(b"D", arr.reshape(-1).view(np.uint8).data)
+        data = arr.reshape(-1).view(np.uint8)
+        if _LONG_DOUBLE_BYTES and arr.dtype.type in (np.longdouble, np.clongdouble):
+            # Only the significant bytes of each long double (native order first).
+            native = arr.astype(arr.dtype.newbyteorder("=")).reshape(-1).view(np.uint8)
+            rows = native.reshape(-1, np.dtype(np.longdouble).itemsize)
+            data = np.ascontiguousarray(rows[:, :_LONG_DOUBLE_BYTES]).reshape(-1)
+        tag(b"D", data.data)
         # Which elements a masked array masks is not in its data: its own tag keeps it apart.
         # (A MaskedArray exists only once numpy.ma is loaded: never imported here.)
         ma = sys.modules.get("numpy.ma")
