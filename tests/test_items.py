@@ -248,6 +248,25 @@ def test_hash_of_long_doubles_ignores_their_padding(dtype: Any) -> None:
     assert content_hash(a) != content_hash(b)
 
 
+def test_hash_of_records_ignores_their_padding() -> None:
+    """An aligned record's padding bytes are whatever memory held (``np.empty``, a C
+    library's struct): equal arrays hashed apart."""
+    dtype = np.dtype([("a", "u1"), ("b", "<i4"), ("c", [("d", "u1"), ("e", "<f8")])], align=True)
+    assert dtype.itemsize > 1 + 4 + 1 + 8
+    a = np.zeros(2, dtype=dtype)
+    a["a"], a["b"], a["c"]["d"], a["c"]["e"] = 1, 2, 3, 4.5
+    b = a.copy()
+    raw = b.view(np.uint8).reshape(2, -1)
+    raw[:, 1:4] = 0xAB  # between a and b
+    raw[:, 9:16] = 0xCD  # between d and e
+    assert (a == b).all() and a.tobytes() != b.tobytes()
+    assert content_hash(a) == content_hash(b)
+    b["c"]["e"][1] = 5.5
+    assert content_hash(a) != content_hash(b)
+    packed = np.dtype([("a", "u1"), ("b", "<i4")])
+    assert content_hash(np.zeros(2, dtype=packed)) != content_hash(np.zeros(2, dtype=dtype))
+
+
 def test_hash_rejects_unsupported_values() -> None:
     with pytest.raises(TypeError, match="parts"):
         content_hash(object())

@@ -198,6 +198,11 @@ def _feed(h: Any, value: object, path: str) -> None:
         # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8").
         fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
         tag(b"A", f"{arr.dtype.str}{fields}{arr.shape}".encode())
+        if arr.dtype.names is not None:
+            # A record's padding is whatever memory held: its fields, packed, are its content.
+            from numpy.lib.recfunctions import repack_fields
+
+            arr = np.ascontiguousarray(repack_fields(arr, recurse=True))
         data = arr.reshape(-1).view(np.uint8)
         if _LONG_DOUBLE_BYTES and arr.dtype.type in (np.longdouble, np.clongdouble):
             # Only the significant bytes of each long double (native order first).
