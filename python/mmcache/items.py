@@ -145,8 +145,9 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
     Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, a record's
-    fields included, shape and bytes, whatever their memory layout; a masked array's mask
-    too), ``str``, ``int`` (of
+    fields included, shape and bytes, whatever their memory layout, never padding: a
+    record's, a long double's; a masked array's mask too, a quantized tensor's values),
+    ``str``, ``int`` (of
     any size), ``float``, ``bool``, ``None`` and
     lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
