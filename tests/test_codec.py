@@ -588,6 +588,25 @@ def test_an_empty_numpy_string_scalar_round_trips(scalar: Any) -> None:
     assert type(out) is type(scalar) and out == scalar
 
 
+@pytest.mark.parametrize(
+    "scalar",
+    [
+        np.str_("a\x00"),
+        np.bytes_(b"a\x00\x00"),
+        np.str_("\x00"),
+        np.bytes_(b"\x00"),
+        np.str_("\ud800"),
+    ],
+    ids=["str_", "bytes_", "str_ NUL", "bytes_ NUL", "str_ surrogate"],
+)
+def test_a_numpy_string_scalar_keeps_its_trailing_nuls(scalar: Any) -> None:
+    """A str_ or bytes_ scalar's dtype is its own length, trailing NULs included: rebuilt
+    through an array (which takes them for padding) they were gone, and the dtype shorter."""
+    out = serde.decode(serde.pack({"s": scalar}))["s"]
+    assert type(out) is type(scalar) and out.dtype == scalar.dtype
+    assert out == scalar and out.tobytes() == scalar.tobytes()
+
+
 def test_an_empty_void_scalar_is_refused_when_encoded() -> None:
     with pytest.raises(ItemNotEncodableError, match=r"item\['v'\]"):
         serde.pack({"v": np.void(b"")})
@@ -603,6 +622,34 @@ def test_a_header_with_a_sizeless_string_dtype_is_corrupt_not_an_allocation() ->
     for copy in (True, False):
         with pytest.raises(SegmentCorruptError, match="no size"):
             serde.decode(bytes(payload), copy=copy)
+
+
+def test_a_header_with_strides_torch_cannot_hold_is_corrupt() -> None:
+    """An empty tensor of shape (0, 2^63-1, 2^63-1): no bytes, but strides past int64, which
+    torch refuses to build (``torch.empty``) and which came back saturated, a tensor whose
+    every reshaping raised later, in the worker."""
+    big = (1 << 63) - 1
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.empty((0, big, big))
+    node = b"\x0c\x07float32\x03" + struct.pack("<QQQI", 0, big, big, 1)
+    for copy in (True, False):
+        with pytest.raises(SegmentCorruptError, match="strides"):
+            serde.decode(raw_payload(dict_tree([node]), [0]), copy=copy)
+    # The largest shapes torch does build still round trip.
+    for shape in [(0, 1 << 31, 1 << 31), (1 << 62, 0, 1)]:
+        t = torch.empty(shape, dtype=torch.uint8)
+        for copy in (True, False):
+            out = serde.decode(serde.pack({"t": t}), copy=copy)["t"]
+            assert out.shape == t.shape and out.stride() == t.stride()
+
+
+def test_an_empty_tensor_of_a_huge_dimension_round_trips() -> None:
+    """torch builds a float32 tensor of shape (2^63-1, 0): no bytes, but its first dimension
+    times the item size overflowed before the 0 was reached, and it was refused as too large."""
+    t = torch.empty(((1 << 63) - 1, 0))
+    for copy in (True, False):
+        out = serde.decode(serde.pack({"t": t}), copy=copy)["t"]
+        assert out.shape == t.shape and out.dtype == t.dtype
 
 
 def test_a_dict_changed_while_its_values_are_walked_is_encoded_as_it_was() -> None:

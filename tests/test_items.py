@@ -6,6 +6,7 @@ import copy
 import pickle
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -196,6 +197,74 @@ def test_hash_sees_every_byte() -> None:
     u = t.clone()
     u[999] = 1
     assert content_hash(t) != content_hash(u)
+
+
+def test_hash_sees_a_masked_arrays_mask() -> None:
+    """A MaskedArray's mask is not in its data: hashing the data alone gave arrays that mask
+    different elements (and the plain array) one hash, so one's processed item served both."""
+    data = [1.0, 2.0, 3.0]
+    hashes = {
+        content_hash(np.ma.array(data, mask=[0, 1, 0])),
+        content_hash(np.ma.array(data, mask=[1, 0, 0])),
+        content_hash(np.ma.array(data)),
+        content_hash(np.array(data)),
+    }
+    assert len(hashes) == 4
+    assert content_hash(np.ma.array(data, mask=[0, 1, 0])) == content_hash(
+        np.ma.array(np.array(data), mask=np.array([False, True, False]))
+    )
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_hash_sees_a_quantized_tensors_scale() -> None:
+    """A quantized tensor's bytes are its integers: 1.0 at scale 0.1 and 2.0 at scale 0.2 are
+    both 10s, and had one hash."""
+    ones = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    twos = torch.quantize_per_tensor(torch.full((3,), 2.0), 0.2, 0, torch.qint8)
+    assert torch.equal(ones.int_repr(), twos.int_repr())
+    assert content_hash(ones) != content_hash(twos)
+    assert content_hash(ones) == content_hash(
+        torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    )
+
+
+@pytest.mark.skipif(
+    np.finfo(np.longdouble).nmant != 63, reason="long double is not x87 extended precision here"
+)
+@pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble, ">f16"], ids=str)
+def test_hash_of_long_doubles_ignores_their_padding(dtype: Any) -> None:
+    """An x87 long double is 10 bytes in 16: the other 6 are whatever memory held (a pointer's
+    bits, in practice), so equal arrays hashed apart, and differently in every process."""
+    a = np.full(3, 1.5, dtype=dtype)
+    b = a.copy()
+    native = b if b.dtype.isnative else b.view(b.dtype.newbyteorder("="))
+    rows = native.view(np.uint8).reshape(-1, np.dtype(np.longdouble).itemsize)
+    if not b.dtype.isnative:
+        rows = rows[:, ::-1]  # a swapped long double's padding comes first
+    rows[:, 10:] = 0xAB
+    assert (a == b).all() and a.tobytes() != b.tobytes()
+    assert content_hash(a) == content_hash(b)
+    rows[0, 0] ^= 1  # a significant bit
+    assert content_hash(a) != content_hash(b)
+
+
+def test_hash_of_records_ignores_their_padding() -> None:
+    """An aligned record's padding bytes are whatever memory held (``np.empty``, a C
+    library's struct): equal arrays hashed apart."""
+    dtype = np.dtype([("a", "u1"), ("b", "<i4"), ("c", [("d", "u1"), ("e", "<f8")])], align=True)
+    assert dtype.itemsize > 1 + 4 + 1 + 8
+    a = np.zeros(2, dtype=dtype)
+    a["a"], a["b"], a["c"]["d"], a["c"]["e"] = 1, 2, 3, 4.5
+    b = a.copy()
+    raw = b.view(np.uint8).reshape(2, -1)
+    raw[:, 1:4] = 0xAB  # between a and b
+    raw[:, 9:16] = 0xCD  # between d and e
+    assert (a == b).all() and a.tobytes() != b.tobytes()
+    assert content_hash(a) == content_hash(b)
+    b["c"]["e"][1] = 5.5
+    assert content_hash(a) != content_hash(b)
+    packed = np.dtype([("a", "u1"), ("b", "<i4")])
+    assert content_hash(np.zeros(2, dtype=packed)) != content_hash(np.zeros(2, dtype=dtype))
 
 
 def test_hash_rejects_unsupported_values() -> None:

@@ -7,13 +7,23 @@ import subprocess
 import sys
 import warnings
 import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from mmcache import SegmentCorruptError
-from mmcache.serde import ALIGNMENT, OUT_OF_BAND_BYTES, decode, encode, part_offsets, payload_size
+from mmcache.serde import (
+    ALIGNMENT,
+    OUT_OF_BAND_BYTES,
+    decode,
+    encode,
+    pack,
+    part_offsets,
+    payload_size,
+)
 
 
 def store_like_core(item: dict) -> np.ndarray:
@@ -237,6 +247,17 @@ def test_numpy_only_items_never_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_a_payload_naming_a_key_twice_is_corrupt() -> None:
+    """A dict whose header repeats a key would decode with one of its values silently gone."""
+    good = pack({"a": 1, "b": torch.ones(2)})
+    assert decode(good)["b"].tolist() == [1.0, 1.0]
+    twice = good.replace(b"\x01\x00\x00\x00b", b"\x01\x00\x00\x00a")
+    assert twice != good
+    for copy in (True, False):
+        with pytest.raises(SegmentCorruptError, match="twice"):
+            decode(twice, copy=copy)
+
+
 # -- what the encoder refuses --------------------------------------------------------------
 
 
@@ -287,6 +308,65 @@ def test_numpy_scalars_keep_their_type() -> None:
     for name, value in item.items():
         assert type(out[name]) is type(value), name
         assert out[name] == value, name
+
+
+class DistinctStr(str):
+    """A str subclass whose instances are distinct dict keys even when their text is equal."""
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+class RepeatingMapping(Mapping[str, int]):
+    """A mapping whose ``items()`` names one key twice."""
+
+    def __getitem__(self, key: str) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["k", "k"])
+
+    def __len__(self) -> int:
+        return 2
+
+    def items(self) -> Any:
+        return [("k", 1), ("k", 2)]
+
+
+def test_keys_of_one_text_are_refused_not_merged() -> None:
+    """Two keys with one text decode as one key: one value would be lost without a word."""
+    from mmcache.errors import ItemNotEncodableError
+
+    inner = {"pixels": torch.ones(2), DistinctStr("pixels"): torch.zeros(2)}
+    assert len(inner) == 2
+    for item, field in (
+        (inner, r"item:"),
+        ({"meta": inner}, r"item\['meta'\]"),
+        ({"m": RepeatingMapping()}, r"item\['m'\]"),
+    ):
+        for encoder in (encode, pack):
+            with pytest.raises(ItemNotEncodableError, match=field + ".*two keys"):
+                encoder(item)
+    # Distinct texts of a str subclass are fine.
+    out = decode(pack({DistinctStr("a"): 1, "b": 2}))
+    assert out == {"a": 1, "b": 2}
+
+
+def test_a_dtype_its_descriptor_does_not_name_is_refused_not_turned_into_void() -> None:
+    """A user-defined numpy dtype (ml_dtypes' bfloat16 and float8s, numpy's own test dtype
+    rational) has a void descriptor ("<V8"): stored as that, it would come back as raw void
+    records, another dtype, so the encoder refuses it, in an array or as a scalar."""
+    from numpy._core._rational_tests import rational
+
+    from mmcache.errors import ItemNotEncodableError
+
+    values = np.array([rational(1, 3), rational(2, 5)], dtype=rational)
+    assert np.dtype(values.dtype.str) != values.dtype  # what makes it untransportable
+    for item, field in (({"frac": values}, "frac"), ({"one": values[0]}, "one")):
+        with pytest.raises(ItemNotEncodableError, match=f"{field}.*rational"):
+            encode(item)
 
 
 # -- tensors whose memory the encoder must not trust ----------------------------------------

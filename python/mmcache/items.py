@@ -145,7 +145,9 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
     Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, a record's
-    fields included, shape and bytes, whatever their memory layout), ``str``, ``int`` (of
+    fields included, shape and bytes, whatever their memory layout, never padding: a
+    record's, a long double's; a masked array's mask too, a quantized tensor's values),
+    ``str``, ``int`` (of
     any size), ``float``, ``bool``, ``None`` and
     lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
@@ -156,6 +158,10 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     _feed(h, {name: kwargs[name] for name in sorted(kwargs)}, "kwargs")
     return h.hexdigest()
 
+
+# An x87 extended-precision long double (x86's) is 10 significant bytes stored in 12 or 16:
+# the rest is whatever memory held, and would make equal arrays hash apart in every process.
+_LONG_DOUBLE_BYTES = 10 if np.finfo(np.longdouble).nmant == 63 else None
 
 # Ints this wide have at most 603 digits, under the smallest limit Python lets a process set
 # on converting an int to decimal text (640).
@@ -193,11 +199,30 @@ def _feed(h: Any, value: object, path: str) -> None:
         # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8").
         fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
         tag(b"A", f"{arr.dtype.str}{fields}{arr.shape}".encode())
-        tag(b"D", arr.reshape(-1).view(np.uint8).data)
+        if arr.dtype.names is not None:
+            # A record's padding is whatever memory held: its fields, packed, are its content.
+            from numpy.lib.recfunctions import repack_fields
+
+            arr = np.ascontiguousarray(repack_fields(arr, recurse=True))
+        data = arr.reshape(-1).view(np.uint8)
+        if _LONG_DOUBLE_BYTES and arr.dtype.type in (np.longdouble, np.clongdouble):
+            # Only the significant bytes of each long double (native order first).
+            native = arr.astype(arr.dtype.newbyteorder("=")).reshape(-1).view(np.uint8)
+            rows = native.reshape(-1, np.dtype(np.longdouble).itemsize)
+            data = np.ascontiguousarray(rows[:, :_LONG_DOUBLE_BYTES]).reshape(-1)
+        tag(b"D", data.data)
+        # Which elements a masked array masks is not in its data: its own tag keeps it apart.
+        # (A MaskedArray exists only once numpy.ma is loaded: never imported here.)
+        ma = sys.modules.get("numpy.ma")
+        if ma is not None and isinstance(value, ma.MaskedArray):
+            mask = np.ascontiguousarray(ma.getmaskarray(value))
+            tag(b"K", mask.reshape(-1).view(np.uint8).data)
     elif is_tensor(value):
         tensor: Any = value
         t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         tag(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.is_quantized:  # its bytes are integers whose scale is elsewhere: its values
+            t = t.dequantize()
         tag(b"D", t.reshape(-1).view(sys.modules["torch"].uint8).numpy().data)
     elif isinstance(value, list | tuple):
         tag(b"L" if isinstance(value, list) else b"U", struct.pack("<Q", len(value)))

@@ -248,6 +248,18 @@ fn tensor_over<'py>(
     if let Some(d) = shape.dims().find(|&d| i64::try_from(d).is_err()) {
         return Err(corrupt(format!("dimension {d} too large")));
     }
+    // torch refuses a tensor whose C-contiguous strides overflow an i64, even one of no
+    // elements (`torch.empty((0, 2**62, 4))`): an encoder never wrote one.
+    let outer_stride = shape
+        .dims()
+        .skip(1)
+        .try_fold(1i64, |stride, d| stride.checked_mul((d as i64).max(1)));
+    if outer_stride.is_none() {
+        return Err(corrupt(format!(
+            "a tensor of shape {:?} has strides past 64 bits",
+            shape.dims().collect::<Vec<_>>()
+        )));
+    }
     let dims = shape.dims().map(|d| d as i64);
     match dtype.dlpack {
         Some(dl_type) => torch.import_dlpack(dlpack::capsule(py, data, dl_type, dims, keep)?),
@@ -294,23 +306,59 @@ impl<'py> Decoder<'_, 'py> {
                     let key = dict_key(py, r.key()?);
                     dict.set_item(key, self.value(r)?)?;
                 }
+                // The encoder writes distinct keys: a repeated one would silently drop a value.
+                if dict.len() != n {
+                    return Err(corrupt("a dict names one key twice".into()));
+                }
                 dict.into_any()
             }
             Node::Tensor { dtype, shape, part } => self.tensor(dtype, shape, part)?,
             Node::Array { descr, shape, part } => self.array(descr, shape, part)?,
-            Node::Scalar { descr, raw } => {
+            Node::Scalar { descr, raw } => self.scalar(descr, raw)?,
+        })
+    }
+
+    /// A numpy scalar of dtype `descr` whose bytes are `raw`.
+    fn scalar(&self, descr: &str, raw: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+        let py = self.py;
+        let numpy = numpy(py)?;
+        let wrong_size = || corrupt(format!("a {descr} scalar of {} bytes", raw.len()));
+        // A str_ or bytes_ is its whole dtype, trailing NULs included (and an empty one has
+        // no bytes): built from its bytes, as an array's item would take NULs for padding.
+        match descr.as_bytes() {
+            [order @ (b'<' | b'>'), b'U', ..] => {
+                if raw.len() % 4 != 0 || descr[2..] != (raw.len() / 4).to_string() {
+                    return Err(wrong_size());
+                }
+                let codec = if *order == b'<' {
+                    "utf-32-le"
+                } else {
+                    "utf-32-be"
+                };
+                PyBytes::new(py, raw)
+                    .call_method1(intern!(py, "decode"), (codec, "surrogatepass"))
+                    .and_then(|text| numpy.str_.bind(py).call1((text,)))
+                    .map_err(|e| refused(py, "a scalar", e))
+            }
+            [b'|', b'S', ..] => {
+                if descr[2..] != raw.len().to_string() {
+                    return Err(wrong_size());
+                }
+                numpy.bytes_.bind(py).call1((PyBytes::new(py, raw),))
+            }
+            _ => {
                 let (dtype, itemsize) = array_dtype(py, descr)?;
                 if raw.len() as u64 != itemsize {
-                    return Err(corrupt(format!("a {descr} scalar of {} bytes", raw.len())));
+                    return Err(wrong_size());
                 }
-                numpy(py)?
+                numpy
                     .frombuffer
                     .bind(py)
                     .call1((PyBytes::new(py, raw), dtype))
                     .and_then(|a| a.get_item(0))
-                    .map_err(|e| refused(py, "a scalar", e))?
+                    .map_err(|e| refused(py, "a scalar", e))
             }
-        })
+        }
     }
 
     /// Part `p`'s offset and length, checked to be `numel * itemsize` bytes.

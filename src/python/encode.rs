@@ -29,6 +29,8 @@
 //! with the GIL released (`Tensor.resize_`), races with every reader of that tensor, torch's
 //! own included.
 
+use std::collections::HashSet;
+
 use pyo3::exceptions::{PyException, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::marker::Ungil;
@@ -331,6 +333,25 @@ fn dims(shape: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         .collect()
 }
 
+/// A mapping key's text: keys must be `str`.
+fn key_text<'a>(key: &'a Bound<'_, PyAny>) -> EncodeResult<&'a str> {
+    key.cast::<PyString>()
+        .map_err(|_| EncodeError::refused(format!("key {} is not a str", key_segment(key))))?
+        .to_str()
+        .map_err(|_| EncodeError::refused("a key is not valid UTF-8".into()))
+}
+
+/// Refuse a key text `seen` holds already: the decoded dict would keep one of the two
+/// values (keys of a str subclass, or a mapping whose `items()` repeats a key).
+fn distinct(seen: &mut HashSet<String>, name: &str) -> EncodeResult<()> {
+    if !seen.insert(name.to_owned()) {
+        return Err(EncodeError::refused(format!(
+            "two keys are the str {name:?}: one value would be lost"
+        )));
+    }
+    Ok(())
+}
+
 fn key_segment(key: &Bound<'_, PyAny>) -> String {
     match key.repr() {
         Ok(r) => format!("[{r}]"),
@@ -451,12 +472,7 @@ impl<'py> Encoder<'py> {
         value: &Bound<'py, PyAny>,
         depth: usize,
     ) -> EncodeResult<()> {
-        let name = key
-            .cast::<PyString>()
-            .map_err(|_| EncodeError::refused(format!("key {} is not a str", key_segment(key))))?
-            .to_str()
-            .map_err(|_| EncodeError::refused("a key is not valid UTF-8".into()))?;
-        self.header.key(name)?;
+        self.header.key(key_text(key)?)?;
         self.path.push(Step::Key(key.clone()));
         self.value(value, depth)?;
         self.path.pop();
@@ -467,10 +483,20 @@ impl<'py> Encoder<'py> {
         self.check_depth(depth)?;
         let open = self.header.begin(Container::Dict);
         let mut n = 0;
+        // Only keys of a str subclass can be distinct keys of a dict and one text.
+        let mut plain_keys = true;
         // A copy of it: walking its values may run Python code that changes the dict.
-        for (k, v) in d.copy()?.iter() {
+        let copy = d.copy()?;
+        for (k, v) in copy.iter() {
             self.entry(&k, &v, depth)?;
+            plain_keys &= k.is_exact_instance_of::<PyString>();
             n += 1;
+        }
+        if !plain_keys {
+            let mut seen = HashSet::new();
+            for k in copy.keys() {
+                distinct(&mut seen, key_text(&k)?)?;
+            }
         }
         Ok(self.header.end(open, n)?)
     }
@@ -479,9 +505,11 @@ impl<'py> Encoder<'py> {
         self.check_depth(depth)?;
         let open = self.header.begin(Container::Dict);
         let mut n = 0;
+        let mut seen = HashSet::new();
         for pair in m.call_method0(intern!(self.py, "items"))?.try_iter()? {
             let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair?.extract()?;
             self.entry(&k, &v, depth)?;
+            distinct(&mut seen, key_text(&k)?)?;
             n += 1;
         }
         Ok(self.header.end(open, n)?)
@@ -537,10 +565,14 @@ impl<'py> Encoder<'py> {
                 .call_method0(intern!(py, "contiguous"))?
         };
         let shape = dims(&t.getattr(intern!(py, "shape"))?)?;
-        let nbytes = shape
-            .iter()
-            .try_fold(dt.itemsize, |n, &d| n.checked_mul(d))
-            .ok_or_else(|| EncodeError::refused("tensor too large".into()))?;
+        // A tensor with a dimension of 0 holds no bytes, however large the others (torch
+        // builds `torch.empty((2**63 - 1, 0))`): a product in order overflowed before the 0.
+        let nbytes = if shape.contains(&0) {
+            Some(0)
+        } else {
+            shape.iter().try_fold(dt.itemsize, |n, &d| n.checked_mul(d))
+        }
+        .ok_or_else(|| EncodeError::refused("tensor too large".into()))?;
         let (storage, element) = tensor_storage(torch, &t, nbytes)?;
         self.header.tensor(dt.name, &shape, nbytes)?;
         self.parts.push(Part::Tensor(TensorBytes {
@@ -591,16 +623,16 @@ impl<'py> Encoder<'py> {
     fn scalar(&mut self, v: &Bound<'py, PyAny>) -> EncodeResult<()> {
         let py = self.py;
         let dtype = v.getattr(intern!(py, "dtype"))?;
-        let mut descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
+        let descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
         let raw = v.call_method0(intern!(py, "tobytes"))?;
-        let raw = raw.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes();
+        let mut raw = raw.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes();
         let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
         if raw.len() != itemsize || itemsize == 0 {
-            // An empty str_ or bytes_ (`<U0`, `|S0`) gives one NUL item: stored as that, it
-            // decodes to the same empty value. An empty void has no bytes to decode from.
-            descr = match (descr.as_bytes().get(1), raw.len()) {
-                (Some(b'U'), 4) => format!("{}U1", &descr[..1]),
-                (Some(b'S'), 1) => "|S1".to_owned(),
+            // An empty str_ or bytes_ (`<U0`, `|S0`) gives one NUL item: stored as no bytes
+            // (a NUL is a character of a str_ or bytes_ scalar). An empty void has no bytes
+            // to decode from.
+            raw = match (descr.as_bytes().get(1), raw.len(), itemsize) {
+                (Some(b'U'), 4, 0) | (Some(b'S'), 1, 0) => &[],
                 _ => {
                     return Err(EncodeError::refused(format!(
                         "a numpy scalar of dtype {descr} whose bytes are {} long",

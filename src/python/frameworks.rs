@@ -26,6 +26,8 @@ pub(super) struct Numpy {
     pub(super) empty: Py<PyAny>,
     pub(super) frombuffer: Py<PyAny>,
     pub(super) ascontiguousarray: Py<PyAny>,
+    pub(super) str_: Py<PyAny>,
+    pub(super) bytes_: Py<PyAny>,
 }
 
 static NUMPY: PyOnceLock<Numpy> = PyOnceLock::new();
@@ -40,6 +42,8 @@ pub(super) fn numpy(py: Python<'_>) -> PyResult<&'static Numpy> {
             empty: np.getattr("empty")?.unbind(),
             frombuffer: np.getattr("frombuffer")?.unbind(),
             ascontiguousarray: np.getattr("ascontiguousarray")?.unbind(),
+            str_: np.getattr("str_")?.unbind(),
+            bytes_: np.getattr("bytes_")?.unbind(),
         })
     })
 }
@@ -81,7 +85,16 @@ pub(super) fn array_descr(dtype: &Bound<'_, PyAny>) -> PyResult<Result<String, S
     if let Some(problem) = array_dtype_problem(dtype)? {
         return Ok(Err(format!("array dtype {dtype} {problem}")));
     }
-    let descr: String = dtype.getattr(intern!(dtype.py(), "str"))?.extract()?;
+    let py = dtype.py();
+    let descr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+    // A user-defined dtype (ml_dtypes' bfloat16, numpy's test dtype `rational`) has a void
+    // descriptor ("<V8"): it would decode as raw void records, another dtype.
+    if !numpy(py)?.dtype.bind(py).call1((&descr,))?.eq(dtype)? {
+        return Ok(Err(format!(
+            "array dtype {dtype} is not the one its descriptor {descr:?} names (a user-defined \
+             dtype?)"
+        )));
+    }
     let mut cache = lock(&ARRAY_DESCRS);
     if cache.len() < DTYPE_CACHE_ENTRIES {
         cache.push((dtype.clone().unbind(), descr.clone()));
