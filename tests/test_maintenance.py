@@ -236,3 +236,46 @@ def test_a_creation_never_removes_a_segment_another_process_is_still_creating() 
         if os.path.exists(f"{SHM}/{name}"):
             _core.unlink_segment(name)
     assert creator.returncode == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Names: anyone may put any file name in /dev/shm, and the commands print the names they find
+
+
+#: Rich markup, an emoji code and a terminal escape (red text): none may act on the output.
+HOSTILE = "[bold]x[/bold]:smile:\x1b[31m"
+
+
+@pytest.fixture
+def hostile_store() -> Iterator[_core.ShmObjectStore]:
+    """A live segment whose name is full of what a terminal or rich would interpret."""
+    name = f"mmc_hostile_{os.getpid()}_{time.monotonic_ns()}_{HOSTILE}".replace("/", "")
+    with _core.ShmObjectStore.create(1 << 20, name=name) as store:
+        yield store
+
+
+def test_inspect_prints_a_hostile_name_as_it_is_never_as_markup_or_terminal_escapes(
+    hostile_store: _core.ShmObjectStore,
+) -> None:
+    name = hostile_store.name
+    assert "\x1b" in name and "[bold]" in name
+    shown = ascii(name)  # what the commands print for a name with control characters
+    for args in (("inspect", name), ("inspect",)):
+        result = mmcache(*args)
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stdout, f"{args}: a terminal escape reached the output"
+        # The table may wrap the title: compare without white space (the name has none).
+        unwrapped = "".join(result.stdout.split())
+        assert shown in unwrapped, f"{args}: {result.stdout[:300]!r}"
+
+
+def test_prune_prints_a_hostile_name_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mmcache import cli, maintenance
+
+    name = f"mmc_{HOSTILE}"
+    monkeypatch.setattr(maintenance, "prune", lambda *, dry_run=False: [name])
+    assert cli.main(["prune", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and f"would remove {name!a}" in out
