@@ -198,3 +198,37 @@ def test_a_join_overlapping_the_last_writers_death_fails_or_keeps_the_name() -> 
         "no longer has a name"
     )
     mmcache.prune()
+
+
+#: Made into a program by a first line that sets ``name``.
+CLOSERS = """
+import os, threading, time
+from pathlib import Path
+from mmcache import _core
+store = _core.ShmObjectStore.create(1 << 16, name=name)
+first = threading.Thread(target=store.close)
+first.start()
+deadline = time.monotonic() + 60
+# The first close is held at its unlink (strace): the store is closing, its name still there.
+while Path(f"/proc/self/task/{first.native_id}/syscall").read_text().split()[0] not in (
+    "87", "263"
+):
+    assert time.monotonic() < deadline, "the first close never reached its unlink"
+    time.sleep(0.01)
+store.close()
+print("linked" if os.path.exists("/dev/shm/" + name) else "gone", flush=True)
+first.join()
+"""
+
+
+def test_a_close_that_overlaps_another_threads_close_returns_with_the_store_closed() -> None:
+    name = fresh_name()
+    inject = f"unlink,unlinkat:delay_enter={DELAY_US}"
+    with traced(f"name = {name!r}" + CLOSERS, inject, stdout=subprocess.PIPE) as closers:
+        assert closers.stdout is not None
+        answer = closers.stdout.readline().decode().strip()
+        assert closers.wait(DEADLINE_S) == 0
+    # A second close() returning at once, mid-way through the first, would leave the name
+    # there: a store re-created under it right after would fail with FileExistsError.
+    assert answer == "gone", "close() returned while another thread's close was still closing"
+    assert not (SHM / name).exists()

@@ -6,7 +6,7 @@
 //! one.
 
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -28,6 +28,22 @@ pub(super) struct Open<T> {
     /// to end ([`Open::with`]): they borrow it without touching a lock or a reference count,
     /// which is most of what a hit costs otherwise.
     current: AtomicPtr<T>,
+    /// Whether the `close()` that took the endpoint out has finished: one that finds it
+    /// taken already waits for this, so that every `close()` returns with the store closed
+    /// (and its name gone, if it was the last writer), not while another thread closes it.
+    closed: Mutex<bool>,
+    closed_changed: Condvar,
+}
+
+/// Marks the endpoint's close finished when dropped (whether it succeeded, failed or
+/// panicked: a waiting `close()` never hangs).
+struct Closing<'a, T>(&'a Open<T>);
+
+impl<T> Drop for Closing<'_, T> {
+    fn drop(&mut self) {
+        *self.0.closed.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.0.closed_changed.notify_all();
+    }
 }
 
 impl<T> Open<T> {
@@ -35,6 +51,20 @@ impl<T> Open<T> {
         Open {
             current: AtomicPtr::new(Arc::as_ptr(&endpoint).cast_mut()),
             owner: Mutex::new(Some(endpoint)),
+            closed: Mutex::new(false),
+            closed_changed: Condvar::new(),
+        }
+    }
+
+    /// Wait until the close of the endpoint another caller took out has finished (call
+    /// without the GIL: that close may need it).
+    fn wait_closed(&self) {
+        let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        while !*closed {
+            closed = self
+                .closed_changed
+                .wait(closed)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -272,13 +302,16 @@ impl ShmObjectStore {
     /// (its slot drains: freed now, or when its last zero-copy view is gone). Idempotent.
     fn close(slf: &Bound<'_, Self>) -> PyResult<()> {
         match Self::role(slf)? {
-            Role::Writer(w) => {
-                if let Some(writer) = w.take() {
+            Role::Writer(w) => match w.take() {
+                Some(writer) => {
+                    let _closing = Closing(w);
                     // Waits for other threads' operations in progress: without the GIL. The
                     // `Arc` is dropped after, with the GIL (`Open::with`).
                     slf.py().detach(|| writer.close())?;
                 }
-            }
+                // Another thread's `close()` is closing it: return once that one has.
+                None => slf.py().detach(|| w.wait_closed()),
+            },
             Role::Reader(r) => {
                 if let Some(reader) = r.take() {
                     reader.close();
