@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -279,3 +280,29 @@ def test_prune_prints_a_hostile_name_as_it_is(
     assert cli.main(["prune", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and f"would remove {name!a}" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Another mmcache version's segment: its layout is not this build's, nor (maybe) its locks
+
+
+def test_another_versions_segment_under_a_chosen_name_is_never_removed() -> None:
+    """Its name carries no creator pid (a generated one does), and that version may take no
+    locks: nothing tells whether its creator still runs, so neither prune nor a store's
+    creation may remove it (its readers would find no segment to attach to)."""
+    with _core.ShmObjectStore.create(1 << 16) as store:
+        ours = (Path(SHM) / store.name).read_bytes()
+    version = int.from_bytes(ours[8:16], "little")  # the header: magic, layout version, ...
+    name = f"other_version_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(ours[:8] + (version + 1).to_bytes(8, "little") + ours[16:])
+    try:
+        assert name in _core.list_segments()  # found by its magic
+        status, why = _core.segment_status(name)
+        assert status == "undecided", why
+        assert name not in prune(dry_run=True)
+        with _core.ShmObjectStore.create(1 << 16):
+            assert path.exists(), "a store's creation removed another version's segment"
+        assert name not in prune() and path.exists()
+    finally:
+        path.unlink(missing_ok=True)

@@ -141,7 +141,8 @@ pub enum Status {
 /// gives the file a size, so a file that had a size while the lock was free is orphaned at
 /// once, valid or half-made; only an empty one is given [`CREATION_GRACE_SECS`]. A segment
 /// of the pid fallback (one writer), or of another layout version, is judged by its
-/// creator's pid.
+/// creator's pid (one of another version by the pid in its generated name; under a chosen
+/// name it is left).
 pub fn status(name: &str) -> Result<Status> {
     // The size is read before the lock is tested (see `probe_file`).
     let probe = segment::probe_file(name, WRITER_LOCK)?;
@@ -166,12 +167,19 @@ pub fn status(name: &str) -> Result<Status> {
     if let Some(words) = ours {
         let word = |offset: u64| words.get((offset / 8) as usize).copied().unwrap_or(0);
         if word(header::VERSION) != LAYOUT_VERSION {
-            // Made by another version, which may not take locks: trust its name's pid.
+            // Made by another version, which may not take locks: trust its name's pid. A
+            // name its creator chose carries none, and nothing else tells whether that
+            // creator runs (that version's header is not ours to read): leave it.
             return Ok(match segment::pid_in_name(name) {
                 Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
                     "made by another mmcache version; its creator (pid {pid}) may still run"
                 )),
-                _ => Status::Orphaned("made by another mmcache version, creator gone".into()),
+                Some(_) => Status::Orphaned("made by another mmcache version, creator gone".into()),
+                None => Status::Undecided(
+                    "made by another mmcache version under a chosen name, which does not \
+                     tell whether its creator still runs"
+                        .into(),
+                ),
             });
         }
         // Its liveness word may be what is damaged: the pid fallback's rule still holds.
