@@ -232,3 +232,51 @@ def test_a_close_that_overlaps_another_threads_close_returns_with_the_store_clos
     # there: a store re-created under it right after would fail with FileExistsError.
     assert answer == "gone", "close() returned while another thread's close was still closing"
     assert not (SHM / name).exists()
+
+
+ATTACHER = """
+import pickle, sys
+from mmcache import _core
+name, handle = sys.argv[1], pickle.loads(bytes.fromhex(sys.argv[2]))
+try:
+    _core.ShmObjectStore.attach(handle)
+except FileNotFoundError:
+    print("refused", sum(name in line for line in open("/proc/self/maps")), flush=True)
+else:
+    print("attached", flush=True)
+"""
+
+
+def test_an_attach_that_finds_the_name_gone_half_way_keeps_no_mapping_of_the_segment() -> None:
+    """A reader opens the segment's file twice (its mapping, then its liveness locks): the
+    last writer's close may remove the name in between. The attach then fails, and must not
+    keep the segment mapped: its pages would stay allocated in /dev/shm while it runs."""
+    with _core.ShmObjectStore.create(1 << 20) as store:
+        handle = pickle.dumps(store.handle()).hex()
+        path = SHM / store.name
+        # The second open of the file finds no name (as after the last writer's unlink).
+        result = subprocess.run(
+            [
+                "strace",
+                "-f",
+                "-qq",
+                "-o",
+                "/dev/null",
+                "-P",
+                str(path),
+                "-e",
+                "trace=open,openat",
+                "-e",
+                "inject=open,openat:error=ENOENT:when=2",
+                sys.executable,
+                "-c",
+                ATTACHER,
+                store.name,
+                handle,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+        )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["refused", "0"], result.stdout

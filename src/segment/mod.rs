@@ -319,6 +319,13 @@ impl Segment {
         if len == 0 {
             return Err(Error::Corrupt(format!("segment {name:?} is empty")));
         }
+        // Before anything is mapped: the name may be gone by now (the last writer closing),
+        // and a failure after the mappings would leave them, and so the segment's pages,
+        // allocated for as long as this process runs.
+        let lock_fd = match access {
+            Access::ReadWrite => Some(open_lock_fd(name)?),
+            Access::ReadOnly => None,
+        };
         let base = map(&fd, len, access).map_err(|e| Error::os("mapping shared memory", e))?;
         // Not populated: a reader's views fault their pages in as they are read (read faults
         // map several pages at a time), and attaching costs the same whatever the size.
@@ -334,10 +341,6 @@ impl Segment {
         if let Some(view) = view_base {
             faults.push(fault::register(view.as_ptr(), len, fault::Mapping::Views));
         }
-        let lock_fd = match access {
-            Access::ReadWrite => Some(open_lock_fd(name)?),
-            Access::ReadOnly => None,
-        };
         Ok(Segment {
             name: validate_name(name)?.to_owned(),
             base,
