@@ -306,3 +306,44 @@ def test_another_versions_segment_under_a_chosen_name_is_never_removed() -> None
         assert name not in prune() and path.exists()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_a_creation_under_a_name_whose_file_someone_keeps_locked_fails_clearly() -> None:
+    """A creation under a chosen name first removes an orphan of that name, waiting for
+    whoever else may be removing it (they lock the file a moment). A file of that name that
+    another program keeps locked must not make it wait for ever: the name is taken."""
+    name = f"locked_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(bytes(4096))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys; f = open(sys.argv[1], 'r+b'); fcntl.lockf(f, fcntl.LOCK_EX); "
+            "print('locked', flush=True); sys.stdin.read()",
+            str(path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    code = (
+        "import sys; from mmcache import _core\n"
+        "try:\n"
+        "    _core.ShmObjectStore.create(1 << 16, name=sys.argv[1])\n"
+        "except FileExistsError:\n"
+        "    print('exists')\n"
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        try:
+            creation = subprocess.run(
+                [sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("the creation waited for the lock on the name's file for ever")
+        assert creation.stdout.split() == ["exists"], creation.stderr
+        assert path.read_bytes() == bytes(4096), "the other program's file was changed"
+    finally:
+        holder.communicate("")
+        path.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 //! of a segment's writers lives: what `prune` decides).
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use super::open_shared;
 use crate::error::{Error, Result};
@@ -226,13 +227,20 @@ pub fn remove_orphans() -> Vec<String> {
         .collect()
 }
 
+/// How long [`remove_if_orphaned`] waits, if asked to, for whoever else holds the lock it
+/// takes: a joiner, a leaving writer or another remover holds it for a few system calls; a
+/// file of that name that another program keeps locked must not hold it up for ever.
+const REMOVER_WAIT: Duration = Duration::from_secs(5);
+
 /// Remove segment `name` if [`status`] finds it orphaned, judged while holding the exclusive
 /// [`MEMBERSHIP_LOCK`] of the file the name refers to: no writer can join it meanwhile, and
 /// nobody else can remove the name (every remover holds that lock, a last writer leaving
 /// included), so the name cannot be given to a new store between the verdict and the removal.
 /// Returns whether it removed it; `false` when the name is gone, is another file than when
-/// locked, is not orphaned, or (without `wait`) is being joined, left or removed by someone.
+/// locked, is not orphaned, or is being joined, left or removed by someone (with `wait`: for
+/// longer than [`REMOVER_WAIT`]).
 pub fn remove_if_orphaned(name: &str, wait: bool) -> Result<bool> {
+    let wait = if wait { REMOVER_WAIT } else { Duration::ZERO };
     let Some(lock) = segment::NameLock::take(name, MEMBERSHIP_LOCK, wait)? else {
         return Ok(false);
     };
