@@ -347,3 +347,52 @@ def test_a_creation_under_a_name_whose_file_someone_keeps_locked_fails_clearly()
     finally:
         holder.communicate("")
         path.unlink(missing_ok=True)
+
+
+SHRINKER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+size, header = os.fstat(fd).st_size, os.pread(fd, 4096, 0)
+print("shrinking", flush=True)
+while True:
+    os.ftruncate(fd, 0)
+    time.sleep(0.0002)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, header, 0)
+    time.sleep(0.0002)
+"""
+
+JUDGE = """
+import sys
+from mmcache import MmcacheError, _core
+for _ in range(3000):
+    try:
+        _core.segment_status(sys.argv[1])
+    except (OSError, MmcacheError):
+        pass
+print("judged", flush=True)
+"""
+
+
+def test_judging_a_segment_that_another_process_keeps_shrinking_never_kills_the_judge() -> None:
+    """Whoever can write a file in /dev/shm that looks like a segment can shrink it at any
+    moment. Every store's creation judges every such file (to remove orphans), so judging
+    one must never touch it through a mapping: a shrunk file is a SIGBUS there."""
+    with _core.ShmObjectStore.create(1 << 16) as store:
+        header = (Path(SHM) / store.name).read_bytes()
+    name = f"mmc_shrinking_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(header)
+    shrinker = subprocess.Popen(
+        [sys.executable, "-c", SHRINKER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert shrinker.stdout is not None and shrinker.stdout.readline() == "shrinking\n"
+        judge = subprocess.run(
+            [sys.executable, "-c", JUDGE, name], capture_output=True, text=True, timeout=TIMEOUT
+        )
+    finally:
+        shrinker.kill()
+        shrinker.communicate()
+        path.unlink(missing_ok=True)
+    assert (judge.returncode, judge.stdout) == (0, "judged\n"), judge.stderr[-500:]

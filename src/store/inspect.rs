@@ -150,16 +150,23 @@ pub fn status(name: &str) -> Result<Status> {
     if probe.creator_lock_held {
         return Ok(Status::Live);
     }
-    let err = match open_shared(name, Access::ReadOnly) {
-        Ok(sh) => {
-            return Ok(match sh.liveness {
-                // A creator that finished creating after the probe holds its lock now.
-                Liveness::Locks if sh.seg.lock_held(WRITER_LOCK)? => Status::Live,
-                Liveness::Locks => Status::Orphaned("every writer is gone".into()),
-                Liveness::Pids if sh.any_writer_alive()? => Status::Live,
-                Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
-            });
+    // The header is read, not mapped: this runs in every store's creation, on any file in
+    // /dev/shm that looks like a segment, and whoever can write one may shrink it under a
+    // mapping (a SIGBUS, which would kill the process creating a store).
+    let header = segment::read_start::<{ header::READER_TABLE as usize }>(name);
+    let err = match header.and_then(|(len, bytes)| Layout::read_bytes(len, &bytes)) {
+        // A creator that finished creating after the probe holds its lock now.
+        Ok((_, Liveness::Locks)) if segment::probe_file(name, WRITER_LOCK)?.creator_lock_held => {
+            return Ok(Status::Live);
         }
+        Ok((_, Liveness::Locks)) => return Ok(Status::Orphaned("every writer is gone".into())),
+        // The pid fallback (no OFD locks: one writer) reads its writer slot from a mapping.
+        Ok((_, Liveness::Pids)) => match open_shared(name, Access::ReadOnly) {
+            Ok(sh) if sh.any_writer_alive()? => return Ok(Status::Live),
+            Ok(_) => return Ok(Status::Orphaned("its writer's process is gone".into())),
+            Err(Error::NotFound(n)) => return Err(Error::NotFound(n)),
+            Err(err) => err,
+        },
         Err(Error::NotFound(n)) => return Err(Error::NotFound(n)),
         Err(err) => err,
     };
