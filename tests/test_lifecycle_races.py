@@ -200,8 +200,9 @@ def test_a_join_overlapping_the_last_writers_death_fails_or_keeps_the_name() -> 
     mmcache.prune()
 
 
-#: Made into a program by a first line that sets ``name``.
-CLOSERS = """
+#: A thread's close() held at its unlink; made into a program by a first line that sets
+#: ``name`` and what follows.
+CLOSING = """
 import os, threading, time
 from pathlib import Path
 from mmcache import _core
@@ -215,16 +216,20 @@ while Path(f"/proc/self/task/{first.native_id}/syscall").read_text().split()[0] 
 ):
     assert time.monotonic() < deadline, "the first close never reached its unlink"
     time.sleep(0.01)
-store.close()
-print("linked" if os.path.exists("/dev/shm/" + name) else "gone", flush=True)
-first.join()
 """
 
 
 def test_a_close_that_overlaps_another_threads_close_returns_with_the_store_closed() -> None:
     name = fresh_name()
     inject = f"unlink,unlinkat:delay_enter={DELAY_US}"
-    with traced(f"name = {name!r}" + CLOSERS, inject, stdout=subprocess.PIPE) as closers:
+    code = (
+        f"name = {name!r}"
+        + CLOSING
+        + "store.close()\n"
+        + "print('linked' if os.path.exists('/dev/shm/' + name) else 'gone', flush=True)\n"
+        + "first.join()\n"
+    )
+    with traced(code, inject, stdout=subprocess.PIPE) as closers:
         assert closers.stdout is not None
         answer = closers.stdout.readline().decode().strip()
         assert closers.wait(DEADLINE_S) == 0
@@ -280,3 +285,30 @@ def test_an_attach_that_finds_the_name_gone_half_way_keeps_no_mapping_of_the_seg
         )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["refused", "0"], result.stdout
+
+
+def test_a_forked_childs_close_never_waits_for_a_close_its_parent_has_in_progress() -> None:
+    """A child forked while a thread of its parent closes the store inherits the store
+    closing: that thread does not exist in the child, so the child's close() must return
+    (its copy never acts for the parent) rather than wait for it."""
+    name = fresh_name()
+    code = (
+        f"name = {name!r}"
+        + CLOSING
+        + "import signal\n"
+        + "child = os.fork()\n"
+        + "if child == 0:\n"
+        + "    signal.alarm(20)  # ends a child that waits for ever\n"
+        + "    store.close()\n"
+        + "    os._exit(0)\n"
+        + "status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])\n"
+        + "print('child', status, flush=True)\n"
+        + "first.join()\n"
+    )
+    inject = f"unlink,unlinkat:delay_enter={DELAY_US}"
+    with traced(code, inject, stdout=subprocess.PIPE) as closers:
+        assert closers.stdout is not None
+        answer = closers.stdout.readline().decode().split()
+        assert closers.wait(DEADLINE_S) == 0
+    assert answer == ["child", "0"], f"the child's close() never returned: {answer}"
+    assert not (SHM / name).exists()

@@ -19,6 +19,7 @@ use super::handles::{ReaderHandle, ShmHandle, WriterHandle};
 use super::writer::{ShmWriter, read_copy};
 use crate::error::Error;
 use crate::layout::{Config, Layout};
+use crate::segment::Process;
 use crate::store::{Reader, ReaderInfo, Stats, Writer};
 
 /// A writer or reader until `close()`, after which every use is a `ClosedError`.
@@ -28,21 +29,31 @@ pub(super) struct Open<T> {
     /// to end ([`Open::with`]): they borrow it without touching a lock or a reference count,
     /// which is most of what a hit costs otherwise.
     current: AtomicPtr<T>,
-    /// Whether the `close()` that took the endpoint out has finished: one that finds it
-    /// taken already waits for this, so that every `close()` returns with the store closed
-    /// (and its name gone, if it was the last writer), not while another thread closes it.
-    closed: Mutex<bool>,
-    closed_changed: Condvar,
+    /// The process whose `close()` took the endpoint out and is closing it (`None` before
+    /// and after): a `close()` that finds it taken waits for that one, so that every
+    /// `close()` returns with the store closed (and its name gone, if it was the last
+    /// writer), not while another thread closes it. A forked child does not wait: the thread
+    /// closing is its parent's, and the child's copy never acts for the parent.
+    closing: Mutex<Option<Process>>,
+    closing_ended: Condvar,
 }
 
-/// Marks the endpoint's close finished when dropped (whether it succeeded, failed or
-/// panicked: a waiting `close()` never hangs).
+/// A `close()` of the endpoint in progress (started with the GIL held, right after the
+/// endpoint was taken); ended when dropped, whether it succeeded, failed or panicked, so a
+/// waiting `close()` never hangs.
 struct Closing<'a, T>(&'a Open<T>);
+
+impl<'a, T> Closing<'a, T> {
+    fn start(open: &'a Open<T>) -> Self {
+        *open.closing.lock().unwrap_or_else(|p| p.into_inner()) = Some(Process::current());
+        Closing(open)
+    }
+}
 
 impl<T> Drop for Closing<'_, T> {
     fn drop(&mut self) {
-        *self.0.closed.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        self.0.closed_changed.notify_all();
+        *self.0.closing.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.0.closing_ended.notify_all();
     }
 }
 
@@ -51,19 +62,19 @@ impl<T> Open<T> {
         Open {
             current: AtomicPtr::new(Arc::as_ptr(&endpoint).cast_mut()),
             owner: Mutex::new(Some(endpoint)),
-            closed: Mutex::new(false),
-            closed_changed: Condvar::new(),
+            closing: Mutex::new(None),
+            closing_ended: Condvar::new(),
         }
     }
 
-    /// Wait until the close of the endpoint another caller took out has finished (call
-    /// without the GIL: that close may need it).
+    /// Wait until a `close()` of this process that took the endpoint out has finished
+    /// (call without the GIL: that close may need it).
     fn wait_closed(&self) {
-        let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
-        while !*closed {
-            closed = self
-                .closed_changed
-                .wait(closed)
+        let mut closing = self.closing.lock().unwrap_or_else(|p| p.into_inner());
+        while closing.is_some_and(|process| process.is_current()) {
+            closing = self
+                .closing_ended
+                .wait(closing)
                 .unwrap_or_else(|p| p.into_inner());
         }
     }
@@ -304,7 +315,7 @@ impl ShmObjectStore {
         match Self::role(slf)? {
             Role::Writer(w) => match w.take() {
                 Some(writer) => {
-                    let _closing = Closing(w);
+                    let _closing = Closing::start(w);
                     // Waits for other threads' operations in progress: without the GIL. The
                     // `Arc` is dropped after, with the GIL (`Open::with`).
                     slf.py().detach(|| writer.close())?;
