@@ -374,12 +374,22 @@ print("judged", flush=True)
 """
 
 
-def test_judging_a_segment_that_another_process_keeps_shrinking_never_kills_the_judge() -> None:
+#: Where the layout keeps its liveness mode (``layout::header::LIVENESS``), and the code of
+#: the pid fallback (``LIVENESS_PIDS``): whoever writes the file chooses either.
+LIVENESS_WORD, LIVENESS_PIDS = 88, 2
+
+
+@pytest.mark.parametrize("liveness", ["locks", "pids"])
+def test_judging_a_segment_that_another_process_keeps_shrinking_never_kills_the_judge(
+    liveness: str,
+) -> None:
     """Whoever can write a file in /dev/shm that looks like a segment can shrink it at any
     moment. Every store's creation judges every such file (to remove orphans), so judging
     one must never touch it through a mapping: a shrunk file is a SIGBUS there."""
     with _core.ShmObjectStore.create(1 << 16) as store:
-        header = (Path(SHM) / store.name).read_bytes()
+        header = bytearray((Path(SHM) / store.name).read_bytes())
+    if liveness == "pids":
+        header[LIVENESS_WORD : LIVENESS_WORD + 8] = LIVENESS_PIDS.to_bytes(8, "little")
     name = f"mmc_shrinking_{os.getpid()}_{time.monotonic_ns()}"
     path = Path(SHM) / name
     path.write_bytes(header)

@@ -8,8 +8,8 @@ use std::time::Duration;
 use super::open_shared;
 use crate::error::{Error, Result};
 use crate::layout::{
-    self, Counter, LAYOUT_VERSION, Layout, Liveness, MEMBERSHIP_LOCK, STORE_CLOSED, SlotState,
-    WRITER_LOCK, WriterId, header, slot,
+    self, Counter, LAYOUT_VERSION, Layout, Liveness, MEMBERSHIP_LOCK, STORE_CLOSED, STORE_LIVE,
+    SlotState, WRITER_LOCK, WriterId, header, slot,
 };
 use crate::segment::{self, Access};
 
@@ -154,19 +154,31 @@ pub fn status(name: &str) -> Result<Status> {
     // /dev/shm that looks like a segment, and whoever can write one may shrink it under a
     // mapping (a SIGBUS, which would kill the process creating a store).
     let header = segment::read_start::<{ header::READER_TABLE as usize }>(name);
-    let err = match header.and_then(|(len, bytes)| Layout::read_bytes(len, &bytes)) {
+    let err = match header.and_then(|(len, bytes)| Ok((Layout::read_bytes(len, &bytes)?, bytes))) {
         // A creator that finished creating after the probe holds its lock now.
-        Ok((_, Liveness::Locks)) if segment::probe_file(name, WRITER_LOCK)?.creator_lock_held => {
+        Ok(((_, Liveness::Locks), _))
+            if segment::probe_file(name, WRITER_LOCK)?.creator_lock_held =>
+        {
             return Ok(Status::Live);
         }
-        Ok((_, Liveness::Locks)) => return Ok(Status::Orphaned("every writer is gone".into())),
-        // The pid fallback (no OFD locks: one writer) reads its writer slot from a mapping.
-        Ok((_, Liveness::Pids)) => match open_shared(name, Access::ReadOnly) {
-            Ok(sh) if sh.any_writer_alive()? => return Ok(Status::Live),
-            Ok(_) => return Ok(Status::Orphaned("its writer's process is gone".into())),
-            Err(Error::NotFound(n)) => return Err(Error::NotFound(n)),
-            Err(err) => err,
-        },
+        Ok(((_, Liveness::Locks), _)) => {
+            return Ok(Status::Orphaned("every writer is gone".into()));
+        }
+        // The pid fallback (no OFD locks: one writer), judged by its header words as
+        // `Shared::any_writer_alive` judges it.
+        Ok(((_, Liveness::Pids), bytes)) => {
+            let word = |offset: u64| word_at(&bytes, offset);
+            let alive = word(header::STORE_STATE) == STORE_LIVE
+                && segment::process_alive(
+                    word(header::CREATOR_PID) as u32,
+                    word(header::CREATOR_START),
+                );
+            return Ok(if alive {
+                Status::Live
+            } else {
+                Status::Orphaned("its writer's process is gone".into())
+            });
+        }
         Err(Error::NotFound(n)) => return Err(Error::NotFound(n)),
         Err(err) => err,
     };
@@ -204,6 +216,15 @@ pub fn status(name: &str) -> Result<Status> {
         return Ok(Status::Undecided("new: it may be being created".into()));
     }
     Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+}
+
+/// The little-endian word at `offset` of `bytes` (0 past their end).
+fn word_at(bytes: &[u8], offset: u64) -> u64 {
+    usize::try_from(offset)
+        .ok()
+        .and_then(|at| bytes.get(at..at.checked_add(8)?))
+        .and_then(|word| <[u8; 8]>::try_from(word).ok())
+        .map_or(0, u64::from_le_bytes)
 }
 
 /// Bytes of a header up to its creator's start time, the last word `status` reads.
