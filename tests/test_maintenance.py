@@ -365,9 +365,10 @@ while True:
 JUDGE = """
 import sys
 from mmcache import MmcacheError, _core
+judge = getattr(_core, sys.argv[2])
 for _ in range(3000):
     try:
-        _core.segment_status(sys.argv[1])
+        judge(sys.argv[1])
     except (OSError, MmcacheError):
         pass
 print("judged", flush=True)
@@ -379,13 +380,17 @@ print("judged", flush=True)
 LIVENESS_WORD, LIVENESS_PIDS = 88, 2
 
 
-@pytest.mark.parametrize("liveness", ["locks", "pids"])
+@pytest.mark.parametrize(
+    ("judge", "liveness"),
+    [("segment_status", "locks"), ("segment_status", "pids"), ("inspect_segment", "locks")],
+)
 def test_judging_a_segment_that_another_process_keeps_shrinking_never_kills_the_judge(
-    liveness: str,
+    judge: str, liveness: str
 ) -> None:
     """Whoever can write a file in /dev/shm that looks like a segment can shrink it at any
-    moment. Every store's creation judges every such file (to remove orphans), so judging
-    one must never touch it through a mapping: a shrunk file is a SIGBUS there."""
+    moment. Every store's creation judges every such file (to remove orphans), and
+    ``mmcache inspect`` reads any such file it is given, so neither may touch it through a
+    mapping: a shrunk file is a SIGBUS there."""
     with _core.ShmObjectStore.create(1 << 16) as store:
         header = bytearray((Path(SHM) / store.name).read_bytes())
     if liveness == "pids":
@@ -399,7 +404,10 @@ def test_judging_a_segment_that_another_process_keeps_shrinking_never_kills_the_
     try:
         assert shrinker.stdout is not None and shrinker.stdout.readline() == "shrinking\n"
         judge = subprocess.run(
-            [sys.executable, "-c", JUDGE, name], capture_output=True, text=True, timeout=TIMEOUT
+            [sys.executable, "-c", JUDGE, name, judge],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
         )
     finally:
         shrinker.kill()

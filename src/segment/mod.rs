@@ -365,6 +365,87 @@ impl Segment {
         })
     }
 
+    /// A private copy of the first `copy` bytes of the segment `name` (the rest reads as
+    /// zeros), read-only, for `inspect`: whoever can write the file may shrink it at any
+    /// moment, a SIGBUS at an access through a mapping of it but never through a copy. Its
+    /// liveness locks are still tested on the file itself.
+    pub fn snapshot(name: &str, copy: usize) -> Result<Segment> {
+        let name = validate_name(name)?.to_owned();
+        let (fd, len) = open_regular(&name, Access::ReadOnly)?;
+        if len == 0 {
+            return Err(Error::Corrupt(format!("segment {name:?} is empty")));
+        }
+        // SAFETY: a fresh private anonymous mapping (null hint), checked before use; only the
+        // pages copied into are ever touched (NORESERVE: the rest costs nothing).
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::os(
+                "mapping a copy of shared memory",
+                io::Error::last_os_error(),
+            ));
+        }
+        let Some(base) = NonNull::new(ptr.cast::<u8>()) else {
+            return Err(Error::os(
+                "mapping a copy of shared memory",
+                io::Error::other("mmap returned null"),
+            ));
+        };
+        let copy = copy.min(len);
+        let mut filled = 0;
+        while filled < copy {
+            // SAFETY: `base + filled .. base + copy` lies inside the private mapping of `len`
+            // bytes made above, which nothing else refers to yet; `pread` writes at most
+            // `copy - filled` bytes there.
+            let got = unsafe {
+                libc::pread(
+                    fd.as_raw_fd(),
+                    base.as_ptr().add(filled).cast(),
+                    copy - filled,
+                    filled as libc::off_t,
+                )
+            };
+            if got == 0 {
+                break; // shrunk meanwhile: the rest reads as zeros (and fails validation)
+            }
+            if got < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                // SAFETY: the mapping made above, referred to by nothing else.
+                unsafe { libc::munmap(ptr, len) };
+                return Err(Error::os(format!("reading {SHM_DIR}/{name}"), err));
+            }
+            filled += got as usize;
+        }
+        Ok(Segment {
+            name,
+            base,
+            view_base: None,
+            len,
+            access: Access::ReadOnly,
+            owner_pid: None,
+            unlinked: AtomicBool::new(false),
+            unlink_on_drop: AtomicBool::new(false),
+            fd,
+            lock_fd: None,
+            creator_locked: false,
+            fault_registrations: Vec::new(),
+            reserved: Reserved::all(len),
+            background_from: None,
+            background: OnceLock::new(),
+        })
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -5,13 +5,13 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::open_shared;
+use super::shared_over;
 use crate::error::{Error, Result};
 use crate::layout::{
     self, Counter, LAYOUT_VERSION, Layout, Liveness, MEMBERSHIP_LOCK, STORE_CLOSED, STORE_LIVE,
     SlotState, WRITER_LOCK, WriterId, header, slot,
 };
-use crate::segment::{self, Access};
+use crate::segment::{self, Segment};
 
 /// One reader slot as `inspect` sees it.
 #[derive(Debug, Clone)]
@@ -38,7 +38,8 @@ pub struct WriterSlotInfo {
     pub alive: bool,
 }
 
-/// A segment's header, read through a read-only mapping (no slot claimed, nothing written).
+/// A segment's header, read from a private copy of its header and slot tables (no slot
+/// claimed, nothing written).
 #[derive(Debug, Clone)]
 pub struct SegmentInfo {
     pub name: String,
@@ -59,7 +60,13 @@ pub struct SegmentInfo {
 /// Read the header, counters, reader and writer slots of the segment `name` (see
 /// [`SegmentInfo`]).
 pub fn inspect(name: &str) -> Result<SegmentInfo> {
-    let sh = open_shared(name, Access::ReadOnly)?;
+    // Read from a copy of the header and the slot tables, not through a mapping of the file:
+    // whoever can write it may shrink it meanwhile, a SIGBUS under a mapping.
+    let (len, bytes) = segment::read_start::<{ header::READER_TABLE as usize }>(name)?;
+    let (layout, _) = Layout::read_bytes(len, &bytes)?;
+    let tables = usize::try_from(layout.bucket_offset(0))
+        .map_err(|_| Error::Corrupt("slot tables larger than this host's memory".into()))?;
+    let sh = shared_over(Segment::snapshot(name, tables)?)?;
     let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
     let writer_closed = load(header::STORE_STATE)? == STORE_CLOSED;
     let mut readers = Vec::new();
