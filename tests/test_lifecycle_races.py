@@ -198,3 +198,117 @@ def test_a_join_overlapping_the_last_writers_death_fails_or_keeps_the_name() -> 
         "no longer has a name"
     )
     mmcache.prune()
+
+
+#: A thread's close() held at its unlink; made into a program by a first line that sets
+#: ``name`` and what follows.
+CLOSING = """
+import os, threading, time
+from pathlib import Path
+from mmcache import _core
+store = _core.ShmObjectStore.create(1 << 16, name=name)
+first = threading.Thread(target=store.close)
+first.start()
+deadline = time.monotonic() + 60
+# The first close is held at its unlink (strace): the store is closing, its name still there.
+while Path(f"/proc/self/task/{first.native_id}/syscall").read_text().split()[0] not in (
+    "87", "263"
+):
+    assert time.monotonic() < deadline, "the first close never reached its unlink"
+    time.sleep(0.01)
+"""
+
+
+def test_a_close_that_overlaps_another_threads_close_returns_with_the_store_closed() -> None:
+    name = fresh_name()
+    inject = f"unlink,unlinkat:delay_enter={DELAY_US}"
+    code = (
+        f"name = {name!r}"
+        + CLOSING
+        + "store.close()\n"
+        + "print('linked' if os.path.exists('/dev/shm/' + name) else 'gone', flush=True)\n"
+        + "first.join()\n"
+    )
+    with traced(code, inject, stdout=subprocess.PIPE) as closers:
+        assert closers.stdout is not None
+        answer = closers.stdout.readline().decode().strip()
+        assert closers.wait(DEADLINE_S) == 0
+    # A second close() returning at once, mid-way through the first, would leave the name
+    # there: a store re-created under it right after would fail with FileExistsError.
+    assert answer == "gone", "close() returned while another thread's close was still closing"
+    assert not (SHM / name).exists()
+
+
+ATTACHER = """
+import pickle, sys
+from mmcache import _core
+name, handle = sys.argv[1], pickle.loads(bytes.fromhex(sys.argv[2]))
+try:
+    _core.ShmObjectStore.attach(handle)
+except FileNotFoundError:
+    print("refused", sum(name in line for line in open("/proc/self/maps")), flush=True)
+else:
+    print("attached", flush=True)
+"""
+
+
+def test_an_attach_that_finds_the_name_gone_half_way_keeps_no_mapping_of_the_segment() -> None:
+    """A reader opens the segment's file twice (its mapping, then its liveness locks): the
+    last writer's close may remove the name in between. The attach then fails, and must not
+    keep the segment mapped: its pages would stay allocated in /dev/shm while it runs."""
+    with _core.ShmObjectStore.create(1 << 20) as store:
+        handle = pickle.dumps(store.handle()).hex()
+        path = SHM / store.name
+        # The second open of the file finds no name (as after the last writer's unlink).
+        result = subprocess.run(
+            [
+                "strace",
+                "-f",
+                "-qq",
+                "-o",
+                "/dev/null",
+                "-P",
+                str(path),
+                "-e",
+                "trace=open,openat",
+                "-e",
+                "inject=open,openat:error=ENOENT:when=2",
+                sys.executable,
+                "-c",
+                ATTACHER,
+                store.name,
+                handle,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+        )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["refused", "0"], result.stdout
+
+
+def test_a_forked_childs_close_never_waits_for_a_close_its_parent_has_in_progress() -> None:
+    """A child forked while a thread of its parent closes the store inherits the store
+    closing: that thread does not exist in the child, so the child's close() must return
+    (its copy never acts for the parent) rather than wait for it."""
+    name = fresh_name()
+    code = (
+        f"name = {name!r}"
+        + CLOSING
+        + "import signal\n"
+        + "child = os.fork()\n"
+        + "if child == 0:\n"
+        + "    signal.alarm(20)  # ends a child that waits for ever\n"
+        + "    store.close()\n"
+        + "    os._exit(0)\n"
+        + "status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])\n"
+        + "print('child', status, flush=True)\n"
+        + "first.join()\n"
+    )
+    inject = f"unlink,unlinkat:delay_enter={DELAY_US}"
+    with traced(code, inject, stdout=subprocess.PIPE) as closers:
+        assert closers.stdout is not None
+        answer = closers.stdout.readline().decode().split()
+        assert closers.wait(DEADLINE_S) == 0
+    assert answer == ["child", "0"], f"the child's close() never returned: {answer}"
+    assert not (SHM / name).exists()

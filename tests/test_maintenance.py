@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -236,3 +237,180 @@ def test_a_creation_never_removes_a_segment_another_process_is_still_creating() 
         if os.path.exists(f"{SHM}/{name}"):
             _core.unlink_segment(name)
     assert creator.returncode == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Names: anyone may put any file name in /dev/shm, and the commands print the names they find
+
+
+#: Rich markup, an emoji code and a terminal escape (red text): none may act on the output.
+HOSTILE = "[bold]x[/bold]:smile:\x1b[31m"
+
+
+@pytest.fixture
+def hostile_store() -> Iterator[_core.ShmObjectStore]:
+    """A live segment whose name is full of what a terminal or rich would interpret."""
+    name = f"mmc_hostile_{os.getpid()}_{time.monotonic_ns()}_{HOSTILE}".replace("/", "")
+    with _core.ShmObjectStore.create(1 << 20, name=name) as store:
+        yield store
+
+
+def test_inspect_prints_a_hostile_name_as_it_is_never_as_markup_or_terminal_escapes(
+    hostile_store: _core.ShmObjectStore,
+) -> None:
+    name = hostile_store.name
+    assert "\x1b" in name and "[bold]" in name
+    shown = ascii(name)  # what the commands print for a name with control characters
+    for args in (("inspect", name), ("inspect",)):
+        result = mmcache(*args)
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stdout, f"{args}: a terminal escape reached the output"
+        # The table may wrap the title: compare without white space (the name has none).
+        unwrapped = "".join(result.stdout.split())
+        assert shown in unwrapped, f"{args}: {result.stdout[:300]!r}"
+
+
+def test_prune_prints_a_hostile_name_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mmcache import cli, maintenance
+
+    name = f"mmc_{HOSTILE}"
+    monkeypatch.setattr(maintenance, "prune", lambda *, dry_run=False: [name])
+    assert cli.main(["prune", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and f"would remove {name!a}" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Another mmcache version's segment: its layout is not this build's, nor (maybe) its locks
+
+
+def test_another_versions_segment_under_a_chosen_name_is_never_removed() -> None:
+    """Its name carries no creator pid (a generated one does), and that version may take no
+    locks: nothing tells whether its creator still runs, so neither prune nor a store's
+    creation may remove it (its readers would find no segment to attach to)."""
+    with _core.ShmObjectStore.create(1 << 16) as store:
+        ours = (Path(SHM) / store.name).read_bytes()
+    version = int.from_bytes(ours[8:16], "little")  # the header: magic, layout version, ...
+    name = f"other_version_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(ours[:8] + (version + 1).to_bytes(8, "little") + ours[16:])
+    try:
+        assert name in _core.list_segments()  # found by its magic
+        status, why = _core.segment_status(name)
+        assert status == "undecided", why
+        assert name not in prune(dry_run=True)
+        with _core.ShmObjectStore.create(1 << 16):
+            assert path.exists(), "a store's creation removed another version's segment"
+        assert name not in prune() and path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_creation_under_a_name_whose_file_someone_keeps_locked_fails_clearly() -> None:
+    """A creation under a chosen name first removes an orphan of that name, waiting for
+    whoever else may be removing it (they lock the file a moment). A file of that name that
+    another program keeps locked must not make it wait for ever: the name is taken."""
+    name = f"locked_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(bytes(4096))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys; f = open(sys.argv[1], 'r+b'); fcntl.lockf(f, fcntl.LOCK_EX); "
+            "print('locked', flush=True); sys.stdin.read()",
+            str(path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    code = (
+        "import sys; from mmcache import _core\n"
+        "try:\n"
+        "    _core.ShmObjectStore.create(1 << 16, name=sys.argv[1])\n"
+        "except FileExistsError:\n"
+        "    print('exists')\n"
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        try:
+            creation = subprocess.run(
+                [sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("the creation waited for the lock on the name's file for ever")
+        assert creation.stdout.split() == ["exists"], creation.stderr
+        assert path.read_bytes() == bytes(4096), "the other program's file was changed"
+    finally:
+        holder.communicate("")
+        path.unlink(missing_ok=True)
+
+
+SHRINKER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+size, header = os.fstat(fd).st_size, os.pread(fd, 4096, 0)
+print("shrinking", flush=True)
+while True:
+    os.ftruncate(fd, 0)
+    time.sleep(0.0002)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, header, 0)
+    time.sleep(0.0002)
+"""
+
+JUDGE = """
+import sys
+from mmcache import MmcacheError, _core
+judge = getattr(_core, sys.argv[2])
+for _ in range(3000):
+    try:
+        judge(sys.argv[1])
+    except (OSError, MmcacheError):
+        pass
+print("judged", flush=True)
+"""
+
+
+#: Where the layout keeps its liveness mode (``layout::header::LIVENESS``), and the code of
+#: the pid fallback (``LIVENESS_PIDS``): whoever writes the file chooses either.
+LIVENESS_WORD, LIVENESS_PIDS = 88, 2
+
+
+@pytest.mark.parametrize(
+    ("judge", "liveness"),
+    [("segment_status", "locks"), ("segment_status", "pids"), ("inspect_segment", "locks")],
+)
+def test_judging_a_segment_that_another_process_keeps_shrinking_never_kills_the_judge(
+    judge: str, liveness: str
+) -> None:
+    """Whoever can write a file in /dev/shm that looks like a segment can shrink it at any
+    moment. Every store's creation judges every such file (to remove orphans), and
+    ``mmcache inspect`` reads any such file it is given, so neither may touch it through a
+    mapping: a shrunk file is a SIGBUS there."""
+    with _core.ShmObjectStore.create(1 << 16) as store:
+        header = bytearray((Path(SHM) / store.name).read_bytes())
+    if liveness == "pids":
+        header[LIVENESS_WORD : LIVENESS_WORD + 8] = LIVENESS_PIDS.to_bytes(8, "little")
+    name = f"mmc_shrinking_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(header)
+    shrinker = subprocess.Popen(
+        [sys.executable, "-c", SHRINKER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert shrinker.stdout is not None and shrinker.stdout.readline() == "shrinking\n"
+        judge = subprocess.run(
+            [sys.executable, "-c", JUDGE, name, judge],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    finally:
+        shrinker.kill()
+        shrinker.communicate()
+        path.unlink(missing_ok=True)
+    assert (judge.returncode, judge.stdout) == (0, "judged\n"), judge.stderr[-500:]

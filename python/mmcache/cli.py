@@ -434,8 +434,16 @@ def _bench(args: argparse.Namespace) -> int:
 # inspect and prune
 
 
+def _shown(name: str) -> str:
+    """A segment name as the commands print it: as it is, or, if it has control characters,
+    as a Python string literal. Anyone may name a file in ``/dev/shm`` (and ``mmc_`` files are
+    listed whatever they hold): its escape sequences must not drive the reader's terminal."""
+    return name if name.isprintable() else ascii(name)
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     from mmcache import MmcacheError
     from mmcache.maintenance import inspect
@@ -449,7 +457,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     except (MmcacheError, OSError, ValueError) as exc:
         # Not a segment (a FIFO, a directory, a link, a path outside /dev/shm), or corrupt.
-        print(f"mmcache inspect: error: {args.name}: {exc}", file=sys.stderr)
+        print(f"mmcache inspect: error: {_shown(args.name)}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     console = _stdout_console()
     if args.json:
@@ -457,7 +465,11 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     readers = info.pop("readers", [])
     writers = info.pop("writers", [])
-    summary = Table(title=f"segment {args.name}", title_justify="left", show_header=False)
+    # A `Text`, not a string: rich would take markup (`[bold]`) and emoji codes in the name
+    # for its own and print another name.
+    summary = Table(
+        title=Text(f"segment {_shown(args.name)}"), title_justify="left", show_header=False
+    )
     summary.add_column(style="bold")
     summary.add_column(justify="right")
     for key in ("capacity", "bytes_in_use", "occupancy", "objects", "creator_pid", "creator_alive"):
@@ -506,7 +518,7 @@ def _list_segments(*, as_json: bool) -> int:
             "undecided": f"left alone ({entry['why']})",
             "unreadable": f"unreadable ({entry['why']})",
         }[entry["status"]]
-        print(f"{entry['name']}  {state}")
+        print(f"{_shown(entry['name'])}  {state}")
     return 0
 
 
@@ -533,7 +545,7 @@ def _prune(args: argparse.Namespace) -> int:
     names = prune(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for name in names:
-        print(f"{verb} {name}")
+        print(f"{verb} {_shown(name)}")
     if not names:
         print("no segment left behind by a dead process")
     return 0

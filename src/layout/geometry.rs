@@ -260,14 +260,43 @@ impl Layout {
     /// here, never a second load of a word another process may change meanwhile.
     pub fn read(seg: &Segment) -> Result<(Layout, Liveness)> {
         if (seg.len() as u64) < header::READER_TABLE {
-            return Err(Error::Corrupt(format!(
-                "segment is {} bytes, smaller than a header",
-                seg.len()
-            )));
+            return Err(Layout::too_small(seg.len()));
         }
         // Acquire pairs with the Release store of STORE_STATE in `write`.
         let state = seg.atomic(header::STORE_STATE)?.load(Ordering::Acquire);
-        let load = |offset: u64| -> Result<u64> { Ok(seg.atomic(offset)?.load(Ordering::Relaxed)) };
+        Layout::parse(seg.len(), state, |offset| {
+            Ok(seg.atomic(offset)?.load(Ordering::Relaxed))
+        })
+    }
+
+    /// [`Layout::read`] of a header read as bytes (its first [`header::READER_TABLE`]) from a
+    /// file of `len` bytes, not mapped.
+    pub fn read_bytes(len: usize, bytes: &[u8]) -> Result<(Layout, Liveness)> {
+        if (len as u64) < header::READER_TABLE || (bytes.len() as u64) < header::READER_TABLE {
+            return Err(Layout::too_small(len));
+        }
+        let load = |offset: u64| -> Result<u64> {
+            let at = offset as usize;
+            let word = bytes
+                .get(at..at + 8)
+                .and_then(|w| <[u8; 8]>::try_from(w).ok())
+                .ok_or_else(|| Error::Corrupt(format!("header word {offset} out of range")))?;
+            Ok(u64::from_le_bytes(word))
+        };
+        Layout::parse(len, load(header::STORE_STATE)?, load)
+    }
+
+    fn too_small(len: usize) -> Error {
+        Error::Corrupt(format!("segment is {len} bytes, smaller than a header"))
+    }
+
+    /// Validate the header of a segment of `len` bytes whose store state is `state`, its
+    /// other words loaded by `load` (see [`Layout::read`]).
+    fn parse(
+        len: usize,
+        state: u64,
+        load: impl Fn(u64) -> Result<u64>,
+    ) -> Result<(Layout, Liveness)> {
         let magic = load(header::MAGIC)?;
         if magic != MAGIC {
             return Err(Error::Corrupt(format!("bad magic {magic:#018x}")));
@@ -307,11 +336,11 @@ impl Layout {
         {
             return Err(Error::Corrupt("header sizes are inconsistent".into()));
         }
-        if expected.total_len() != seg.len() as u64 {
+        if expected.total_len() != len as u64 {
             return Err(Error::Corrupt(format!(
                 "header says {} bytes but the segment is {} bytes",
                 expected.total_len(),
-                seg.len()
+                len
             )));
         }
         Ok((expected, liveness))

@@ -6,7 +6,7 @@
 //! one.
 
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -19,6 +19,7 @@ use super::handles::{ReaderHandle, ShmHandle, WriterHandle};
 use super::writer::{ShmWriter, read_copy};
 use crate::error::Error;
 use crate::layout::{Config, Layout};
+use crate::segment::Process;
 use crate::store::{Reader, ReaderInfo, Stats, Writer};
 
 /// A writer or reader until `close()`, after which every use is a `ClosedError`.
@@ -28,6 +29,32 @@ pub(super) struct Open<T> {
     /// to end ([`Open::with`]): they borrow it without touching a lock or a reference count,
     /// which is most of what a hit costs otherwise.
     current: AtomicPtr<T>,
+    /// The process whose `close()` took the endpoint out and is closing it (`None` before
+    /// and after): a `close()` that finds it taken waits for that one, so that every
+    /// `close()` returns with the store closed (and its name gone, if it was the last
+    /// writer), not while another thread closes it. A forked child does not wait: the thread
+    /// closing is its parent's, and the child's copy never acts for the parent.
+    closing: Mutex<Option<Process>>,
+    closing_ended: Condvar,
+}
+
+/// A `close()` of the endpoint in progress (started with the GIL held, right after the
+/// endpoint was taken); ended when dropped, whether it succeeded, failed or panicked, so a
+/// waiting `close()` never hangs.
+struct Closing<'a, T>(&'a Open<T>);
+
+impl<'a, T> Closing<'a, T> {
+    fn start(open: &'a Open<T>) -> Self {
+        *open.closing.lock().unwrap_or_else(|p| p.into_inner()) = Some(Process::current());
+        Closing(open)
+    }
+}
+
+impl<T> Drop for Closing<'_, T> {
+    fn drop(&mut self) {
+        *self.0.closing.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.0.closing_ended.notify_all();
+    }
 }
 
 impl<T> Open<T> {
@@ -35,6 +62,20 @@ impl<T> Open<T> {
         Open {
             current: AtomicPtr::new(Arc::as_ptr(&endpoint).cast_mut()),
             owner: Mutex::new(Some(endpoint)),
+            closing: Mutex::new(None),
+            closing_ended: Condvar::new(),
+        }
+    }
+
+    /// Wait until a `close()` of this process that took the endpoint out has finished
+    /// (call without the GIL: that close may need it).
+    fn wait_closed(&self) {
+        let mut closing = self.closing.lock().unwrap_or_else(|p| p.into_inner());
+        while closing.is_some_and(|process| process.is_current()) {
+            closing = self
+                .closing_ended
+                .wait(closing)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -272,13 +313,16 @@ impl ShmObjectStore {
     /// (its slot drains: freed now, or when its last zero-copy view is gone). Idempotent.
     fn close(slf: &Bound<'_, Self>) -> PyResult<()> {
         match Self::role(slf)? {
-            Role::Writer(w) => {
-                if let Some(writer) = w.take() {
+            Role::Writer(w) => match w.take() {
+                Some(writer) => {
+                    let _closing = Closing::start(w);
                     // Waits for other threads' operations in progress: without the GIL. The
                     // `Arc` is dropped after, with the GIL (`Open::with`).
                     slf.py().detach(|| writer.close())?;
                 }
-            }
+                // Another thread's `close()` is closing it: return once that one has.
+                None => slf.py().detach(|| w.wait_closed()),
+            },
             Role::Reader(r) => {
                 if let Some(reader) = r.take() {
                     reader.close();

@@ -4,7 +4,7 @@
 
 use std::io;
 use std::os::fd::OwnedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::fork::LockFd;
 use super::os::{SHM_DIR, flock, fstat, lock_held, ofd_fcntl, open_regular, unlink};
@@ -23,21 +23,23 @@ pub struct NameLock {
 
 impl NameLock {
     /// Open `/dev/shm/<name>` and take the exclusive lock on `range` through a new open file
-    /// description, waiting for it if `wait`: `None` if the name is gone, or, without `wait`,
-    /// if another description holds a lock there.
-    pub fn take(name: &str, range: LockRange, wait: bool) -> Result<Option<NameLock>> {
+    /// description, waiting up to `wait` for it: `None` if the name is gone, or if another
+    /// description holds a lock there for longer. The wait is bounded, not `F_OFD_SETLKW`:
+    /// any process that can open a file of that name may lock it for as long as it likes.
+    pub fn take(name: &str, range: LockRange, wait: Duration) -> Result<Option<NameLock>> {
         let fd = match LockFd::open(|| open_regular(name, Access::ReadWrite).map(|(fd, _)| fd)) {
             Ok(fd) => fd,
             Err(Error::NotFound(_)) => return Ok(None),
             Err(e) => return Err(e),
         };
-        let cmd = if wait {
-            libc::F_OFD_SETLKW
-        } else {
-            libc::F_OFD_SETLK
-        };
+        let deadline = Instant::now() + wait;
+        let mut pause = Duration::from_micros(50);
         loop {
-            match ofd_fcntl(fd.fd(), cmd, &mut flock(libc::F_WRLCK as _, range)) {
+            match ofd_fcntl(
+                fd.fd(),
+                libc::F_OFD_SETLK,
+                &mut flock(libc::F_WRLCK as _, range),
+            ) {
                 Ok(()) => {
                     return Ok(Some(NameLock {
                         name: name.to_owned(),
@@ -46,7 +48,12 @@ impl NameLock {
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
-                    return Ok(None);
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Ok(None);
+                    }
+                    std::thread::sleep(pause.min(deadline - now));
+                    pause = (pause * 2).min(Duration::from_millis(10));
                 }
                 Err(e) => return Err(Error::os("locking a segment to remove it", e)),
             }

@@ -66,8 +66,8 @@ use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};
 pub use os::{
     FileProbe, SHM_DIR, current_pid, kill_self, list_files, lower_thread_priority, pid_exists,
-    probe_file, process_alive, process_start_time, random_bytes, read_prefix, shm_free_bytes,
-    unlink,
+    probe_file, process_alive, process_start_time, random_bytes, read_prefix, read_start,
+    shm_free_bytes, unlink,
 };
 use os::{flock, locks_unsupported, ofd_fcntl, open_error, open_regular};
 use reserve::{Background, Reserved, Unpopulated};
@@ -319,6 +319,13 @@ impl Segment {
         if len == 0 {
             return Err(Error::Corrupt(format!("segment {name:?} is empty")));
         }
+        // Before anything is mapped: the name may be gone by now (the last writer closing),
+        // and a failure after the mappings would leave them, and so the segment's pages,
+        // allocated for as long as this process runs.
+        let lock_fd = match access {
+            Access::ReadWrite => Some(open_lock_fd(name)?),
+            Access::ReadOnly => None,
+        };
         let base = map(&fd, len, access).map_err(|e| Error::os("mapping shared memory", e))?;
         // Not populated: a reader's views fault their pages in as they are read (read faults
         // map several pages at a time), and attaching costs the same whatever the size.
@@ -334,10 +341,6 @@ impl Segment {
         if let Some(view) = view_base {
             faults.push(fault::register(view.as_ptr(), len, fault::Mapping::Views));
         }
-        let lock_fd = match access {
-            Access::ReadWrite => Some(open_lock_fd(name)?),
-            Access::ReadOnly => None,
-        };
         Ok(Segment {
             name: validate_name(name)?.to_owned(),
             base,
@@ -357,6 +360,87 @@ impl Segment {
                 Some(_) => Reserved::prefix(len, 0),
                 None => Reserved::all(len),
             },
+            background_from: None,
+            background: OnceLock::new(),
+        })
+    }
+
+    /// A private copy of the first `copy` bytes of the segment `name` (the rest reads as
+    /// zeros), read-only, for `inspect`: whoever can write the file may shrink it at any
+    /// moment, a SIGBUS at an access through a mapping of it but never through a copy. Its
+    /// liveness locks are still tested on the file itself.
+    pub fn snapshot(name: &str, copy: usize) -> Result<Segment> {
+        let name = validate_name(name)?.to_owned();
+        let (fd, len) = open_regular(&name, Access::ReadOnly)?;
+        if len == 0 {
+            return Err(Error::Corrupt(format!("segment {name:?} is empty")));
+        }
+        // SAFETY: a fresh private anonymous mapping (null hint), checked before use; only the
+        // pages copied into are ever touched (NORESERVE: the rest costs nothing).
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::os(
+                "mapping a copy of shared memory",
+                io::Error::last_os_error(),
+            ));
+        }
+        let Some(base) = NonNull::new(ptr.cast::<u8>()) else {
+            return Err(Error::os(
+                "mapping a copy of shared memory",
+                io::Error::other("mmap returned null"),
+            ));
+        };
+        let copy = copy.min(len);
+        let mut filled = 0;
+        while filled < copy {
+            // SAFETY: `base + filled .. base + copy` lies inside the private mapping of `len`
+            // bytes made above, which nothing else refers to yet; `pread` writes at most
+            // `copy - filled` bytes there.
+            let got = unsafe {
+                libc::pread(
+                    fd.as_raw_fd(),
+                    base.as_ptr().add(filled).cast(),
+                    copy - filled,
+                    filled as libc::off_t,
+                )
+            };
+            if got == 0 {
+                break; // shrunk meanwhile: the rest reads as zeros (and fails validation)
+            }
+            if got < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                // SAFETY: the mapping made above, referred to by nothing else.
+                unsafe { libc::munmap(ptr, len) };
+                return Err(Error::os(format!("reading {SHM_DIR}/{name}"), err));
+            }
+            filled += got as usize;
+        }
+        Ok(Segment {
+            name,
+            base,
+            view_base: None,
+            len,
+            access: Access::ReadOnly,
+            owner_pid: None,
+            unlinked: AtomicBool::new(false),
+            unlink_on_drop: AtomicBool::new(false),
+            fd,
+            lock_fd: None,
+            creator_locked: false,
+            fault_registrations: Vec::new(),
+            reserved: Reserved::all(len),
             background_from: None,
             background: OnceLock::new(),
         })

@@ -90,6 +90,27 @@ pub fn read_prefix<const N: usize>(name: &str) -> Result<[u8; N]> {
     Ok(out)
 }
 
+/// The size of `/dev/shm/<name>` and up to its first `N` bytes (zeros past its end), read
+/// rather than mapped: whoever can write the file may shrink it at any moment, which would be
+/// a SIGBUS at a mapped access, and is a short read here (regular files only; see
+/// [`Segment::open`](super::Segment::open)).
+pub fn read_start<const N: usize>(name: &str) -> Result<(usize, [u8; N])> {
+    use std::os::unix::fs::FileExt;
+    let (fd, len) = open_regular(name, Access::ReadOnly)?;
+    let file = fs::File::from(fd);
+    let mut out = [0u8; N];
+    let mut filled = 0;
+    while filled < N {
+        match file.read_at(&mut out[filled..], filled as u64) {
+            Ok(0) => break,
+            Ok(got) => filled += got,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::os(format!("reading {SHM_DIR}/{name}"), e)),
+        }
+    }
+    Ok((len, out))
+}
+
 /// What `prune` needs to know of a name in `/dev/shm`, read without mapping it.
 #[derive(Clone, Copy, Debug)]
 pub struct FileProbe {

@@ -3,14 +3,15 @@
 //! of a segment's writers lives: what `prune` decides).
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
-use super::open_shared;
+use super::shared_over;
 use crate::error::{Error, Result};
 use crate::layout::{
-    self, Counter, LAYOUT_VERSION, Layout, Liveness, MEMBERSHIP_LOCK, STORE_CLOSED, SlotState,
-    WRITER_LOCK, WriterId, header, slot,
+    self, Counter, LAYOUT_VERSION, Layout, Liveness, MEMBERSHIP_LOCK, STORE_CLOSED, STORE_LIVE,
+    SlotState, WRITER_LOCK, WriterId, header, slot,
 };
-use crate::segment::{self, Access};
+use crate::segment::{self, Segment};
 
 /// One reader slot as `inspect` sees it.
 #[derive(Debug, Clone)]
@@ -37,7 +38,8 @@ pub struct WriterSlotInfo {
     pub alive: bool,
 }
 
-/// A segment's header, read through a read-only mapping (no slot claimed, nothing written).
+/// A segment's header, read from a private copy of its header and slot tables (no slot
+/// claimed, nothing written).
 #[derive(Debug, Clone)]
 pub struct SegmentInfo {
     pub name: String,
@@ -58,7 +60,13 @@ pub struct SegmentInfo {
 /// Read the header, counters, reader and writer slots of the segment `name` (see
 /// [`SegmentInfo`]).
 pub fn inspect(name: &str) -> Result<SegmentInfo> {
-    let sh = open_shared(name, Access::ReadOnly)?;
+    // Read from a copy of the header and the slot tables, not through a mapping of the file:
+    // whoever can write it may shrink it meanwhile, a SIGBUS under a mapping.
+    let (len, bytes) = segment::read_start::<{ header::READER_TABLE as usize }>(name)?;
+    let (layout, _) = Layout::read_bytes(len, &bytes)?;
+    let tables = usize::try_from(layout.bucket_offset(0))
+        .map_err(|_| Error::Corrupt("slot tables larger than this host's memory".into()))?;
+    let sh = shared_over(Segment::snapshot(name, tables)?)?;
     let load = |field: u64| -> Result<u64> { Ok(sh.header(field)?.load(Ordering::Acquire)) };
     let writer_closed = load(header::STORE_STATE)? == STORE_CLOSED;
     let mut readers = Vec::new();
@@ -141,21 +149,41 @@ pub enum Status {
 /// gives the file a size, so a file that had a size while the lock was free is orphaned at
 /// once, valid or half-made; only an empty one is given [`CREATION_GRACE_SECS`]. A segment
 /// of the pid fallback (one writer), or of another layout version, is judged by its
-/// creator's pid.
+/// creator's pid (one of another version by the pid in its generated name; under a chosen
+/// name it is left).
 pub fn status(name: &str) -> Result<Status> {
     // The size is read before the lock is tested (see `probe_file`).
     let probe = segment::probe_file(name, WRITER_LOCK)?;
     if probe.creator_lock_held {
         return Ok(Status::Live);
     }
-    let err = match open_shared(name, Access::ReadOnly) {
-        Ok(sh) => {
-            return Ok(match sh.liveness {
-                // A creator that finished creating after the probe holds its lock now.
-                Liveness::Locks if sh.seg.lock_held(WRITER_LOCK)? => Status::Live,
-                Liveness::Locks => Status::Orphaned("every writer is gone".into()),
-                Liveness::Pids if sh.any_writer_alive()? => Status::Live,
-                Liveness::Pids => Status::Orphaned("its writer's process is gone".into()),
+    // The header is read, not mapped: this runs in every store's creation, on any file in
+    // /dev/shm that looks like a segment, and whoever can write one may shrink it under a
+    // mapping (a SIGBUS, which would kill the process creating a store).
+    let header = segment::read_start::<{ header::READER_TABLE as usize }>(name);
+    let err = match header.and_then(|(len, bytes)| Ok((Layout::read_bytes(len, &bytes)?, bytes))) {
+        // A creator that finished creating after the probe holds its lock now.
+        Ok(((_, Liveness::Locks), _))
+            if segment::probe_file(name, WRITER_LOCK)?.creator_lock_held =>
+        {
+            return Ok(Status::Live);
+        }
+        Ok(((_, Liveness::Locks), _)) => {
+            return Ok(Status::Orphaned("every writer is gone".into()));
+        }
+        // The pid fallback (no OFD locks: one writer), judged by its header words as
+        // `Shared::any_writer_alive` judges it.
+        Ok(((_, Liveness::Pids), bytes)) => {
+            let word = |offset: u64| word_at(&bytes, offset);
+            let alive = word(header::STORE_STATE) == STORE_LIVE
+                && segment::process_alive(
+                    word(header::CREATOR_PID) as u32,
+                    word(header::CREATOR_START),
+                );
+            return Ok(if alive {
+                Status::Live
+            } else {
+                Status::Orphaned("its writer's process is gone".into())
             });
         }
         Err(Error::NotFound(n)) => return Err(Error::NotFound(n)),
@@ -166,12 +194,19 @@ pub fn status(name: &str) -> Result<Status> {
     if let Some(words) = ours {
         let word = |offset: u64| words.get((offset / 8) as usize).copied().unwrap_or(0);
         if word(header::VERSION) != LAYOUT_VERSION {
-            // Made by another version, which may not take locks: trust its name's pid.
+            // Made by another version, which may not take locks: trust its name's pid. A
+            // name its creator chose carries none, and nothing else tells whether that
+            // creator runs (that version's header is not ours to read): leave it.
             return Ok(match segment::pid_in_name(name) {
                 Some(pid) if segment::pid_exists(pid) => Status::Undecided(format!(
                     "made by another mmcache version; its creator (pid {pid}) may still run"
                 )),
-                _ => Status::Orphaned("made by another mmcache version, creator gone".into()),
+                Some(_) => Status::Orphaned("made by another mmcache version, creator gone".into()),
+                None => Status::Undecided(
+                    "made by another mmcache version under a chosen name, which does not \
+                     tell whether its creator still runs"
+                        .into(),
+                ),
             });
         }
         // Its liveness word may be what is damaged: the pid fallback's rule still holds.
@@ -188,6 +223,15 @@ pub fn status(name: &str) -> Result<Status> {
         return Ok(Status::Undecided("new: it may be being created".into()));
     }
     Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+}
+
+/// The little-endian word at `offset` of `bytes` (0 past their end).
+fn word_at(bytes: &[u8], offset: u64) -> u64 {
+    usize::try_from(offset)
+        .ok()
+        .and_then(|at| bytes.get(at..at.checked_add(8)?))
+        .and_then(|word| <[u8; 8]>::try_from(word).ok())
+        .map_or(0, u64::from_le_bytes)
 }
 
 /// Bytes of a header up to its creator's start time, the last word `status` reads.
@@ -218,13 +262,20 @@ pub fn remove_orphans() -> Vec<String> {
         .collect()
 }
 
+/// How long [`remove_if_orphaned`] waits, if asked to, for whoever else holds the lock it
+/// takes: a joiner, a leaving writer or another remover holds it for a few system calls; a
+/// file of that name that another program keeps locked must not hold it up for ever.
+const REMOVER_WAIT: Duration = Duration::from_secs(5);
+
 /// Remove segment `name` if [`status`] finds it orphaned, judged while holding the exclusive
 /// [`MEMBERSHIP_LOCK`] of the file the name refers to: no writer can join it meanwhile, and
 /// nobody else can remove the name (every remover holds that lock, a last writer leaving
 /// included), so the name cannot be given to a new store between the verdict and the removal.
 /// Returns whether it removed it; `false` when the name is gone, is another file than when
-/// locked, is not orphaned, or (without `wait`) is being joined, left or removed by someone.
+/// locked, is not orphaned, or is being joined, left or removed by someone (with `wait`: for
+/// longer than [`REMOVER_WAIT`]).
 pub fn remove_if_orphaned(name: &str, wait: bool) -> Result<bool> {
+    let wait = if wait { REMOVER_WAIT } else { Duration::ZERO };
     let Some(lock) = segment::NameLock::take(name, MEMBERSHIP_LOCK, wait)? else {
         return Ok(false);
     };
