@@ -148,6 +148,7 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     ops = {row["op"] for row in rows}
     core = {"memcpy (numpy)", "put (first lap)", "put", "lookup", "get (copy)", "get (zero-copy)"}
+    core.add("put (full index)")  # for objects under 16 KiB only
     cache = {"cache put", "cache lookup", "cache hit", "cache get (copy)", "cache get (zero-copy)"}
     assert ops == core | cache
     assert {row["size"] for row in rows} == {4 << 10, 64 << 10, 1 << 20, 16 << 20}
@@ -162,6 +163,7 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
         "memcpy (numpy)",
         "put (first lap)",
         "put",
+        "put (full index)",
         "cache put",
         "lookup",
         "cache lookup",
