@@ -149,7 +149,7 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     ops = {row["op"] for row in rows}
     core = {"memcpy (numpy)", "put (first lap)", "put", "lookup", "get (copy)", "get (zero-copy)"}
     cache = {"cache put", "cache lookup", "cache hit", "cache get (copy)", "cache get (zero-copy)"}
-    assert ops == core | cache | {"put (full index)"}
+    assert ops == core | cache | {"put (full index)", "put (stalled reader)"}
     assert {row["size"] for row in rows} == {4 << 10, 64 << 10, 1 << 20, 16 << 20}
     # Only objects under 16 KiB fill the default key index before the ring.
     assert {row["size"] for row in rows if row["op"] == "put (full index)"} == {4 << 10}
@@ -165,6 +165,7 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
         "put (first lap)",
         "put",
         "put (full index)",
+        "put (stalled reader)",
         "cache put",
         "lookup",
         "cache lookup",
