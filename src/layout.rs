@@ -279,7 +279,9 @@ pub mod slot {
     /// is the claim's.
     pub const START: u64 = 16;
     pub const REFS: u64 = 24; // (readers) references issued to this slot (writers, Relaxed)
-    pub const ACKS: u64 = 32; // (readers) acknowledged by this slot, or released by a writer (Relaxed)
+    /// (readers) references acknowledged by this slot, or released by a writer (each
+    /// counted with Release after the reference left the chunk's word: `ring::Stuck`).
+    pub const ACKS: u64 = 32;
     pub const STALE: u64 = 40; // (readers) handles this slot found stale (Relaxed)
     // (writers) what the occupant counted (`Counter::writer_field`), folded into the header
     // word when it leaves or its slot is taken over. Only the occupant's threads write them,

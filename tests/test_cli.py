@@ -148,10 +148,11 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     ops = {row["op"] for row in rows}
     core = {"memcpy (numpy)", "put (first lap)", "put", "lookup", "get (copy)", "get (zero-copy)"}
-    core.add("put (full index)")  # for objects under 16 KiB only
     cache = {"cache put", "cache lookup", "cache hit", "cache get (copy)", "cache get (zero-copy)"}
-    assert ops == core | cache
+    assert ops == core | cache | {"put (full index)", "put (stalled reader)"}
     assert {row["size"] for row in rows} == {4 << 10, 64 << 10, 1 << 20, 16 << 20}
+    # Only objects under 16 KiB fill the default key index before the ring.
+    assert {row["size"] for row in rows if row["op"] == "put (full index)"} == {4 << 10}
     assert {row["readers"] for row in rows if row["op"].startswith("get")} == {1, 2}
     assert {row["readers"] for row in rows if row["op"].startswith("cache get")} == {1}
     assert all(row["seconds"] > 0 and row["vs_memcpy"] > 0 for row in rows)
@@ -164,6 +165,7 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
         "put (first lap)",
         "put",
         "put (full index)",
+        "put (stalled reader)",
         "cache put",
         "lookup",
         "cache lookup",

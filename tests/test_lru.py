@@ -211,3 +211,86 @@ TestLRUAgainstModel.settings = MODEL_SETTINGS
 def test_agrees_with_the_model_on_cachetools_before_8(monkeypatch: pytest.MonkeyPatch) -> None:
     make_room_as_cachetools_before_8(monkeypatch)
     run_state_machine_as_test(LRUAgainstModel, settings=MODEL_SETTINGS)
+
+
+class ProtectedLRUAgainstModel(LRUAgainstModel):
+    """The model with protected entries: eviction takes the least recent entry that is not
+    protected, and a value fits only beside the protected ones (the cache parks protected
+    entries it passes, so the order it keeps must still be the model's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.protected: set[str] = set()
+
+    keys = st.sampled_from("abcdefg")
+
+    @rule(key=keys, size=st.integers(0, 25))
+    def put_if_fits(self, key: str, size: int) -> None:
+        value = b"v" * size
+        others = sum(len(v) for k, v in self.model.items() if k in self.protected and k != key)
+        fits = self.cache.put_if_fits(key, value)
+        assert fits == (size <= self.CAPACITY - others)
+        if fits:
+            self.model.pop(key, None)
+            while sum(map(len, self.model.values())) + size > self.CAPACITY:
+                oldest = next(k for k in self.model if k not in self.protected)
+                del self.model[oldest]
+            self.model[key] = value
+
+    @rule(key=keys)
+    def pop(self, key: str) -> None:
+        assert self.cache.pop(key) == self.model.pop(key, None)
+        self.protected.discard(key)
+
+    @rule(key=keys)
+    def protect(self, key: str) -> None:
+        assert self.cache.protect(key) == (key in self.model)
+        if key in self.model:
+            self.protected.add(key)
+
+    @rule(key=keys)
+    def unprotect(self, key: str) -> None:
+        self.cache.unprotect(key)
+        self.protected.discard(key)
+
+    @rule()
+    def unprotect_all(self) -> None:
+        self.cache.unprotect_all()
+        self.protected.clear()
+
+    @invariant()
+    def protects_the_same(self) -> None:
+        assert {k for k in "abcdefg" if self.cache.is_protected(k)} == self.protected
+        assert self.cache.protected_bytes == sum(len(self.model[k]) for k in self.protected)
+
+
+TestProtectedLRUAgainstModel = ProtectedLRUAgainstModel.TestCase
+TestProtectedLRUAgainstModel.settings = settings(
+    max_examples=300, stateful_step_count=60, deadline=None
+)
+
+
+def test_protected_entries_at_the_least_recent_end_are_passed_once_then_kept_in_order() -> None:
+    """An eviction parks the protected entries it passes at the least recent end: later ones
+    do not pass them again, and each keeps its place in the recency order (evicted first
+    once unprotected, oldest first, before any entry of the rest)."""
+    cache = unit_cache(6)
+    for key in "abcdef":
+        cache.put(key, 1)
+    for key in "abc":
+        cache.protect(key)
+    cache.put("g", 1)  # evicts d, passing a, b, c
+    assert cache.recency_order() == ["a", "b", "c", "e", "f", "g"]
+    cache.put("h", 1)  # evicts e
+    assert cache.recency_order() == ["a", "b", "c", "f", "g", "h"]
+    cache.unprotect("c")
+    cache.unprotect("a")
+    cache.put("i", 1)  # evicts a (the least recent), not f, nor c
+    assert cache.recency_order() == ["b", "c", "f", "g", "h", "i"]
+    cache.touch("b")  # made recent: no longer among the parked
+    cache.put("j", 1)  # evicts c
+    assert cache.recency_order() == ["f", "g", "h", "i", "b", "j"]
+    cache.unprotect("b")
+    cache.put("k", 1)  # evicts f: b is recent now
+    assert cache.recency_order() == ["g", "h", "i", "b", "j", "k"]
+    assert cache.evictions == 5

@@ -13,6 +13,9 @@ machines compare):
   (by default one object per 16 KiB of ring: 65,536) fills before its bytes do, so each put
   evicts an object for the index's room (and, like ``put (first lap)``'s, writes ring pages
   for the first time);
+- ``put (stalled reader)``: a put into a 1 GiB ring that one attached reader stopped reading,
+  full of its unread objects (its key index, for objects under 16 KiB): the put fails (P0
+  serves the item uncached), and must find that out without sweeping the whole ring each time;
 - ``lookup``: ``is_cached`` of a present key;
 - ``get (copy)`` / ``get (zero-copy)``: a reader resolves a handle into bytes, or into a
   read-only view, in 1 to 4 reader *processes* reading the same handles at once; their
@@ -50,6 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mmcache._core import ReaderHandle, ShmHandle, ShmObjectStore, ShmReader, ShmWriter
+from mmcache.errors import RingFullError
 from mmcache.shm import ShmReceiverCache, ShmSenderCache
 
 __all__ = ["SIZES", "BenchResult", "render", "run_benchmarks", "three_tensor_item"]
@@ -152,6 +156,7 @@ def _in_process(size: int, budget_s: float, memcpy_s: float) -> list[BenchResult
         lookup_times = _timings(lambda i: store.is_cached(_KEY), budget_s)
     if size < _INDEX_SPAN:
         results.append(_full_index_put(payload, memcpy_s))
+    results.append(_stalled_reader_put(payload, memcpy_s, budget_s))
 
     item = three_tensor_item(size)
     with _sender_for(size, 1, objects) as cache:
@@ -202,6 +207,34 @@ def _full_index_put(payload: np.ndarray, memcpy_s: float) -> BenchResult:
         for i in range(lap):
             put(i)
         return _result("put (full index)", size, 1, [(time.perf_counter() - start) / lap], memcpy_s)
+
+
+def _stalled_reader_put(payload: np.ndarray, memcpy_s: float, budget_s: float) -> BenchResult:
+    """``put (stalled reader)``: the mean time of a failing put of ``payload`` into a 1 GiB
+    ring full of objects its one reader has not read (nor will), for ``budget_s``. A mean, as
+    for ``put (full index)``."""
+    size = payload.nbytes
+    with ShmObjectStore.create(_FULL_INDEX_RING, max_object_size=size + 64 * KiB) as store:
+        stalled = ShmObjectStore.attach(store.handle())
+        filled = 0
+        try:
+            while True:  # fill the ring, or its index (untimed)
+                store.put(f"{_KEY}-{filled}", payload.data)
+                filled += 1
+        except RingFullError:
+            pass
+        puts = 0
+        start = time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < budget_s or puts < 10:
+            try:
+                store.put(f"{_KEY}-new-{puts}", payload.data)
+            except RingFullError:
+                pass
+            else:
+                raise RuntimeError("a put found room in a ring its reader stopped reading")
+            puts += 1
+        stalled.close()
+        return _result("put (stalled reader)", size, 1, [elapsed / puts], memcpy_s)
 
 
 def _result(

@@ -320,8 +320,10 @@ impl Reader {
             stamp: leased.then_some(stamp),
         };
         if consumed {
+            // Release: a writer that sees the count (Acquire) sees the reference gone from
+            // the word (a ring it found full of unread objects may have room: `ring::Stuck`).
             sh.slot(self.slot, slot::ACKS)?
-                .fetch_add(1, Ordering::Relaxed);
+                .fetch_add(1, Ordering::Release);
         }
         if leased {
             // Our lease was taken on whatever chunk is at this address now: make sure it is

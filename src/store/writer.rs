@@ -61,6 +61,9 @@ pub struct Writer {
     lab: Mutex<Option<lab::Lab>>,
     /// Small puts still to reserve on their own after a refill found no room (`lab.rs`).
     lab_back_off: AtomicU32,
+    /// What its last sweeps that found nothing saw (`put.rs`). Taken under the ring lock
+    /// (and the index lock), and nothing is taken under it.
+    full: Mutex<put::Full>,
 }
 
 /// One of this writer's hazard words, naming the chunk an operation holds (S1 in the
@@ -193,6 +196,7 @@ impl Writer {
             busy: AtomicUsize::new(0),
             lab: Mutex::new(None),
             lab_back_off: AtomicU32::new(0),
+            full: Mutex::new(put::Full::default()),
         })
     }
 
@@ -535,9 +539,10 @@ impl Writer {
             // Acknowledged on the reader's behalf (it will never see the handle), so its
             // outstanding count (refs - acks, `inspect`) returns to where it was. Only for the
             // occupant the reference was issued to: the word's stamp matched.
+            // Release: as a reader's acknowledgement (`Reader::acquire`).
             self.shared
                 .slot(s, slot::ACKS)?
-                .fetch_add(1, Ordering::Relaxed);
+                .fetch_add(1, Ordering::Release);
         }
         Ok(())
     }

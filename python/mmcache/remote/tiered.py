@@ -167,6 +167,9 @@ class TieredSenderCache(BaseSenderCache):
         self._request: _Request = _Request()  # the calling thread's
         # Under the lock from here on.
         self._claims: dict[str, _Claim] = {}  # hash -> the claim a request of this host holds
+        # No claim of `_claims` lapses before this (the earliest lapse of those noted since the
+        # lapsed ones were last dropped: ended ones leave it earlier than it need be).
+        self._first_lapse = math.inf
         self._prefetched = Fetched(prefetch_limit, int(prefetch_limit_mb * MiB))
         # The requests that wait for a fetched item (their is_cached found it): it is dropped
         # once the last of them has updated it (or given up).
@@ -235,7 +238,11 @@ class TieredSenderCache(BaseSenderCache):
         docstring)."""
         now = time.monotonic()
         with self._lock:
-            self._claims = {h: c for h, c in self._claims.items() if c.lapses > now}
+            # Only once one may have lapsed: rebuilt at every lookup, the dict cost each one a
+            # pass over every claim the host's requests hold (1.5 ms with 10,000 of them).
+            if now >= self._first_lapse:
+                self._claims = {h: c for h, c in self._claims.items() if c.lapses > now}
+                self._first_lapse = min((c.lapses for c in self._claims.values()), default=math.inf)
         found, elsewhere = self._fetch_claiming(wanted, claim, set(wanted))
         missing = [h for h in wanted if h not in found]
         waited: set[str] = set()  # every miss found held by another host meanwhile
@@ -330,6 +337,7 @@ class TieredSenderCache(BaseSenderCache):
             return
         self._counts["remote_claims"] += counted
         claim = self._claims[mm_hash] = _Claim(now + self.claim_ttl_s)
+        self._first_lapse = min(self._first_lapse, claim.lapses)
         self._request.claims[mm_hash] = claim
 
     def _take(self, mm_hash: str, record: Item | None) -> bool:

@@ -4,7 +4,8 @@
 //! `inspect`, orphans), `model` (a proptest state machine against a model). Several writers:
 //! `members` (sharing, joining, leaving, metadata), `claims` (single flight, a full index),
 //! `crash` (writers that die: their stamps void, a lock they held taken over and repaired),
-//! `writers_model` (three writers against a model), `buffers` (allocation buffers), `lookups`
+//! `writers_model` (three writers against a model), `buffers` (allocation buffers), `full` (a
+//! ring or index a sweep found nothing in, answered without sweeping again), `lookups`
 //! (lock-free lookups meeting a change in progress), `two_locks` (the index and the ring
 //! agree after races and deaths). `race`: threads racing (readers against an evicting
 //! writer; several writers' threads on the same keys, in a small ring and in one where every
@@ -20,6 +21,7 @@ mod basics;
 mod buffers;
 mod claims;
 mod crash;
+mod full;
 mod lookups;
 mod members;
 mod model;

@@ -5,13 +5,14 @@
 //! block nobody lives to fill, which the next sweep reclaims, or a published chunk that no
 //! key names, which it evicts: nothing half-written is ever readable.
 
+use std::sync::MutexGuard;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::super::Shared;
 use super::super::gate::Taken;
 use super::super::index::{Found, Query};
 use super::super::lock::{IndexGuard, LockGuard};
-use super::super::ring::Census;
+use super::super::ring::{Census, Stuck};
 use super::super::{crash, mac_words};
 use super::Writer;
 use super::state::ReaderSet;
@@ -30,6 +31,22 @@ pub(in crate::store) struct Reservation {
     pub(in crate::store) address: u64,
     pub(super) id: u64,
     pub(super) evicted: Vec<(u64, u64)>,
+}
+
+/// What this writer's last sweeps that found nothing saw ([`Stuck`]): the smallest
+/// allocation that found no room in the ring, and an eviction to make room in the index that
+/// found nothing to evict. While one still stands, the same request fails at once (`Full`,
+/// `IndexFull`) instead of sweeping every chunk of the ring twice again.
+#[derive(Debug, Default)]
+pub(in crate::store) struct Full {
+    ring: Option<(u64, Stuck)>,
+    index: Option<Stuck>,
+    /// Requests answered so (tests).
+    #[cfg(test)]
+    pub(in crate::store) spared: u64,
+    /// Always sweep (tests: what a sweep would have answered).
+    #[cfg(test)]
+    pub(in crate::store) off: bool,
 }
 
 /// Where an object's parts go in its block.
@@ -238,18 +255,77 @@ impl Writer {
                 None => self.back_off_lab(),
             }
         }
-        let address = self
-            .shared
-            .allocate(&lock, size, &mut census, None)?
-            .ok_or(Error::Full {
-                needed: size,
-                capacity: self.shared.layout.capacity,
-            })?;
+        let full = || Error::Full {
+            needed: size,
+            capacity: self.shared.layout.capacity,
+        };
+        if self.still_full(size)? {
+            return Err(full());
+        }
+        let Some(address) = self.shared.allocate(&lock, size, &mut census, None)? else {
+            if let Some(stuck) = census.last_lap.stuck() {
+                self.full().ring = Some((size, stuck));
+            }
+            return Err(full());
+        };
         Ok(Reservation {
             address,
             id: self.shared.next_id()?,
             evicted: census.evicted,
         })
+    }
+
+    pub(in crate::store) fn full(&self) -> MutexGuard<'_, Full> {
+        // Nothing in it is left half-changed by a panic: carry on with it.
+        self.full.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether an allocation of `size` bytes would find no room, as a sweep that found none
+    /// for one no larger found, and nothing it relied on changed since (ring lock held).
+    fn still_full(&self, size: u64) -> Result<bool> {
+        let mut full = self.full();
+        #[cfg(test)]
+        if full.off {
+            return Ok(false);
+        }
+        let Some((smallest, stuck)) = &full.ring else {
+            return Ok(false);
+        };
+        if size < *smallest {
+            return Ok(false);
+        }
+        if !self.shared.still_stuck(stuck, self.me, false)? {
+            full.ring = None;
+            return Ok(false);
+        }
+        #[cfg(test)]
+        {
+            full.spared += 1;
+        }
+        Ok(true)
+    }
+
+    /// Whether an eviction to make index room would find nothing to evict (nor a dead
+    /// writer's claim to drop), as the last one found, and nothing it relied on changed since
+    /// (both locks held).
+    fn index_still_full(&self) -> Result<bool> {
+        let mut full = self.full();
+        #[cfg(test)]
+        if full.off {
+            return Ok(false);
+        }
+        let Some(stuck) = &full.index else {
+            return Ok(false);
+        };
+        if !self.shared.still_stuck(stuck, self.me, true)? {
+            full.index = None;
+            return Ok(false);
+        }
+        #[cfg(test)]
+        {
+            full.spared += 1;
+        }
+        Ok(true)
     }
 
     /// One reference more (or fewer, `add` false) in the `REFS` count of every reader of
@@ -438,19 +514,30 @@ impl Writer {
     /// Make room in the index for one more entry or claim (holding both locks): by evicting
     /// with CLOCK, and only if nothing can be evicted, by dropping claims of writers that are
     /// gone. (That takes a scan of every bucket: run on each put into a full index, it made
-    /// such a put cost 50 times an ordinary one.) Whether there is room.
+    /// such a put cost 50 times an ordinary one.) Whether there is room. When there is none,
+    /// the next call answers so at once while nothing the sweep relied on changes
+    /// (`Full::index`): an index full of objects a reader stopped reading, or of claims, cost
+    /// each put and claim two laps over the ring and a scan of the index.
     pub(super) fn make_index_room(
         &self,
         lock: &LockGuard<'_>,
         index: &IndexGuard<'_>,
     ) -> Result<bool> {
         let sh = &self.shared;
+        if self.index_has_room(index)? {
+            return Ok(true);
+        }
+        if self.index_still_full()? {
+            return Ok(false);
+        }
         let mut census = Census::new(self.me);
+        let mut evicted = false;
         for _ in 0..4 {
             if self.index_has_room(index)? {
                 return Ok(true);
             }
-            if !sh.evict_one(lock, index, &mut census)? {
+            evicted = sh.evict_one(lock, index, &mut census)?;
+            if !evicted {
                 break;
             }
         }
@@ -458,7 +545,11 @@ impl Writer {
         {
             self.reap_claims(index, &mut census)?;
         }
-        self.index_has_room(index)
+        let room = self.index_has_room(index)?;
+        if !room && !evicted {
+            self.full().index = census.last_lap.stuck();
+        }
+        Ok(room)
     }
 
     fn index_full(&self) -> Error {
