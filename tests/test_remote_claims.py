@@ -396,10 +396,11 @@ def test_close_waits_for_the_writer_at_most_its_timeout_and_frees_the_queued_cla
     server: LocalServer, raw: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = open_store(server.url, namespace, timeout_s=10)
-    release = threading.Event()
+    release, holding = threading.Event(), threading.Event()
     real_put = store.put
 
     def held_put(k: str, record: Any) -> None:
+        holding.set()
         release.wait(3 * HANG_S)  # a put that outlasts close's timeout (a slow store)
         real_put(k, record)
 
@@ -409,6 +410,8 @@ def test_close_waits_for_the_writer_at_most_its_timeout_and_frees_the_queued_cla
         for i in range(2):  # the writer holds item 0's put; item 1 fills the queue
             assert p0.is_cached([key(i)], claim=True) == [False]
             p0.get_and_update([item(i)], [key(i)])
+            # Item 1 is queued only once the writer took item 0 (else the full queue drops it).
+            assert holding.wait(HANG_S)
         assert claim_of(raw, namespace, 1) == p0.host_id
         in_time(lambda: p0.close(timeout_s=0.1))
         # Item 1 was never put (counted), and its claim does not wait for a put to come.
