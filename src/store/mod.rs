@@ -145,6 +145,7 @@ mod lock;
 mod members;
 mod reader;
 mod ring;
+mod stuck;
 mod writer;
 
 pub use crash::POINTS as CRASH_POINTS;

@@ -12,7 +12,8 @@ use super::super::Shared;
 use super::super::gate::Taken;
 use super::super::index::{Found, Query};
 use super::super::lock::{IndexGuard, LockGuard};
-use super::super::ring::{Census, Stuck};
+use super::super::ring::Census;
+use super::super::stuck::Stuck;
 use super::super::{crash, mac_words};
 use super::Writer;
 use super::state::ReaderSet;
@@ -39,7 +40,9 @@ pub(in crate::store) struct Reservation {
 /// `IndexFull`) instead of sweeping every chunk of the ring twice again.
 #[derive(Debug, Default)]
 pub(in crate::store) struct Full {
-    ring: Option<(u64, Stuck)>,
+    ring: Option<Stuck>,
+    /// The allocation `ring` found no room for (no larger one finds room either).
+    ring_refused: u64,
     index: Option<Stuck>,
     /// Requests answered so (tests).
     #[cfg(test)]
@@ -264,7 +267,9 @@ impl Writer {
         }
         let Some(address) = self.shared.allocate(&lock, size, &mut census, None)? else {
             if let Some(stuck) = census.last_lap.stuck() {
-                self.full().ring = Some((size, stuck));
+                let mut full = self.full();
+                full.ring = Some(stuck);
+                full.ring_refused = size;
             }
             return Err(full());
         };
@@ -284,41 +289,36 @@ impl Writer {
     /// for one no larger found, and nothing it relied on changed since (ring lock held).
     fn still_full(&self, size: u64) -> Result<bool> {
         let mut full = self.full();
-        #[cfg(test)]
-        if full.off {
+        if size < full.ring_refused {
             return Ok(false);
         }
-        let Some((smallest, stuck)) = &full.ring else {
-            return Ok(false);
-        };
-        if size < *smallest {
-            return Ok(false);
-        }
-        if !self.shared.still_stuck(stuck, self.me, false)? {
-            full.ring = None;
-            return Ok(false);
-        }
-        #[cfg(test)]
-        {
-            full.spared += 1;
-        }
-        Ok(true)
+        self.still_stands(&mut full, |f| &mut f.ring, false)
     }
 
     /// Whether an eviction to make index room would find nothing to evict (nor a dead
     /// writer's claim to drop), as the last one found, and nothing it relied on changed since
     /// (both locks held).
     fn index_still_full(&self) -> Result<bool> {
-        let mut full = self.full();
+        self.still_stands(&mut self.full(), |f| &mut f.index, true)
+    }
+
+    /// Whether the record `of` picks out of `full` still stands (`Shared::still_stuck`),
+    /// forgetting it if not.
+    fn still_stands(
+        &self,
+        full: &mut Full,
+        of: fn(&mut Full) -> &mut Option<Stuck>,
+        index: bool,
+    ) -> Result<bool> {
         #[cfg(test)]
         if full.off {
             return Ok(false);
         }
-        let Some(stuck) = &full.index else {
+        let Some(stuck) = of(full).as_ref() else {
             return Ok(false);
         };
-        if !self.shared.still_stuck(stuck, self.me, true)? {
-            full.index = None;
+        if !self.shared.still_stuck(stuck, self.me, index)? {
+            *of(full) = None;
             return Ok(false);
         }
         #[cfg(test)]
