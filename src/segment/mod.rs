@@ -399,33 +399,14 @@ impl Segment {
                 io::Error::other("mmap returned null"),
             ));
         };
-        let copy = copy.min(len);
-        let mut filled = 0;
-        while filled < copy {
-            // SAFETY: `base + filled .. base + copy` lies inside the private mapping of `len`
-            // bytes made above, which nothing else refers to yet; `pread` writes at most
-            // `copy - filled` bytes there.
-            let got = unsafe {
-                libc::pread(
-                    fd.as_raw_fd(),
-                    base.as_ptr().add(filled).cast(),
-                    copy - filled,
-                    filled as libc::off_t,
-                )
-            };
-            if got == 0 {
-                break; // shrunk meanwhile: the rest reads as zeros (and fails validation)
-            }
-            if got < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                // SAFETY: the mapping made above, referred to by nothing else.
-                unsafe { libc::munmap(ptr, len) };
-                return Err(Error::os(format!("reading {SHM_DIR}/{name}"), err));
-            }
-            filled += got as usize;
+        // SAFETY: the private anonymous mapping made above, of `len >= copy` bytes: no other
+        // process or thread can see it yet, so it is ours to borrow mutably.
+        let copied = unsafe { std::slice::from_raw_parts_mut(base.as_ptr(), copy.min(len)) };
+        // A file shrunk meanwhile reads short: the rest reads as zeros (and fails validation).
+        if let Err(e) = os::read_from_start(&fd, &name, copied) {
+            // SAFETY: the mapping made above, referred to by nothing else (`copied` is dead).
+            unsafe { libc::munmap(ptr, len) };
+            return Err(e);
         }
         Ok(Segment {
             name,

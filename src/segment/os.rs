@@ -81,12 +81,12 @@ pub(super) fn fstat(fd: &OwnedFd) -> Result<libc::stat> {
 
 /// The first `N` bytes of `/dev/shm/<name>` (regular files only; see [`Segment::open`](super::Segment::open)).
 pub fn read_prefix<const N: usize>(name: &str) -> Result<[u8; N]> {
-    use std::io::Read;
     let (fd, _) = open_regular(name, Access::ReadOnly)?;
     let mut out = [0u8; N];
-    fs::File::from(fd)
-        .read_exact(&mut out)
-        .map_err(|e| Error::os(format!("reading {SHM_DIR}/{name}"), e))?;
+    if read_from_start(&fd, name, &mut out)? < N {
+        let short = io::Error::from(io::ErrorKind::UnexpectedEof);
+        return Err(Error::os(format!("reading {SHM_DIR}/{name}"), short));
+    }
     Ok(out)
 }
 
@@ -95,20 +95,28 @@ pub fn read_prefix<const N: usize>(name: &str) -> Result<[u8; N]> {
 /// a SIGBUS at a mapped access, and is a short read here (regular files only; see
 /// [`Segment::open`](super::Segment::open)).
 pub fn read_start<const N: usize>(name: &str) -> Result<(usize, [u8; N])> {
-    use std::os::unix::fs::FileExt;
     let (fd, len) = open_regular(name, Access::ReadOnly)?;
-    let file = fs::File::from(fd);
     let mut out = [0u8; N];
+    read_from_start(&fd, name, &mut out)?;
+    Ok((len, out))
+}
+
+/// Fill `buf` from the start of the file `fd` (`/dev/shm/<name>`) until it is full or the
+/// file ends: the bytes read (fewer for a file shorter than `buf`, or shrunk meanwhile).
+pub(super) fn read_from_start(fd: &OwnedFd, name: &str, buf: &mut [u8]) -> Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let failed = |e| Error::os(format!("reading {SHM_DIR}/{name}"), e);
+    let file = fs::File::from(fd.try_clone().map_err(failed)?);
     let mut filled = 0;
-    while filled < N {
-        match file.read_at(&mut out[filled..], filled as u64) {
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], filled as u64) {
             Ok(0) => break,
             Ok(got) => filled += got,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::os(format!("reading {SHM_DIR}/{name}"), e)),
+            Err(e) => return Err(failed(e)),
         }
     }
-    Ok((len, out))
+    Ok(filled)
 }
 
 /// What `prune` needs to know of a name in `/dev/shm`, read without mapping it.
