@@ -185,9 +185,9 @@ def _in_process(size: int, budget_s: float, memcpy_s: float) -> list[BenchResult
 
 
 _NO_BYTES = ("lookup", "cache lookup", "cache hit")
-#: Bytes of ring per object in a key index of the default size, and the ring of the
-#: ``put (full index)`` row (the index's scans, where there are any, grow with it).
-_INDEX_SPAN, _FULL_INDEX_RING = 16 * KiB, 1 << 30
+#: Bytes of ring per object in a key index of the default size, and the ring of the rows
+#: ``put (full index)`` and ``put (stalled reader)`` (what a sweep or scan walks grows with it).
+_INDEX_SPAN, _BIG_RING = 16 * KiB, 1 << 30
 
 
 def _full_index_put(payload: np.ndarray, memcpy_s: float) -> BenchResult:
@@ -195,7 +195,7 @@ def _full_index_put(payload: np.ndarray, memcpy_s: float) -> BenchResult:
     index holds) once the default index is full. A mean, not a median: making room costs
     some puts far more than others, in bursts, and a median would hide them."""
     size = payload.nbytes
-    with ShmObjectStore.create(_FULL_INDEX_RING, max_object_size=size + 64 * KiB) as store:
+    with ShmObjectStore.create(_BIG_RING, max_object_size=size + 64 * KiB) as store:
 
         def put(i: int) -> None:
             store.release(store.put(f"{_KEY}-{i}", payload.data))
@@ -214,7 +214,7 @@ def _stalled_reader_put(payload: np.ndarray, memcpy_s: float, budget_s: float) -
     ring full of objects its one reader has not read (nor will), for ``budget_s``. A mean, as
     for ``put (full index)``."""
     size = payload.nbytes
-    with ShmObjectStore.create(_FULL_INDEX_RING, max_object_size=size + 64 * KiB) as store:
+    with ShmObjectStore.create(_BIG_RING, max_object_size=size + 64 * KiB) as store:
         stalled = ShmObjectStore.attach(store.handle())
         filled = 0
         try:
