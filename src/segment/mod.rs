@@ -66,8 +66,8 @@ use naming::c_name;
 pub use naming::{NAME_PREFIX, generate_name, pid_in_name, validate_name};
 pub use os::{
     FileProbe, SHM_DIR, current_pid, kill_self, list_files, lower_thread_priority, pid_exists,
-    probe_file, process_alive, process_start_time, random_bytes, read_prefix, read_start,
-    shm_free_bytes, unlink,
+    probe_file, process_alive, process_start_time, random_bytes, read_start, shm_free_bytes,
+    unlink,
 };
 use os::{flock, locks_unsupported, ofd_fcntl, open_error, open_regular};
 use reserve::{Background, Reserved, Unpopulated};

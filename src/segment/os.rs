@@ -79,17 +79,6 @@ pub(super) fn fstat(fd: &OwnedFd) -> Result<libc::stat> {
     Ok(unsafe { st.assume_init() })
 }
 
-/// The first `N` bytes of `/dev/shm/<name>` (regular files only; see [`Segment::open`](super::Segment::open)).
-pub fn read_prefix<const N: usize>(name: &str) -> Result<[u8; N]> {
-    let (fd, _) = open_regular(name, Access::ReadOnly)?;
-    let mut out = [0u8; N];
-    if read_from_start(&fd, name, &mut out)? < N {
-        let short = io::Error::from(io::ErrorKind::UnexpectedEof);
-        return Err(Error::os(format!("reading {SHM_DIR}/{name}"), short));
-    }
-    Ok(out)
-}
-
 /// The size of `/dev/shm/<name>` and up to its first `N` bytes (zeros past its end), read
 /// rather than mapped: whoever can write the file may shrink it at any moment, which would be
 /// a SIGBUS at a mapped access, and is a short read here (regular files only; see
@@ -160,7 +149,7 @@ pub fn probe_file(name: &str, creator_lock: LockRange) -> Result<FileProbe> {
 /// or whose first `N` bytes `by_prefix` accepts (a file shorter than that is not accepted).
 ///
 /// Every store's creation lists `/dev/shm` this way (to remove orphans), so a file that is not
-/// accepted by name costs three system calls, not the four of [`read_prefix`]: it is opened
+/// accepted by name costs three system calls, not the four of [`read_start`]: it is opened
 /// through the directory's descriptor and read once, without an `fstat`, because its directory
 /// entry said it is a regular file (`O_NOFOLLOW | O_NONBLOCK`: something put under that name
 /// since is not followed and never blocks the open or the read).

@@ -161,6 +161,8 @@ pub fn status(name: &str) -> Result<Status> {
     // /dev/shm that looks like a segment, and whoever can write one may shrink it under a
     // mapping (a SIGBUS, which would kill the process creating a store).
     let header = segment::read_start::<{ header::READER_TABLE as usize }>(name);
+    // What was read, for the rules below if it is no valid segment of this build.
+    let read = header.as_ref().ok().copied();
     let err = match header.and_then(|(len, bytes)| Ok((Layout::read_bytes(len, &bytes)?, bytes))) {
         // A creator that finished creating after the probe holds its lock now.
         Ok(((_, Liveness::Locks), _))
@@ -190,9 +192,11 @@ pub fn status(name: &str) -> Result<Status> {
         Err(err) => err,
     };
     // Not a valid segment of this build: another version's, damaged, or half-made.
-    let ours = header_words(name).filter(|words| words.first() == Some(&layout::MAGIC));
-    if let Some(words) = ours {
-        let word = |offset: u64| words.get((offset / 8) as usize).copied().unwrap_or(0);
+    let ours = read.filter(|(len, bytes)| {
+        *len as u64 >= header::CREATOR_START + 8 && word_at(bytes, header::MAGIC) == layout::MAGIC
+    });
+    if let Some((_, bytes)) = ours {
+        let word = |offset: u64| word_at(&bytes, offset);
         if word(header::VERSION) != LAYOUT_VERSION {
             // Made by another version, which may not take locks: trust its name's pid. A
             // name its creator chose carries none, and nothing else tells whether that
@@ -232,20 +236,6 @@ fn word_at(bytes: &[u8], offset: u64) -> u64 {
         .and_then(|at| bytes.get(at..at.checked_add(8)?))
         .and_then(|word| <[u8; 8]>::try_from(word).ok())
         .map_or(0, u64::from_le_bytes)
-}
-
-/// Bytes of a header up to its creator's start time, the last word `status` reads.
-const HEADER_PREFIX: usize = (header::CREATOR_START + 8) as usize;
-
-/// The first header words of the file `name` (`layout::header`: magic, layout version, ...,
-/// creator pid, creator start time), read as plain bytes since it may be no valid segment;
-/// `None` if it is shorter.
-fn header_words(name: &str) -> Option<Vec<u64>> {
-    let bytes = segment::read_prefix::<HEADER_PREFIX>(name).ok()?;
-    bytes
-        .chunks_exact(8)
-        .map(|word| Some(u64::from_le_bytes(word.try_into().ok()?)))
-        .collect()
 }
 
 /// Unlink every segment [`status`] finds orphaned, and return their names: what every new
