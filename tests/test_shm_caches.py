@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mmcache
 from item_checks import same_item
@@ -32,6 +34,7 @@ from mmcache import (
     content_hash,
     make_caches,
 )
+from mmcache.prompt_updates import PRUNE_STEP, KeptPromptUpdates
 
 KiB = 1024
 MiB = 1 << 20
@@ -90,6 +93,70 @@ def test_prompt_updates_of_evicted_items_are_forgotten(sender: ShmSenderCache) -
         handle, updates = sender.get_and_update_item(None, key)
         assert updates == [f"pu-{key}"]
         sender.release_handles([handle])
+
+
+def test_forgetting_prompt_updates_looks_up_a_bounded_number_of_keys_per_put() -> None:
+    """A ring of 4,096 objects and 20,000 puts: forgetting the prompt updates of evicted
+    objects never looks up more than ``PRUNE_STEP`` kept keys in one put (it looked up every
+    kept key at once, ~8,000 here: on a 1 GiB ring one put in ~130,000 waited 20-60 ms);
+    what is kept stays bounded, and every cached item still hits with its own."""
+    item = {"x": torch.zeros(4, dtype=torch.uint8)}
+    with ShmSenderCache(64 * MiB / GiB, max_object_size_mb=1) as sender:
+        objects = sender.stats()["store_max_objects"]
+        looked_up: list[int] = []
+        uncached = sender._kept._uncached
+
+        def recording(keys: list[str]) -> Any:
+            looked_up.append(len(keys))
+            return uncached(keys)
+
+        sender._kept._uncached = recording
+        largest_kept = 0
+        for i in range(5 * objects):
+            sender.release_handles([put(sender, f"k{i}", item)])
+            largest_kept = max(largest_kept, len(sender._prompt_updates))
+        assert looked_up and max(looked_up) <= PRUNE_STEP, max(looked_up)
+        assert sum(looked_up) > 3 * objects  # evicted ones were forgotten, pass after pass
+        assert largest_kept <= 2 * objects + 2 * PRUNE_STEP, (largest_kept, objects)
+        live = [f"k{i}" for i in range(5 * objects) if sender.is_cached_item(f"k{i}")]
+        assert len(live) > objects // 2
+        assert set(live) <= set(sender._prompt_updates)
+        for key in live[-50:]:
+            handle, updates = sender.get_and_update_item(None, key)
+            assert updates == [f"pu-{key}"]
+            sender.release_handles([handle])
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.booleans()), max_size=3_000))
+@settings(max_examples=60, deadline=None)
+def test_kept_prompt_updates_forget_only_what_the_store_dropped(
+    ops: list[tuple[int, bool]],
+) -> None:
+    """A model of the store (a set of keys, some dropped as others arrive; a flag drops a
+    key, as an invalidation does): ``KeptPromptUpdates`` keeps every stored key's entry, the
+    last one kept, looks up at most ``PRUNE_STEP`` keys a time, and keeps a bounded number."""
+    stored: dict[str, int] = {}  # key -> the id its kept entry must carry, in put order
+    looked_up: list[int] = []
+
+    def uncached(keys: list[str]) -> list[str]:
+        looked_up.append(len(keys))
+        return [key for key in keys if key not in stored]
+
+    kept = KeptPromptUpdates(uncached)
+    for n, (k, invalidate) in enumerate(ops):
+        key = f"k{k}"
+        if invalidate:
+            stored.pop(key, None)
+            kept.entries.pop(key, None)  # as `ShmSenderCache.invalidate` does
+            continue
+        stored[key] = n
+        while len(stored) > 100:  # the store evicts its oldest
+            del stored[next(iter(stored))]
+        kept.keep(key, n, f"pu-{n}")
+        for stored_key, put_at in stored.items():
+            assert kept.entries[stored_key] == (put_at, f"pu-{put_at}")
+        assert len(kept.entries) <= 2 * 100 + 2 * PRUNE_STEP + 64
+    assert all(size <= PRUNE_STEP for size in looked_up)
 
 
 def test_data_sent_again_for_a_cached_item_is_a_hit_and_ignored(sender: ShmSenderCache) -> None:

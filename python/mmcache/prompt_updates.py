@@ -23,14 +23,20 @@ writer (:mod:`mmcache.shm`).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
 from mmcache import _core
 
-__all__ = ["MAX_META_BYTES", "NOT_SHAREABLE", "PromptUpdatesCodec", "PromptUpdatesCodecSpec"]
+__all__ = [
+    "MAX_META_BYTES",
+    "NOT_SHAREABLE",
+    "KeptPromptUpdates",
+    "PromptUpdatesCodec",
+    "PromptUpdatesCodecSpec",
+]
 
 MAX_META_BYTES = 1 << 20
 """The most metadata the store keeps beside an object (longer prompt updates stay local)."""
@@ -123,3 +129,63 @@ def _plain_loads(data: bytes) -> Any:
 
 def _pickle_dumps(prompt_updates: Any) -> bytes:
     return pickle.dumps(prompt_updates, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+PRUNE_STEP = 128
+"""Kept keys a writer looks up per update while it forgets those of evicted objects."""
+
+
+class KeptPromptUpdates:
+    """A writer's prompt updates of the objects it put or hit (``entries``: key -> (monotonic id
+    of the object they belong to, or None, prompt updates)), which forgets those of evicted
+    objects a few at a time.
+
+    Forgetting is amortised (a pass starts once twice as many are kept as after the last one)
+    and spread: each :meth:`keep` during a pass looks up at most :data:`PRUNE_STEP` kept keys,
+    in the order they were kept, so no update waits on a walk of everything kept (a ring of
+    65,536 objects made one put in ~130,000 wait 20-60 ms). ``entries`` is changed in place
+    only: a C method reads it (``CachedItemCheck``). Not thread-safe: the cache's lock.
+    """
+
+    def __init__(self, uncached: Callable[[list[str]], Iterable[str]]) -> None:
+        self.entries: dict[str, tuple[int | None, Any]] = {}
+        self._uncached = uncached  # those of the keys the store no longer holds
+        self._prune_at = 64
+        self._order: list[str] = []  # keys as kept, each at most once per pass
+        self._cursor: int | None = None  # where the pass under way has reached in `_order`
+        self._survivors: list[str] = []  # keys the pass found stored, in order
+        self._seen: set[str] = set()  # every key of `_survivors`
+
+    def keep(self, key: str, monotonic_id: int | None, prompt_updates: Any) -> None:
+        if key not in self.entries:
+            self._order.append(key)
+        self.entries[key] = (monotonic_id, prompt_updates)
+        if self._cursor is not None or len(self.entries) >= self._prune_at:
+            self._prune_step()
+
+    def _prune_step(self) -> None:
+        """Look up the pass's next keys; forget those no longer stored. A key kept again
+        after it was forgotten (or invalidated) may be in `_order` twice: the pass keeps its
+        first survivor only."""
+        start = self._cursor or 0
+        end = start + PRUNE_STEP
+        keys = [key for key in self._order[start:end] if key in self.entries]
+        gone = set(self._uncached(keys))
+        for key in keys:
+            if key in gone:
+                self.entries.pop(key, None)
+            elif key not in self._seen:
+                self._seen.add(key)
+                self._survivors.append(key)
+        if end < len(self._order):
+            self._cursor = end
+            return
+        self._order, self._survivors, self._seen = self._survivors, [], set()
+        self._cursor = None
+        self._prune_at = max(64, 2 * len(self.entries))
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._order, self._survivors, self._seen = [], [], set()
+        self._cursor = None
+        self._prune_at = 64

@@ -68,6 +68,7 @@ from mmcache.lru import CacheInfo, HitCounter
 from mmcache.prompt_updates import (
     MAX_META_BYTES,
     NOT_SHAREABLE,
+    KeptPromptUpdates,
     PromptUpdatesCodec,
     PromptUpdatesCodecSpec,
 )
@@ -192,8 +193,8 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         self._shares_updates = store.max_writers > 1
         # mm_hash -> (monotonic id of the object they belong to, or None: not known yet,
         # prompt updates). Written under the lock; read without it (one dict lookup).
-        self._prompt_updates: dict[str, tuple[int | None, Any]] = {}
-        self._prune_at = 64  # prompt-update count that triggers dropping dangling ones
+        self._kept = KeptPromptUpdates(store.uncached)
+        self._prompt_updates = self._kept.entries
         # `is_cached_item`, the hottest lookup, is `CachedItemCheck`'s: a C method reading
         # these two (no lock: the core's lookup is lock-free, and so is one lookup in a dict).
         self._check_with(store, self._prompt_updates)
@@ -242,7 +243,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             prompt_updates = self._codec.decode(meta)
             if prompt_updates is NOT_SHAREABLE:
                 return False
-            self._keep_prompt_updates(mm_hash, monotonic_id, prompt_updates)
+            self._kept.keep(mm_hash, monotonic_id, prompt_updates)
             return True
 
     def is_cached(
@@ -394,7 +395,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             else:
                 if self._shares_updates and not meta:
                     self._unshared_put(mm_hash, prompt_updates)
-                self._keep_prompt_updates(mm_hash, handle.monotonic_id, prompt_updates)
+                self._kept.keep(mm_hash, handle.monotonic_id, prompt_updates)
                 return handle, prompt_updates
             stored = store.issue_if_present(mm_hash)
             if stored is not None:
@@ -426,7 +427,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             except BaseException:
                 self._store.release(handle)
                 raise
-        self._keep_prompt_updates(mm_hash, monotonic_id, prompt_updates)
+        self._kept.keep(mm_hash, monotonic_id, prompt_updates)
         return prompt_updates
 
     def _stored_prompt_updates(self, mm_hash: str, monotonic_id: int | None) -> Any:
@@ -436,13 +437,6 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             return self._codec.decode(self._store.read_meta(mm_hash, monotonic_id=monotonic_id))
         except KeyError:  # invalidated or replaced since the handle was issued
             return NOT_SHAREABLE
-
-    def _keep_prompt_updates(
-        self, mm_hash: str, monotonic_id: int | None, prompt_updates: Any
-    ) -> None:
-        self._prompt_updates[mm_hash] = (monotonic_id, prompt_updates)
-        if len(self._prompt_updates) >= self._prune_at:
-            self._drop_dangling_prompt_updates()
 
     def _serve_saturated(self, item: SenderInput, mm_hash: str) -> SenderOutput:
         """``mm_hash`` is cached, but a reader already holds as many unread references to it
@@ -495,15 +489,6 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                 type(prompt_updates).__qualname__,
                 MAX_META_BYTES,
             )
-
-    def _drop_dangling_prompt_updates(self) -> None:
-        """Forget prompt updates of evicted objects (amortised: the threshold doubles). Each
-        kept key is looked up, at a cost that grows with what is kept: ``keys()`` walks the
-        ring's whole index (a tenth of a small ring's put time)."""
-        # In place: the cache's `CachedItemCheck` reads this dict.
-        for mm_hash in self._store.uncached(list(self._prompt_updates)):
-            del self._prompt_updates[mm_hash]
-        self._prune_at = max(64, 2 * len(self._prompt_updates))
 
     def verify(self, handle: object, mm_hash: str) -> bool:
         """Whether ``handle`` is ``mm_hash``'s current entry in the ring: an
@@ -595,7 +580,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                     self._store.invalidate(key)
             else:
                 self._store.clear()
-            self._prompt_updates.clear()
+            self._kept.clear()
             self._lookups.reset()
 
     def close(self) -> None:
