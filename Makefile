@@ -75,6 +75,8 @@ lint: build
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python --lib -- -D warnings
+	# The core's documentation builds without a broken or private link.
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps
 	# The libFuzzer targets must keep compiling against the core (running them needs
 	# nightly: `cd fuzz && cargo +nightly fuzz run store_ops`).
 	cargo check --manifest-path fuzz/Cargo.toml --bins

@@ -2,7 +2,7 @@
 //! writers' and readers' slots, the key index, the parts of a payload at aligned offsets).
 //! Where the tables and blocks lie for given creation arguments, and how a segment is
 //! validated, is in `geometry` ([`Config`], [`Layout`]); the packed words themselves are in
-//! [`words`].
+//! `words`.
 //!
 //! ```text
 //! 0        512            +64·n_readers  +128·max_writers                 header_size        total_len
@@ -111,7 +111,7 @@ pub mod header {
     pub const INDEX_GATE: u64 = 328;
     /// CLOCK's hand: the ring address of the block the next allocation starts at (always a
     /// block start). On one cache line with the journal and the gauges (the first counters),
-    /// which the ring lock guards too (but for the index's gauges: see [`Counter`]).
+    /// which the ring lock guards too (but for the index's gauges: see [`super::Counter`]).
     pub const HAND: u64 = 392;
     /// The window an allocation is evicting (start + 1, 0 when none) and its length, so
     /// that whoever takes the lock over from a holder that died can undo or finish it.

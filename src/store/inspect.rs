@@ -147,7 +147,7 @@ pub enum Status {
 /// Decide whether the segment `name` is left behind. A writer's (shared) lock, held in any
 /// PID namespace by any of its writers, always means `Live`. The creator takes it before it
 /// gives the file a size, so a file that had a size while the lock was free is orphaned at
-/// once, valid or half-made; only an empty one is given [`CREATION_GRACE_SECS`]. A segment
+/// once, valid or half-made; only an empty one is given ten seconds (`CREATION_GRACE_SECS`). A segment
 /// of the pid fallback (one writer), or of another layout version, is judged by its
 /// creator's pid (one of another version by the pid in its generated name; under a chosen
 /// name it is left).
@@ -263,7 +263,7 @@ const REMOVER_WAIT: Duration = Duration::from_secs(5);
 /// included), so the name cannot be given to a new store between the verdict and the removal.
 /// Returns whether it removed it; `false` when the name is gone, is another file than when
 /// locked, is not orphaned, or is being joined, left or removed by someone (with `wait`: for
-/// longer than [`REMOVER_WAIT`]).
+/// longer than five seconds, `REMOVER_WAIT`).
 pub fn remove_if_orphaned(name: &str, wait: bool) -> Result<bool> {
     let wait = if wait { REMOVER_WAIT } else { Duration::ZERO };
     let Some(lock) = segment::NameLock::take(name, MEMBERSHIP_LOCK, wait)? else {
