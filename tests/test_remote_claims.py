@@ -607,3 +607,31 @@ def test_a_host_drops_its_lapsed_claims_and_looks_at_them_only_once_one_may_have
         assert set(p0._claims) == {key(6)}, "the lapsed claims are dropped"
     finally:
         p0.close()
+
+
+def test_a_claim_key_of_another_type_is_no_claim_and_fails_nothing(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """Garbage at an item's claim key (a list, say) is one key's garbage: the batch that asks
+    for that item still answers its other keys, the store is not counted as failing (its
+    breaker stays closed), and the item is claimed and released as usual."""
+    writer, p0 = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        writer.get_and_update([item(1)], [key(1)])
+        assert writer.flush()
+        raw.rpush(f"mmc/{namespace}/{key(2)}/claim", b"not a claim")
+
+        def ask_then_give_up() -> list[bool]:
+            cached = p0.is_cached([key(1), key(2)], claim=True)
+            p0.release_sender_touches()  # the claims are this thread's request's
+            return cached
+
+        for _ in range(p0.remote._breaker.failures_to_open + 1):
+            assert in_time(ask_then_give_up) == [True, False]
+        assert claim_of(raw, namespace, 2) is None  # taken, then released by its holder
+        s = p0.stats()
+        assert s["remote_server_errors"] == 0 and s["remote_breaker_opened"] == 0
+        assert s["remote_claims"] >= 1 and s["remote_claims_released"] >= 1
+    finally:
+        writer.close()
+        p0.close()

@@ -109,19 +109,34 @@ def claim_key(key: str) -> str:
     return f"{key}/claim"
 
 
+# A claim key's holder, or "" where it holds none: a key of another type (garbage, never a
+# claim) is read as no claim rather than failing the whole script - and with it the lookup of
+# every item in the batch, counted as the store failing until its breaker opens.
+_CLAIM_HOLDER = """
+local function holder_of(key)
+  local holder = redis.pcall("GET", key)
+  if type(holder) ~= "string" then
+    return ""
+  end
+  return holder
+end
+"""
+
 # KEYS: n item keys, then their n claim keys; ARGV: owner, ttl in ms, take (1 or 0).  For
 # each item key that holds no value: the claim's holder, after claiming it for the owner when
 # asked, nobody holds it and no key before it is held by another; "" for an item present, or
 # unclaimed.  Atomic, so two hosts never both take one claim, and no claim is taken on an
-# item already present.
-_CLAIM_SCRIPT = """
+# item already present.  A claim key of another type is taken over (SET replaces it).
+_CLAIM_SCRIPT = (
+    _CLAIM_HOLDER
+    + """
 local n = #KEYS / 2
 local holders = {}
 local blocked = false
 for i = 1, n do
   local holder = ""
   if redis.call("EXISTS", KEYS[i]) == 0 then
-    holder = redis.call("GET", KEYS[n + i]) or ""
+    holder = holder_of(KEYS[n + i])
     if holder == "" then
       if ARGV[3] == "1" and not blocked then
         redis.call("SET", KEYS[n + i], ARGV[1], "PX", ARGV[2])
@@ -135,18 +150,23 @@ for i = 1, n do
 end
 return holders
 """
+)
 
 # KEYS: claim keys; ARGV[1]: owner.  Compare-and-delete: drops each claim the owner holds,
-# never one that lapsed and another host took since; how many it dropped.
-_RELEASE_SCRIPT = """
+# never one that lapsed and another host took since (nor a key of another type); how many it
+# dropped.
+_RELEASE_SCRIPT = (
+    _CLAIM_HOLDER
+    + """
 local dropped = 0
 for i = 1, #KEYS do
-  if redis.call("GET", KEYS[i]) == ARGV[1] then
+  if holder_of(KEYS[i]) == ARGV[1] then
     dropped = dropped + redis.call("DEL", KEYS[i])
   end
 end
 return dropped
 """
+)
 
 # KEYS: keys of broken values; ARGV: each one's value as read.  Deletes those still holding
 # exactly that value (a manifest whose chunks are gone, say), so that the next put of the
