@@ -551,6 +551,32 @@ def test_a_value_whose_chunk_is_gone_is_put_again_by_the_next_host(
         assert other_host.stats()["puts"] == 1
 
 
+@pytest.mark.parametrize("manifest", ["schema 1's (no envelope header)", "of another version"])
+def test_a_chunked_value_of_another_schema_version_is_a_version_mismatch_left_alone(
+    server: LocalServer, raw: redis.Redis, namespace: str, manifest: str
+) -> None:
+    """Hosts of two versions sharing a store during an upgrade: a chunked value the other
+    version wrote is a miss counted as ``version_mismatch`` (not a broken value), and is left
+    in the store for the hosts that read it - never deleted as a value whose chunks are
+    gone."""
+    with open_store(server.url, namespace) as store:
+        store.put(key(1), make_item(1, 3 * MiB))
+        name = _value_key(namespace, 1)
+        current = raw.get(name) or b""
+        if manifest.startswith("schema 1"):
+            # Schema 1's manifest: magic, writer nonce, chunk count, chunk size, total - and
+            # nothing after it (its chunks held the whole envelope).
+            other = current[: struct.calcsize("<4s16sIIQ")]
+            raw.set(name, other)
+        else:
+            _with_version(raw, name, SCHEMA_VERSION + 1, _header_at(raw, name))
+            other = raw.get(name) or b""
+        assert store.get(key(1)) is None
+        s = store.stats()
+        assert s["version_mismatch"] == 1 and s["incomplete"] == 0 and s["misses"] == 1
+        assert raw.get(name) == other
+
+
 def test_a_chunked_put_cut_short_leaves_only_keys_that_expire(
     server: LocalServer, raw: redis.Redis, namespace: str
 ) -> None:

@@ -22,11 +22,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INCOMPLETE",
+    "OTHER_VERSION",
     "TOO_LARGE",
     "Backend",
     "ClaimingBackend",
     "Fetched",
     "Incomplete",
+    "OtherVersion",
     "Received",
     "RemoteTimeout",
     "RemoteUnreachable",
@@ -60,6 +62,18 @@ class Incomplete:
 INCOMPLETE = Incomplete()
 
 
+class OtherVersion:
+    """A value that another schema version of this package wrote in a layout the backend
+    cannot even take apart (a chunked value's manifest of another version): a miss counted
+    as a version mismatch, left in the store for the hosts of that version."""
+
+    def __repr__(self) -> str:
+        return "OTHER_VERSION"
+
+
+OTHER_VERSION = OtherVersion()
+
+
 class TooLarge:
     """A value larger than the reader accepts (``max_value_mb``), refused before anything was
     allocated for it or read of it past the bound: a miss."""
@@ -79,7 +93,7 @@ class Received(NamedTuple):
     parts: PartDigests
 
 
-Fetched: TypeAlias = "Buffer | Received | Incomplete | TooLarge | None"
+Fetched: TypeAlias = "Buffer | Received | Incomplete | OtherVersion | TooLarge | None"
 """What a backend read for one key: the whole value (possibly with its part digests), or why
 there is none."""
 
@@ -98,7 +112,8 @@ class Backend(Protocol):
 
     def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
         """Each key's whole value (``None`` when absent, :data:`INCOMPLETE` when part of it
-        is gone, :data:`TOO_LARGE` when over the bound it was made with), possibly with its
+        is gone, :data:`OTHER_VERSION` when another schema version laid it out,
+        :data:`TOO_LARGE` when over the bound it was made with), possibly with its
         part digests.  A writable buffer is the caller's to keep (no one else refers to
         it)."""
 

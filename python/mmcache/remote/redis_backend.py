@@ -62,6 +62,7 @@ except ImportError as exc:  # pragma: no cover - the remote and test extras inst
 
 from mmcache.remote.backend import (
     INCOMPLETE,
+    OTHER_VERSION,
     TOO_LARGE,
     Fetched,
     Received,
@@ -70,7 +71,14 @@ from mmcache.remote.backend import (
     TooLarge,
     redact_url,
 )
-from mmcache.remote.envelope import HEADER_SIZE, MIN_PART_BYTES, PartDigests, part_hasher
+from mmcache.remote.envelope import (
+    HEADER_SIZE,
+    MAGIC,
+    MIN_PART_BYTES,
+    SCHEMA_VERSION,
+    PartDigests,
+    part_hasher,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -445,13 +453,23 @@ class RedisBackend:
             out.append(head)
             if not isinstance(head, bytes) or not head.startswith(_MANIFEST_MAGIC):
                 continue
+            # Another version's manifest (schema 1's ended with the manifest, its chunks held
+            # the whole envelope) is a version mismatch, and stays for the hosts that read
+            # it: neither fetched nor deleted as a broken value.
+            header = head[_MANIFEST.size :]
+            if len(head) == _MANIFEST.size or (
+                len(header) == HEADER_SIZE
+                and header[:4] == MAGIC
+                and int.from_bytes(header[4:6], "little") != SCHEMA_VERSION
+            ):
+                out[position] = OTHER_VERSION
+                continue
             # Exactly a manifest and an envelope header, so that the chunks' part digests are
             # of the bytes the envelope calls its payload; a torn manifest is a broken value.
             if len(head) != _MANIFEST.size + HEADER_SIZE:
                 out[position] = INCOMPLETE
                 continue
             _, nonce, count, size, total = _MANIFEST.unpack_from(head)
-            header = head[_MANIFEST.size :]
             if total > self._max_value:
                 out[position] = TOO_LARGE
                 continue

@@ -36,6 +36,7 @@ from mmcache.remote.backend import (
     ClaimingBackend,
     Fetched,
     Incomplete,
+    OtherVersion,
     Received,
     RemoteTimeout,
     RemoteUnreachable,
@@ -498,6 +499,12 @@ class RemoteStore(ClosesOnExit):
             return None
         if isinstance(value, Incomplete):
             self._fault("incomplete", f"remote value {store_key} is missing a chunk")
+            self._count(misses=1)
+            return None
+        if isinstance(value, OtherVersion):
+            self._fault(
+                "version_mismatch", f"remote value {store_key} was written by another version"
+            )
             self._count(misses=1)
             return None
         if isinstance(value, TooLarge):
