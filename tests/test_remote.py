@@ -357,6 +357,34 @@ def test_bad_configuration_is_a_value_error(url: str, kwargs: dict[str, Any], me
         RemoteStore(url, **{"namespace": "m@1", **kwargs})
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        "sockettimeout=1",  # a typo: redis-py would pass it on to every connection it makes
+        "decode_responses=True",  # values would come back as text: no value of ours is
+        "decode_responses=false",  # a string, so as true as "True" to redis-py
+        "single_connection_client=1",
+    ],
+)
+def test_a_url_option_that_would_fail_every_call_is_a_value_error(
+    server: LocalServer, namespace: str, option: str
+) -> None:
+    """Refused when the store is made, naming the option and not the password, rather than
+    accepted and then every call counted as the store failing (until its breaker opens)."""
+    url = server.url.replace("redis://", "redis://admin:hunter2@") + "?" + option
+    with pytest.raises(ValueError, match=option.partition("=")[0]) as refused:
+        RemoteStore(url, namespace=namespace)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_the_url_options_redis_reads_still_work(server: LocalServer, namespace: str) -> None:
+    options = "socket_keepalive=true&health_check_interval=30&client_name=p0&protocol=3"
+    with open_store(f"{server.url}/0?{options}", namespace) as store:
+        store.put(key(1), make_item(1, 3 * MiB))
+        assert same(store.get(key(1)), make_item(1, 3 * MiB)), store.stats()
+        assert store.stats()["errors"] == 0
+
+
 def test_shareable_keys_are_full_width_hashes() -> None:
     assert is_shareable_key(content_hash(b"x"))
     assert not is_shareable_key("image-0")

@@ -371,9 +371,10 @@ class _ReplyReader:
 
 class RedisBackend:
     """A Redis or Valkey server at ``url`` (``redis://``, ``rediss://``, ``valkey://``,
-    ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them).
-    A value over ``max_value_bytes`` of payload (plain, or as a manifest announces it) is
-    :data:`~.backend.TOO_LARGE`, never an allocation."""
+    ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them:
+    one it does not take, or ``decode_responses``, is a ``ValueError`` here, not a failure
+    of every call).  A value over ``max_value_bytes`` of payload (plain, or as a manifest
+    announces it) is :data:`~.backend.TOO_LARGE`, never an allocation."""
 
     def __init__(
         self, url: str, *, timeout_s: float, ttl_s: float | None = None, max_value_bytes: int
@@ -402,6 +403,16 @@ class RedisBackend:
             raise ValueError(
                 f"chunk_kb must be a whole number from 1 to 524288 in {redact_url(url)!r}"
             )
+        # redis-py hands on every query option it does not parse itself, as a string, to
+        # each connection it makes: a typo fails every call (a TypeError, counted as the
+        # store failing until the breaker opens), and decode_responses (any value: a string
+        # is true) turns the values into text.  Refused here, by name (a value may be a
+        # password).
+        if "decode_responses" in query:
+            raise ValueError(
+                f"decode_responses in {redact_url(url)!r}: the remote tier reads raw bytes; "
+                "drop the option"
+            )
         self.part_bytes = self._chunk
         self._max_value = max_value_bytes
         # The most a key's first read takes: the largest plain value accepted (a manifest
@@ -417,6 +428,13 @@ class RedisBackend:
             health_check_interval=0,
             connection_class=_TLSConnection if scheme == "rediss" else _Connection,
         )
+        pool = self._client.connection_pool
+        try:  # a connection object, never connected: whether redis-py takes every option
+            pool.connection_class(**pool.connection_kwargs)
+        except (TypeError, ValueError, redis.exceptions.RedisError) as exc:
+            self._client.close()
+            self._fetchers.shutdown(wait=False)
+            raise ValueError(f"redis-py refuses an option of {redact_url(url)!r} ({exc})") from None
 
     def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
