@@ -635,3 +635,23 @@ def test_a_claim_key_of_another_type_is_no_claim_and_fails_nothing(
     finally:
         writer.close()
         p0.close()
+
+
+def test_a_claim_that_never_lapses_is_no_claim_and_stops_no_wait(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """Every claim a host takes lapses by itself (``claim_ttl_s``), so that one whose host
+    died frees its item.  A string at a claim key without an expiry (garbage, a key a tool
+    persisted) is no host's claim: honoured, it would hold every host's every lookup of the
+    item to the end of its wait, for as long as the key stays."""
+    name = f"mmc/{namespace}/{key(2)}/claim"
+    raw.set(name, b"a host long gone")
+    p0 = open_p0(server.url, namespace)
+    try:
+        assert in_time(lambda: p0.is_cached([key(2)], claim=True, wait_s=2.0)) == [False]
+        s = p0.stats()
+        assert s["remote_claim_waits"] == 0 and s["remote_claims"] == 1, s
+        assert claim_of(raw, namespace, 2) == p0.host_id
+        assert 0 < raw.pttl(name) <= 5000  # now a claim that lapses
+    finally:
+        p0.close()

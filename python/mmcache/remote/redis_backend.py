@@ -119,11 +119,14 @@ def claim_key(key: str) -> str:
 
 # A claim key's holder, or "" where it holds none: a key of another type (garbage, never a
 # claim) is read as no claim rather than failing the whole script - and with it the lookup of
-# every item in the batch, counted as the store failing until its breaker opens.
+# every item in the batch, counted as the store failing until its breaker opens.  So is a
+# string without an expiry: every claim is taken with one (PX), so that a dead host's lapses;
+# one that never lapses would hold every host's lookups of the item to the end of their
+# waits, for as long as it stays.
 _CLAIM_HOLDER = """
 local function holder_of(key)
   local holder = redis.pcall("GET", key)
-  if type(holder) ~= "string" then
+  if type(holder) ~= "string" or redis.call("PTTL", key) < 0 then
     return ""
   end
   return holder
@@ -134,7 +137,8 @@ end
 # each item key that holds no value: the claim's holder, after claiming it for the owner when
 # asked, nobody holds it and no key before it is held by another; "" for an item present, or
 # unclaimed.  Atomic, so two hosts never both take one claim, and no claim is taken on an
-# item already present.  A claim key of another type is taken over (SET replaces it).
+# item already present.  A claim key of another type, or without an expiry, is taken over
+# (SET replaces it).
 _CLAIM_SCRIPT = (
     _CLAIM_HOLDER
     + """
