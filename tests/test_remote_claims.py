@@ -655,3 +655,30 @@ def test_a_claim_that_never_lapses_is_no_claim_and_stops_no_wait(
         assert 0 < raw.pttl(name) <= 5000  # now a claim that lapses
     finally:
         p0.close()
+
+
+def test_an_enormous_claim_is_never_read_whole(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """A claim holds a host's short id: a claim key holding megabytes (garbage) is not sent
+    whole to every lookup of its item (a value is bounded by ``max_value_mb``; a claim by
+    what a host id can be)."""
+    import tracemalloc
+
+    raw.set(f"mmc/{namespace}/{key(2)}/claim", b"x" * (16 << 20), px=60_000)
+    store = open_store(server.url, namespace, timeout_s=10, max_value_mb=1)
+    try:
+        assert store.get(key(1)) is None  # connected, so the next lookup is the claim alone
+        tracemalloc.start()
+        try:
+            ((record, holder),) = store.fetch_or_claim([key(2)], "me")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert record is None and holder is not None and holder != "me"
+        assert peak < 4 << 20, f"the lookup allocated {peak / (1 << 20):.1f} MiB for a claim"
+        for owner in ("", "x" * 257):  # a claim is read no further than an owner's id can be
+            with pytest.raises(ValueError, match="owner"):
+                store.fetch_or_claim([key(3)], owner)
+    finally:
+        store.close()

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INCOMPLETE",
+    "MAX_OWNER_BYTES",
     "OTHER_VERSION",
     "TOO_LARGE",
     "Backend",
@@ -123,6 +124,10 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release connections and threads; idempotent."""
+
+
+MAX_OWNER_BYTES = 256
+"""The longest owner (a host's id) a claim may name: a store reads no more of a claim."""
 
 
 @runtime_checkable

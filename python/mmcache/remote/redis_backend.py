@@ -62,6 +62,7 @@ except ImportError as exc:  # pragma: no cover - the remote and test extras inst
 
 from mmcache.remote.backend import (
     INCOMPLETE,
+    MAX_OWNER_BYTES,
     OTHER_VERSION,
     TOO_LARGE,
     Fetched,
@@ -122,14 +123,16 @@ def claim_key(key: str) -> str:
 # every item in the batch, counted as the store failing until its breaker opens.  So is a
 # string without an expiry: every claim is taken with one (PX), so that a dead host's lapses;
 # one that never lapses would hold every host's lookups of the item to the end of their
-# waits, for as long as it stays.
-_CLAIM_HOLDER = """
+# waits, for as long as it stays.  A holder is a host's short id: at most the first
+# MAX_OWNER_BYTES of a claim are read, so one holding megabytes (garbage) is not sent whole
+# to every lookup (it stays another's claim, until it lapses).
+_CLAIM_HOLDER = f"""
 local function holder_of(key)
   local holder = redis.pcall("GET", key)
   if type(holder) ~= "string" or redis.call("PTTL", key) < 0 then
     return ""
   end
-  return holder
+  return string.sub(holder, 1, {MAX_OWNER_BYTES})
 end
 """
 

@@ -32,6 +32,7 @@ from mmcache.closing import ClosesOnExit
 from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
 from mmcache.remote.backend import (
+    MAX_OWNER_BYTES,
     Backend,
     ClaimingBackend,
     Fetched,
@@ -73,6 +74,14 @@ def is_shareable_key(key: object) -> bool:
     content hash (at least 32 characters of ``[A-Za-z0-9._+=-]``, e.g. hex), never an
     arbitrary identifier two hosts could use for different items."""
     return isinstance(key, str) and _CONTENT_KEY.fullmatch(key) is not None
+
+
+def _check_owner(owner: object) -> None:
+    if not (isinstance(owner, str) and 0 < len(owner.encode()) <= MAX_OWNER_BYTES):
+        raise ValueError(
+            f"a claim's owner must be a non-empty str of at most {MAX_OWNER_BYTES} bytes "
+            "(a host's id)"
+        )
 
 
 class CircuitBreaker:
@@ -286,6 +295,7 @@ class RemoteStore(ClosesOnExit):
         wait in a circle.  One call, under the deadline and the breaker like every other.
         A store without claims (:attr:`supports_claims`) answers every holder ``None``; a
         failure answers ``(None, None)`` for every key."""
+        _check_owner(owner)
         if not isinstance(self._backend, ClaimingBackend):
             return [(item, None) for item in self.get_many(keys)]
         backend = self._backend
@@ -307,6 +317,7 @@ class RemoteStore(ClosesOnExit):
     def release_claims(self, keys: Sequence[str], owner: str) -> None:
         """Drop the claims ``owner`` holds on ``keys`` (one round trip; a claim that lapsed
         and another host took since stays theirs).  Never raises for the store's sake."""
+        _check_owner(owner)
         if not keys or not isinstance(self._backend, ClaimingBackend):
             return
         backend = self._backend
