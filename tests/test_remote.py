@@ -944,6 +944,18 @@ def test_credentials_in_the_url_never_reach_logs_repr_or_errors(
     assert "127.0.0.1" in store.url and "alice" not in store.url
 
 
+def test_a_server_with_a_password_starts_and_serves_who_knows_it(namespace: str) -> None:
+    """``requirepass``: the server answers a PING without the password ``-NOAUTH``, which
+    says it is up (not that it is still starting)."""
+    with start_valkey(extra=["--requirepass", PASSWORD]) as srv:
+        with open_store(srv.url.replace("redis://", f"redis://:{PASSWORD}@"), namespace) as store:
+            store.put(key(1), make_item(1, 100))
+            assert same(store.get(key(1)), make_item(1, 100)), store.stats()
+        with open_store(srv.url, namespace) as without:
+            assert without.get(key(1)) is None and without.stats()["errors"] == 1
+            assert PASSWORD not in repr(without)
+
+
 @pytest.mark.parametrize(
     "url",
     [
