@@ -579,6 +579,31 @@ def test_a_value_whose_chunk_is_gone_is_put_again_by_the_next_host(
         assert other_host.stats()["puts"] == 1
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "manifest with a byte appended",
+        "manifest with another chunk size",
+        "deleted chunk",
+    ],
+)
+def test_a_broken_chunked_value_read_alone_is_put_again_by_the_next_host(
+    server: LocalServer, raw: redis.Redis, namespace: str, damage: str
+) -> None:
+    """Whether the broken manifest is deleted (so that the item can be put again) does not
+    depend on what else the lookup asked for: here it asks for that value alone."""
+    size, harm, counter = DAMAGE[damage]
+    item = make_item(1, size)
+    with open_store(server.url, namespace) as store:
+        store.put(key(1), item)
+        harm(raw, namespace)
+        assert store.get(key(1)) is None and store.stats()[counter] == 1
+    with open_store(server.url, namespace) as other_host:
+        other_host.put(key(1), item)
+        assert other_host.stats()["puts"] == 1, other_host.stats()
+        assert same(other_host.get(key(1)), item)
+
+
 @pytest.mark.parametrize("manifest", ["schema 1's (no envelope header)", "of another version"])
 def test_a_chunked_value_of_another_schema_version_is_a_version_mismatch_left_alone(
     server: LocalServer, raw: redis.Redis, namespace: str, manifest: str

@@ -510,19 +510,19 @@ class RedisBackend:
                 (position, chunk_key(key, nonce, i), payload[i * size : (i + 1) * size])
                 for i in range(count)
             ]
-        if not wanted:
-            return out
-        digests = self._fetch([w[1] for w in wanted], [w[2] for w in wanted], deadline)
-        for (position, _, _), digest in zip(wanted, digests, strict=True):
-            if position not in values:
-                continue  # already found incomplete
-            if digest is None:
-                del values[position]
-                out[position] = INCOMPLETE
-            else:
-                values[position][2].append(digest)
-        for position, (buffer, size, chunk_digests) in values.items():
-            out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
+        if wanted:
+            digests = self._fetch([w[1] for w in wanted], [w[2] for w in wanted], deadline)
+            for (position, _, _), digest in zip(wanted, digests, strict=True):
+                if position not in values:
+                    continue  # already found incomplete
+                if digest is None:
+                    del values[position]
+                    out[position] = INCOMPLETE
+                else:
+                    values[position][2].append(digest)
+            for position, (buffer, size, chunk_digests) in values.items():
+                out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
+        # A torn manifest is dropped too, whether or not the batch had chunks to fetch.
         broken = zip(keys, heads, out, strict=True)
         self._drop_broken([(key, head) for key, head, got in broken if got is INCOMPLETE])
         return out
