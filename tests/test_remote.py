@@ -385,6 +385,17 @@ def test_the_url_options_redis_reads_still_work(server: LocalServer, namespace: 
         assert store.stats()["errors"] == 0
 
 
+@pytest.mark.parametrize("secret", [7, True, [1, 2, 3], 2.5])
+def test_a_secret_that_is_not_text_or_bytes_is_a_type_error(secret: Any) -> None:
+    """``bytes(7)`` is seven zero bytes: an int taken for a secret would key every value with
+    a key that says nothing of its digits (``7`` and ``b"\\0" * 7`` the same), and a large
+    one would be a huge allocation."""
+    with pytest.raises(TypeError, match="secret"):
+        RemoteStore("redis://127.0.0.1:1", namespace="m@1", secret=secret)
+    with pytest.raises(TypeError, match="secret"):
+        derive_digest_key(secret)
+
+
 def test_shareable_keys_are_full_width_hashes() -> None:
     assert is_shareable_key(content_hash(b"x"))
     assert not is_shareable_key("image-0")
