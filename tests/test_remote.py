@@ -1037,6 +1037,31 @@ def test_a_password_in_the_query_is_redacted_too(namespace: str) -> None:
         assert PASSWORD not in repr(store) and "chunk_kb=64" in store.url
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # '@' needs no percent-encoding in a query: a password option may hold one as it is.
+        ("redis://cache:6379/0?password=hunter@two", "redis://cache:6379/0?password=***"),
+        (
+            "rediss://cache:6380?ssl_password=x@y@two&chunk_kb=64",
+            "rediss://cache:6380?ssl_password=***&chunk_kb=64",
+        ),
+        ("redis://u:hunter@cache:6379?password=a@two", "redis://***@cache:6379?password=***"),
+        # Still: a userinfo password with '/', '?' or '#' (the netloc parsed ends early).
+        ("redis://:hunter?password=x@cache:6379", "redis://***@cache:6379"),
+        (
+            "redis://:hunter/two@cache:6379/0?password=a@two",
+            "redis://***@cache:6379/0?password=***",
+        ),
+    ],
+)
+def test_an_at_sign_in_a_password_option_shows_none_of_it(url: str, shown: str) -> None:
+    """The part of a password option's value after an '@' is neither shown nor taken for
+    the store's host."""
+    assert redact_url(url) == shown
+    assert "hunter" not in redact_url(url) and "two" not in redact_url(url)
+
+
 # --------------------------------------------------------------------------------------------
 # The breaker: every outcome of a probe settles it
 

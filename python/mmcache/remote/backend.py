@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias, runtime_checkable
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from mmcache.remote.envelope import PartDigests
 
@@ -156,30 +156,57 @@ _SECRET_PARAMETER = re.compile(r"pass|pwd|secret|token|auth|cred|key", re.IGNORE
 _URL_IN_VALUE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*(?:%3A|:)(?:%2F|/){2}).*@", re.IGNORECASE)
 
 
+def _fields(query: str) -> list[tuple[str, str, str]]:
+    return [field.partition("=") for field in query.split("&")] if query else []
+
+
+def _accounts_for_every_at(parts: SplitResult, text: str) -> bool:
+    """Whether ``parts`` (``text`` parsed) reads as a whole authority (a host, a valid port
+    or none) with every '@' of ``text`` in a place of its own: the userinfo's end, inside a
+    password-like option's value (hidden whole) or a URL given as an option's value."""
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not one
+    except ValueError:
+        return False
+    accounted = parts.netloc.count("@") + sum(
+        value.count("@")
+        for name, eq, value in _fields(parts.query)
+        if eq and (_SECRET_PARAMETER.search(unquote(name)) or _URL_IN_VALUE.match(value))
+    )
+    return bool(parts.hostname) and text.count("@") == accounted
+
+
 def redact_url(url: str) -> str:
     """``url`` as it may be shown (logs, reprs, errors): the userinfo (``user:password@``),
     the userinfo of a URL given as an option's value (Mooncake's ``metadata=``) and the value
     of every password-like query parameter become ``***``; the rest (scheme, host, port, path,
     other options) still says which store it is. A password pasted without percent-encoding
     may hold ``/``, ``?`` or ``#``, which end the netloc where a URL parser looks: an ``@``
-    found anywhere else then hides everything up to it."""
+    found anywhere else then hides everything up to the first ``@`` after which the URL reads
+    whole (a password-like option's value may hold an ``@`` of its own: no part of it is
+    shown, nor taken for the host)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<an unparseable URL>"
+    scheme, colon_slashes, rest = url.partition("://")
+    if colon_slashes and "@" in rest and not _accounts_for_every_at(parts, rest):
+        for at, char in enumerate(rest):
+            if char != "@":
+                continue
+            tail = rest[at + 1 :]
+            try:
+                tail_parts = urlsplit(f"{scheme}://{tail}")
+            except ValueError:
+                continue
+            if _accounts_for_every_at(tail_parts, tail):
+                return redact_url(f"{scheme}://***@{tail}")
+        return f"{scheme}://***"
     netloc = parts.netloc
     if "@" in netloc:
         netloc = "***@" + netloc.rpartition("@")[2]
-    fields = [field.partition("=") for field in parts.query.split("&")] if parts.query else []
-    # Every '@' should be the netloc's or one of a URL given as an option's value.
-    accounted = parts.netloc.count("@") + sum(
-        value.count("@") for _, eq, value in fields if eq and _URL_IN_VALUE.match(value)
-    )
-    scheme, colon_slashes, rest = url.partition("://")
-    if colon_slashes and rest.count("@") > accounted:
-        return redact_url(f"{scheme}://***@{rest.rpartition('@')[2]}")
     shown = []
-    for name, eq, value in fields:
+    for name, eq, value in _fields(parts.query):
         if eq and _SECRET_PARAMETER.search(unquote(name)):
             shown.append(f"{name}=***")
         else:
