@@ -563,6 +563,26 @@ def test_a_local_cache_that_takes_claims_gets_them() -> None:
         p0.close()
 
 
+@pytest.mark.parametrize(
+    "bound",
+    [
+        {"publish_queue_mb": float("inf")},
+        {"prefetch_limit_mb": float("inf")},
+        {"publish_queue_mb": float("nan")},
+        {"prefetch_limit_mb": -1.0},
+    ],
+)
+def test_a_byte_bound_that_is_no_finite_number_is_a_value_error(bound: dict[str, float]) -> None:
+    """Both waiting rooms are bounded by bytes: an infinite bound is a ``ValueError`` naming
+    it, not an ``OverflowError`` from turning it into a byte count."""
+    store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
+    try:
+        with pytest.raises(ValueError, match=next(iter(bound))):
+            TieredSenderCache(SenderCache(0.05), store, **bound)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1"])
 def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
     p0 = TieredSenderCache(

@@ -154,8 +154,11 @@ class TieredSenderCache(BaseSenderCache):
         super().__init__()
         if publish_queue < 1 or prefetch_limit < 1:
             raise ValueError("publish_queue and prefetch_limit must be at least 1")
-        if not (publish_queue_mb > 0 and prefetch_limit_mb > 0):
-            raise ValueError("publish_queue_mb and prefetch_limit_mb must be positive")
+        # Finite: each is turned into a byte count (an infinite one would not be a bound).
+        if not (0 < publish_queue_mb < math.inf and 0 < prefetch_limit_mb < math.inf):
+            raise ValueError(
+                "publish_queue_mb and prefetch_limit_mb must be positive finite numbers of MiB"
+            )
         if not 0.001 <= claim_ttl_s <= 3600:  # also refuses nan
             raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
         self.local = local
