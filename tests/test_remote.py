@@ -350,6 +350,11 @@ def test_bad_keys_and_items_are_clear_errors(
         ("mooncake://127.0.0.1", {}, "not a Mooncake URL"),
         ("redis://127.0.0.1:1?chunk_kb=0", {}, "chunk_kb"),
         ("redis://127.0.0.1:1?chunk_kb=many", {}, "chunk_kb"),
+        # Not a number: named, not "'<' not supported between instances of ...".
+        ("redis://127.0.0.1:1", {"ttl_s": "60"}, "ttl_s"),
+        ("redis://127.0.0.1:1", {"max_value_mb": "256"}, "max_value_mb"),
+        ("redis://127.0.0.1:1", {"breaker_failures": "3"}, "breaker_failures"),
+        ("redis://127.0.0.1:1", {"breaker_cooldown_s": None}, "breaker_cooldown_s"),
     ],
 )
 def test_bad_configuration_is_a_value_error(url: str, kwargs: dict[str, Any], message: str) -> None:

@@ -17,6 +17,7 @@ store lets the next call probe).
 from __future__ import annotations
 
 import logging
+import numbers
 import re
 import threading
 import time
@@ -74,6 +75,11 @@ def is_shareable_key(key: object) -> bool:
     content hash (at least 32 characters of ``[A-Za-z0-9._+=-]``, e.g. hex), never an
     arbitrary identifier two hosts could use for different items."""
     return isinstance(key, str) and _CONTENT_KEY.fullmatch(key) is not None
+
+
+def _is_number(value: object) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_owner(owner: object) -> None:
@@ -219,10 +225,17 @@ class RemoteStore(ClosesOnExit):
             )
         if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 60):
             raise ValueError(f"timeout_s must be a number of seconds in (0, 60], not {timeout_s!r}")
-        if ttl_s is not None and not 0 < ttl_s < 1e9:
+        # Each checked for a number first: compared as they are, a str would raise "'<' not
+        # supported between instances of ...", naming neither the option nor what it takes.
+        if ttl_s is not None and not (_is_number(ttl_s) and 0 < ttl_s < 1e9):
             raise ValueError(f"ttl_s must be a positive number of seconds or None, not {ttl_s!r}")
-        if not 0 < max_value_mb <= 1 << 20:
+        if not (_is_number(max_value_mb) and 0 < max_value_mb <= 1 << 20):
             raise ValueError(f"max_value_mb must be positive, not {max_value_mb!r}")
+        if not (_is_number(breaker_failures) and _is_number(breaker_cooldown_s)):
+            raise ValueError(
+                f"breaker_failures and breaker_cooldown_s must be numbers, not "
+                f"{breaker_failures!r} and {breaker_cooldown_s!r}"
+            )
         self.url = redact_url(url)
         """The store's URL without its credentials (the only form of it kept)."""
         self.namespace = namespace
