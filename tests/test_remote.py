@@ -401,6 +401,20 @@ def test_a_secret_that_is_not_text_or_bytes_is_a_type_error(secret: Any) -> None
         derive_digest_key(secret)
 
 
+def test_a_pool_of_one_connection_still_reads_chunked_values(
+    server: LocalServer, namespace: str
+) -> None:
+    """``max_connections=1`` (a connection per process): the chunks are fetched on that one
+    connection, not refused as "Too many connections" - counted as the store unreachable,
+    every time, until the breaker turned the tier off."""
+    item = make_item(1, 3 * MiB)
+    with open_store(f"{server.url}?max_connections=1", namespace) as store:
+        store.put(key(1), item)
+        for _ in range(store._breaker.failures_to_open + 1):
+            assert same(store.get(key(1)), item), store.stats()
+        assert store.stats()["errors"] == 0
+
+
 def test_shareable_keys_are_full_width_hashes() -> None:
     assert is_shareable_key(content_hash(b"x"))
     assert not is_shareable_key("image-0")

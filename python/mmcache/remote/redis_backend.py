@@ -12,10 +12,11 @@ won, so a put cut short leaves nothing behind for long.
 A reader fetches the manifests (and small values) of a whole batch in one round trip - a
 ``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
 over the bound is :data:`~.backend.TOO_LARGE` without being read whole - and the chunks of
-the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once), whose
-reply it reads off the socket itself: each chunk goes straight into one buffer allocated for
-the whole value - no copy in the client's parser, no join - and is hashed as soon as it is
-in, while the server is still sending the next.  A value missing any chunk (evicted by
+the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once, or on
+one where the URL's ``max_connections`` caps the pool lower), whose reply it reads off the
+socket itself: each chunk goes straight into one buffer allocated for the whole value - no
+copy in the client's parser, no join - and is hashed as soon as it is in, while the server
+is still sending the next.  A value missing any chunk (evicted by
 ``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss, and its manifest is
 deleted (if unchanged) so that the item can be put again.
 
@@ -579,8 +580,14 @@ class RedisBackend:
         self, names: list[str], views: list[memoryview], deadline: float
     ) -> list[bytes | None]:
         """The chunks ``names`` read into ``views``, split over the fetch connections (this
-        thread reads the first share); each one's digest, or ``None`` where it is missing."""
-        step = -(-len(names) // FETCH_CONNECTIONS)
+        thread reads the first share); each one's digest, or ``None`` where it is missing.
+        A pool capped below :data:`FETCH_CONNECTIONS` (the URL's ``max_connections``) has
+        them read on one: a second would be refused ("Too many connections") every time."""
+        connections = FETCH_CONNECTIONS
+        cap = getattr(self._client.connection_pool, "max_connections", None)
+        if isinstance(cap, int) and cap < connections:
+            connections = 1
+        step = -(-len(names) // connections)
         shares = [slice(i, i + step) for i in range(step, len(names), step)]
         futures = [
             self._fetchers.submit(self._fetch_share, names[s], views[s], deadline) for s in shares
