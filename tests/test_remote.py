@@ -1449,6 +1449,27 @@ def test_items_waiting_to_be_published_are_bounded_by_bytes(
         p0.close()
 
 
+def test_prompt_updates_of_any_shape_never_fail_the_update(
+    server: LocalServer, namespace: str
+) -> None:
+    """Prompt updates are any picklable object and never count towards an item's size: one
+    that refers to itself is served as the local cache serves it, and only kept from the
+    remote tier (the codec cannot hold it: counted), never raised out of the update."""
+    updates: list[Any] = ["<image>"]
+    updates.append(updates)
+    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace))
+    try:
+        assert p0.is_cached([key(1)], claim=True) == [False]
+        [(data, got)] = in_time(lambda: p0.get_and_update([(make_item(1, 100), updates)], [key(1)]))
+        assert same(data, make_item(1, 100)) and got is updates
+        assert p0.flush()
+        s = p0.stats()
+        assert s["remote_unencodable"] == 1 and s["remote_puts"] == 0, s
+        assert p0.remote.contains([key(1)]) == [False]
+    finally:
+        p0.close()
+
+
 def test_an_item_the_full_queue_drops_is_not_counted_published(
     server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -78,7 +78,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
-from mmcache.items import Item
+from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.protection import Holds, RequestState
 from mmcache.remote.store import RemoteStore, is_shareable_key
@@ -418,10 +418,14 @@ class TieredSenderCache(BaseSenderCache):
             if not self._request.open:  # else a later update of the request may need them
                 for h in mm_hashes:
                     self._waiting.give(self._request.holds, h)
+        # Sized by the item alone: prompt updates never count (any picklable object, a
+        # self-referring one too, which item_size would recurse into without end).
         queued = [
             h
             for h, (item, prompt_updates) in fresh.items()
-            if self._publisher.submit(h, {"item": item, "prompt_updates": prompt_updates})
+            if self._publisher.submit(
+                h, {"item": item, "prompt_updates": prompt_updates}, size=item_size(item)
+            )
         ]
         with self._lock:  # a stored item needs no claim: another request's on it ends too
             # Only what was queued: a dropped item is counted as dropped, not published.

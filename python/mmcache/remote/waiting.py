@@ -43,9 +43,10 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="mmcache-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, record: Item) -> bool:
-        """Queue ``record`` for ``key``; whether this call queued it (never once closed)."""
-        size = item_size(record)
+    def submit(self, key: str, record: Item, *, size: int | None = None) -> bool:
+        """Queue ``record`` for ``key``, counting ``size`` bytes (default: the record's
+        :func:`~mmcache.items.item_size`); whether this call queued it (never once closed)."""
+        size = item_size(record) if size is None else size
         with self._lock:
             if self._closed or key in self._queued:
                 return False
