@@ -583,6 +583,19 @@ def test_a_byte_bound_that_is_no_finite_number_is_a_value_error(bound: dict[str,
         store.close()
 
 
+@pytest.mark.parametrize("claim_ttl_s", [float("inf"), float("nan"), -1.0, 0, "5"])
+def test_a_claim_lifetime_out_of_range_is_a_value_error(claim_ttl_s: Any) -> None:
+    """Not an ``OverflowError`` (infinity), nor a claim silently cut to 1 ms (0, negative)
+    that lapses before anyone could wait on it."""
+    store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
+    try:
+        with pytest.raises(ValueError, match="claim_ttl_s"):
+            store.fetch_or_claim([key(1)], "me", claim_ttl_s=claim_ttl_s)
+        assert store.stats()["skipped"] + store.stats()["unreachable"] == 0  # refused first
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1"])
 def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
     p0 = TieredSenderCache(

@@ -309,6 +309,10 @@ class RemoteStore(ClosesOnExit):
         A store without claims (:attr:`supports_claims`) answers every holder ``None``; a
         failure answers ``(None, None)`` for every key."""
         _check_owner(owner)
+        # As TieredSenderCache's: a claim that lapses before anyone could wait on it (0 or
+        # less would be cut to 1 ms) is no claim, and an infinite one no whole milliseconds.
+        if not (_is_number(claim_ttl_s) and 0.001 <= claim_ttl_s <= 3600):
+            raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
         if not isinstance(self._backend, ClaimingBackend):
             return [(item, None) for item in self.get_many(keys)]
         backend = self._backend
