@@ -1423,6 +1423,37 @@ def hold_puts(store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> threading.
     return release
 
 
+def test_flush_and_close_may_wait_without_a_bound(
+    server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``timeout_s=inf`` waits as long as it takes, rather than raising ``OverflowError``
+    (a lock's timeout is at most ``threading.TIMEOUT_MAX``)."""
+    store = open_store(server.url, namespace)
+    release = hold_puts(store, monkeypatch)
+    p0 = TieredSenderCache(SenderCache(0.05), store)
+    results: list[Any] = []
+
+    def flush_for_ever() -> None:
+        try:
+            results.append(p0.flush(float("inf")))
+        except BaseException as exc:
+            results.append(exc)
+
+    try:
+        p0.get_and_update([(make_item(1, 1000), ["<image>", 1])], [key(1)])  # held
+        waiter = threading.Thread(target=flush_for_ever, daemon=True)
+        waiter.start()
+        waiter.join(0.5)  # time for it to wait on the held put (or fail)
+        release.set()
+        waiter.join(HANG_S)
+        assert results == [True]
+        in_time(lambda: p0.close(timeout_s=float("inf")))
+        assert store.contains([key(1)]) == [False]  # closed: a miss, the call answered
+    finally:
+        release.set()
+        p0.close()
+
+
 def test_items_waiting_to_be_published_are_bounded_by_bytes(
     server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

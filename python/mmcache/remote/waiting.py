@@ -101,7 +101,8 @@ class Publisher:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._queue.all_tasks_done.wait(remaining)
+                # A lock waits at most TIMEOUT_MAX (an infinite timeout_s: OverflowError).
+                self._queue.all_tasks_done.wait(min(remaining, threading.TIMEOUT_MAX))
         return True
 
     def close(self, timeout_s: float) -> None:
@@ -127,7 +128,7 @@ class Publisher:
                         unput.append(job[0])
         self._remote.release_claims(unput, self._owner)
         self._queue.put(None)
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._thread.join(min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX))
 
 
 class Fetched:
