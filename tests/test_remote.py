@@ -350,11 +350,69 @@ def test_bad_keys_and_items_are_clear_errors(
         ("mooncake://127.0.0.1", {}, "not a Mooncake URL"),
         ("redis://127.0.0.1:1?chunk_kb=0", {}, "chunk_kb"),
         ("redis://127.0.0.1:1?chunk_kb=many", {}, "chunk_kb"),
+        # Not a number: named, not "'<' not supported between instances of ...".
+        ("redis://127.0.0.1:1", {"ttl_s": "60"}, "ttl_s"),
+        ("redis://127.0.0.1:1", {"max_value_mb": "256"}, "max_value_mb"),
+        ("redis://127.0.0.1:1", {"breaker_failures": "3"}, "breaker_failures"),
+        ("redis://127.0.0.1:1", {"breaker_cooldown_s": None}, "breaker_cooldown_s"),
     ],
 )
 def test_bad_configuration_is_a_value_error(url: str, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RemoteStore(url, **{"namespace": "m@1", **kwargs})
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "sockettimeout=1",  # a typo: redis-py would pass it on to every connection it makes
+        "decode_responses=True",  # values would come back as text: no value of ours is
+        "decode_responses=false",  # a string, so as true as "True" to redis-py
+        "single_connection_client=1",
+    ],
+)
+def test_a_url_option_that_would_fail_every_call_is_a_value_error(
+    server: LocalServer, namespace: str, option: str
+) -> None:
+    """Refused when the store is made, naming the option and not the password, rather than
+    accepted and then every call counted as the store failing (until its breaker opens)."""
+    url = server.url.replace("redis://", "redis://admin:hunter2@") + "?" + option
+    with pytest.raises(ValueError, match=option.partition("=")[0]) as refused:
+        RemoteStore(url, namespace=namespace)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_the_url_options_redis_reads_still_work(server: LocalServer, namespace: str) -> None:
+    options = "socket_keepalive=true&health_check_interval=30&client_name=p0&protocol=3"
+    with open_store(f"{server.url}/0?{options}", namespace) as store:
+        store.put(key(1), make_item(1, 3 * MiB))
+        assert same(store.get(key(1)), make_item(1, 3 * MiB)), store.stats()
+        assert store.stats()["errors"] == 0
+
+
+@pytest.mark.parametrize("secret", [7, True, [1, 2, 3], 2.5])
+def test_a_secret_that_is_not_text_or_bytes_is_a_type_error(secret: Any) -> None:
+    """``bytes(7)`` is seven zero bytes: an int taken for a secret would key every value with
+    a key that says nothing of its digits (``7`` and ``b"\\0" * 7`` the same), and a large
+    one would be a huge allocation."""
+    with pytest.raises(TypeError, match="secret"):
+        RemoteStore("redis://127.0.0.1:1", namespace="m@1", secret=secret)
+    with pytest.raises(TypeError, match="secret"):
+        derive_digest_key(secret)
+
+
+def test_a_pool_of_one_connection_still_reads_chunked_values(
+    server: LocalServer, namespace: str
+) -> None:
+    """``max_connections=1`` (a connection per process): the chunks are fetched on that one
+    connection, not refused as "Too many connections" - counted as the store unreachable,
+    every time, until the breaker turned the tier off."""
+    item = make_item(1, 3 * MiB)
+    with open_store(f"{server.url}?max_connections=1", namespace) as store:
+        store.put(key(1), item)
+        for _ in range(store._breaker.failures_to_open + 1):
+            assert same(store.get(key(1)), item), store.stats()
+        assert store.stats()["errors"] == 0
 
 
 def test_shareable_keys_are_full_width_hashes() -> None:
@@ -549,6 +607,57 @@ def test_a_value_whose_chunk_is_gone_is_put_again_by_the_next_host(
         other_host.put(key(2), item)
         assert same(other_host.get(key(2)), item), other_host.stats()
         assert other_host.stats()["puts"] == 1
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "manifest with a byte appended",
+        "manifest with another chunk size",
+        "deleted chunk",
+    ],
+)
+def test_a_broken_chunked_value_read_alone_is_put_again_by_the_next_host(
+    server: LocalServer, raw: redis.Redis, namespace: str, damage: str
+) -> None:
+    """Whether the broken manifest is deleted (so that the item can be put again) does not
+    depend on what else the lookup asked for: here it asks for that value alone."""
+    size, harm, counter = DAMAGE[damage]
+    item = make_item(1, size)
+    with open_store(server.url, namespace) as store:
+        store.put(key(1), item)
+        harm(raw, namespace)
+        assert store.get(key(1)) is None and store.stats()[counter] == 1
+    with open_store(server.url, namespace) as other_host:
+        other_host.put(key(1), item)
+        assert other_host.stats()["puts"] == 1, other_host.stats()
+        assert same(other_host.get(key(1)), item)
+
+
+@pytest.mark.parametrize("manifest", ["schema 1's (no envelope header)", "of another version"])
+def test_a_chunked_value_of_another_schema_version_is_a_version_mismatch_left_alone(
+    server: LocalServer, raw: redis.Redis, namespace: str, manifest: str
+) -> None:
+    """Hosts of two versions sharing a store during an upgrade: a chunked value the other
+    version wrote is a miss counted as ``version_mismatch`` (not a broken value), and is left
+    in the store for the hosts that read it - never deleted as a value whose chunks are
+    gone."""
+    with open_store(server.url, namespace) as store:
+        store.put(key(1), make_item(1, 3 * MiB))
+        name = _value_key(namespace, 1)
+        current = raw.get(name) or b""
+        if manifest.startswith("schema 1"):
+            # Schema 1's manifest: magic, writer nonce, chunk count, chunk size, total - and
+            # nothing after it (its chunks held the whole envelope).
+            other = current[: struct.calcsize("<4s16sIIQ")]
+            raw.set(name, other)
+        else:
+            _with_version(raw, name, SCHEMA_VERSION + 1, _header_at(raw, name))
+            other = raw.get(name) or b""
+        assert store.get(key(1)) is None
+        s = store.stats()
+        assert s["version_mismatch"] == 1 and s["incomplete"] == 0 and s["misses"] == 1
+        assert raw.get(name) == other
 
 
 def test_a_chunked_put_cut_short_leaves_only_keys_that_expire(
@@ -890,6 +999,18 @@ def test_credentials_in_the_url_never_reach_logs_repr_or_errors(
     assert "127.0.0.1" in store.url and "alice" not in store.url
 
 
+def test_a_server_with_a_password_starts_and_serves_who_knows_it(namespace: str) -> None:
+    """``requirepass``: the server answers a PING without the password ``-NOAUTH``, which
+    says it is up (not that it is still starting)."""
+    with start_valkey(extra=["--requirepass", PASSWORD]) as srv:
+        with open_store(srv.url.replace("redis://", f"redis://:{PASSWORD}@"), namespace) as store:
+            store.put(key(1), make_item(1, 100))
+            assert same(store.get(key(1)), make_item(1, 100)), store.stats()
+        with open_store(srv.url, namespace) as without:
+            assert without.get(key(1)) is None and without.stats()["errors"] == 1
+            assert PASSWORD not in repr(without)
+
+
 @pytest.mark.parametrize(
     "url",
     [
@@ -933,6 +1054,31 @@ def test_a_password_in_the_query_is_redacted_too(namespace: str) -> None:
         f"redis://127.0.0.1:1/0?password={PASSWORD}&chunk_kb=64", namespace=namespace
     ) as store:
         assert PASSWORD not in repr(store) and "chunk_kb=64" in store.url
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # '@' needs no percent-encoding in a query: a password option may hold one as it is.
+        ("redis://cache:6379/0?password=hunter@two", "redis://cache:6379/0?password=***"),
+        (
+            "rediss://cache:6380?ssl_password=x@y@two&chunk_kb=64",
+            "rediss://cache:6380?ssl_password=***&chunk_kb=64",
+        ),
+        ("redis://u:hunter@cache:6379?password=a@two", "redis://***@cache:6379?password=***"),
+        # Still: a userinfo password with '/', '?' or '#' (the netloc parsed ends early).
+        ("redis://:hunter?password=x@cache:6379", "redis://***@cache:6379"),
+        (
+            "redis://:hunter/two@cache:6379/0?password=a@two",
+            "redis://***@cache:6379/0?password=***",
+        ),
+    ],
+)
+def test_an_at_sign_in_a_password_option_shows_none_of_it(url: str, shown: str) -> None:
+    """The part of a password option's value after an '@' is neither shown nor taken for
+    the store's host."""
+    assert redact_url(url) == shown
+    assert "hunter" not in redact_url(url) and "two" not in redact_url(url)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1277,6 +1423,37 @@ def hold_puts(store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> threading.
     return release
 
 
+def test_flush_and_close_may_wait_without_a_bound(
+    server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``timeout_s=inf`` waits as long as it takes, rather than raising ``OverflowError``
+    (a lock's timeout is at most ``threading.TIMEOUT_MAX``)."""
+    store = open_store(server.url, namespace)
+    release = hold_puts(store, monkeypatch)
+    p0 = TieredSenderCache(SenderCache(0.05), store)
+    results: list[Any] = []
+
+    def flush_for_ever() -> None:
+        try:
+            results.append(p0.flush(float("inf")))
+        except BaseException as exc:
+            results.append(exc)
+
+    try:
+        p0.get_and_update([(make_item(1, 1000), ["<image>", 1])], [key(1)])  # held
+        waiter = threading.Thread(target=flush_for_ever, daemon=True)
+        waiter.start()
+        waiter.join(0.5)  # time for it to wait on the held put (or fail)
+        release.set()
+        waiter.join(HANG_S)
+        assert results == [True]
+        in_time(lambda: p0.close(timeout_s=float("inf")))
+        assert store.contains([key(1)]) == [False]  # closed: a miss, the call answered
+    finally:
+        release.set()
+        p0.close()
+
+
 def test_items_waiting_to_be_published_are_bounded_by_bytes(
     server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1300,6 +1477,27 @@ def test_items_waiting_to_be_published_are_bounded_by_bytes(
         assert p0.stats()["remote_publish_dropped"] == 2
     finally:
         release.set()
+        p0.close()
+
+
+def test_prompt_updates_of_any_shape_never_fail_the_update(
+    server: LocalServer, namespace: str
+) -> None:
+    """Prompt updates are any picklable object and never count towards an item's size: one
+    that refers to itself is served as the local cache serves it, and only kept from the
+    remote tier (the codec cannot hold it: counted), never raised out of the update."""
+    updates: list[Any] = ["<image>"]
+    updates.append(updates)
+    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace))
+    try:
+        assert p0.is_cached([key(1)], claim=True) == [False]
+        [(data, got)] = in_time(lambda: p0.get_and_update([(make_item(1, 100), updates)], [key(1)]))
+        assert same(data, make_item(1, 100)) and got is updates
+        assert p0.flush()
+        s = p0.stats()
+        assert s["remote_unencodable"] == 1 and s["remote_puts"] == 0, s
+        assert p0.remote.contains([key(1)]) == [False]
+    finally:
         p0.close()
 
 

@@ -563,6 +563,39 @@ def test_a_local_cache_that_takes_claims_gets_them() -> None:
         p0.close()
 
 
+@pytest.mark.parametrize(
+    "bound",
+    [
+        {"publish_queue_mb": float("inf")},
+        {"prefetch_limit_mb": float("inf")},
+        {"publish_queue_mb": float("nan")},
+        {"prefetch_limit_mb": -1.0},
+    ],
+)
+def test_a_byte_bound_that_is_no_finite_number_is_a_value_error(bound: dict[str, float]) -> None:
+    """Both waiting rooms are bounded by bytes: an infinite bound is a ``ValueError`` naming
+    it, not an ``OverflowError`` from turning it into a byte count."""
+    store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
+    try:
+        with pytest.raises(ValueError, match=next(iter(bound))):
+            TieredSenderCache(SenderCache(0.05), store, **bound)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("claim_ttl_s", [float("inf"), float("nan"), -1.0, 0, "5"])
+def test_a_claim_lifetime_out_of_range_is_a_value_error(claim_ttl_s: Any) -> None:
+    """Not an ``OverflowError`` (infinity), nor a claim silently cut to 1 ms (0, negative)
+    that lapses before anyone could wait on it."""
+    store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
+    try:
+        with pytest.raises(ValueError, match="claim_ttl_s"):
+            store.fetch_or_claim([key(1)], "me", claim_ttl_s=claim_ttl_s)
+        assert store.stats()["skipped"] + store.stats()["unreachable"] == 0  # refused first
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1"])
 def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
     p0 = TieredSenderCache(
@@ -607,3 +640,78 @@ def test_a_host_drops_its_lapsed_claims_and_looks_at_them_only_once_one_may_have
         assert set(p0._claims) == {key(6)}, "the lapsed claims are dropped"
     finally:
         p0.close()
+
+
+def test_a_claim_key_of_another_type_is_no_claim_and_fails_nothing(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """Garbage at an item's claim key (a list, say) is one key's garbage: the batch that asks
+    for that item still answers its other keys, the store is not counted as failing (its
+    breaker stays closed), and the item is claimed and released as usual."""
+    writer, p0 = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        writer.get_and_update([item(1)], [key(1)])
+        assert writer.flush()
+        raw.rpush(f"mmc/{namespace}/{key(2)}/claim", b"not a claim")
+
+        def ask_then_give_up() -> list[bool]:
+            cached = p0.is_cached([key(1), key(2)], claim=True)
+            p0.release_sender_touches()  # the claims are this thread's request's
+            return cached
+
+        for _ in range(p0.remote._breaker.failures_to_open + 1):
+            assert in_time(ask_then_give_up) == [True, False]
+        assert claim_of(raw, namespace, 2) is None  # taken, then released by its holder
+        s = p0.stats()
+        assert s["remote_server_errors"] == 0 and s["remote_breaker_opened"] == 0
+        assert s["remote_claims"] >= 1 and s["remote_claims_released"] >= 1
+    finally:
+        writer.close()
+        p0.close()
+
+
+def test_a_claim_that_never_lapses_is_no_claim_and_stops_no_wait(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """Every claim a host takes lapses by itself (``claim_ttl_s``), so that one whose host
+    died frees its item.  A string at a claim key without an expiry (garbage, a key a tool
+    persisted) is no host's claim: honoured, it would hold every host's every lookup of the
+    item to the end of its wait, for as long as the key stays."""
+    name = f"mmc/{namespace}/{key(2)}/claim"
+    raw.set(name, b"a host long gone")
+    p0 = open_p0(server.url, namespace)
+    try:
+        assert in_time(lambda: p0.is_cached([key(2)], claim=True, wait_s=2.0)) == [False]
+        s = p0.stats()
+        assert s["remote_claim_waits"] == 0 and s["remote_claims"] == 1, s
+        assert claim_of(raw, namespace, 2) == p0.host_id
+        assert 0 < raw.pttl(name) <= 5000  # now a claim that lapses
+    finally:
+        p0.close()
+
+
+def test_an_enormous_claim_is_never_read_whole(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """A claim holds a host's short id: a claim key holding megabytes (garbage) is not sent
+    whole to every lookup of its item (a value is bounded by ``max_value_mb``; a claim by
+    what a host id can be)."""
+    import tracemalloc
+
+    raw.set(f"mmc/{namespace}/{key(2)}/claim", b"x" * (16 << 20), px=60_000)
+    store = open_store(server.url, namespace, timeout_s=10, max_value_mb=1)
+    try:
+        assert store.get(key(1)) is None  # connected, so the next lookup is the claim alone
+        tracemalloc.start()
+        try:
+            ((record, holder),) = store.fetch_or_claim([key(2)], "me")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert record is None and holder is not None and holder != "me"
+        assert peak < 4 << 20, f"the lookup allocated {peak / (1 << 20):.1f} MiB for a claim"
+        for owner in ("", "x" * 257):  # a claim is read no further than an owner's id can be
+            with pytest.raises(ValueError, match="owner"):
+                store.fetch_or_claim([key(3)], owner)
+    finally:
+        store.close()

@@ -708,6 +708,28 @@ def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Pat
     assert "remote claims (single flight)" in result.stdout
 
 
+@pytest.mark.parametrize("scheme", ["reddis", "redis+sentinel"])
+def test_a_remote_url_of_an_unknown_scheme_is_refused_without_its_credentials(
+    scheme: str,
+) -> None:
+    with pytest.raises(ConfigError, match="expected redis://") as refused:
+        SimulationConfig(remote=f"{scheme}://admin:hunter2@cache:6379").validate()
+    assert "hunter2" not in str(refused.value)
+
+
+def test_the_remote_urls_credentials_reach_no_output_of_a_run(tmp_path: Path) -> None:
+    """The report (its text and ``--json``) names the tier without its password."""
+    out = tmp_path / "figures.json"
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://admin:hunter2@127.0.0.1:{s.getsockname()[1]}/0?password=hunter3"
+    result = simulate(*TINY, "--mode", "lru", "--remote", url, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert figures(out)["runs"]["lru + redis"]["requests"] == 24
+    for shown in (result.stdout, result.stderr, out.read_text()):
+        assert "hunter" not in shown
+
+
 def test_an_unreachable_remote_tier_costs_misses_not_requests(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     with socket.socket() as s:  # a port nothing listens on

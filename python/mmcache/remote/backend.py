@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias, runtime_checkable
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from mmcache.remote.envelope import PartDigests
 
@@ -22,11 +22,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INCOMPLETE",
+    "MAX_OWNER_BYTES",
+    "OTHER_VERSION",
     "TOO_LARGE",
     "Backend",
     "ClaimingBackend",
     "Fetched",
     "Incomplete",
+    "OtherVersion",
     "Received",
     "RemoteTimeout",
     "RemoteUnreachable",
@@ -60,6 +63,18 @@ class Incomplete:
 INCOMPLETE = Incomplete()
 
 
+class OtherVersion:
+    """A value that another schema version of this package wrote in a layout the backend
+    cannot even take apart (a chunked value's manifest of another version): a miss counted
+    as a version mismatch, left in the store for the hosts of that version."""
+
+    def __repr__(self) -> str:
+        return "OTHER_VERSION"
+
+
+OTHER_VERSION = OtherVersion()
+
+
 class TooLarge:
     """A value larger than the reader accepts (``max_value_mb``), refused before anything was
     allocated for it or read of it past the bound: a miss."""
@@ -79,7 +94,7 @@ class Received(NamedTuple):
     parts: PartDigests
 
 
-Fetched: TypeAlias = "Buffer | Received | Incomplete | TooLarge | None"
+Fetched: TypeAlias = "Buffer | Received | Incomplete | OtherVersion | TooLarge | None"
 """What a backend read for one key: the whole value (possibly with its part digests), or why
 there is none."""
 
@@ -98,7 +113,8 @@ class Backend(Protocol):
 
     def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
         """Each key's whole value (``None`` when absent, :data:`INCOMPLETE` when part of it
-        is gone, :data:`TOO_LARGE` when over the bound it was made with), possibly with its
+        is gone, :data:`OTHER_VERSION` when another schema version laid it out,
+        :data:`TOO_LARGE` when over the bound it was made with), possibly with its
         part digests.  A writable buffer is the caller's to keep (no one else refers to
         it)."""
 
@@ -108,6 +124,10 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release connections and threads; idempotent."""
+
+
+MAX_OWNER_BYTES = 256
+"""The longest owner (a host's id) a claim may name: a store reads no more of a claim."""
 
 
 @runtime_checkable
@@ -136,30 +156,57 @@ _SECRET_PARAMETER = re.compile(r"pass|pwd|secret|token|auth|cred|key", re.IGNORE
 _URL_IN_VALUE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*(?:%3A|:)(?:%2F|/){2}).*@", re.IGNORECASE)
 
 
+def _fields(query: str) -> list[tuple[str, str, str]]:
+    return [field.partition("=") for field in query.split("&")] if query else []
+
+
+def _accounts_for_every_at(parts: SplitResult, text: str) -> bool:
+    """Whether ``parts`` (``text`` parsed) reads as a whole authority (a host, a valid port
+    or none) with every '@' of ``text`` in a place of its own: the userinfo's end, inside a
+    password-like option's value (hidden whole) or a URL given as an option's value."""
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not one
+    except ValueError:
+        return False
+    accounted = parts.netloc.count("@") + sum(
+        value.count("@")
+        for name, eq, value in _fields(parts.query)
+        if eq and (_SECRET_PARAMETER.search(unquote(name)) or _URL_IN_VALUE.match(value))
+    )
+    return bool(parts.hostname) and text.count("@") == accounted
+
+
 def redact_url(url: str) -> str:
     """``url`` as it may be shown (logs, reprs, errors): the userinfo (``user:password@``),
     the userinfo of a URL given as an option's value (Mooncake's ``metadata=``) and the value
     of every password-like query parameter become ``***``; the rest (scheme, host, port, path,
     other options) still says which store it is. A password pasted without percent-encoding
     may hold ``/``, ``?`` or ``#``, which end the netloc where a URL parser looks: an ``@``
-    found anywhere else then hides everything up to it."""
+    found anywhere else then hides everything up to the first ``@`` after which the URL reads
+    whole (a password-like option's value may hold an ``@`` of its own: no part of it is
+    shown, nor taken for the host)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<an unparseable URL>"
+    scheme, colon_slashes, rest = url.partition("://")
+    if colon_slashes and "@" in rest and not _accounts_for_every_at(parts, rest):
+        for at, char in enumerate(rest):
+            if char != "@":
+                continue
+            tail = rest[at + 1 :]
+            try:
+                tail_parts = urlsplit(f"{scheme}://{tail}")
+            except ValueError:
+                continue
+            if _accounts_for_every_at(tail_parts, tail):
+                return redact_url(f"{scheme}://***@{tail}")
+        return f"{scheme}://***"
     netloc = parts.netloc
     if "@" in netloc:
         netloc = "***@" + netloc.rpartition("@")[2]
-    fields = [field.partition("=") for field in parts.query.split("&")] if parts.query else []
-    # Every '@' should be the netloc's or one of a URL given as an option's value.
-    accounted = parts.netloc.count("@") + sum(
-        value.count("@") for _, eq, value in fields if eq and _URL_IN_VALUE.match(value)
-    )
-    scheme, colon_slashes, rest = url.partition("://")
-    if colon_slashes and rest.count("@") > accounted:
-        return redact_url(f"{scheme}://***@{rest.rpartition('@')[2]}")
     shown = []
-    for name, eq, value in fields:
+    for name, eq, value in _fields(parts.query):
         if eq and _SECRET_PARAMETER.search(unquote(name)):
             shown.append(f"{name}=***")
         else:

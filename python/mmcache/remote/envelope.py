@@ -96,8 +96,17 @@ class PartDigests(NamedTuple):
 
 
 def derive_digest_key(secret: bytes | str) -> bytes:
-    """The 32-byte BLAKE3 key for ``secret`` (any length; a ``str`` is taken as UTF-8)."""
-    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    """The 32-byte BLAKE3 key for ``secret`` (any length; a ``str`` is taken as UTF-8, bytes
+    as they are; anything else is a ``TypeError``)."""
+    # bytes() would take an int for a length (7: seven zero bytes) and a list for its items.
+    if isinstance(secret, str):
+        raw = secret.encode()
+    elif isinstance(secret, bytes | bytearray | memoryview):
+        raw = bytes(secret)
+    else:
+        raise TypeError(
+            f"the remote tier's secret must be a str or bytes, not {type(secret).__name__}"
+        )
     if not raw:
         raise ValueError("the remote tier's secret must not be empty (pass None for no secret)")
     return blake3.blake3(raw, derive_key_context=_KEY_CONTEXT).digest()

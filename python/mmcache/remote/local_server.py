@@ -159,16 +159,19 @@ class LocalServer(ClosesOnExit):
 
 
 def _redis_ping(port: int) -> bool:
+    """Whether the server on ``port`` answers: ``+PONG``, or ``-NOAUTH`` from one that wants
+    a password first (``--requirepass``)."""
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2) as s:
         s.settimeout(0.5)
         s.sendall(b"PING\r\n")
-        return s.recv(16).startswith(b"+PONG")
+        return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     return False
 
 
 def start_valkey(*, maxmemory_mb: int | None = None, extra: Sequence[str] = ()) -> LocalServer:
     """A fresh ``valkey-server`` (no persistence) on a free loopback port; its ``url`` is
-    ``redis://127.0.0.1:PORT``.  ``maxmemory_mb`` caps its memory with LRU eviction."""
+    ``redis://127.0.0.1:PORT``.  ``maxmemory_mb`` caps its memory with LRU eviction;
+    ``extra``: more of the server's arguments (``--requirepass``, ``--user``, ...)."""
     binary = find_valkey_server()
     if binary is None:
         raise ServerUnavailable(

@@ -12,10 +12,11 @@ won, so a put cut short leaves nothing behind for long.
 A reader fetches the manifests (and small values) of a whole batch in one round trip - a
 ``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
 over the bound is :data:`~.backend.TOO_LARGE` without being read whole - and the chunks of
-the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once), whose
-reply it reads off the socket itself: each chunk goes straight into one buffer allocated for
-the whole value - no copy in the client's parser, no join - and is hashed as soon as it is
-in, while the server is still sending the next.  A value missing any chunk (evicted by
+the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once, or on
+one where the URL's ``max_connections`` caps the pool lower), whose reply it reads off the
+socket itself: each chunk goes straight into one buffer allocated for the whole value - no
+copy in the client's parser, no join - and is hashed as soon as it is in, while the server
+is still sending the next.  A value missing any chunk (evicted by
 ``maxmemory``, deleted, expired) is :data:`~.backend.INCOMPLETE`, a miss, and its manifest is
 deleted (if unchanged) so that the item can be put again.
 
@@ -62,6 +63,8 @@ except ImportError as exc:  # pragma: no cover - the remote and test extras inst
 
 from mmcache.remote.backend import (
     INCOMPLETE,
+    MAX_OWNER_BYTES,
+    OTHER_VERSION,
     TOO_LARGE,
     Fetched,
     Received,
@@ -70,7 +73,14 @@ from mmcache.remote.backend import (
     TooLarge,
     redact_url,
 )
-from mmcache.remote.envelope import HEADER_SIZE, MIN_PART_BYTES, PartDigests, part_hasher
+from mmcache.remote.envelope import (
+    HEADER_SIZE,
+    MAGIC,
+    MIN_PART_BYTES,
+    SCHEMA_VERSION,
+    PartDigests,
+    part_hasher,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -109,19 +119,40 @@ def claim_key(key: str) -> str:
     return f"{key}/claim"
 
 
+# A claim key's holder, or "" where it holds none: a key of another type (garbage, never a
+# claim) is read as no claim rather than failing the whole script - and with it the lookup of
+# every item in the batch, counted as the store failing until its breaker opens.  So is a
+# string without an expiry: every claim is taken with one (PX), so that a dead host's lapses;
+# one that never lapses would hold every host's lookups of the item to the end of their
+# waits, for as long as it stays.  A holder is a host's short id: at most the first
+# MAX_OWNER_BYTES of a claim are read, so one holding megabytes (garbage) is not sent whole
+# to every lookup (it stays another's claim, until it lapses).
+_CLAIM_HOLDER = f"""
+local function holder_of(key)
+  local holder = redis.pcall("GET", key)
+  if type(holder) ~= "string" or redis.call("PTTL", key) < 0 then
+    return ""
+  end
+  return string.sub(holder, 1, {MAX_OWNER_BYTES})
+end
+"""
+
 # KEYS: n item keys, then their n claim keys; ARGV: owner, ttl in ms, take (1 or 0).  For
 # each item key that holds no value: the claim's holder, after claiming it for the owner when
 # asked, nobody holds it and no key before it is held by another; "" for an item present, or
 # unclaimed.  Atomic, so two hosts never both take one claim, and no claim is taken on an
-# item already present.
-_CLAIM_SCRIPT = """
+# item already present.  A claim key of another type, or without an expiry, is taken over
+# (SET replaces it).
+_CLAIM_SCRIPT = (
+    _CLAIM_HOLDER
+    + """
 local n = #KEYS / 2
 local holders = {}
 local blocked = false
 for i = 1, n do
   local holder = ""
   if redis.call("EXISTS", KEYS[i]) == 0 then
-    holder = redis.call("GET", KEYS[n + i]) or ""
+    holder = holder_of(KEYS[n + i])
     if holder == "" then
       if ARGV[3] == "1" and not blocked then
         redis.call("SET", KEYS[n + i], ARGV[1], "PX", ARGV[2])
@@ -135,18 +166,23 @@ for i = 1, n do
 end
 return holders
 """
+)
 
 # KEYS: claim keys; ARGV[1]: owner.  Compare-and-delete: drops each claim the owner holds,
-# never one that lapsed and another host took since; how many it dropped.
-_RELEASE_SCRIPT = """
+# never one that lapsed and another host took since (nor a key of another type); how many it
+# dropped.
+_RELEASE_SCRIPT = (
+    _CLAIM_HOLDER
+    + """
 local dropped = 0
 for i = 1, #KEYS do
-  if redis.call("GET", KEYS[i]) == ARGV[1] then
+  if holder_of(KEYS[i]) == ARGV[1] then
     dropped = dropped + redis.call("DEL", KEYS[i])
   end
 end
 return dropped
 """
+)
 
 # KEYS: keys of broken values; ARGV: each one's value as read.  Deletes those still holding
 # exactly that value (a manifest whose chunks are gone, say), so that the next put of the
@@ -343,9 +379,10 @@ class _ReplyReader:
 
 class RedisBackend:
     """A Redis or Valkey server at ``url`` (``redis://``, ``rediss://``, ``valkey://``,
-    ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them).
-    A value over ``max_value_bytes`` of payload (plain, or as a manifest announces it) is
-    :data:`~.backend.TOO_LARGE`, never an allocation."""
+    ``valkeys://``; ``user:password@``, ``/db`` and query options as redis-py reads them:
+    one it does not take, or ``decode_responses``, is a ``ValueError`` here, not a failure
+    of every call).  A value over ``max_value_bytes`` of payload (plain, or as a manifest
+    announces it) is :data:`~.backend.TOO_LARGE`, never an allocation."""
 
     def __init__(
         self, url: str, *, timeout_s: float, ttl_s: float | None = None, max_value_bytes: int
@@ -374,6 +411,16 @@ class RedisBackend:
             raise ValueError(
                 f"chunk_kb must be a whole number from 1 to 524288 in {redact_url(url)!r}"
             )
+        # redis-py hands on every query option it does not parse itself, as a string, to
+        # each connection it makes: a typo fails every call (a TypeError, counted as the
+        # store failing until the breaker opens), and decode_responses (any value: a string
+        # is true) turns the values into text.  Refused here, by name (a value may be a
+        # password).
+        if "decode_responses" in query:
+            raise ValueError(
+                f"decode_responses in {redact_url(url)!r}: the remote tier reads raw bytes; "
+                "drop the option"
+            )
         self.part_bytes = self._chunk
         self._max_value = max_value_bytes
         # The most a key's first read takes: the largest plain value accepted (a manifest
@@ -389,6 +436,13 @@ class RedisBackend:
             health_check_interval=0,
             connection_class=_TLSConnection if scheme == "rediss" else _Connection,
         )
+        pool = self._client.connection_pool
+        try:  # a connection object, never connected: whether redis-py takes every option
+            pool.connection_class(**pool.connection_kwargs)
+        except (TypeError, ValueError, redis.exceptions.RedisError) as exc:
+            self._client.close()
+            self._fetchers.shutdown(wait=False)
+            raise ValueError(f"redis-py refuses an option of {redact_url(url)!r} ({exc})") from None
 
     def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
@@ -425,13 +479,23 @@ class RedisBackend:
             out.append(head)
             if not isinstance(head, bytes) or not head.startswith(_MANIFEST_MAGIC):
                 continue
+            # Another version's manifest (schema 1's ended with the manifest, its chunks held
+            # the whole envelope) is a version mismatch, and stays for the hosts that read
+            # it: neither fetched nor deleted as a broken value.
+            header = head[_MANIFEST.size :]
+            if len(head) == _MANIFEST.size or (
+                len(header) == HEADER_SIZE
+                and header[:4] == MAGIC
+                and int.from_bytes(header[4:6], "little") != SCHEMA_VERSION
+            ):
+                out[position] = OTHER_VERSION
+                continue
             # Exactly a manifest and an envelope header, so that the chunks' part digests are
             # of the bytes the envelope calls its payload; a torn manifest is a broken value.
             if len(head) != _MANIFEST.size + HEADER_SIZE:
                 out[position] = INCOMPLETE
                 continue
             _, nonce, count, size, total = _MANIFEST.unpack_from(head)
-            header = head[_MANIFEST.size :]
             if total > self._max_value:
                 out[position] = TOO_LARGE
                 continue
@@ -447,19 +511,19 @@ class RedisBackend:
                 (position, chunk_key(key, nonce, i), payload[i * size : (i + 1) * size])
                 for i in range(count)
             ]
-        if not wanted:
-            return out
-        digests = self._fetch([w[1] for w in wanted], [w[2] for w in wanted], deadline)
-        for (position, _, _), digest in zip(wanted, digests, strict=True):
-            if position not in values:
-                continue  # already found incomplete
-            if digest is None:
-                del values[position]
-                out[position] = INCOMPLETE
-            else:
-                values[position][2].append(digest)
-        for position, (buffer, size, chunk_digests) in values.items():
-            out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
+        if wanted:
+            digests = self._fetch([w[1] for w in wanted], [w[2] for w in wanted], deadline)
+            for (position, _, _), digest in zip(wanted, digests, strict=True):
+                if position not in values:
+                    continue  # already found incomplete
+                if digest is None:
+                    del values[position]
+                    out[position] = INCOMPLETE
+                else:
+                    values[position][2].append(digest)
+            for position, (buffer, size, chunk_digests) in values.items():
+                out[position] = Received(buffer.data, PartDigests(size, chunk_digests))
+        # A torn manifest is dropped too, whether or not the batch had chunks to fetch.
         broken = zip(keys, heads, out, strict=True)
         self._drop_broken([(key, head) for key, head, got in broken if got is INCOMPLETE])
         return out
@@ -516,8 +580,14 @@ class RedisBackend:
         self, names: list[str], views: list[memoryview], deadline: float
     ) -> list[bytes | None]:
         """The chunks ``names`` read into ``views``, split over the fetch connections (this
-        thread reads the first share); each one's digest, or ``None`` where it is missing."""
-        step = -(-len(names) // FETCH_CONNECTIONS)
+        thread reads the first share); each one's digest, or ``None`` where it is missing.
+        A pool capped below :data:`FETCH_CONNECTIONS` (the URL's ``max_connections``) has
+        them read on one: a second would be refused ("Too many connections") every time."""
+        connections = FETCH_CONNECTIONS
+        cap = getattr(self._client.connection_pool, "max_connections", None)
+        if isinstance(cap, int) and cap < connections:
+            connections = 1
+        step = -(-len(names) // connections)
         shares = [slice(i, i + step) for i in range(step, len(names), step)]
         futures = [
             self._fetchers.submit(self._fetch_share, names[s], views[s], deadline) for s in shares

@@ -17,6 +17,7 @@ store lets the next call probe).
 from __future__ import annotations
 
 import logging
+import numbers
 import re
 import threading
 import time
@@ -32,10 +33,12 @@ from mmcache.closing import ClosesOnExit
 from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
 from mmcache.remote.backend import (
+    MAX_OWNER_BYTES,
     Backend,
     ClaimingBackend,
     Fetched,
     Incomplete,
+    OtherVersion,
     Received,
     RemoteTimeout,
     RemoteUnreachable,
@@ -72,6 +75,19 @@ def is_shareable_key(key: object) -> bool:
     content hash (at least 32 characters of ``[A-Za-z0-9._+=-]``, e.g. hex), never an
     arbitrary identifier two hosts could use for different items."""
     return isinstance(key, str) and _CONTENT_KEY.fullmatch(key) is not None
+
+
+def _is_number(value: object) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_owner(owner: object) -> None:
+    if not (isinstance(owner, str) and 0 < len(owner.encode()) <= MAX_OWNER_BYTES):
+        raise ValueError(
+            f"a claim's owner must be a non-empty str of at most {MAX_OWNER_BYTES} bytes "
+            "(a host's id)"
+        )
 
 
 class CircuitBreaker:
@@ -209,10 +225,17 @@ class RemoteStore(ClosesOnExit):
             )
         if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 60):
             raise ValueError(f"timeout_s must be a number of seconds in (0, 60], not {timeout_s!r}")
-        if ttl_s is not None and not 0 < ttl_s < 1e9:
+        # Each checked for a number first: compared as they are, a str would raise "'<' not
+        # supported between instances of ...", naming neither the option nor what it takes.
+        if ttl_s is not None and not (_is_number(ttl_s) and 0 < ttl_s < 1e9):
             raise ValueError(f"ttl_s must be a positive number of seconds or None, not {ttl_s!r}")
-        if not 0 < max_value_mb <= 1 << 20:
+        if not (_is_number(max_value_mb) and 0 < max_value_mb <= 1 << 20):
             raise ValueError(f"max_value_mb must be positive, not {max_value_mb!r}")
+        if not (_is_number(breaker_failures) and _is_number(breaker_cooldown_s)):
+            raise ValueError(
+                f"breaker_failures and breaker_cooldown_s must be numbers, not "
+                f"{breaker_failures!r} and {breaker_cooldown_s!r}"
+            )
         self.url = redact_url(url)
         """The store's URL without its credentials (the only form of it kept)."""
         self.namespace = namespace
@@ -285,6 +308,11 @@ class RemoteStore(ClosesOnExit):
         wait in a circle.  One call, under the deadline and the breaker like every other.
         A store without claims (:attr:`supports_claims`) answers every holder ``None``; a
         failure answers ``(None, None)`` for every key."""
+        _check_owner(owner)
+        # As TieredSenderCache's: a claim that lapses before anyone could wait on it (0 or
+        # less would be cut to 1 ms) is no claim, and an infinite one no whole milliseconds.
+        if not (_is_number(claim_ttl_s) and 0.001 <= claim_ttl_s <= 3600):
+            raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
         if not isinstance(self._backend, ClaimingBackend):
             return [(item, None) for item in self.get_many(keys)]
         backend = self._backend
@@ -306,6 +334,7 @@ class RemoteStore(ClosesOnExit):
     def release_claims(self, keys: Sequence[str], owner: str) -> None:
         """Drop the claims ``owner`` holds on ``keys`` (one round trip; a claim that lapsed
         and another host took since stays theirs).  Never raises for the store's sake."""
+        _check_owner(owner)
         if not keys or not isinstance(self._backend, ClaimingBackend):
             return
         backend = self._backend
@@ -498,6 +527,12 @@ class RemoteStore(ClosesOnExit):
             return None
         if isinstance(value, Incomplete):
             self._fault("incomplete", f"remote value {store_key} is missing a chunk")
+            self._count(misses=1)
+            return None
+        if isinstance(value, OtherVersion):
+            self._fault(
+                "version_mismatch", f"remote value {store_key} was written by another version"
+            )
             self._count(misses=1)
             return None
         if isinstance(value, TooLarge):

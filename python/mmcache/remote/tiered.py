@@ -78,7 +78,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
-from mmcache.items import Item
+from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.protection import Holds, RequestState
 from mmcache.remote.store import RemoteStore, is_shareable_key
@@ -154,8 +154,11 @@ class TieredSenderCache(BaseSenderCache):
         super().__init__()
         if publish_queue < 1 or prefetch_limit < 1:
             raise ValueError("publish_queue and prefetch_limit must be at least 1")
-        if not (publish_queue_mb > 0 and prefetch_limit_mb > 0):
-            raise ValueError("publish_queue_mb and prefetch_limit_mb must be positive")
+        # Finite: each is turned into a byte count (an infinite one would not be a bound).
+        if not (0 < publish_queue_mb < math.inf and 0 < prefetch_limit_mb < math.inf):
+            raise ValueError(
+                "publish_queue_mb and prefetch_limit_mb must be positive finite numbers of MiB"
+            )
         if not 0.001 <= claim_ttl_s <= 3600:  # also refuses nan
             raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
         self.local = local
@@ -415,10 +418,14 @@ class TieredSenderCache(BaseSenderCache):
             if not self._request.open:  # else a later update of the request may need them
                 for h in mm_hashes:
                     self._waiting.give(self._request.holds, h)
+        # Sized by the item alone: prompt updates never count (any picklable object, a
+        # self-referring one too, which item_size would recurse into without end).
         queued = [
             h
             for h, (item, prompt_updates) in fresh.items()
-            if self._publisher.submit(h, {"item": item, "prompt_updates": prompt_updates})
+            if self._publisher.submit(
+                h, {"item": item, "prompt_updates": prompt_updates}, size=item_size(item)
+            )
         ]
         with self._lock:  # a stored item needs no claim: another request's on it ends too
             # Only what was queued: a dropped item is counted as dropped, not published.

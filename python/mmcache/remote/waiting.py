@@ -43,9 +43,10 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="mmcache-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, record: Item) -> bool:
-        """Queue ``record`` for ``key``; whether this call queued it (never once closed)."""
-        size = item_size(record)
+    def submit(self, key: str, record: Item, *, size: int | None = None) -> bool:
+        """Queue ``record`` for ``key``, counting ``size`` bytes (default: the record's
+        :func:`~mmcache.items.item_size`); whether this call queued it (never once closed)."""
+        size = item_size(record) if size is None else size
         with self._lock:
             if self._closed or key in self._queued:
                 return False
@@ -100,7 +101,8 @@ class Publisher:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._queue.all_tasks_done.wait(remaining)
+                # A lock waits at most TIMEOUT_MAX (an infinite timeout_s: OverflowError).
+                self._queue.all_tasks_done.wait(min(remaining, threading.TIMEOUT_MAX))
         return True
 
     def close(self, timeout_s: float) -> None:
@@ -126,7 +128,7 @@ class Publisher:
                         unput.append(job[0])
         self._remote.release_claims(unput, self._owner)
         self._queue.put(None)
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._thread.join(min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX))
 
 
 class Fetched:

@@ -39,6 +39,16 @@ CLAIM_WAIT_S = 5.0
 AUTO_REMOTES = ("redis://auto", "valkey://auto", "mooncake://auto")
 
 
+def shown_remote(url: str) -> str:
+    """``--remote`` as a message or a report may show it: without its credentials
+    (``user:password@``, a ``password=`` option), which the URL may carry."""
+    try:
+        from mmcache.remote.backend import redact_url
+    except ImportError:  # no remote extra: the scheme alone says which store was meant
+        return url.split("://", 1)[0] + "://..." if "://" in url else "<a URL>"
+    return redact_url(url)
+
+
 class ConfigError(ValueError):
     """A simulation that cannot run as configured (bad value, or too little memory)."""
 
@@ -213,13 +223,14 @@ class SimulationConfig:
         scheme = remote.split("://", 1)[0] if "://" in remote else ""
         if scheme not in ("redis", "rediss", "valkey", "valkeys", "mooncake"):
             raise ConfigError(
-                f"--remote {remote}: expected redis://HOST:PORT, valkey://HOST:PORT, "
+                f"--remote {shown_remote(remote)}: expected redis://HOST:PORT, valkey://HOST:PORT, "
                 f"mooncake://HOST:PORT or one of {', '.join(AUTO_REMOTES)}"
             )
         if remote.endswith("://auto"):
             if remote not in AUTO_REMOTES:
                 raise ConfigError(
-                    f"--remote {remote}: only {', '.join(AUTO_REMOTES)} start a server"
+                    f"--remote {shown_remote(remote)}: only {', '.join(AUTO_REMOTES)} start a "
+                    "server"
                 )
             return
         # Checked here rather than by each P0 as it makes its cache: once, before anything

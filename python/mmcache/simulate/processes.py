@@ -45,6 +45,7 @@ from mmcache.simulate.config import (
     RunMetrics,
     SimulationConfig,
     SimulationError,
+    shown_remote,
 )
 from mmcache.simulate.engine import engine_core_main, worker_main
 from mmcache.simulate.frontend import frontend_main
@@ -340,7 +341,7 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         mode=config.mode,
         label=config.label,
         hosts=config.hosts,
-        remote=config.remote,
+        remote=None if config.remote is None else shown_remote(config.remote),
         requests=requests,
         items=items,
         workers=config.workers,
