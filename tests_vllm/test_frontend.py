@@ -243,3 +243,66 @@ def test_an_invalidation_waits_for_every_modality_of_the_request_in_its_lookup(
         finish_request_a_b(p0)
     finally:
         p0.close()
+
+
+def look_up_in_another_thread(p0: Any, hashes: list[str]) -> list[bool]:
+    """A request of another renderer thread, left between its lookup and its release."""
+    found: list[list[bool]] = []
+    other_thread = threading.Thread(target=lambda: found.append(p0.is_cached(hashes)))
+    other_thread.start()
+    other_thread.join()
+    return found[0]
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_waits_only_for_requests_that_found_the_item_cached(mode: str) -> None:
+    # Renderer threads overlap under load: some request is always between its lookup and its
+    # release.  vLLM 0.33's renderer drains its invalidations in its own thread right before
+    # its next lookup; one held back until no request at all is in its lookup would never
+    # land, and the retry of the request that missed would find the item cached again (and
+    # miss again on P1).
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert look_up_in_another_thread(p0, ["b"]) == [False]  # it never found "a"
+        p0.invalidate("a")  # the drain, before this thread's lookup
+        assert p0.is_cached(["a"]) == [False], "the invalidation waits for a request of b"
+        items = vllm_p0_request(p0, ["a"])
+        assert items[0] is not None, "the retry was not sent with its data"
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_held_back_lands_once_the_requests_that_found_the_item_end(
+    mode: str,
+) -> None:
+    # A request that found "a" cached holds its invalidation back; requests that begin later
+    # (here, in this thread, overlapping it) do not hold it back for ever.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert p0.is_cached(["a"]) == [True]  # this thread's request found "a"
+        invalidate_from_another_thread(p0, "a")
+        assert p0.is_cached_item("a"), "the invalidation landed inside the request"
+        assert look_up_in_another_thread(p0, ["c"]) == [False]  # overlapping, without "a"
+        finish_request_a_b(p0)
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_a_threads_last_request_held_back_lands_before_its_next_lookup(
+    mode: str,
+) -> None:
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert p0.is_cached(["a"]) == [True]  # a request that never got its release
+        invalidate_from_another_thread(p0, "a")
+        p0.touch_sender_cache_item("a")  # ... and made touches: the next lookup is another's
+        assert p0.is_cached(["a"]) == [False]
+        p0.release_sender_touches()
+        assert not p0.is_cached_item("a")
+    finally:
+        p0.close()

@@ -12,12 +12,16 @@ a prompt too long) never reaches the workers: vLLM's frontend runs each render i
 :func:`rendering`, and the handles of the requests a render completed are given back when
 it raises (:mod:`mmcache.vllm.frontend` wraps vLLM's methods).
 
-Invalidations (a receiver reported items missing) never land inside a request: one that
-arrives from another thread while a request is between its lookup (``is_cached``) and its
-release is queued, and applied when no request is there any more, before the next lookup.
-vLLM 0.33's renderer queues them itself and drains them before its next lookup; vLLM 0.32's
-frontend calls ``invalidate`` from its output handler while the renderer's thread may be
-processing a request that found the item cached, which would then miss it.
+Invalidations (a receiver reported items missing) never land inside a request that found
+the item cached: one that arrives from another thread while such a request is between its
+lookup (``is_cached``) and its release is queued, and applied once no request that found the
+item cached is there any more.  Only those requests hold it back: under load renderer
+threads overlap, some request is always between its lookup and its release, and an
+invalidation that waited for none to be there would never land (the retry of the request that
+missed would find the item cached again, and miss again).  vLLM 0.33's renderer queues them
+itself and drains them, in its own thread, before its next lookup; vLLM 0.32's frontend calls
+``invalidate`` from its output handler while the renderer's thread may be processing a
+request that found the item cached, which would then miss it.
 
 Sizes are vLLM's own (:func:`~mmcache.vllm.wire.vllm_item_size`), passed to the LRU caches
 as their ``getsizeof``, so capacities mean what they mean in vLLM.
@@ -126,8 +130,9 @@ class _SenderAdapter:
         self._sender = sender
         self._bracket = _Bracket()
         self._invalidation_lock = threading.Lock()
-        self._looking_up: set[int] = set()
-        """Threads whose request is between its lookup and its release."""
+        self._looking_up: dict[int, set[str]] = {}
+        """Threads whose request is between its lookup and its release, and the hashes that
+        request found cached (while a lookup runs: every hash it looks up)."""
         self._pending_invalidations: list[str] = []
 
     def _to_mmcache(self, mm_item: Any) -> Any:
@@ -146,21 +151,37 @@ class _SenderAdapter:
         return self._sender.is_cached_item(mm_hash)
 
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
-        """vLLM's lookup of a request's items: applies the invalidations queued so far, then
-        holds new ones back until this request is released (see the module)."""
+        """vLLM's lookup of a request's items: applies the invalidations queued so far that
+        no other request holds back, then holds back those of the items it finds cached
+        until this request is released (see the module)."""
         me = threading.get_ident()
         bracket = self._bracket
         with self._invalidation_lock:
             # vLLM looks a request up once per modality: a lookup with no touch since this
-            # thread's last one is of the same request, and applies nothing.  After touches,
-            # the earlier lookup's request never got its release: this is the next request.
+            # thread's last one is of the same request.  After touches, the earlier lookup's
+            # request never got its release: this is the next request.
             if me not in self._looking_up or bracket.touches or bracket.updates:
-                self._looking_up.discard(me)
-                self._apply_pending_invalidations()
-                self._looking_up.add(me)
+                self._looking_up[me] = set()
+            found = self._looking_up[me]
+            # What no other request holds back lands before this lookup (what this thread's
+            # earlier request held back included); the rest waits, and so does what arrives
+            # while the lookup runs (it may find any of these hashes cached)...
+            self._apply_pending_invalidations()
+            looking = [h for h in mm_hashes if h not in found]
+            found.update(looking)
         if (issued := getattr(_render, "issued", None)) is not None:
             issued.append((self, []))  # so that the render closes this lookup
-        return self._look_up(mm_hashes)
+        cached: list[bool] = []
+        try:
+            cached = self._look_up(mm_hashes)
+        finally:
+            with self._invalidation_lock:
+                # ... and afterwards only those it found cached hold invalidations back.
+                hits = {h for h, c in zip(mm_hashes, cached, strict=False) if c}
+                if self._looking_up.get(me) is found:
+                    found.difference_update(h for h in looking if h not in hits)
+                self._apply_pending_invalidations()
+        return cached
 
     def _look_up(self, mm_hashes: list[str]) -> list[bool]:
         """The sender's lookup of a request's items."""
@@ -169,16 +190,24 @@ class _SenderAdapter:
     def _end_lookup(self) -> None:
         """This thread's request is released: apply what waited for it."""
         with self._invalidation_lock:
-            self._looking_up.discard(threading.get_ident())
+            self._looking_up.pop(threading.get_ident(), None)
             self._apply_pending_invalidations()
 
+    def _held_back(self, mm_hash: str, *, but: int | None = None) -> bool:
+        """Whether a request (of a thread other than ``but``) between its lookup and its
+        release found ``mm_hash`` cached (invalidation lock held)."""
+        return any(mm_hash in found for t, found in self._looking_up.items() if t != but)
+
     def _apply_pending_invalidations(self) -> None:
-        """Apply the queued invalidations unless a request is between lookup and release
-        (invalidation lock held)."""
-        if not self._looking_up:
-            for mm_hash in self._pending_invalidations:
+        """Apply the queued invalidations no request that found their item cached holds
+        back any more (invalidation lock held)."""
+        waiting = []
+        for mm_hash in self._pending_invalidations:
+            if self._held_back(mm_hash):
+                waiting.append(mm_hash)
+            else:
                 self._sender.invalidate(mm_hash)
-            self._pending_invalidations = []
+        self._pending_invalidations = waiting
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Protect ``mm_hash`` until the request ends; the first touch of a request (a touch
@@ -238,11 +267,12 @@ class _SenderAdapter:
         bracket.issued = []
 
     def invalidate(self, mm_hash: str) -> None:
-        """Forget ``mm_hash`` now, or, while another thread's request is between its lookup
-        and its release, once no request is (see the module)."""
+        """Forget ``mm_hash`` now, or, while another thread's request that found it cached
+        is between its lookup and its release, once no such request is (see the module)."""
         with self._invalidation_lock:
-            if self._looking_up - {threading.get_ident()}:
-                self._pending_invalidations.append(mm_hash)
+            if self._held_back(mm_hash, but=threading.get_ident()):
+                if mm_hash not in self._pending_invalidations:
+                    self._pending_invalidations.append(mm_hash)
             else:
                 self._sender.invalidate(mm_hash)
 
