@@ -58,8 +58,15 @@ class MmcacheLruReceiverCache(LruKeyReplicatedReceiverCache):  # type: ignore[mi
         self._cache = KeysView(self._receiver.keys)
 
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
-        with vllm_errors():
-            self._receiver.get_and_update_features(mm_features)
+        """Resolve the request's features (in prompt order), then settle the recency of its
+        items as P0 settled it (P0 updated them modality by modality): the mirror holds."""
+        # One step for the cache: no other thread's request between the two.
+        with self._receiver._lock:
+            try:
+                with vllm_errors():
+                    self._receiver.get_and_update_features(mm_features)
+            finally:
+                self._receiver.settle_recency(f.mm_hash or f.identifier for f in mm_features)
         return mm_features
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:

@@ -118,6 +118,7 @@ class _Bracket(threading.local):
         self.touches = 0
         self.updates = 0
         self.issued: list[Any] = []
+        self.keys: list[str] = []
 
 
 class _SenderAdapter:
@@ -216,6 +217,7 @@ class _SenderAdapter:
             self._end_request()
             self._sender.begin_request()
         self._bracket.touches += 1
+        self._bracket.keys.append(mm_hash)
         self._sender.touch_sender_cache_item(mm_hash)
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -227,6 +229,7 @@ class _SenderAdapter:
             bracket = self._bracket
             bracket.updates += 1
             bracket.issued.append(data)
+            bracket.keys.append(mm_hash)
         return self._to_vllm(data, mm_item), prompt_updates
 
     def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
@@ -239,6 +242,7 @@ class _SenderAdapter:
             bracket = self._bracket
             bracket.updates += len(outputs)
             bracket.issued += [data for data, _ in outputs]
+            bracket.keys += mm_hashes
         return [
             (self._to_vllm(data, item), updates)
             for (data, updates), item in zip(outputs, mm_items, strict=True)
@@ -260,11 +264,18 @@ class _SenderAdapter:
         if self._sender.in_request:
             if bracket.updates < bracket.touches:
                 self._abandon(bracket.issued)
-            elif (issued := getattr(_render, "issued", None)) is not None:
-                issued.append((self, bracket.issued))
+            else:
+                # P1 resolves the request in prompt order, not in the order vLLM updated
+                # it here: both sides end it with the same recency (see settle_recency).
+                settle = getattr(self._sender, "settle_recency", None)
+                if settle is not None:
+                    settle(bracket.keys)
+                if (issued := getattr(_render, "issued", None)) is not None:
+                    issued.append((self, bracket.issued))
             self._sender.end_request()
         bracket.touches = bracket.updates = 0
         bracket.issued = []
+        bracket.keys = []
 
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` now, or, while another thread's request that found it cached
