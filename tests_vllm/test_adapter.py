@@ -30,7 +30,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 import mmcache.vllm as mv
 from mmcache import ReferencesSaturatedError, ShmHandle, pinning
 from mmcache.vllm import publish
-from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+from vllm_helpers import MiB, feature, kwargs_item, outstanding, same_item, vllm_config
 
 LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
 Pair = tuple[Any, Any]  # P0's cache and a worker's
@@ -465,3 +465,21 @@ def test_lru_mode_stays_mirrored_when_p1_resolves_in_prompt_order() -> None:
     assert p0._sender.keys() == p1._receiver.keys()
     request = [feature(None, h) for h in ["big"] + [h for h in truth if p0.is_cached_item(h)]]
     p1.get_and_update_features(request)  # what P0 holds, P1 holds
+
+
+def test_a_workers_batched_update_checks_lengths_and_reads_every_handle(shm_pair: Pair) -> None:
+    # The worker's get_and_update (vLLM's base class stopped at the first miss and asserted
+    # the lengths): a stale handle first must not leave the next one unread, pinning it.
+    p0, worker = shm_pair
+    stale, _ = p0.get_and_update_item((kwargs_item(0), []), "old")
+    p0.ring.clear_cache()  # drops the reference of the handle in flight
+    churn(p0, worker)  # the ring reuses its space
+    before = outstanding(p0)
+    fresh, _ = p0.get_and_update_item((kwargs_item(9), []), "fresh")
+    assert outstanding(p0) == before + 1
+    with pytest.raises(ValueError, match="mm_hashes"):
+        worker.get_and_update([fresh], [])
+    with pytest.raises(MultiModalCacheMissError) as info:
+        worker.get_and_update([stale, fresh, None, stale], ["old", "fresh", "x", "old"])
+    assert info.value.mm_hashes == ["old", "old"]
+    assert outstanding(p0) == before, "the handle after the stale one was left unread"
