@@ -276,6 +276,19 @@ def test_hash_rejects_unsupported_values() -> None:
         content_hash(np.array([object()]))
 
 
+def test_hash_names_the_tensors_it_cannot_read() -> None:
+    # A sparse or meta tensor failed deep inside torch (RuntimeError: "unsupported memory
+    # format option Contiguous"; NotImplementedError), naming neither the value nor the fix.
+    import torch
+
+    with pytest.raises(TypeError, match=r"parts\[1\] is a torch.sparse_coo tensor"):
+        content_hash(b"x", torch.eye(2).to_sparse())
+    with pytest.raises(TypeError, match=r"\['opts'\]\['t'\] is a torch.sparse_coo tensor"):
+        content_hash(opts={"t": torch.zeros(3).to_sparse()})
+    with pytest.raises(TypeError, match=r"parts\[0\] is a tensor on the meta device"):
+        content_hash(torch.empty(2, device="meta"))
+
+
 def test_import_does_not_pull_in_torch() -> None:
     code = (
         "import sys, numpy as np, mmcache;"

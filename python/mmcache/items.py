@@ -152,6 +152,8 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
     type and length, so different inputs cannot collide by concatenation.
+    ``TypeError`` naming a value it cannot hash (another type, an object array, a sparse or
+    meta tensor).
     """
     h = hashlib.blake2b(digest_size=32, person=b"mmcache.v1")
     _feed(h, list(parts), "parts")
@@ -219,11 +221,21 @@ def _feed(h: Any, value: object, path: str) -> None:
             tag(b"K", mask.reshape(-1).view(np.uint8).data)
     elif is_tensor(value):
         tensor: Any = value
+        torch = sys.modules["torch"]
+        # What has no strided bytes to hash is named, with the fix, rather than failing
+        # deep inside torch.
+        if tensor.layout != torch.strided:
+            raise TypeError(
+                f"content_hash: {path} is a {tensor.layout} tensor, which has no contiguous "
+                "content bytes: hash its .to_dense()"
+            )
+        if tensor.is_meta:
+            raise TypeError(f"content_hash: {path} is a tensor on the meta device: it has no data")
         t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         tag(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
         if t.is_quantized:  # its bytes are integers whose scale is elsewhere: its values
             t = t.dequantize()
-        tag(b"D", t.reshape(-1).view(sys.modules["torch"].uint8).numpy().data)
+        tag(b"D", t.reshape(-1).view(torch.uint8).numpy().data)
     elif isinstance(value, list | tuple):
         tag(b"L" if isinstance(value, list) else b"U", struct.pack("<Q", len(value)))
         for i, v in enumerate(value):
