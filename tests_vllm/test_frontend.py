@@ -306,3 +306,46 @@ def test_an_invalidation_a_threads_last_request_held_back_lands_before_its_next_
         assert not p0.is_cached_item("a")
     finally:
         p0.close()
+
+
+def reject_too_long(p0: Any, rendered: Any) -> None:
+    """vLLM's process_inputs rejecting ``rendered`` (its length) after its render."""
+
+    def too_long(self: Any, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("The decoder prompt is longer than the maximum model length")
+
+    process_inputs = frontend._process_inputs(too_long)
+    processor = SimpleNamespace(renderer=SimpleNamespace(mm_processor_cache=p0))
+    with pytest.raises(ValueError, match="maximum model length"):
+        process_inputs(processor, request_id="r", prompt=rendered, params=None)
+
+
+def test_an_lru_request_vllm_rejects_after_its_render_leaves_p0_as_p1_is() -> None:
+    # In lru mode P0's cache is P1's mirror: an item a request stored never reaches P1 when
+    # vLLM rejects the request after its render (a prompt too long, a failed replacement).
+    # Kept, it made P0 send the next request that has it without its data: a miss at P1 in
+    # a run without faults, failing that request.
+    p0 = processor_cache_from_config(vllm_config("lru", 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["c"])  # sent: P1 holds it
+
+        def render_then_fail() -> None:
+            vllm_p0_request(p0, ["a", "c"])
+            raise AssertionError("Failed to apply prompt replacement for mm_items['image'][1]")
+
+        with pytest.raises(AssertionError, match="prompt replacement"), rendering():
+            render_then_fail()
+        assert p0.is_cached(["a", "c"]) == [False, True]
+        p0.release_sender_touches()
+        with rendering():
+            items = vllm_p0_request(p0, ["b", "c", "b"])
+        assert [item is not None for item in items] == [True, False, False]
+        rendered = {
+            "type": "multimodal",
+            "mm_kwargs": {"image": items},
+            "mm_hashes": {"image": ["b", "c", "b"]},
+        }
+        reject_too_long(p0, rendered)
+        assert p0.is_cached(["b", "c"]) == [False, True]
+    finally:
+        p0.close()

@@ -78,7 +78,8 @@ logger = logging.getLogger(__name__)
 
 _render = threading.local()
 """This thread's render (:func:`rendering`): ``issued``, the adapters whose requests it
-completed and the handles those requests were issued (``None`` outside a render)."""
+completed, the outputs those requests were issued and the hashes whose outputs carried data
+(``None`` outside a render)."""
 
 
 @contextmanager
@@ -87,16 +88,17 @@ def rendering() -> Iterator[None]:
 
     If the render raises after a request of it ended (vLLM failed the prompt's replacement,
     say), nothing of it reaches the workers: the handles its requests were issued are given
-    back.  Every lookup the render opened is closed (:meth:`_SenderAdapter.is_cached`).
+    back (in ``lru`` mode, the items they stored are forgotten: P1 never gets them).  Every
+    lookup the render opened is closed (:meth:`_SenderAdapter.is_cached`).
     """
-    issued: list[tuple[_SenderAdapter, list[Any]]] = []
+    issued: list[tuple[_SenderAdapter, list[Any], list[str]]] = []
     outer, _render.issued = getattr(_render, "issued", None), issued
     try:
         yield
     except BaseException:
-        for cache, handles in issued:
-            cache._abandon(handles)
-        for cache in {id(cache): cache for cache, _ in issued}.values():
+        for cache, handles, sent in issued:
+            cache._abandon(handles, sent)
+        for cache in {id(cache): cache for cache, _, _ in issued}.values():
             # A render that failed before vLLM's release (its processor raised, say) still
             # holds what its lookup claimed: another API server may be waiting for it.
             cache._sender.release_sender_touches()
@@ -106,7 +108,7 @@ def rendering() -> Iterator[None]:
             outer += issued
     finally:
         _render.issued = outer
-        for cache in {id(cache): cache for cache, _ in issued}.values():
+        for cache in {id(cache): cache for cache, _, _ in issued}.values():
             cache._end_lookup()
 
 
@@ -118,6 +120,8 @@ class _Bracket(threading.local):
         self.touches = 0
         self.updates = 0
         self.issued: list[Any] = []
+        self.sent: list[str] = []
+        """The hashes whose outputs carried data (the items the request stored)."""
         self.keys: list[str] = []
 
 
@@ -144,9 +148,9 @@ class _SenderAdapter:
         """What the sender returned for ``mm_item``, as vLLM expects it."""
         return data
 
-    def _abandon(self, issued: list[Any]) -> None:
+    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
         """A request failed part-way, or was rejected after it: give back what its outputs
-        hold."""
+        (``issued``) hold; ``sent`` are the hashes whose outputs carried data."""
 
     def is_cached_item(self, mm_hash: str) -> bool:
         return self._sender.is_cached_item(mm_hash)
@@ -171,7 +175,7 @@ class _SenderAdapter:
             looking = [h for h in mm_hashes if h not in found]
             found.update(looking)
         if (issued := getattr(_render, "issued", None)) is not None:
-            issued.append((self, []))  # so that the render closes this lookup
+            issued.append((self, [], []))  # so that the render closes this lookup
         cached: list[bool] = []
         try:
             cached = self._look_up(mm_hashes)
@@ -230,6 +234,8 @@ class _SenderAdapter:
             bracket.updates += 1
             bracket.issued.append(data)
             bracket.keys.append(mm_hash)
+            if data is not None:
+                bracket.sent.append(mm_hash)
         return self._to_vllm(data, mm_item), prompt_updates
 
     def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
@@ -243,16 +249,22 @@ class _SenderAdapter:
             bracket.updates += len(outputs)
             bracket.issued += [data for data, _ in outputs]
             bracket.keys += mm_hashes
+            sent = zip(outputs, mm_hashes, strict=True)
+            bracket.sent += [h for (data, _), h in sent if data is not None]
         return [
             (self._to_vllm(data, item), updates)
             for (data, updates), item in zip(outputs, mm_items, strict=True)
         ]
 
-    def release_unsent(self, items: Sequence[Any]) -> None:
-        """Give back the handles among vLLM items this cache output for a request that will
-        never be sent (vLLM rejected it after rendering it)."""
+    def release_unsent(self, items: Sequence[Any], mm_hashes: Sequence[str | None] = ()) -> None:
+        """Give back what vLLM items this cache output for a request that will never be sent
+        (vLLM rejected it after rendering it) hold: their handles, and, in ``lru`` mode, the
+        items they stored (``mm_hashes``: each item's hash, where known)."""
         handles = [handle_from_item(item, "") for item in items if item is not None]
-        self._abandon([handle for handle in handles if handle is not None])
+        # (No hashes, or fewer: only the handles are given back.)
+        known = zip(items, mm_hashes, strict=False)
+        sent = [h for item, h in known if item is not None and h is not None]
+        self._abandon([handle for handle in handles if handle is not None], sent)
 
     def release_sender_touches(self) -> None:
         """End the request vLLM assembled (vLLM calls this whether or not it succeeded)."""
@@ -263,7 +275,7 @@ class _SenderAdapter:
         bracket = self._bracket
         if self._sender.in_request:
             if bracket.updates < bracket.touches:
-                self._abandon(bracket.issued)
+                self._abandon(bracket.issued, bracket.sent)
             else:
                 # P1 resolves the request in prompt order, not in the order vLLM updated
                 # it here: both sides end it with the same recency (see settle_recency).
@@ -271,10 +283,11 @@ class _SenderAdapter:
                 if settle is not None:
                     settle(bracket.keys)
                 if (issued := getattr(_render, "issued", None)) is not None:
-                    issued.append((self, bracket.issued))
+                    issued.append((self, bracket.issued, bracket.sent))
             self._sender.end_request()
         bracket.touches = bracket.updates = 0
         bracket.issued = []
+        bracket.sent = []
         bracket.keys = []
 
     def invalidate(self, mm_hash: str) -> None:
@@ -334,6 +347,13 @@ class MmcacheLruSenderCache(_SenderAdapter, LruKeyReplicatedSenderCache):  # typ
         sender = SenderCache(capacity_gb(model_config), getsizeof=vllm_item_size)
         self._adopt(sender)
         self._cache = KeysView(sender.keys)
+
+    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
+        """The items the request stored never reach P1: forgotten, so that P0 sends them
+        with their data next time (kept, the next request with one of them would miss at
+        P1)."""
+        for mm_hash in sent:
+            self._sender.invalidate(mm_hash)
 
 
 def shares_one_ring(vllm_config: VllmConfig) -> bool:
@@ -459,7 +479,7 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         # ring's copy, which is in mmcache's form.
         return mm_item[0] if mm_item is not None else item_from_mmcache(data)
 
-    def _abandon(self, issued: list[Any]) -> None:
+    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
         if self._ring is not None:
             self._ring.release_handles(issued)
 
