@@ -118,14 +118,17 @@ class ItemMetadata:
 def item_size(value: object) -> int:
     """Bytes an item (or any part of one) counts for in a cache.
 
-    Tensors and arrays count their data (``nbytes``), bytes-like values their length, any
+    Tensors and arrays count their data (``nbytes``; a sparse tensor, its indices' and
+    values'), bytes-like values their length, any
     other leaf ``sys.getsizeof``; containers sum their elements (mapping keys do not count).
     :class:`CachedItem` counts its item and :class:`ItemMetadata` its recorded size, so an
     item, the metadata the sender keeps of it and the receiver's copy all have one size.
     Prompt updates never count.
     """
-    if isinstance(value, np.ndarray) or is_tensor(value):
-        return int(value.nbytes)  # type: ignore[attr-defined]
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if is_tensor(value):
+        return _tensor_bytes(value)
     if isinstance(value, bytes | bytearray):
         return len(value)
     if isinstance(value, memoryview):
@@ -139,6 +142,29 @@ def item_size(value: object) -> int:
     if isinstance(value, ItemMetadata):
         return value.size
     return sys.getsizeof(value)
+
+
+_COMPRESSED_PARTS = {
+    "sparse_csr": ("crow_indices", "col_indices"),
+    "sparse_bsr": ("crow_indices", "col_indices"),
+    "sparse_csc": ("ccol_indices", "row_indices"),
+    "sparse_bsc": ("ccol_indices", "row_indices"),
+}
+"""The index tensors of torch's compressed sparse layouts, by layout name."""
+
+
+def _tensor_bytes(tensor: Any) -> int:
+    """The bytes a tensor holds: ``nbytes``, or for a sparse one (which has none) those of
+    the tensors it is made of (indices and values)."""
+    layout = str(tensor.layout).removeprefix("torch.")
+    if layout == "strided":
+        return int(tensor.nbytes)
+    if layout == "sparse_coo":
+        return int(tensor._indices().nbytes + tensor._values().nbytes)
+    if layout in _COMPRESSED_PARTS:
+        parts = [getattr(tensor, name)() for name in _COMPRESSED_PARTS[layout]]
+        return int(sum(part.nbytes for part in parts) + tensor.values().nbytes)
+    return int(tensor.numel() * tensor.element_size())  # a layout torch may add: as dense
 
 
 def content_hash(*parts: object, **kwargs: object) -> str:
