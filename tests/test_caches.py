@@ -624,3 +624,15 @@ def test_cache_miss_error_survives_pickling() -> None:
 
     err = pickle.loads(pickle.dumps(CacheMissError(["a", "b"])))
     assert isinstance(err, CacheMissError) and err.mm_hashes == ["a", "b"]
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ReceiverCache])
+def test_settle_recency_orders_a_requests_cached_keys_and_counts_nothing(cache_type: type) -> None:
+    cache = cache_type(1)
+    for h in ["c", "a", "x", "b"]:
+        item = make_item(h)
+        cache.get_and_update_item((item, None) if cache_type is not ReceiverCache else item, h)
+    before = cache.stats()
+    cache.settle_recency(["b", "c", "absent", "a", "c"])
+    assert cache.keys() == ["x", "a", "b", "c"]
+    assert cache.stats() == before

@@ -41,6 +41,20 @@ def test_size_of_tensors_counts_their_bytes() -> None:
     assert item_size(torch.zeros(8, dtype=torch.bfloat16)) == 16
 
 
+def test_size_of_a_sparse_tensor_counts_the_bytes_it_holds() -> None:
+    # torch has no nbytes for a sparse tensor (RuntimeError): an item holding one made every
+    # LRU cache raise from inside torch, though the LRU modes keep any value.
+    from mmcache import ReceiverCache, SenderCache
+
+    sparse = torch.eye(4, dtype=torch.float32).to_sparse()  # 4 values, 2 x 4 int64 indices
+    assert item_size({"s": sparse}) == 4 * 4 + 2 * 4 * 8
+    p0, p1 = SenderCache(0.001), ReceiverCache(0.001)
+    data, _ = p0.get_and_update_item(({"s": sparse}, None), "h")
+    assert p0.get_and_update_item(None, "h")[0] is None  # stored: a hit
+    assert p1.get_and_update_item(data, "h")["s"] is sparse
+    assert p0.stats()["used_bytes"] == p1.stats()["used_bytes"] == 80
+
+
 def test_size_of_arrays_bytes_and_nesting() -> None:
     item = {
         "pixels": np.zeros((2, 5), dtype=np.float64),  # 80
@@ -274,6 +288,19 @@ def test_hash_rejects_unsupported_values() -> None:
         content_hash(opts={1: "non-str key"})
     with pytest.raises(TypeError):
         content_hash(np.array([object()]))
+
+
+def test_hash_names_the_tensors_it_cannot_read() -> None:
+    # A sparse or meta tensor failed deep inside torch (RuntimeError: "unsupported memory
+    # format option Contiguous"; NotImplementedError), naming neither the value nor the fix.
+    import torch
+
+    with pytest.raises(TypeError, match=r"parts\[1\] is a torch.sparse_coo tensor"):
+        content_hash(b"x", torch.eye(2).to_sparse())
+    with pytest.raises(TypeError, match=r"\['opts'\]\['t'\] is a torch.sparse_coo tensor"):
+        content_hash(opts={"t": torch.zeros(3).to_sparse()})
+    with pytest.raises(TypeError, match=r"parts\[0\] is a tensor on the meta device"):
+        content_hash(torch.empty(2, device="meta"))
 
 
 def test_import_does_not_pull_in_torch() -> None:

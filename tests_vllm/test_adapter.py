@@ -30,7 +30,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 import mmcache.vllm as mv
 from mmcache import ReferencesSaturatedError, ShmHandle, pinning
 from mmcache.vllm import publish
-from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+from vllm_helpers import MiB, feature, kwargs_item, outstanding, same_item, vllm_config
 
 LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
 Pair = tuple[Any, Any]  # P0's cache and a worker's
@@ -433,3 +433,53 @@ def test_decoded_tensors_are_ordinary_writable_tensors_on_cpu(shm_pair: Pair) ->
     pixels = out["pixel_values"].data
     pixels += 1  # vLLM may modify what it receives: it owns it
     assert torch.equal(pixels, kwargs_item(1)["pixel_values"].data + 1)
+
+
+def test_lru_mode_stays_mirrored_when_p1_resolves_in_prompt_order() -> None:
+    # vLLM's P0 updates a request's items modality by modality (`_merge_mm_kwargs` walks
+    # mm_hashes, a dict by modality); its P1 resolves the request's features in prompt order
+    # (`argsort_mm_positions`).  A prompt image, video, image puts them in another order on
+    # each side: the two LRUs must still end the request alike, or the next evictions differ.
+    truth = {h: kwargs_item(i) for i, h in enumerate(["i0", "i1", "v0"])}
+    size = MultiModalCache.get_item_size(truth["i0"])
+    truth["big"] = kwargs_item(9, n_bytes=4096 + size)  # needs the room of two of them
+    config = vllm_config("lru", 3 * size + 64)
+    p0, p1 = processor_cache_from_config(config), engine_receiver_cache_from_config(config)
+    by_modality = {"image": ["i0", "i1"], "video": ["v0"]}
+    assert p0.is_cached(by_modality["image"]) == [False, False]
+    assert p0.is_cached(by_modality["video"]) == [False]
+    for hashes in by_modality.values():
+        for h in hashes:
+            p0.touch_sender_cache_item(h)
+    sent = {
+        h: p0.get_and_update_item((truth[h], []), h)[0] for hs in by_modality.values() for h in hs
+    }
+    p0.release_sender_touches()
+    p1.get_and_update_features(
+        [feature(sent[h], h, offset) for offset, h in enumerate(["i0", "v0", "i1"])]
+    )
+    assert p0._sender.keys() == p1._receiver.keys()
+    # The next request evicts the two least recent items: the same two on both sides.
+    sent_big = vllm_p0_request(p0, ["big"], truth)
+    p1.get_and_update_features([feature(sent_big[0], "big")])
+    assert p0._sender.keys() == p1._receiver.keys()
+    request = [feature(None, h) for h in ["big"] + [h for h in truth if p0.is_cached_item(h)]]
+    p1.get_and_update_features(request)  # what P0 holds, P1 holds
+
+
+def test_a_workers_batched_update_checks_lengths_and_reads_every_handle(shm_pair: Pair) -> None:
+    # The worker's get_and_update (vLLM's base class stopped at the first miss and asserted
+    # the lengths): a stale handle first must not leave the next one unread, pinning it.
+    p0, worker = shm_pair
+    stale, _ = p0.get_and_update_item((kwargs_item(0), []), "old")
+    p0.ring.clear_cache()  # drops the reference of the handle in flight
+    churn(p0, worker)  # the ring reuses its space
+    before = outstanding(p0)
+    fresh, _ = p0.get_and_update_item((kwargs_item(9), []), "fresh")
+    assert outstanding(p0) == before + 1
+    with pytest.raises(ValueError, match="mm_hashes"):
+        worker.get_and_update([fresh], [])
+    with pytest.raises(MultiModalCacheMissError) as info:
+        worker.get_and_update([stale, fresh, None, stale], ["old", "fresh", "x", "old"])
+    assert info.value.mm_hashes == ["old", "old"]
+    assert outstanding(p0) == before, "the handle after the stale one was left unread"

@@ -243,3 +243,109 @@ def test_an_invalidation_waits_for_every_modality_of_the_request_in_its_lookup(
         finish_request_a_b(p0)
     finally:
         p0.close()
+
+
+def look_up_in_another_thread(p0: Any, hashes: list[str]) -> list[bool]:
+    """A request of another renderer thread, left between its lookup and its release."""
+    found: list[list[bool]] = []
+    other_thread = threading.Thread(target=lambda: found.append(p0.is_cached(hashes)))
+    other_thread.start()
+    other_thread.join()
+    return found[0]
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_waits_only_for_requests_that_found_the_item_cached(mode: str) -> None:
+    # Renderer threads overlap under load: some request is always between its lookup and its
+    # release.  vLLM 0.33's renderer drains its invalidations in its own thread right before
+    # its next lookup; one held back until no request at all is in its lookup would never
+    # land, and the retry of the request that missed would find the item cached again (and
+    # miss again on P1).
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert look_up_in_another_thread(p0, ["b"]) == [False]  # it never found "a"
+        p0.invalidate("a")  # the drain, before this thread's lookup
+        assert p0.is_cached(["a"]) == [False], "the invalidation waits for a request of b"
+        items = vllm_p0_request(p0, ["a"])
+        assert items[0] is not None, "the retry was not sent with its data"
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_held_back_lands_once_the_requests_that_found_the_item_end(
+    mode: str,
+) -> None:
+    # A request that found "a" cached holds its invalidation back; requests that begin later
+    # (here, in this thread, overlapping it) do not hold it back for ever.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert p0.is_cached(["a"]) == [True]  # this thread's request found "a"
+        invalidate_from_another_thread(p0, "a")
+        assert p0.is_cached_item("a"), "the invalidation landed inside the request"
+        assert look_up_in_another_thread(p0, ["c"]) == [False]  # overlapping, without "a"
+        finish_request_a_b(p0)
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_an_invalidation_a_threads_last_request_held_back_lands_before_its_next_lookup(
+    mode: str,
+) -> None:
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert p0.is_cached(["a"]) == [True]  # a request that never got its release
+        invalidate_from_another_thread(p0, "a")
+        p0.touch_sender_cache_item("a")  # ... and made touches: the next lookup is another's
+        assert p0.is_cached(["a"]) == [False]
+        p0.release_sender_touches()
+        assert not p0.is_cached_item("a")
+    finally:
+        p0.close()
+
+
+def reject_too_long(p0: Any, rendered: Any) -> None:
+    """vLLM's process_inputs rejecting ``rendered`` (its length) after its render."""
+
+    def too_long(self: Any, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("The decoder prompt is longer than the maximum model length")
+
+    process_inputs = frontend._process_inputs(too_long)
+    processor = SimpleNamespace(renderer=SimpleNamespace(mm_processor_cache=p0))
+    with pytest.raises(ValueError, match="maximum model length"):
+        process_inputs(processor, request_id="r", prompt=rendered, params=None)
+
+
+def test_an_lru_request_vllm_rejects_after_its_render_leaves_p0_as_p1_is() -> None:
+    # In lru mode P0's cache is P1's mirror: an item a request stored never reaches P1 when
+    # vLLM rejects the request after its render (a prompt too long, a failed replacement).
+    # Kept, it made P0 send the next request that has it without its data: a miss at P1 in
+    # a run without faults, failing that request.
+    p0 = processor_cache_from_config(vllm_config("lru", 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["c"])  # sent: P1 holds it
+
+        def render_then_fail() -> None:
+            vllm_p0_request(p0, ["a", "c"])
+            raise AssertionError("Failed to apply prompt replacement for mm_items['image'][1]")
+
+        with pytest.raises(AssertionError, match="prompt replacement"), rendering():
+            render_then_fail()
+        assert p0.is_cached(["a", "c"]) == [False, True]
+        p0.release_sender_touches()
+        with rendering():
+            items = vllm_p0_request(p0, ["b", "c", "b"])
+        assert [item is not None for item in items] == [True, False, False]
+        rendered = {
+            "type": "multimodal",
+            "mm_kwargs": {"image": items},
+            "mm_hashes": {"image": ["b", "c", "b"]},
+        }
+        reject_too_long(p0, rendered)
+        assert p0.is_cached(["b", "c"]) == [False, True]
+    finally:
+        p0.close()

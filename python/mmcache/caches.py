@@ -39,7 +39,7 @@ import logging
 import math
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
@@ -543,6 +543,15 @@ class _LruSenderCache(BaseSenderCache):
         with self._lock:
             self._protection.pop(mm_hash)
 
+    def settle_recency(self, keys: Iterable[str]) -> None:
+        """Make the cached keys among ``keys`` (one request's) the most recent, in sorted
+        order, changing no statistics: two sides that applied a request's items in
+        different orders (vLLM's P0 updates them modality by modality, its P1 resolves them
+        in prompt order) then end it with the same recency, so they evict alike."""
+        with self._lock:
+            for key in sorted(set(keys), key=str):
+                self._lru.touch(key)
+
     def clear_cache(self) -> None:
         """Forget every item and reset the statistics."""
         with self._lock:
@@ -654,6 +663,15 @@ class ReceiverCache(BaseReceiverCache):
 
     def _not_held(self, key: str) -> bool:
         return key not in self._lru
+
+    def settle_recency(self, keys: Iterable[str]) -> None:
+        """Make the cached keys among ``keys`` (one request's) the most recent, in sorted
+        order, changing no statistics: two sides that applied a request's items in
+        different orders (vLLM's P0 updates them modality by modality, its P1 resolves them
+        in prompt order) then end it with the same recency, so they evict alike."""
+        with self._lock:
+            for key in sorted(set(keys), key=str):
+                self._lru.touch(key)
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a

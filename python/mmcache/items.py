@@ -118,14 +118,17 @@ class ItemMetadata:
 def item_size(value: object) -> int:
     """Bytes an item (or any part of one) counts for in a cache.
 
-    Tensors and arrays count their data (``nbytes``), bytes-like values their length, any
+    Tensors and arrays count their data (``nbytes``; a sparse tensor, its indices' and
+    values'), bytes-like values their length, any
     other leaf ``sys.getsizeof``; containers sum their elements (mapping keys do not count).
     :class:`CachedItem` counts its item and :class:`ItemMetadata` its recorded size, so an
     item, the metadata the sender keeps of it and the receiver's copy all have one size.
     Prompt updates never count.
     """
-    if isinstance(value, np.ndarray) or is_tensor(value):
-        return int(value.nbytes)  # type: ignore[attr-defined]
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if is_tensor(value):
+        return _tensor_bytes(value)
     if isinstance(value, bytes | bytearray):
         return len(value)
     if isinstance(value, memoryview):
@@ -141,6 +144,29 @@ def item_size(value: object) -> int:
     return sys.getsizeof(value)
 
 
+_COMPRESSED_PARTS = {
+    "sparse_csr": ("crow_indices", "col_indices"),
+    "sparse_bsr": ("crow_indices", "col_indices"),
+    "sparse_csc": ("ccol_indices", "row_indices"),
+    "sparse_bsc": ("ccol_indices", "row_indices"),
+}
+"""The index tensors of torch's compressed sparse layouts, by layout name."""
+
+
+def _tensor_bytes(tensor: Any) -> int:
+    """The bytes a tensor holds: ``nbytes``, or for a sparse one (which has none) those of
+    the tensors it is made of (indices and values)."""
+    layout = str(tensor.layout).removeprefix("torch.")
+    if layout == "strided":
+        return int(tensor.nbytes)
+    if layout == "sparse_coo":
+        return int(tensor._indices().nbytes + tensor._values().nbytes)
+    if layout in _COMPRESSED_PARTS:
+        parts = [getattr(tensor, name)() for name in _COMPRESSED_PARTS[layout]]
+        return int(sum(part.nbytes for part in parts) + tensor.values().nbytes)
+    return int(tensor.numel() * tensor.element_size())  # a layout torch may add: as dense
+
+
 def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
@@ -152,6 +178,8 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
     type and length, so different inputs cannot collide by concatenation.
+    ``TypeError`` naming a value it cannot hash (another type, an object array, a sparse or
+    meta tensor).
     """
     h = hashlib.blake2b(digest_size=32, person=b"mmcache.v1")
     _feed(h, list(parts), "parts")
@@ -219,11 +247,21 @@ def _feed(h: Any, value: object, path: str) -> None:
             tag(b"K", mask.reshape(-1).view(np.uint8).data)
     elif is_tensor(value):
         tensor: Any = value
+        torch = sys.modules["torch"]
+        # What has no strided bytes to hash is named, with the fix, rather than failing
+        # deep inside torch.
+        if tensor.layout != torch.strided:
+            raise TypeError(
+                f"content_hash: {path} is a {tensor.layout} tensor, which has no contiguous "
+                "content bytes: hash its .to_dense()"
+            )
+        if tensor.is_meta:
+            raise TypeError(f"content_hash: {path} is a tensor on the meta device: it has no data")
         t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         tag(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
         if t.is_quantized:  # its bytes are integers whose scale is elsewhere: its values
             t = t.dequantize()
-        tag(b"D", t.reshape(-1).view(sys.modules["torch"].uint8).numpy().data)
+        tag(b"D", t.reshape(-1).view(torch.uint8).numpy().data)
     elif isinstance(value, list | tuple):
         tag(b"L" if isinstance(value, list) else b"U", struct.pack("<Q", len(value)))
         for i, v in enumerate(value):

@@ -39,14 +39,19 @@ __all__ = ["wrap"]
 _ORIGINAL = "__mmcache_original__"
 
 
-def _rendered_items(prompt: Any) -> Iterator[Any]:
-    """The multimodal items of a rendered prompt (``{"type": ...}``), encoder's included."""
+def _rendered_items(prompt: Any) -> Iterator[tuple[Any, str | None]]:
+    """The multimodal items of a rendered prompt (``{"type": ...}``), encoder's included,
+    each with its hash (``None`` where the prompt has none for it)."""
     if not isinstance(prompt, Mapping):
         return
     for part in (prompt, prompt.get("encoder_prompt"), prompt.get("decoder_prompt")):
         if isinstance(part, Mapping) and isinstance(part.get("mm_kwargs"), Mapping):
-            for items in part["mm_kwargs"].values():
-                yield from items
+            hashes = part.get("mm_hashes")
+            for modality, items in part["mm_kwargs"].items():
+                known = hashes.get(modality) if isinstance(hashes, Mapping) else None
+                known = list(known) if isinstance(known, list | tuple) else []
+                for i, item in enumerate(items):
+                    yield item, known[i] if i < len(known) else None
 
 
 def _process_multimodal(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,13 +85,18 @@ def _cache_of(renderer: Any) -> _SenderAdapter | None:
 def _release_request(processor: Any, request: Any) -> None:
     """Give back the handles of ``request``, an engine request ``processor`` made."""
     if (cache := _cache_of(processor.renderer)) is not None:
-        cache.release_unsent([feature.data for feature in request.mm_features or ()])
+        features = request.mm_features or ()
+        cache.release_unsent(
+            [feature.data for feature in features],
+            [feature.mm_hash or feature.identifier for feature in features],
+        )
 
 
 def _release_render(renderer: Any, prompt: Any) -> None:
     """Give back the handles of ``prompt``, a prompt ``renderer`` rendered."""
     if (cache := _cache_of(renderer)) is not None:
-        cache.release_unsent(list(_rendered_items(prompt)))
+        rendered = list(_rendered_items(prompt))
+        cache.release_unsent([item for item, _ in rendered], [h for _, h in rendered])
 
 
 def _release_abandoned(release: Callable[[Any], None], done: Future[Any]) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import cachetools
@@ -58,8 +59,15 @@ class MmcacheLruReceiverCache(LruKeyReplicatedReceiverCache):  # type: ignore[mi
         self._cache = KeysView(self._receiver.keys)
 
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
-        with vllm_errors():
-            self._receiver.get_and_update_features(mm_features)
+        """Resolve the request's features (in prompt order), then settle the recency of its
+        items as P0 settled it (P0 updated them modality by modality): the mirror holds."""
+        # One step for the cache: no other thread's request between the two.
+        with self._receiver._lock:
+            try:
+                with vllm_errors():
+                    self._receiver.get_and_update_features(mm_features)
+            finally:
+                self._receiver.settle_recency(f.mm_hash or f.identifier for f in mm_features)
         return mm_features
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -202,6 +210,20 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         for feature, resolved in zip(with_data, resolving, strict=True):
             feature.data = resolved.data
         return mm_features
+
+    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
+        """The resolved items of one request, resolved as :meth:`get_and_update_features`
+        resolves features: every handle is read (vLLM's base class stopped at the first
+        miss, leaving the handles after it unread, pinning their objects in the ring) and a
+        miss lists every missing hash.  ``ValueError`` when the lengths differ."""
+        if len(mm_items) != len(mm_hashes):
+            raise ValueError(f"{len(mm_items)} items but {len(mm_hashes)} mm_hashes")
+        features = [
+            SimpleNamespace(data=item, mm_hash=h, identifier=h)
+            for item, h in zip(mm_items, mm_hashes, strict=True)
+        ]
+        self.get_and_update_features(features)
+        return [feature.data for feature in features]
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         if mm_item is None:

@@ -12,12 +12,16 @@ a prompt too long) never reaches the workers: vLLM's frontend runs each render i
 :func:`rendering`, and the handles of the requests a render completed are given back when
 it raises (:mod:`mmcache.vllm.frontend` wraps vLLM's methods).
 
-Invalidations (a receiver reported items missing) never land inside a request: one that
-arrives from another thread while a request is between its lookup (``is_cached``) and its
-release is queued, and applied when no request is there any more, before the next lookup.
-vLLM 0.33's renderer queues them itself and drains them before its next lookup; vLLM 0.32's
-frontend calls ``invalidate`` from its output handler while the renderer's thread may be
-processing a request that found the item cached, which would then miss it.
+Invalidations (a receiver reported items missing) never land inside a request that found
+the item cached: one that arrives from another thread while such a request is between its
+lookup (``is_cached``) and its release is queued, and applied once no request that found the
+item cached is there any more.  Only those requests hold it back: under load renderer
+threads overlap, some request is always between its lookup and its release, and an
+invalidation that waited for none to be there would never land (the retry of the request that
+missed would find the item cached again, and miss again).  vLLM 0.33's renderer queues them
+itself and drains them, in its own thread, before its next lookup; vLLM 0.32's frontend calls
+``invalidate`` from its output handler while the renderer's thread may be processing a
+request that found the item cached, which would then miss it.
 
 Sizes are vLLM's own (:func:`~mmcache.vllm.wire.vllm_item_size`), passed to the LRU caches
 as their ``getsizeof``, so capacities mean what they mean in vLLM.
@@ -74,7 +78,8 @@ logger = logging.getLogger(__name__)
 
 _render = threading.local()
 """This thread's render (:func:`rendering`): ``issued``, the adapters whose requests it
-completed and the handles those requests were issued (``None`` outside a render)."""
+completed, the outputs those requests were issued and the hashes whose outputs carried data
+(``None`` outside a render)."""
 
 
 @contextmanager
@@ -83,16 +88,17 @@ def rendering() -> Iterator[None]:
 
     If the render raises after a request of it ended (vLLM failed the prompt's replacement,
     say), nothing of it reaches the workers: the handles its requests were issued are given
-    back.  Every lookup the render opened is closed (:meth:`_SenderAdapter.is_cached`).
+    back (in ``lru`` mode, the items they stored are forgotten: P1 never gets them).  Every
+    lookup the render opened is closed (:meth:`_SenderAdapter.is_cached`).
     """
-    issued: list[tuple[_SenderAdapter, list[Any]]] = []
+    issued: list[tuple[_SenderAdapter, list[Any], list[str]]] = []
     outer, _render.issued = getattr(_render, "issued", None), issued
     try:
         yield
     except BaseException:
-        for cache, handles in issued:
-            cache._abandon(handles)
-        for cache in {id(cache): cache for cache, _ in issued}.values():
+        for cache, handles, sent in issued:
+            cache._abandon(handles, sent)
+        for cache in {id(cache): cache for cache, _, _ in issued}.values():
             # A render that failed before vLLM's release (its processor raised, say) still
             # holds what its lookup claimed: another API server may be waiting for it.
             cache._sender.release_sender_touches()
@@ -102,7 +108,7 @@ def rendering() -> Iterator[None]:
             outer += issued
     finally:
         _render.issued = outer
-        for cache in {id(cache): cache for cache, _ in issued}.values():
+        for cache in {id(cache): cache for cache, _, _ in issued}.values():
             cache._end_lookup()
 
 
@@ -114,6 +120,9 @@ class _Bracket(threading.local):
         self.touches = 0
         self.updates = 0
         self.issued: list[Any] = []
+        self.sent: list[str] = []
+        """The hashes whose outputs carried data (the items the request stored)."""
+        self.keys: list[str] = []
 
 
 class _SenderAdapter:
@@ -126,8 +135,9 @@ class _SenderAdapter:
         self._sender = sender
         self._bracket = _Bracket()
         self._invalidation_lock = threading.Lock()
-        self._looking_up: set[int] = set()
-        """Threads whose request is between its lookup and its release."""
+        self._looking_up: dict[int, set[str]] = {}
+        """Threads whose request is between its lookup and its release, and the hashes that
+        request found cached (while a lookup runs: every hash it looks up)."""
         self._pending_invalidations: list[str] = []
 
     def _to_mmcache(self, mm_item: Any) -> Any:
@@ -138,29 +148,45 @@ class _SenderAdapter:
         """What the sender returned for ``mm_item``, as vLLM expects it."""
         return data
 
-    def _abandon(self, issued: list[Any]) -> None:
+    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
         """A request failed part-way, or was rejected after it: give back what its outputs
-        hold."""
+        (``issued``) hold; ``sent`` are the hashes whose outputs carried data."""
 
     def is_cached_item(self, mm_hash: str) -> bool:
         return self._sender.is_cached_item(mm_hash)
 
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
-        """vLLM's lookup of a request's items: applies the invalidations queued so far, then
-        holds new ones back until this request is released (see the module)."""
+        """vLLM's lookup of a request's items: applies the invalidations queued so far that
+        no other request holds back, then holds back those of the items it finds cached
+        until this request is released (see the module)."""
         me = threading.get_ident()
         bracket = self._bracket
         with self._invalidation_lock:
             # vLLM looks a request up once per modality: a lookup with no touch since this
-            # thread's last one is of the same request, and applies nothing.  After touches,
-            # the earlier lookup's request never got its release: this is the next request.
+            # thread's last one is of the same request.  After touches, the earlier lookup's
+            # request never got its release: this is the next request.
             if me not in self._looking_up or bracket.touches or bracket.updates:
-                self._looking_up.discard(me)
-                self._apply_pending_invalidations()
-                self._looking_up.add(me)
+                self._looking_up[me] = set()
+            found = self._looking_up[me]
+            # What no other request holds back lands before this lookup (what this thread's
+            # earlier request held back included); the rest waits, and so does what arrives
+            # while the lookup runs (it may find any of these hashes cached)...
+            self._apply_pending_invalidations()
+            looking = [h for h in mm_hashes if h not in found]
+            found.update(looking)
         if (issued := getattr(_render, "issued", None)) is not None:
-            issued.append((self, []))  # so that the render closes this lookup
-        return self._look_up(mm_hashes)
+            issued.append((self, [], []))  # so that the render closes this lookup
+        cached: list[bool] = []
+        try:
+            cached = self._look_up(mm_hashes)
+        finally:
+            with self._invalidation_lock:
+                # ... and afterwards only those it found cached hold invalidations back.
+                hits = {h for h, c in zip(mm_hashes, cached, strict=False) if c}
+                if self._looking_up.get(me) is found:
+                    found.difference_update(h for h in looking if h not in hits)
+                self._apply_pending_invalidations()
+        return cached
 
     def _look_up(self, mm_hashes: list[str]) -> list[bool]:
         """The sender's lookup of a request's items."""
@@ -169,16 +195,24 @@ class _SenderAdapter:
     def _end_lookup(self) -> None:
         """This thread's request is released: apply what waited for it."""
         with self._invalidation_lock:
-            self._looking_up.discard(threading.get_ident())
+            self._looking_up.pop(threading.get_ident(), None)
             self._apply_pending_invalidations()
 
+    def _held_back(self, mm_hash: str, *, but: int | None = None) -> bool:
+        """Whether a request (of a thread other than ``but``) between its lookup and its
+        release found ``mm_hash`` cached (invalidation lock held)."""
+        return any(mm_hash in found for t, found in self._looking_up.items() if t != but)
+
     def _apply_pending_invalidations(self) -> None:
-        """Apply the queued invalidations unless a request is between lookup and release
-        (invalidation lock held)."""
-        if not self._looking_up:
-            for mm_hash in self._pending_invalidations:
+        """Apply the queued invalidations no request that found their item cached holds
+        back any more (invalidation lock held)."""
+        waiting = []
+        for mm_hash in self._pending_invalidations:
+            if self._held_back(mm_hash):
+                waiting.append(mm_hash)
+            else:
                 self._sender.invalidate(mm_hash)
-            self._pending_invalidations = []
+        self._pending_invalidations = waiting
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Protect ``mm_hash`` until the request ends; the first touch of a request (a touch
@@ -187,6 +221,7 @@ class _SenderAdapter:
             self._end_request()
             self._sender.begin_request()
         self._bracket.touches += 1
+        self._bracket.keys.append(mm_hash)
         self._sender.touch_sender_cache_item(mm_hash)
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -198,6 +233,9 @@ class _SenderAdapter:
             bracket = self._bracket
             bracket.updates += 1
             bracket.issued.append(data)
+            bracket.keys.append(mm_hash)
+            if data is not None:
+                bracket.sent.append(mm_hash)
         return self._to_vllm(data, mm_item), prompt_updates
 
     def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
@@ -210,16 +248,23 @@ class _SenderAdapter:
             bracket = self._bracket
             bracket.updates += len(outputs)
             bracket.issued += [data for data, _ in outputs]
+            bracket.keys += mm_hashes
+            sent = zip(outputs, mm_hashes, strict=True)
+            bracket.sent += [h for (data, _), h in sent if data is not None]
         return [
             (self._to_vllm(data, item), updates)
             for (data, updates), item in zip(outputs, mm_items, strict=True)
         ]
 
-    def release_unsent(self, items: Sequence[Any]) -> None:
-        """Give back the handles among vLLM items this cache output for a request that will
-        never be sent (vLLM rejected it after rendering it)."""
+    def release_unsent(self, items: Sequence[Any], mm_hashes: Sequence[str | None] = ()) -> None:
+        """Give back what vLLM items this cache output for a request that will never be sent
+        (vLLM rejected it after rendering it) hold: their handles, and, in ``lru`` mode, the
+        items they stored (``mm_hashes``: each item's hash, where known)."""
         handles = [handle_from_item(item, "") for item in items if item is not None]
-        self._abandon([handle for handle in handles if handle is not None])
+        # (No hashes, or fewer: only the handles are given back.)
+        known = zip(items, mm_hashes, strict=False)
+        sent = [h for item, h in known if item is not None and h is not None]
+        self._abandon([handle for handle in handles if handle is not None], sent)
 
     def release_sender_touches(self) -> None:
         """End the request vLLM assembled (vLLM calls this whether or not it succeeded)."""
@@ -230,19 +275,28 @@ class _SenderAdapter:
         bracket = self._bracket
         if self._sender.in_request:
             if bracket.updates < bracket.touches:
-                self._abandon(bracket.issued)
-            elif (issued := getattr(_render, "issued", None)) is not None:
-                issued.append((self, bracket.issued))
+                self._abandon(bracket.issued, bracket.sent)
+            else:
+                # P1 resolves the request in prompt order, not in the order vLLM updated
+                # it here: both sides end it with the same recency (see settle_recency).
+                settle = getattr(self._sender, "settle_recency", None)
+                if settle is not None:
+                    settle(bracket.keys)
+                if (issued := getattr(_render, "issued", None)) is not None:
+                    issued.append((self, bracket.issued, bracket.sent))
             self._sender.end_request()
         bracket.touches = bracket.updates = 0
         bracket.issued = []
+        bracket.sent = []
+        bracket.keys = []
 
     def invalidate(self, mm_hash: str) -> None:
-        """Forget ``mm_hash`` now, or, while another thread's request is between its lookup
-        and its release, once no request is (see the module)."""
+        """Forget ``mm_hash`` now, or, while another thread's request that found it cached
+        is between its lookup and its release, once no such request is (see the module)."""
         with self._invalidation_lock:
-            if self._looking_up - {threading.get_ident()}:
-                self._pending_invalidations.append(mm_hash)
+            if self._held_back(mm_hash, but=threading.get_ident()):
+                if mm_hash not in self._pending_invalidations:
+                    self._pending_invalidations.append(mm_hash)
             else:
                 self._sender.invalidate(mm_hash)
 
@@ -293,6 +347,13 @@ class MmcacheLruSenderCache(_SenderAdapter, LruKeyReplicatedSenderCache):  # typ
         sender = SenderCache(capacity_gb(model_config), getsizeof=vllm_item_size)
         self._adopt(sender)
         self._cache = KeysView(sender.keys)
+
+    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
+        """The items the request stored never reach P1: forgotten, so that P0 sends them
+        with their data next time (kept, the next request with one of them would miss at
+        P1)."""
+        for mm_hash in sent:
+            self._sender.invalidate(mm_hash)
 
 
 def shares_one_ring(vllm_config: VllmConfig) -> bool:
@@ -418,7 +479,7 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         # ring's copy, which is in mmcache's form.
         return mm_item[0] if mm_item is not None else item_from_mmcache(data)
 
-    def _abandon(self, issued: list[Any]) -> None:
+    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
         if self._ring is not None:
             self._ring.release_handles(issued)
 
