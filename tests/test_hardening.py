@@ -26,7 +26,9 @@ import torch
 
 from mmcache import (
     ClosedError,
+    ReceiverCache,
     ReferencesSaturatedError,
+    SenderCache,
     ShmHandle,
     ShmReceiverCache,
     ShmSenderCache,
@@ -36,6 +38,7 @@ from mmcache import (
     prune,
 )
 from mmcache._core import ShmObjectStore, ShmWriter
+from mmcache.caches import capacity_bytes
 
 KiB = 1024
 MiB = 1 << 20
@@ -642,6 +645,29 @@ def test_capacities_that_are_not_sizes_are_value_errors(capacity_gb: float) -> N
             continue  # a huge LRU bound is a bound
         with pytest.raises(ValueError, match="capacity_gb"):
             make_caches(mode, capacity_gb=capacity_gb)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("capacity_gb", [1e300, 2**2000])
+def test_a_capacity_beyond_what_a_float_can_scale_is_a_bound_or_a_value_error(
+    capacity_gb: float,
+) -> None:
+    # Finite, but its bytes are past the largest float (1e300 GiB) or an int too large to
+    # become one: an LRU takes it as the bound it is, the ring refuses it naming capacity_gb
+    # (both were an OverflowError from deep inside: "cannot convert float infinity").
+    sender, downstream = make_caches("lru", capacity_gb=capacity_gb)
+    assert isinstance(sender, SenderCache) and isinstance(downstream, ReceiverCache)
+    assert sender.get_and_update_item(({"x": torch.ones(4)}, "u"), "h")[0] is not None
+    assert sender.is_cached_item("h")
+    sender.close()
+    downstream.close()
+    with make_caches("processor_only", capacity_gb=capacity_gb)[0] as p0:  # type: ignore[union-attr]
+        p0.get_and_update_item(({"x": torch.ones(4)}, "u"), "h")
+        assert p0.is_cached_item("h")
+    with pytest.raises(ValueError, match="capacity_gb"):
+        make_caches("shm", capacity_gb=capacity_gb)
+    # The usual sizes are still the same bytes, to the byte (P0 and P1 of lru mirror them).
+    assert capacity_bytes(0.5) == GiB // 2 and capacity_bytes(1.75) == 7 * GiB // 4
+    assert capacity_bytes(3) == 3 * GiB and capacity_bytes(1e-9) == int(1e-9 * GiB)
 
 
 @pytest.mark.parametrize("limit_mb", [float("inf"), 1e30])

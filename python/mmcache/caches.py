@@ -107,9 +107,15 @@ def capacity_bytes(capacity_gb: float) -> int:
         raise TypeError(
             f"capacity_gb must be a number of GiB, not {type(capacity_gb).__name__}"
         ) from None
+    except OverflowError:  # an int past the largest float: finite all the same
+        valid = True
     if not valid:
         raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
-    return int(capacity_gb * GiB)
+    # Whole GiB and the fraction apart: `capacity_gb * GiB` is infinite past 1.6e299 GiB (and
+    # int() of it an OverflowError). The fraction is exact and below one, so the bytes are
+    # those of `int(capacity_gb * GiB)` wherever that is finite (lru's mirror relies on it).
+    whole = int(capacity_gb)
+    return whole * GiB + int((capacity_gb - whole) * GiB)
 
 
 class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
