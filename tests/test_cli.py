@@ -71,6 +71,9 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--remote", "mooncake://master"], "--remote mooncake://: no port"),
         (["simulate", "--remote", "redis://host:notaport"], "--remote redis://: bad port"),
         (["simulate", "--remote", "redis://host:99999"], "--remote redis://: bad port"),
+        # A bracket left open: urlsplit's own ValueError was a traceback.
+        (["simulate", "--remote", "redis://[::1"], "--remote redis://: bad host"),
+        (["simulate", "--remote", "valkey://u:secret@[::1:6379"], "--remote valkey://: bad host"),
         (["simulate", "--json", "/no/such/directory/out.json"], "does not exist"),
         (["bench", "--json", "/no/such/directory/out.json"], "does not exist"),
         # Refused before the run, not after it.
@@ -85,6 +88,7 @@ def test_bad_input_is_one_line_and_exit_status_2(args: list[str], message: str) 
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+    assert "secret" not in result.stderr  # a URL's password is never echoed
 
 
 def _without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess[str]:

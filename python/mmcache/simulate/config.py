@@ -224,9 +224,16 @@ class SimulationConfig:
             return
         # Checked here rather than by each P0 as it makes its cache: once, before anything
         # starts. Only the scheme is shown: the rest may hold a password.
-        parts = urlsplit(remote)
         expected = f"expected {scheme}://HOST:PORT"
-        if not parts.hostname:
+        try:
+            parts = urlsplit(remote)
+            hostname = parts.hostname
+        except ValueError:  # an unclosed or invalid [IPv6] host
+            raise ConfigError(
+                f"--remote {scheme}://: bad host (an IPv6 address goes in brackets, "
+                f"[::1]); {expected}"
+            ) from None
+        if not hostname:
             raise ConfigError(f"--remote {scheme}://: no host; {expected}")
         try:
             port = parts.port
