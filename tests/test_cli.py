@@ -215,3 +215,41 @@ def test_simulate_writes_its_json_even_when_its_output_pipe_closes_early(tmp_pat
     )
     assert (result.returncode, result.stderr) == (141, "")
     assert json.loads(out.read_text())["runs"]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"), [("simulate", "--json"), ("simulate", "--plot"), ("bench", "--json")]
+)
+def test_an_output_file_that_cannot_be_created_is_refused_before_the_run(
+    tmp_path: Path, command: str, flag: str
+) -> None:
+    # Its directory exists, but no file of that name can be made (the name is too long for
+    # any file system): it was a traceback at the end of the run, the run's figures lost.
+    out = tmp_path / ("x" * 300 + ".json")
+    result = (
+        mmcache(command, flag, str(out), "--requests", "1")
+        if command == "simulate"
+        else (mmcache(command, flag, str(out)))
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert f"mmcache {command}: error: {flag} " in result.stderr
+    assert "cannot be written" in result.stderr
+    assert result.stdout == ""  # nothing ran
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_file_whose_write_fails_after_the_run_is_one_line_and_exit_status_1() -> None:
+    # /dev/full takes an open and refuses every write (ENOSPC): a disk that filled up during
+    # the run. The run's table is still shown, then one line says what was not written.
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    result = mmcache("simulate", "--requests", "2", "--catalogue", "2", "--json", "/dev/full")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "mmcache simulate: error: --json /dev/full: cannot be written "
+        "(No space left on device); the figures are in the table above"
+    ]
+    assert "wrong tensors" in result.stdout
