@@ -11,6 +11,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -668,6 +669,91 @@ def test_a_capacity_beyond_what_a_float_can_scale_is_a_bound_or_a_value_error(
     # The usual sizes are still the same bytes, to the byte (P0 and P1 of lru mirror them).
     assert capacity_bytes(0.5) == GiB // 2 and capacity_bytes(1.75) == 7 * GiB // 4
     assert capacity_bytes(3) == 3 * GiB and capacity_bytes(1e-9) == int(1e-9 * GiB)
+
+
+class _Forged:
+    """Pickles as a call of ``unpickler(*args)``: what a hostile pickle of a handle runs."""
+
+    def __init__(self, unpickler: Callable[..., Any], *args: Any) -> None:
+        self.call = (unpickler, args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.call
+
+
+_SECRET = b"\0" * 32
+_READER_FIELDS: dict[str, Any] = {
+    "name": "x",
+    "capacity": MiB,
+    "n_readers": 1,
+    "max_object_size": MiB,
+    "layout_version": 1,
+}
+# In the unpicklers' order: max_writers before layout_version.
+_WRITER_FIELDS = {
+    "name": "x",
+    "capacity": MiB,
+    "n_readers": 1,
+    "max_object_size": MiB,
+    "max_writers": 1,
+    "layout_version": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("capacity", -1),
+        ("capacity", 2**64),
+        ("n_readers", -1),
+        ("n_readers", 2**40),
+        ("n_readers", 2**70),
+        ("max_writers", -1),
+        ("max_writers", 2**40),
+        ("max_object_size", -1),
+        ("max_objects", -1),
+        ("max_objects", 2**64),
+    ],
+)
+def test_an_integer_argument_out_of_range_is_a_value_error_naming_it(name: str, value: int) -> None:
+    # Was PyO3's OverflowError ("can't convert negative int to unsigned", "out of range
+    # integral type conversion attempted"), naming neither the argument nor its range.
+    kwargs: dict[str, Any] = {"capacity": MiB, name: value}
+    with pytest.raises(ValueError, match=f"^{name} must be .*, got {value}\\b"):
+        ShmObjectStore.create(**kwargs)
+    if name in ("n_readers", "max_writers"):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            ShmSenderCache(1 / 1024, **{name: value})
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            make_caches("shm", capacity_gb=1 / 1024, **{name: value})  # type: ignore[arg-type]
+    # The handles' fields, built or unpickled (a pickle can hold any int).
+    for handle, unpickler, fields in (
+        (_core.ReaderHandle, _core._reader_handle, _READER_FIELDS),  # type: ignore[attr-defined]
+        (_core.WriterHandle, _core._writer_handle, _WRITER_FIELDS),  # type: ignore[attr-defined]
+    ):
+        if name not in fields:
+            continue
+        changed = {**fields, name: value}
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            handle(**changed, secret=_SECRET)
+        forged = pickle.dumps(_Forged(unpickler, *changed.values(), _SECRET))
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            pickle.loads(forged)
+    # Not an int at all stays a TypeError that names the argument.
+    with pytest.raises(TypeError, match=name):
+        ShmObjectStore.create(**{**kwargs, name: 1.5})
+
+
+@pytest.mark.parametrize(("address", "monotonic_id"), [(-1, 1), (2**64, 1), (0, -1), (0, 2**64)])
+def test_an_unpickled_item_handle_out_of_range_is_a_value_error(
+    address: int, monotonic_id: int
+) -> None:
+    forged = pickle.dumps(_Forged(_core._shm_handle, address, monotonic_id, b"s" * 20))  # type: ignore[attr-defined]
+    name = "address" if address != 0 else "monotonic_id"
+    with pytest.raises(ValueError, match=f"^{name} must be an integer in"):
+        pickle.loads(forged)
+    with pytest.raises(ValueError, match=f"^{name} must be an integer in"):
+        ShmHandle(address=address, monotonic_id=monotonic_id, signature=b"s" * 20)
 
 
 @pytest.mark.parametrize("limit_mb", [float("inf"), 1e30])
