@@ -764,6 +764,13 @@ def test_object_size_limits_beyond_the_ring_are_clamped(limit_mb: float) -> None
         ShmSenderCache(1 * MiB / GiB, max_object_size_mb=float("nan"))
 
 
+@pytest.mark.parametrize("limit_mb", ["128", None, b"1"])
+def test_an_object_size_limit_that_is_no_number_is_a_type_error_naming_it(limit_mb: Any) -> None:
+    # Was "'>' not supported between instances of 'str' and 'int'" (naming neither).
+    with pytest.raises(TypeError, match=r"^max_object_size_mb must be a number of MiB, not "):
+        ShmSenderCache(1 * MiB / GiB, max_object_size_mb=limit_mb)
+
+
 # -- 14. a write into a zero-copy view explains itself ---------------------------------------------
 
 WRITES_INTO_ITS_VIEW = textwrap.dedent(
