@@ -284,3 +284,27 @@ def test_bench_on_a_small_dev_shm_ends_in_one_line_naming_the_fix() -> None:
     assert lines[0].startswith("mmcache bench: error: ") and "--shm-size" in lines[0]
     # Exit status 1, and no segment left behind.
     assert result.stdout.strip().splitlines()[-1] == "status 1"
+
+
+def test_a_plot_file_name_matplotlib_cannot_write_is_refused_before_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    # matplotlib picks the format by the name's extension: an unknown one was its ValueError
+    # traceback once the whole run was over.
+    out = tmp_path / "chart.xyz"
+    result = mmcache("simulate", "--requests", "1", "--plot", str(out))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"mmcache simulate: error: --plot {out}: matplotlib cannot write a .xyz file; "
+        "name it .png (or .svg, .pdf, ...)"
+    ]
+    assert not out.exists()
+
+
+def test_a_plot_file_name_without_an_extension_gets_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "chart"
+    result = mmcache("simulate", "--requests", "2", "--catalogue", "2", "--plot", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert list(tmp_path.iterdir()) == [out]

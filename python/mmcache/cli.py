@@ -211,7 +211,8 @@ def _parser() -> _Parser:
         "--plot",
         type=Path,
         metavar="PATH",
-        help="write a PNG chart of throughput and latency (needs matplotlib)",
+        help="write a chart of throughput and latency: a PNG, or the format PATH's extension "
+        "names (.svg, .pdf, ...) (needs matplotlib)",
     )
     sim.set_defaults(run=_simulate)
 
@@ -343,6 +344,20 @@ def _check_output(path: Path | None, flag: str) -> None:
         raise _UsageError(f"{flag} {path}: cannot be written ({exc.strerror or exc})") from None
 
 
+def _check_plot_format(path: Path) -> None:
+    """Refuse, before the run, a ``--plot`` name whose extension matplotlib cannot write (it
+    picks the format by the extension; none is a PNG: see ``write_plot``)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from mmcache.simulate.report import plot_format
+
+    if plot_format(path) not in FigureCanvasBase.get_supported_filetypes():
+        raise _UsageError(
+            f"--plot {path}: matplotlib cannot write a {path.suffix} file; "
+            "name it .png (or .svg, .pdf, ...)"
+        )
+
+
 def _write_output(path: Path, flag: str, write: Callable[[], object]) -> str | None:
     """Run ``write`` (which writes ``path``); the one-line error to print if it failed (a
     disk that filled up during the run), so that the run's table is still shown."""
@@ -374,6 +389,8 @@ def _simulate(args: argparse.Namespace) -> int:
     _check_output(args.plot, "--plot")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib: pip install 'mmcache[plot]'")
+    if args.plot is not None:
+        _check_plot_format(args.plot)
     if args.compare and args.mode is not None and args.remote is None:
         raise _UsageError(
             "argument --compare: not allowed with argument --mode (it runs every mode; with "
