@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -308,3 +310,64 @@ def test_a_plot_file_name_without_an_extension_gets_a_png(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert list(tmp_path.iterdir()) == [out]
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return b""
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            mask = next(line for line in status if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def test_ctrl_c_stops_bench_and_its_readers_in_one_line() -> None:
+    # Ctrl-C reaches the whole foreground process group: each reader process printed its own
+    # KeyboardInterrupt traceback before the command's one line.
+    with subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "bench", "--quick"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell's foreground job
+    ) as bench:
+
+        def started() -> bool:
+            # Both readers exist, and the benchmark is past starting them (it ignores
+            # SIGINT only while it starts one).
+            readers = [pid for pid in _children(bench.pid) if b"spawn_main" in _cmdline(pid)]
+            return len(readers) >= 2 and not _ignores_sigint(bench.pid)
+
+        deadline = time.monotonic() + 120
+        while not started() and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling /proc: nothing to wait on
+        assert started(), "the readers never started"
+        os.killpg(bench.pid, signal.SIGINT)
+        _, err = bench.communicate(timeout=120)
+    assert bench.returncode in (130, -signal.SIGINT), err
+    assert err == "mmcache bench: interrupted\n"
