@@ -744,6 +744,20 @@ def test_an_integer_argument_out_of_range_is_a_value_error_naming_it(name: str, 
         ShmObjectStore.create(**{**kwargs, name: 1.5})
 
 
+@pytest.mark.parametrize("monotonic_id", [-1, 2**64])
+def test_a_monotonic_id_out_of_range_is_a_value_error_naming_it(monotonic_id: int) -> None:
+    # No object has such an id: it was PyO3's OverflowError, naming nothing.
+    with ShmObjectStore.create(MiB) as writer:
+        writer.put("k", b"x")
+        assert writer.pin_object("k") is not None
+        with pytest.raises(ValueError, match=r"^monotonic_id must be an integer in"):
+            writer.unpin_object("k", monotonic_id)
+        with pytest.raises(ValueError, match=r"^monotonic_id must be an integer in"):
+            writer.read_meta("k", monotonic_id=monotonic_id)
+        with pytest.raises(ValueError, match=r"^pinned must be a monotonic id from pin_object"):
+            writer.issue_unpinning("k", monotonic_id)
+
+
 @pytest.mark.parametrize(("address", "monotonic_id"), [(-1, 1), (2**64, 1), (0, -1), (0, 2**64)])
 def test_an_unpickled_item_handle_out_of_range_is_a_value_error(
     address: int, monotonic_id: int

@@ -77,6 +77,7 @@ named! {
     Address: "address", "an integer in [0, 2**64)";
     MonotonicId: "monotonic_id", "an integer in [0, 2**64)";
     LayoutVersion: "layout_version", "an integer in [0, 2**64)";
+    Pinned: "pinned", "a monotonic id from pin_object (an integer in [0, 2**64))";
 }
 
 // The ranges above are the core's.
