@@ -636,3 +636,25 @@ def test_settle_recency_orders_a_requests_cached_keys_and_counts_nothing(cache_t
     cache.settle_recency(["b", "c", "absent", "a", "c"])
     assert cache.keys() == ["x", "a", "b", "c"]
     assert cache.stats() == before
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> None:
+    # A str is a sequence of one-character strings: get_and_update([a, b], "xy") cached a
+    # under "x" and b under "y" without a word (is_cached already refuses a str).
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    receiver = downstream if isinstance(downstream, ReceiverCache) else None
+    try:
+        items = [({"x": torch.ones(2)}, None), ({"x": torch.zeros(2)}, None)]
+        with pytest.raises(TypeError, match="get_and_update takes a list of mm_hashes"):
+            p0.get_and_update(items, "xy")
+        assert not p0.is_cached_item("x") and not p0.is_cached_item("y")
+        if receiver is not None:
+            with pytest.raises(TypeError, match="get_and_update takes a list of mm_hashes"):
+                receiver.get_and_update([{"x": torch.ones(2)}, None], "xy")
+            assert "x" not in receiver._lru
+    finally:
+        p0.close()
+        if receiver is not None:
+            receiver.close()

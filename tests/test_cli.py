@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +74,9 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--remote", "mooncake://master"], "--remote mooncake://: no port"),
         (["simulate", "--remote", "redis://host:notaport"], "--remote redis://: bad port"),
         (["simulate", "--remote", "redis://host:99999"], "--remote redis://: bad port"),
+        # A bracket left open: urlsplit's own ValueError was a traceback.
+        (["simulate", "--remote", "redis://[::1"], "--remote redis://: bad host"),
+        (["simulate", "--remote", "valkey://u:secret@[::1:6379"], "--remote valkey://: bad host"),
         (["simulate", "--json", "/no/such/directory/out.json"], "does not exist"),
         (["bench", "--json", "/no/such/directory/out.json"], "does not exist"),
         # Refused before the run, not after it.
@@ -85,6 +91,7 @@ def test_bad_input_is_one_line_and_exit_status_2(args: list[str], message: str) 
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+    assert "secret" not in result.stderr  # a URL's password is never echoed
 
 
 def _without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess[str]:
@@ -211,3 +218,156 @@ def test_simulate_writes_its_json_even_when_its_output_pipe_closes_early(tmp_pat
     )
     assert (result.returncode, result.stderr) == (141, "")
     assert json.loads(out.read_text())["runs"]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"), [("simulate", "--json"), ("simulate", "--plot"), ("bench", "--json")]
+)
+def test_an_output_file_that_cannot_be_created_is_refused_before_the_run(
+    tmp_path: Path, command: str, flag: str
+) -> None:
+    # Its directory exists, but no file of that name can be made (the name is too long for
+    # any file system): it was a traceback at the end of the run, the run's figures lost.
+    out = tmp_path / ("x" * 300 + ".json")
+    result = (
+        mmcache(command, flag, str(out), "--requests", "1")
+        if command == "simulate"
+        else (mmcache(command, flag, str(out)))
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert f"mmcache {command}: error: {flag} " in result.stderr
+    assert "cannot be written" in result.stderr
+    assert result.stdout == ""  # nothing ran
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_file_whose_write_fails_after_the_run_is_one_line_and_exit_status_1() -> None:
+    # /dev/full takes an open and refuses every write (ENOSPC): a disk that filled up during
+    # the run. The run's table is still shown, then one line says what was not written.
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    result = mmcache("simulate", "--requests", "2", "--catalogue", "2", "--json", "/dev/full")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "mmcache simulate: error: --json /dev/full: cannot be written "
+        "(No space left on device); the figures are in the table above"
+    ]
+    assert "wrong tensors" in result.stdout
+
+
+def _private_tmpfs_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not _private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_bench_on_a_small_dev_shm_ends_in_one_line_naming_the_fix() -> None:
+    # Docker's default /dev/shm is 64 MiB; the benchmarks' rings need more (1 GiB for the
+    # full-index rows). It was ShmTooSmallError's traceback, after seconds of other rows.
+    script = (
+        "mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+        f'{sys.executable} -m mmcache bench --quick; echo "status $?"; ls -A /dev/shm'
+    )
+    result = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("mmcache bench: error: ") and "--shm-size" in lines[0]
+    # Exit status 1, and no segment left behind.
+    assert result.stdout.strip().splitlines()[-1] == "status 1"
+
+
+def test_a_plot_file_name_matplotlib_cannot_write_is_refused_before_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    # matplotlib picks the format by the name's extension: an unknown one was its ValueError
+    # traceback once the whole run was over.
+    out = tmp_path / "chart.xyz"
+    result = mmcache("simulate", "--requests", "1", "--plot", str(out))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"mmcache simulate: error: --plot {out}: matplotlib cannot write a .xyz file; "
+        "name it .png (or .svg, .pdf, ...)"
+    ]
+    assert not out.exists()
+
+
+def test_a_plot_file_name_without_an_extension_gets_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "chart"
+    result = mmcache("simulate", "--requests", "2", "--catalogue", "2", "--plot", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert list(tmp_path.iterdir()) == [out]
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return b""
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            mask = next(line for line in status if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def test_ctrl_c_stops_bench_and_its_readers_in_one_line() -> None:
+    # Ctrl-C reaches the whole foreground process group: each reader process printed its own
+    # KeyboardInterrupt traceback before the command's one line.
+    with subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "bench", "--quick"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell's foreground job
+    ) as bench:
+
+        def started() -> bool:
+            # Both readers exist, and the benchmark is past starting them (it ignores
+            # SIGINT only while it starts one).
+            readers = [pid for pid in _children(bench.pid) if b"spawn_main" in _cmdline(pid)]
+            return len(readers) >= 2 and not _ignores_sigint(bench.pid)
+
+        deadline = time.monotonic() + 120
+        while not started() and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling /proc: nothing to wait on
+        assert started(), "the readers never started"
+        os.killpg(bench.pid, signal.SIGINT)
+        _, err = bench.communicate(timeout=120)
+    assert bench.returncode in (130, -signal.SIGINT), err
+    assert err == "mmcache bench: interrupted\n"

@@ -11,6 +11,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,9 @@ import torch
 
 from mmcache import (
     ClosedError,
+    ReceiverCache,
     ReferencesSaturatedError,
+    SenderCache,
     ShmHandle,
     ShmReceiverCache,
     ShmSenderCache,
@@ -36,6 +39,7 @@ from mmcache import (
     prune,
 )
 from mmcache._core import ShmObjectStore, ShmWriter
+from mmcache.caches import capacity_bytes
 
 KiB = 1024
 MiB = 1 << 20
@@ -644,12 +648,141 @@ def test_capacities_that_are_not_sizes_are_value_errors(capacity_gb: float) -> N
             make_caches(mode, capacity_gb=capacity_gb)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("capacity_gb", [1e300, 2**2000])
+def test_a_capacity_beyond_what_a_float_can_scale_is_a_bound_or_a_value_error(
+    capacity_gb: float,
+) -> None:
+    # Finite, but its bytes are past the largest float (1e300 GiB) or an int too large to
+    # become one: an LRU takes it as the bound it is, the ring refuses it naming capacity_gb
+    # (both were an OverflowError from deep inside: "cannot convert float infinity").
+    sender, downstream = make_caches("lru", capacity_gb=capacity_gb)
+    assert isinstance(sender, SenderCache) and isinstance(downstream, ReceiverCache)
+    assert sender.get_and_update_item(({"x": torch.ones(4)}, "u"), "h")[0] is not None
+    assert sender.is_cached_item("h")
+    sender.close()
+    downstream.close()
+    with make_caches("processor_only", capacity_gb=capacity_gb)[0] as p0:  # type: ignore[union-attr]
+        p0.get_and_update_item(({"x": torch.ones(4)}, "u"), "h")
+        assert p0.is_cached_item("h")
+    with pytest.raises(ValueError, match="capacity_gb"):
+        make_caches("shm", capacity_gb=capacity_gb)
+    # The usual sizes are still the same bytes, to the byte (P0 and P1 of lru mirror them).
+    assert capacity_bytes(0.5) == GiB // 2 and capacity_bytes(1.75) == 7 * GiB // 4
+    assert capacity_bytes(3) == 3 * GiB and capacity_bytes(1e-9) == int(1e-9 * GiB)
+
+
+class _Forged:
+    """Pickles as a call of ``unpickler(*args)``: what a hostile pickle of a handle runs."""
+
+    def __init__(self, unpickler: Callable[..., Any], *args: Any) -> None:
+        self.call = (unpickler, args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.call
+
+
+_SECRET = b"\0" * 32
+_READER_FIELDS: dict[str, Any] = {
+    "name": "x",
+    "capacity": MiB,
+    "n_readers": 1,
+    "max_object_size": MiB,
+    "layout_version": 1,
+}
+# In the unpicklers' order: max_writers before layout_version.
+_WRITER_FIELDS = {
+    "name": "x",
+    "capacity": MiB,
+    "n_readers": 1,
+    "max_object_size": MiB,
+    "max_writers": 1,
+    "layout_version": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("capacity", -1),
+        ("capacity", 2**64),
+        ("n_readers", -1),
+        ("n_readers", 2**40),
+        ("n_readers", 2**70),
+        ("max_writers", -1),
+        ("max_writers", 2**40),
+        ("max_object_size", -1),
+        ("max_objects", -1),
+        ("max_objects", 2**64),
+    ],
+)
+def test_an_integer_argument_out_of_range_is_a_value_error_naming_it(name: str, value: int) -> None:
+    # Was PyO3's OverflowError ("can't convert negative int to unsigned", "out of range
+    # integral type conversion attempted"), naming neither the argument nor its range.
+    kwargs: dict[str, Any] = {"capacity": MiB, name: value}
+    with pytest.raises(ValueError, match=f"^{name} must be .*, got {value}\\b"):
+        ShmObjectStore.create(**kwargs)
+    if name in ("n_readers", "max_writers"):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            ShmSenderCache(1 / 1024, **{name: value})
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            make_caches("shm", capacity_gb=1 / 1024, **{name: value})  # type: ignore[arg-type]
+    # The handles' fields, built or unpickled (a pickle can hold any int).
+    for handle, unpickler, fields in (
+        (_core.ReaderHandle, _core._reader_handle, _READER_FIELDS),  # type: ignore[attr-defined]
+        (_core.WriterHandle, _core._writer_handle, _WRITER_FIELDS),  # type: ignore[attr-defined]
+    ):
+        if name not in fields:
+            continue
+        changed = {**fields, name: value}
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            handle(**changed, secret=_SECRET)
+        forged = pickle.dumps(_Forged(unpickler, *changed.values(), _SECRET))
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            pickle.loads(forged)
+    # Not an int at all stays a TypeError that names the argument.
+    with pytest.raises(TypeError, match=name):
+        ShmObjectStore.create(**{**kwargs, name: 1.5})
+
+
+@pytest.mark.parametrize("monotonic_id", [-1, 2**64])
+def test_a_monotonic_id_out_of_range_is_a_value_error_naming_it(monotonic_id: int) -> None:
+    # No object has such an id: it was PyO3's OverflowError, naming nothing.
+    with ShmObjectStore.create(MiB) as writer:
+        writer.put("k", b"x")
+        assert writer.pin_object("k") is not None
+        with pytest.raises(ValueError, match=r"^monotonic_id must be an integer in"):
+            writer.unpin_object("k", monotonic_id)
+        with pytest.raises(ValueError, match=r"^monotonic_id must be an integer in"):
+            writer.read_meta("k", monotonic_id=monotonic_id)
+        with pytest.raises(ValueError, match=r"^pinned must be a monotonic id from pin_object"):
+            writer.issue_unpinning("k", monotonic_id)
+
+
+@pytest.mark.parametrize(("address", "monotonic_id"), [(-1, 1), (2**64, 1), (0, -1), (0, 2**64)])
+def test_an_unpickled_item_handle_out_of_range_is_a_value_error(
+    address: int, monotonic_id: int
+) -> None:
+    forged = pickle.dumps(_Forged(_core._shm_handle, address, monotonic_id, b"s" * 20))  # type: ignore[attr-defined]
+    name = "address" if address != 0 else "monotonic_id"
+    with pytest.raises(ValueError, match=f"^{name} must be an integer in"):
+        pickle.loads(forged)
+    with pytest.raises(ValueError, match=f"^{name} must be an integer in"):
+        ShmHandle(address=address, monotonic_id=monotonic_id, signature=b"s" * 20)
+
+
 @pytest.mark.parametrize("limit_mb", [float("inf"), 1e30])
 def test_object_size_limits_beyond_the_ring_are_clamped(limit_mb: float) -> None:
     with ShmSenderCache(1 * MiB / GiB, max_object_size_mb=limit_mb) as p0:
         assert 0 < p0.stats()["max_object_size"] < 1 * MiB
     with pytest.raises(ValueError, match="max_object_size_mb"):
         ShmSenderCache(1 * MiB / GiB, max_object_size_mb=float("nan"))
+
+
+@pytest.mark.parametrize("limit_mb", ["128", None, b"1"])
+def test_an_object_size_limit_that_is_no_number_is_a_type_error_naming_it(limit_mb: Any) -> None:
+    # Was "'>' not supported between instances of 'str' and 'int'" (naming neither).
+    with pytest.raises(TypeError, match=r"^max_object_size_mb must be a number of MiB, not "):
+        ShmSenderCache(1 * MiB / GiB, max_object_size_mb=limit_mb)
 
 
 # -- 14. a write into a zero-copy view explains itself ---------------------------------------------

@@ -294,3 +294,22 @@ def test_protected_entries_at_the_least_recent_end_are_passed_once_then_kept_in_
     cache.put("k", 1)  # evicts f: b is recent now
     assert cache.recency_order() == ["g", "h", "i", "b", "j", "k"]
     assert cache.evictions == 5
+
+
+@pytest.mark.parametrize("capacity", [float("nan"), -1, -0.5])
+def test_a_capacity_that_is_no_size_is_a_value_error(capacity: float) -> None:
+    # NaN compares false with every size: LRUCache(nan) was accepted and then refused every
+    # value ("cannot fit in a cache of nan bytes"), a cache that never caches.
+    with pytest.raises(ValueError, match="capacity_bytes must be"):
+        LRUCache(capacity)
+
+
+@pytest.mark.parametrize("capacity", ["1024", None])
+def test_a_capacity_that_is_no_number_is_a_type_error(capacity: Any) -> None:
+    with pytest.raises(TypeError, match="capacity_bytes must be a number of bytes"):
+        LRUCache(capacity)
+
+
+def test_an_infinite_capacity_is_an_unbounded_cache() -> None:
+    cache = LRUCache(float("inf"))
+    assert cache.put_if_fits("a", b"x" * 1000) and "a" in cache

@@ -308,6 +308,43 @@ def test_another_versions_segment_under_a_chosen_name_is_never_removed() -> None
         path.unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize(
+    "content", [b"another program's data", b"\xff" * 4096], ids=["short", "page"]
+)
+def test_another_programs_file_under_a_chosen_name_is_never_removed(content: bytes) -> None:
+    """Any program may keep a file in /dev/shm under the name a user picks for a store. One
+    that holds no mmcache header (its first word neither the magic nor the zeros of a
+    creator killed half-way) is not a segment: a creation under that name finds the name
+    taken, and neither it nor a removal of orphans deletes the file (it did: the store was
+    created over it, and the file was gone once the store closed)."""
+    name = f"foreign_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(content)
+    try:
+        status, why = _core.segment_status(name)
+        assert status == "undecided", why
+        assert _core.remove_orphaned_segment(name) is False
+        with pytest.raises(FileExistsError, match=name):
+            _core.ShmObjectStore.create(1 << 16, name=name)
+        assert path.read_bytes() == content
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_half_made_segment_under_a_chosen_name_is_still_replaced() -> None:
+    """A creator killed between sizing its file and writing its header leaves zeros: the
+    next creation under that name replaces it (what a restarted engine does)."""
+    name = f"half_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(bytes(1 << 16))
+    try:
+        with _core.ShmObjectStore.create(1 << 16, name=name) as store:
+            assert store.name == name and inspect(name)["creator_alive"] is True
+        assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_a_creation_under_a_name_whose_file_someone_keeps_locked_fails_clearly() -> None:
     """A creation under a chosen name first removes an orphan of that name, waiting for
     whoever else may be removing it (they lock the file a moment). A file of that name that

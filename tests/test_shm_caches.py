@@ -713,3 +713,20 @@ def test_two_spawned_workers_resolve_identical_tensors() -> None:
         expected = [[content_hash(truth[k]) for k, _ in request] for request in requests]
         assert results == [expected, expected]
         assert sender.make_stats() == CacheInfo(4, 7)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("copy", None), ("copy", 0), ("copy", "no"), ("pin_memory", "yes")]
+)
+def test_a_receiver_flag_that_is_no_bool_is_refused_before_it_takes_a_slot(
+    flag: str, value: Any
+) -> None:
+    # copy=None or 0 was accepted, then every resolve in the worker raised "'NoneType' object
+    # is not an instance of 'bool'"; copy="no" silently meant copies.
+    with ShmSenderCache(1 * MiB / GiB, max_object_size_mb=1, n_readers=1) as p0:
+        with pytest.raises(TypeError, match=f"^{flag} must be True or False, not "):
+            ShmReceiverCache(p0.handle(), **{flag: value})
+        # The one reader slot is still free; numpy's bool is a bool.
+        with ShmReceiverCache(p0.handle(), copy=np.bool_(False)) as worker:
+            handle, _ = p0.get_and_update_item(({"x": torch.ones(4)}, None), "a")
+            assert worker.get_and_update_item(handle, "a")["x"].tolist() == [1.0] * 4

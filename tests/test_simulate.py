@@ -27,7 +27,7 @@ import pytest
 import mmcache.simulate as simulate_package
 from mmcache import Feature, _core, content_hash, make_caches
 from mmcache.cli import main
-from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, wire
+from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, run_configs, wire
 from mmcache.simulate.engine import _serve, worker_main
 from mmcache.simulate.frontend import _Frontend, _Inbox, _Pending
 from mmcache.simulate.workload import (
@@ -207,6 +207,22 @@ def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
 def test_impossible_configurations_are_refused(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         SimulationConfig(**changes).validate()
+
+
+def test_more_workers_than_a_ring_has_reader_slots_are_refused_on_a_big_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 4 workers per CPU allow 256 on 64 CPUs, but a ring has 64 reader slots: the run was
+    # accepted and P0 died making its ring ("n_readers must be between 1 and 64", a
+    # traceback and exit status 1) instead of a usage error before anything started.
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    with pytest.raises(ConfigError, match="--workers must be at most 64 in mode shm"):
+        SimulationConfig(mode="shm", workers=65).validate()
+    with pytest.raises(ConfigError, match="--workers must be at most 64 in mode shm"):
+        run_configs(SimulationConfig(mode="lru", workers=100).compared())  # --compare
+    # The other modes have no reader slots: the CPUs are their only bound.
+    SimulationConfig(mode="lru", workers=100).validate()
+    SimulationConfig(mode="shm", workers=64).validate()
 
 
 def test_capacity_zero_is_fine_without_a_cache() -> None:

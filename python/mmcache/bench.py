@@ -38,10 +38,13 @@ test.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
 import statistics
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from multiprocessing import get_context
@@ -53,7 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mmcache._core import ReaderHandle, ShmHandle, ShmObjectStore, ShmReader, ShmWriter
-from mmcache.errors import RingFullError
+from mmcache.errors import MmcacheError, RingFullError
 from mmcache.shm import ShmReceiverCache, ShmSenderCache
 
 __all__ = ["SIZES", "BenchResult", "render", "run_benchmarks", "three_tensor_item"]
@@ -263,24 +266,40 @@ def _digest(data: object) -> str:
 def _reader_process(conn: Connection) -> None:
     """A reader of the pool: for each task, attach (to the store, or as the cache API's
     receiver), receive the handles (the start signal), read every one, report the timings
-    and (off the clock) the digest of the last read, detach. ``None`` ends it."""
+    and (off the clock) the digest of the last read, detach. ``None`` (or the pool's end of
+    the pipe closing), even in place of the handles, ends it: the pool stops its readers so
+    when the benchmark was interrupted half-way through a task."""
+    with contextlib.suppress(EOFError, ConnectionError):  # the pool's end of the pipe gone
+        _serve_reads(conn)
+
+
+def _serve_reads(conn: Connection) -> None:
+    """:func:`_reader_process`'s loop."""
     while (task := conn.recv()) is not None:
         reader_handle, copy, through_cache = task
         read: Callable[[ShmHandle], object]
         reader: ShmReceiverCache | ShmReader
-        if through_cache:
-            # Imported for its side effect: decoding imports it on first use, which must not
-            # be on the clock.
-            import torch  # noqa: F401
+        try:
+            if through_cache:
+                # Imported for its side effect: decoding imports it on first use, which must
+                # not be on the clock.
+                import torch  # noqa: F401
 
-            reader = cache = ShmReceiverCache(reader_handle, copy=copy)
-            read = partial(cache.get_and_update_item, mm_hash=_KEY)
-        else:
-            reader = store = ShmObjectStore.attach(reader_handle)
-            read = partial(store.resolve, key=_KEY, copy=copy)
+                reader = cache = ShmReceiverCache(reader_handle, copy=copy)
+                read = partial(cache.get_and_update_item, mm_hash=_KEY)
+            else:
+                reader = store = ShmObjectStore.attach(reader_handle)
+                read = partial(store.resolve, key=_KEY, copy=copy)
+        except (MmcacheError, OSError) as exc:
+            # Told, not raised: the pool raises it in a normal run, and a pool that is
+            # stopping (the benchmark interrupted, its store gone) ends this reader next.
+            conn.send(f"cannot attach: {exc}")
+            continue
         with reader:
             conn.send("attached")
             handles = conn.recv()
+            if handles is None:  # stopped before the reads (see `_ReaderPool.close`)
+                return
             times = []
             data = None
             began = time.perf_counter()
@@ -301,13 +320,22 @@ class _ReaderPool:
         ctx = get_context("spawn")
         self._conns: list[Connection] = []
         self._procs = []
-        for _ in range(size):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_reader_process, args=(theirs,), daemon=True)
-            proc.start()
-            theirs.close()
-            self._conns.append(mine)
-            self._procs.append(proc)
+        try:
+            for _ in range(size):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_reader_process, args=(theirs,), daemon=True)
+                # Started with SIGINT ignored, which a child inherits through exec (Python
+                # leaves an ignored SIGINT ignored): Ctrl-C reaches the whole foreground
+                # process group, and only the benchmark is to stop (and stop its readers, in
+                # `close`), not each reader with a KeyboardInterrupt traceback of its own.
+                with _sigint_ignored():
+                    proc.start()
+                theirs.close()
+                self._conns.append(mine)
+                self._procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
 
     def read(
         self,
@@ -328,7 +356,9 @@ class _ReaderPool:
         for conn in conns:
             conn.send((reader_handle, copy, through_cache))
         for conn in conns:
-            conn.recv()  # every reader attached
+            attached = conn.recv()  # every reader attached
+            if attached != "attached":
+                raise RuntimeError(f"a reader process {attached}")
         handles = [issue() for _ in range(count)]
         for conn in conns:
             conn.send(handles)
@@ -340,12 +370,17 @@ class _ReaderPool:
         return times, wall
 
     def close(self) -> None:
-        """Stop the reader processes."""
+        """Stop the reader processes (also half-way through a task, when the benchmark was
+        interrupted or failed: a reader that is gone already is no error here)."""
         for conn in self._conns:
-            conn.send(None)
+            with contextlib.suppress(OSError):
+                conn.send(None)
             conn.close()
         for proc in self._procs:
             proc.join(10)
+            if proc.is_alive():  # stuck mid-read: nothing of it is needed any more
+                proc.kill()
+                proc.join()
 
 
 def _get(
@@ -383,6 +418,19 @@ def _cache_get(
         )
     op = "cache get (copy)" if copy else "cache get (zero-copy)"
     return BenchResult(op, size, 1, statistics.median(times), count * size / wall, memcpy_s)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored meanwhile (only the main thread may change it; elsewhere: as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _memcpy(size: int) -> Callable[[int], None]:

@@ -88,13 +88,17 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.4g}"
 
 
-def check_hash_list(mm_hashes: Sequence[str]) -> None:
-    """``TypeError`` for one hash where a list of them is expected (a str would be read as a
-    list of one-character hashes)."""
+def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
+    """``TypeError`` for one hash where ``method`` expects a list of them (a str would be
+    read as a list of one-character hashes)."""
     if isinstance(mm_hashes, str | bytes):
-        raise TypeError(
-            f"is_cached takes a list of mm_hashes, not one {type(mm_hashes).__name__}: "
+        one = (
             "is_cached([mm_hash]) or is_cached_item(mm_hash)"
+            if method == "is_cached"
+            else f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+        )
+        raise TypeError(
+            f"{method} takes a list of mm_hashes, not one {type(mm_hashes).__name__}: {one}"
         )
 
 
@@ -107,9 +111,15 @@ def capacity_bytes(capacity_gb: float) -> int:
         raise TypeError(
             f"capacity_gb must be a number of GiB, not {type(capacity_gb).__name__}"
         ) from None
+    except OverflowError:  # an int past the largest float: finite all the same
+        valid = True
     if not valid:
         raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
-    return int(capacity_gb * GiB)
+    # Whole GiB and the fraction apart: `capacity_gb * GiB` is infinite past 1.6e299 GiB (and
+    # int() of it an OverflowError). The fraction is exact and below one, so the bytes are
+    # those of `int(capacity_gb * GiB)` wherever that is finite (lru's mirror relies on it).
+    whole = int(capacity_gb)
+    return whole * GiB + int((capacity_gb - whole) * GiB)
 
 
 class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
@@ -149,6 +159,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         order.  What the request touched stays protected until it is done (until
         :meth:`end_request` when called inside an open request); if it raises, whatever its
         earlier outputs hold is given back first."""
+        check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         outputs: list[OutT] = []
@@ -424,6 +435,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (every item, every miss in one :class:`CacheMissError`): stopping at the first miss,
         as the senders' batched call does, would leave the rest of the request unapplied
         here (and, in ``shm``, its handles unread, pinning their objects)."""
+        check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         outputs = list(items)

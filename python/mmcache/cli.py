@@ -4,8 +4,10 @@ It needs the ``cli`` extra (``pip install 'mmcache[cli]'``: rich for its tables,
 simulate's messages); this module imports neither until :func:`main` has checked them.
 
 Exit status: 0 on success; 1 when a run failed (wrong tensors, an unrecovered drift, a
-process that died, a segment that cannot be read); 2 for invalid flags, a configuration
-that cannot run or a missing ``cli`` extra, with one line on stderr saying why; 130 after
+process that died, a segment that cannot be read) or its ``--json``/``--plot`` file could not
+be written after it (the table is still shown); 2 for invalid flags (an output file that cannot
+be created among them, found before the run), a configuration that cannot run or a missing
+``cli`` extra, with one line on stderr saying why; 130 after
 Ctrl-C; 141 (128 + SIGPIPE), quietly, when stdout was closed before the output was written
 (``| head -1``; the files of ``--json`` and ``--plot`` are written before the table).
 """
@@ -13,12 +15,13 @@ Ctrl-C; 141 (128 + SIGPIPE), quietly, when stdout was closed before the output w
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from textwrap import fill
@@ -208,7 +211,8 @@ def _parser() -> _Parser:
         "--plot",
         type=Path,
         metavar="PATH",
-        help="write a PNG chart of throughput and latency (needs matplotlib)",
+        help="write a chart of throughput and latency: a PNG, or the format PATH's extension "
+        "names (.svg, .pdf, ...) (needs matplotlib)",
     )
     sim.set_defaults(run=_simulate)
 
@@ -320,10 +324,48 @@ def _check_output(path: Path | None, flag: str) -> None:
     """Refuse an output path before the run, not after it."""
     if path is None:
         return
-    if path.is_dir():
-        raise _UsageError(f"{flag} {path}: is a directory (give a file name)")
-    if not path.parent.is_dir():
-        raise _UsageError(f"{flag} {path}: directory {path.parent} does not exist")
+    try:
+        if path.is_dir():
+            raise _UsageError(f"{flag} {path}: is a directory (give a file name)")
+        if not path.parent.is_dir():
+            raise _UsageError(f"{flag} {path}: directory {path.parent} does not exist")
+        if path.exists():
+            # Not opened: it may be a FIFO or a device, which an open could block on or
+            # disturb. What the run writes into it is checked then (`_write_output`).
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        else:
+            # A file the directory cannot take (a read-only directory or file system, a name
+            # too long): found by making it, and removed again so a run that fails leaves
+            # nothing behind.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            path.unlink()
+    except OSError as exc:
+        raise _UsageError(f"{flag} {path}: cannot be written ({exc.strerror or exc})") from None
+
+
+def _check_plot_format(path: Path) -> None:
+    """Refuse, before the run, a ``--plot`` name whose extension matplotlib cannot write (it
+    picks the format by the extension; none is a PNG: see ``write_plot``)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from mmcache.simulate.report import plot_format
+
+    if plot_format(path) not in FigureCanvasBase.get_supported_filetypes():
+        raise _UsageError(
+            f"--plot {path}: matplotlib cannot write a {path.suffix} file; "
+            "name it .png (or .svg, .pdf, ...)"
+        )
+
+
+def _write_output(path: Path, flag: str, write: Callable[[], object]) -> str | None:
+    """Run ``write`` (which writes ``path``); the one-line error to print if it failed (a
+    disk that filled up during the run), so that the run's table is still shown."""
+    try:
+        write()
+    except OSError as exc:
+        return f"{flag} {path}: cannot be written ({exc.strerror or exc})"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,6 +389,8 @@ def _simulate(args: argparse.Namespace) -> int:
     _check_output(args.plot, "--plot")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib: pip install 'mmcache[plot]'")
+    if args.plot is not None:
+        _check_plot_format(args.plot)
     if args.compare and args.mode is not None and args.remote is None:
         raise _UsageError(
             "argument --compare: not allowed with argument --mode (it runs every mode; with "
@@ -393,10 +437,13 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f"mmcache simulate: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
     # The files first: a table drawn into a pipe closed early must not lose them.
+    unwritten = []
     if args.json is not None:
-        write_json(args.json, config, runs)
+        unwritten.append(
+            _write_output(args.json, "--json", lambda: write_json(args.json, config, runs))
+        )
     if args.plot is not None:
-        write_plot(args.plot, runs)
+        unwritten.append(_write_output(args.plot, "--plot", lambda: write_plot(args.plot, runs)))
     render(config, runs, out)
     failed = [run for run in runs if not run.ok]
     for run in failed:
@@ -405,7 +452,13 @@ def _simulate(args: argparse.Namespace) -> int:
             f"{run.unrecovered} requests not recovered by one retry",
             file=sys.stderr,
         )
-    return EXIT_FAILED if failed else 0
+    errors = [error for error in unwritten if error is not None]
+    for error in errors:
+        print(
+            f"mmcache simulate: error: {error}; the figures are in the table above",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED if failed or errors else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,17 +469,28 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mmcache.bench import render, run_benchmarks
+    from mmcache.errors import ShmTooSmallError
 
     _check_output(args.json, "--json")
     err = Console(stderr=True)
     status = (
         err.status("benchmarking the shared-memory store") if err.is_terminal else nullcontext()
     )
-    with status:
-        results = run_benchmarks(quick=args.quick)
+    try:
+        with status:
+            results = run_benchmarks(quick=args.quick)
+    except ShmTooSmallError as exc:
+        # Docker's default /dev/shm (64 MiB) holds none of the benchmarks' larger rings.
+        print(f"mmcache bench: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    error = None
     if args.json is not None:  # before the table (see `_simulate`)
-        args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+        rows = json.dumps([r.to_dict() for r in results], indent=2) + "\n"
+        error = _write_output(args.json, "--json", lambda: args.json.write_text(rows))
     render(results, _stdout_console())
+    if error is not None:
+        print(f"mmcache bench: error: {error}; the figures are in the table above", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

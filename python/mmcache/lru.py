@@ -76,6 +76,17 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
     """
 
     def __init__(self, capacity_bytes: float, getsizeof: Callable[[Any], int] = item_size) -> None:
+        try:
+            valid = capacity_bytes >= 0  # False for NaN, which no size would ever fit
+        except TypeError:
+            raise TypeError(
+                f"capacity_bytes must be a number of bytes, not {type(capacity_bytes).__name__}"
+            ) from None
+        if not valid:
+            raise ValueError(
+                f"capacity_bytes must be a number of bytes >= 0 (inf: unbounded), not "
+                f"{capacity_bytes!r}"
+            )
         super().__init__(capacity_bytes, getsizeof)
         # The recency order, least recent first, is ``_parked`` then ``_order``. Eviction takes
         # the least recent entry that is not protected; a protected entry it passes at the

@@ -142,7 +142,14 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         prompt_updates_codec: PromptUpdatesCodecSpec = "plain",
     ) -> None:
         super().__init__()
-        if not max_object_size_mb > 0:
+        try:
+            positive = max_object_size_mb > 0
+        except TypeError:
+            raise TypeError(
+                f"max_object_size_mb must be a number of MiB, not "
+                f"{type(max_object_size_mb).__name__}"
+            ) from None
+        if not positive:
             raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
         codec = PromptUpdatesCodec(prompt_updates_codec)
         # The core clamps the limit to what the ring can hold (a small ring with the default

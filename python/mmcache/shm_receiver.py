@@ -10,6 +10,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
 from mmcache.caches import BaseReceiverCache
@@ -44,6 +46,9 @@ class ShmReceiverCache(BaseReceiverCache):
     def __init__(
         self, handle: ReaderHandle, *, copy: bool = True, pin_memory: bool = False
     ) -> None:
+        # Checked before a reader slot is taken: the core takes only a bool at every
+        # resolve, and a truthy string would silently mean copies.
+        copy, pin_memory = _flag("copy", copy), _flag("pin_memory", pin_memory)
         super().__init__()
         # Nothing in Python to guard (a request's state is per thread; the core reader is
         # thread-safe): no lock, so worker threads resolve and copy in parallel.
@@ -116,3 +121,10 @@ class ShmReceiverCache(BaseReceiverCache):
             # Detached even if CUDA fails to unregister: the slot would stay taken for good.
             if not self._store.closed:
                 self._store.close()
+
+
+def _flag(name: str, value: object) -> bool:
+    """``value`` as a bool (``numpy.bool_`` too), or a ``TypeError`` naming ``name``."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {value!r}")

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyTuple};
 
+use super::args::{self, Int};
 use super::errors::InvalidHandleError;
 use crate::handle::{Handle, SIGNATURE_LEN};
 use crate::store::{ReaderInfo, WriterInfo};
@@ -140,10 +141,14 @@ impl ShmHandle {
 
 /// Unpickle a `ShmHandle` (positional, unlike its keyword-only constructor).
 #[pyfunction]
-pub(super) fn _shm_handle(address: u64, monotonic_id: u64, signature: Vec<u8>) -> ShmHandle {
+pub(super) fn _shm_handle(
+    address: Int<args::Address>,
+    monotonic_id: Int<args::MonotonicId>,
+    signature: Vec<u8>,
+) -> ShmHandle {
     ShmHandle {
-        address,
-        monotonic_id,
+        address: address.get(),
+        monotonic_id: monotonic_id.get(),
         signature,
     }
 }
@@ -171,19 +176,19 @@ impl ReaderHandle {
     #[pyo3(signature = (*, name, capacity, n_readers, max_object_size, layout_version, secret))]
     fn new(
         name: String,
-        capacity: u64,
-        n_readers: u32,
-        max_object_size: u64,
-        layout_version: u64,
+        capacity: Int<args::Capacity>,
+        n_readers: Int<args::NReaders>,
+        max_object_size: Int<args::MaxObjectSize>,
+        layout_version: Int<args::LayoutVersion>,
         secret: Vec<u8>,
     ) -> PyResult<Self> {
         Ok(ReaderHandle {
             info: ReaderInfo {
                 name,
-                capacity,
-                n_readers,
-                max_object_size,
-                layout_version,
+                capacity: capacity.get(),
+                n_readers: n_readers.get_u32()?,
+                max_object_size: max_object_size.get(),
+                layout_version: layout_version.get(),
                 secret: secret_field(secret)?,
             },
         })
@@ -232,10 +237,10 @@ impl ReaderHandle {
 #[pyfunction]
 pub(super) fn _reader_handle(
     name: String,
-    capacity: u64,
-    n_readers: u32,
-    max_object_size: u64,
-    layout_version: u64,
+    capacity: Int<args::Capacity>,
+    n_readers: Int<args::NReaders>,
+    max_object_size: Int<args::MaxObjectSize>,
+    layout_version: Int<args::LayoutVersion>,
     secret: Vec<u8>,
 ) -> PyResult<ReaderHandle> {
     ReaderHandle::new(
@@ -274,21 +279,21 @@ impl WriterHandle {
     ))]
     fn new(
         name: String,
-        capacity: u64,
-        n_readers: u32,
-        max_object_size: u64,
-        max_writers: u32,
-        layout_version: u64,
+        capacity: Int<args::Capacity>,
+        n_readers: Int<args::NReaders>,
+        max_object_size: Int<args::MaxObjectSize>,
+        max_writers: Int<args::MaxWriters>,
+        layout_version: Int<args::LayoutVersion>,
         secret: Vec<u8>,
     ) -> PyResult<Self> {
         Ok(WriterHandle {
             info: WriterInfo {
                 name,
-                capacity,
-                n_readers,
-                max_object_size,
-                max_writers,
-                layout_version,
+                capacity: capacity.get(),
+                n_readers: n_readers.get_u32()?,
+                max_object_size: max_object_size.get(),
+                max_writers: max_writers.get_u32()?,
+                layout_version: layout_version.get(),
                 secret: secret_field(secret)?,
             },
         })
@@ -341,11 +346,11 @@ impl WriterHandle {
 #[pyfunction]
 pub(super) fn _writer_handle(
     name: String,
-    capacity: u64,
-    n_readers: u32,
-    max_object_size: u64,
-    max_writers: u32,
-    layout_version: u64,
+    capacity: Int<args::Capacity>,
+    n_readers: Int<args::NReaders>,
+    max_object_size: Int<args::MaxObjectSize>,
+    max_writers: Int<args::MaxWriters>,
+    layout_version: Int<args::LayoutVersion>,
     secret: Vec<u8>,
 ) -> PyResult<WriterHandle> {
     WriterHandle::new(

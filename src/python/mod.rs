@@ -3,6 +3,7 @@
 //! large copies, and mapping errors to Python exceptions — one concern per file; the store's
 //! rules stay in the core:
 //!
+//! * `args` — integer arguments whose range errors name the argument;
 //! * `errors` — the exceptions, and the one mapping of the core's `Error` to them;
 //! * `handles` — `ShmHandle`, `ReaderHandle`, `WriterHandle`;
 //! * `store` — `ShmObjectStore` and its reader role, `ShmReader`;
@@ -20,6 +21,7 @@
 
 use pyo3::prelude::*;
 
+mod args;
 mod buffer;
 mod decode;
 mod dlpack;

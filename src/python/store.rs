@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::pyclass_init::PyClassInitializer;
 use pyo3::types::{PyBytes, PyDict};
 
+use super::args::{self, Int};
 use super::buffer::{Keeper, ShmView, copied_bytes};
 use super::decode::{check_pin_memory, decode};
 use super::handles::{ReaderHandle, ShmHandle, WriterHandle};
@@ -174,25 +175,29 @@ impl ShmObjectStore {
 impl ShmObjectStore {
     /// The first writer of a new segment (`max_writers` writers may be joined at once).
     #[staticmethod]
-    #[pyo3(signature = (
-        capacity, *, n_readers = 1, max_object_size = None, name = None, max_writers = 1,
-        max_objects = None,
-    ))]
+    #[pyo3(
+        signature = (
+            capacity, *, n_readers = Int::new(1), max_object_size = None, name = None,
+            max_writers = Int::new(1), max_objects = None,
+        ),
+        text_signature = "(capacity, *, n_readers=1, max_object_size=None, name=None, \
+                          max_writers=1, max_objects=None)"
+    )]
     fn create<'py>(
         py: Python<'py>,
-        capacity: u64,
-        n_readers: u32,
-        max_object_size: Option<u64>,
+        capacity: Int<args::Capacity>,
+        n_readers: Int<args::NReaders>,
+        max_object_size: Option<Int<args::MaxObjectSize>>,
         name: Option<&str>,
-        max_writers: u32,
-        max_objects: Option<u64>,
+        max_writers: Int<args::MaxWriters>,
+        max_objects: Option<Int<args::MaxObjects>>,
     ) -> PyResult<Bound<'py, ShmWriter>> {
         let config = Config {
-            capacity,
-            n_readers,
-            max_object_size,
-            max_writers,
-            max_objects,
+            capacity: capacity.get(),
+            n_readers: n_readers.get_u32()?,
+            max_object_size: max_object_size.map(|m| m.get()),
+            max_writers: max_writers.get_u32()?,
+            max_objects: max_objects.map(|m| m.get()),
         };
         Self::writer(py, Writer::create_with(&config, name)?)
     }

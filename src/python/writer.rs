@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{Borrowed, PyTraverseError, PyVisit, ffi, intern};
 
+use super::args::{self, Int};
 use super::buffer::{collect_buffers, copying, raw_parts};
 use super::encode::Encoded;
 use super::handles::{ShmHandle, WriterHandle};
@@ -161,8 +162,9 @@ impl ShmWriter {
         &self,
         py: Python<'_>,
         key: &str,
-        pinned: Option<u64>,
+        pinned: Option<Int<args::Pinned>>,
     ) -> PyResult<Option<ShmHandle>> {
+        let pinned = pinned.map(|id| id.get());
         match self
             .writer
             .with(py, |w| w.get_cached_unpinning(key, pinned))?
@@ -187,8 +189,9 @@ impl ShmWriter {
         &self,
         py: Python<'py>,
         key: &str,
-        monotonic_id: Option<u64>,
+        monotonic_id: Option<Int<args::MonotonicId>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        let monotonic_id = monotonic_id.map(|id| id.get());
         let (_, meta) = self.writer.with(py, |w| w.read_meta(key, monotonic_id))??;
         Ok(PyBytes::new(py, &meta))
     }
@@ -214,7 +217,13 @@ impl ShmWriter {
 
     /// Undo one of this writer's pins on `key`'s object if it is still the one with
     /// `monotonic_id` (a no-op otherwise).
-    fn unpin_object(&self, py: Python<'_>, key: &str, monotonic_id: u64) -> PyResult<()> {
+    fn unpin_object(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        monotonic_id: Int<args::MonotonicId>,
+    ) -> PyResult<()> {
+        let monotonic_id = monotonic_id.get();
         Ok(self
             .writer
             .with(py, |w| w.unpin_object(key, monotonic_id))??)

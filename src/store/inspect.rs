@@ -222,6 +222,18 @@ pub fn status(name: &str) -> Result<Status> {
             )));
         }
     }
+    // Under a name its creator chose (no prefix of ours), a file whose first word is neither
+    // the magic nor the zeros a creator killed before writing it leaves is no segment at all
+    // but another program's file: never ours to remove (a creation under that name finds it
+    // taken). Under our prefix, garbage is a damaged segment of ours.
+    let first_word = read.map(|(len, bytes)| (len, word_at(&bytes, header::MAGIC)));
+    if !name.starts_with(segment::NAME_PREFIX)
+        && first_word.is_some_and(|(len, word)| len > 0 && word != 0 && word != layout::MAGIC)
+    {
+        return Ok(Status::Undecided(format!(
+            "{err}; not an mmcache segment (another program's file?), never removed"
+        )));
+    }
     // Empty or garbage: a creator that died half-way, unless it may still be creating it.
     if probe.age_secs < CREATION_GRACE_SECS && (probe.size == 0 || !probe.locks_supported) {
         return Ok(Status::Undecided("new: it may be being created".into()));

@@ -18,6 +18,9 @@ from mmcache.simulate.workload import TARGET_SIDE
 ITEM_BYTES = 3 * TARGET_SIDE * TARGET_SIDE * 4 + 2 * 8
 #: Workers beyond this many per CPU core only measure the machine's scheduler.
 MAX_WORKERS_PER_CPU = 4
+#: Reader slots of a ring (the core's limit on ``n_readers``): shm mode's bound on workers,
+#: whatever the CPUs.
+MAX_SHM_WORKERS = 64
 #: The drift rate is capped so that a lost request is resubmitted a bounded number of times.
 MAX_DRIFT = 0.5
 #: The popularity table takes 16 bytes per catalogue image in every P0.
@@ -153,6 +156,11 @@ class SimulationConfig:
                 f"--workers must be between 1 and {MAX_WORKERS_PER_CPU * cpus} on this machine "
                 f"({cpus} CPUs), not {self.workers}"
             )
+        if self.mode == "shm" and self.workers > MAX_SHM_WORKERS:
+            raise ConfigError(
+                f"--workers must be at most {MAX_SHM_WORKERS} in mode shm (a ring has "
+                f"{MAX_SHM_WORKERS} reader slots), not {self.workers}"
+            )
         if not 0 <= self.zipf <= MAX_ZIPF:  # also refuses nan
             raise ConfigError(f"--zipf must be between 0 and {MAX_ZIPF:g}, not {self.zipf}")
         if not 0 <= self.inject_drift <= MAX_DRIFT:
@@ -235,9 +243,16 @@ class SimulationConfig:
             return
         # Checked here rather than by each P0 as it makes its cache: once, before anything
         # starts. Only the scheme is shown: the rest may hold a password.
-        parts = urlsplit(remote)
         expected = f"expected {scheme}://HOST:PORT"
-        if not parts.hostname:
+        try:
+            parts = urlsplit(remote)
+            hostname = parts.hostname
+        except ValueError:  # an unclosed or invalid [IPv6] host
+            raise ConfigError(
+                f"--remote {scheme}://: bad host (an IPv6 address goes in brackets, "
+                f"[::1]); {expected}"
+            ) from None
+        if not hostname:
             raise ConfigError(f"--remote {scheme}://: no host; {expected}")
         try:
             port = parts.port

@@ -363,6 +363,11 @@ def write_json(path: Path, config: SimulationConfig, runs: Sequence[RunMetrics])
     path.write_text(json.dumps(to_json(config, runs), indent=2) + "\n")
 
 
+def plot_format(path: Path) -> str:
+    """The format of the chart written to ``path``: its extension's, or PNG without one."""
+    return path.suffix[1:].lower() or "png"
+
+
 def write_plot(path: Path, runs: Sequence[RunMetrics]) -> None:
     """A PNG with two panels: requests/s per mode, and p50/p99 latency per mode."""
     import matplotlib
@@ -390,5 +395,6 @@ def write_plot(path: Path, runs: Sequence[RunMetrics]) -> None:
     latency.legend()
     figure.suptitle("mmcache simulate")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    # The format named, not left to matplotlib: it would write `chart` as `chart.png`.
+    figure.savefig(path, dpi=100, format=plot_format(path))
     plt.close(figure)

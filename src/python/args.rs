@@ -1,0 +1,85 @@
+//! Integer arguments whose range errors name the argument.
+//!
+//! PyO3 turns a Python int that does not fit the Rust type (`-1` for a `u64`, `2**70`) into an
+//! `OverflowError` that names neither the argument nor what it takes ("can't convert negative
+//! int to unsigned", "out of range integral type conversion attempted"). `Int<A>` is a `u64`
+//! argument whose out-of-range value is a `ValueError` saying which argument and what range,
+//! like the core's own refusals of in-range values; anything that is not an int stays
+//! PyO3's `TypeError`, which names the argument.
+
+use std::marker::PhantomData;
+
+use pyo3::exceptions::{PyOverflowError, PyValueError};
+use pyo3::prelude::*;
+
+/// The name of an integer argument and the values it takes, for its error message.
+pub(super) trait Named {
+    const NAME: &'static str;
+    const RANGE: &'static str;
+}
+
+/// A non-negative integer argument of at most 64 bits (see the module).
+pub(super) struct Int<A>(u64, PhantomData<A>);
+
+impl<A: Named> Int<A> {
+    pub(super) const fn new(value: u64) -> Self {
+        Int(value, PhantomData)
+    }
+
+    pub(super) fn get(&self) -> u64 {
+        self.0
+    }
+
+    /// The value as a `u32` (the core's counts of readers and writers), a `ValueError` like
+    /// an out-of-range int beyond it.
+    pub(super) fn get_u32(&self) -> PyResult<u32> {
+        u32::try_from(self.0).map_err(|_| out_of_range::<A>(&self.0))
+    }
+}
+
+fn out_of_range<A: Named>(value: &dyn std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{} must be {}, got {value}", A::NAME, A::RANGE))
+}
+
+impl<'a, 'py, A: Named> FromPyObject<'a, 'py> for Int<A> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<u64>() {
+            Ok(value) => Ok(Int::new(value)),
+            Err(err) if err.is_instance_of::<PyOverflowError>(obj.py()) => {
+                Err(out_of_range::<A>(&*obj))
+            }
+            Err(err) => Err(err),
+        }
+    }
+}
+
+/// Declare marker types for `Int`: `name: "argument", "range"`.
+macro_rules! named {
+    ($($marker:ident: $name:literal, $range:literal;)*) => {
+        $(
+            pub(super) struct $marker;
+            impl Named for $marker {
+                const NAME: &'static str = $name;
+                const RANGE: &'static str = $range;
+            }
+        )*
+    };
+}
+
+named! {
+    Capacity: "capacity", "a number of bytes from 1 to 2**44";
+    NReaders: "n_readers", "between 1 and 64";
+    MaxWriters: "max_writers", "between 1 and 64";
+    MaxObjectSize: "max_object_size", "a positive number of bytes";
+    MaxObjects: "max_objects", "between 1 and 67108864";
+    Address: "address", "an integer in [0, 2**64)";
+    MonotonicId: "monotonic_id", "an integer in [0, 2**64)";
+    LayoutVersion: "layout_version", "an integer in [0, 2**64)";
+    Pinned: "pinned", "a monotonic id from pin_object (an integer in [0, 2**64))";
+}
+
+// The ranges above are the core's.
+const _: () = assert!(crate::layout::MAX_READERS == 64 && crate::layout::MAX_WRITERS == 64);
+const _: () = assert!(crate::layout::MAX_OBJECTS == 67_108_864);
