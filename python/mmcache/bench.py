@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import signal
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from multiprocessing import get_context
@@ -58,6 +56,7 @@ from rich.table import Table
 from mmcache._core import ReaderHandle, ShmHandle, ShmObjectStore, ShmReader, ShmWriter
 from mmcache.errors import MmcacheError, RingFullError
 from mmcache.shm import ShmReceiverCache, ShmSenderCache
+from mmcache.signals import sigint_ignored
 
 __all__ = ["SIZES", "BenchResult", "render", "run_benchmarks", "three_tensor_item"]
 
@@ -328,7 +327,7 @@ class _ReaderPool:
                 # leaves an ignored SIGINT ignored): Ctrl-C reaches the whole foreground
                 # process group, and only the benchmark is to stop (and stop its readers, in
                 # `close`), not each reader with a KeyboardInterrupt traceback of its own.
-                with _sigint_ignored():
+                with sigint_ignored():
                     proc.start()
                 theirs.close()
                 self._conns.append(mine)
@@ -418,19 +417,6 @@ def _cache_get(
         )
     op = "cache get (copy)" if copy else "cache get (zero-copy)"
     return BenchResult(op, size, 1, statistics.median(times), count * size / wall, memcpy_s)
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored meanwhile (only the main thread may change it; elsewhere: as is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _memcpy(size: int) -> Callable[[int], None]:

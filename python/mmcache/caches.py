@@ -556,13 +556,10 @@ class _LruSenderCache(BaseSenderCache):
             self._protection.pop(mm_hash)
 
     def settle_recency(self, keys: Iterable[str]) -> None:
-        """Make the cached keys among ``keys`` (one request's) the most recent, in sorted
-        order, changing no statistics: two sides that applied a request's items in
-        different orders (vLLM's P0 updates them modality by modality, its P1 resolves them
-        in prompt order) then end it with the same recency, so they evict alike."""
+        """Make the cached keys among ``keys`` (one request's) the most recent
+        (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
         with self._lock:
-            for key in sorted(set(keys), key=str):
-                self._lru.touch(key)
+            self._lru.settle(keys)
 
     def clear_cache(self) -> None:
         """Forget every item and reset the statistics."""
@@ -677,13 +674,10 @@ class ReceiverCache(BaseReceiverCache):
         return key not in self._lru
 
     def settle_recency(self, keys: Iterable[str]) -> None:
-        """Make the cached keys among ``keys`` (one request's) the most recent, in sorted
-        order, changing no statistics: two sides that applied a request's items in
-        different orders (vLLM's P0 updates them modality by modality, its P1 resolves them
-        in prompt order) then end it with the same recency, so they evict alike."""
+        """Make the cached keys among ``keys`` (one request's) the most recent
+        (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
         with self._lock:
-            for key in sorted(set(keys), key=str):
-                self._lru.touch(key)
+            self._lru.settle(keys)
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a

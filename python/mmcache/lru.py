@@ -12,7 +12,7 @@ import copy
 import heapq
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, ItemsView, Iterator, ValuesView
+from collections.abc import Callable, Hashable, ItemsView, Iterable, Iterator, ValuesView
 from typing import Any, NamedTuple
 
 import cachetools
@@ -183,6 +183,14 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
         """Make ``key`` most recent; a no-op when it is absent (no entry is created)."""
         if key in self:
             self._make_recent(key)
+
+    def settle(self, keys: Iterable[str]) -> None:
+        """Make those of ``keys`` present the most recent, in sorted order: two caches that
+        applied one request's items in different orders (vLLM's P0 updates them modality by
+        modality, its P1 resolves them in prompt order) then end it with the same recency,
+        so they evict alike. Changes no statistics."""
+        for key in sorted(set(keys), key=str):
+            self.touch(key)
 
     def protect(self, key: Hashable) -> bool:
         """Keep ``key`` from being evicted until :meth:`unprotect` (or until it is popped or

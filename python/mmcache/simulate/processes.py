@@ -27,7 +27,6 @@ import contextlib
 import os
 import secrets
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
@@ -38,6 +37,7 @@ from typing import Any, cast
 import numpy as np
 
 from mmcache import _core
+from mmcache.signals import sigint_ignored
 from mmcache.simulate import wire
 from mmcache.simulate.config import (
     AUTO_REMOTES,
@@ -154,7 +154,7 @@ def run_config(
         processes = [proc for p in pipelines for proc in p.processes]
         finished = False
         try:
-            with _child_environment(), _sigint_ignored():
+            with _child_environment(), sigint_ignored():
                 for pipeline in pipelines:
                     pipeline.start()
             _supervise(config, pipelines, on_progress)
@@ -276,20 +276,6 @@ def _stop(processes: Sequence[Any], *, grace_s: float) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Start children with SIGINT ignored (they inherit it), so Ctrl-C reaches the driver
-    only, which then stops them in order instead of each dying mid-message."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
