@@ -71,6 +71,7 @@ from mmcache.remote.backend import (
     RemoteTimeout,
     RemoteUnreachable,
     TooLarge,
+    WriteRefused,
     redact_url,
 )
 from mmcache.remote.envelope import (
@@ -422,6 +423,8 @@ class RedisBackend:
                 "drop the option"
             )
         self.part_bytes = self._chunk
+        self.claims_refused = 0
+        """Claiming reads answered without claims: the server refused the claim script."""
         self._max_value = max_value_bytes
         # The most a key's first read takes: the largest plain value accepted (a manifest
         # is smaller); one byte more says a value is over it.
@@ -563,8 +566,11 @@ class RedisBackend:
         holders: list[str | None] = []
         if claim is not None:
             held = replies.pop(0)
-            if isinstance(held, Exception):  # e.g. a server with scripting disabled
-                raise held
+            if isinstance(held, redis.exceptions.ResponseError):
+                # The script refused (its SET on a full server, or a read-only replica): this
+                # lookup answers its reads without claims, and the store is no less up.
+                self.claims_refused += 1
+                held = [None] * len(keys)
             holders = [h.decode(errors="replace") if h else None for h in held]
         heads: list[bytes | TooLarge | None] = []
         for head in replies:
@@ -625,7 +631,10 @@ class RedisBackend:
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         with _bounded_by(deadline):
-            return self._write(key, header, memoryview(payload).cast("B"))
+            try:
+                return self._write(key, header, memoryview(payload).cast("B"))
+            except redis.exceptions.ResponseError as exc:  # -OOM, -READONLY, ...: it answered
+                raise WriteRefused(str(exc)) from exc
 
     def _write(self, key: str, header: bytes, body: memoryview) -> bool:
         if len(header) + body.nbytes <= self._chunk:
