@@ -5,6 +5,7 @@ turn the whole tier off, reads too): each refusal is counted for what it is."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -53,3 +54,27 @@ def test_writes_the_server_refuses_are_counted_refusals_not_the_store_down(
         assert same(found[0][0], item) and found[1] == (None, None), store.stats()
         stats = store.stats()
         assert stats["breaker_opened"] == 0 and stats["claims_refused"] == 1, stats
+
+
+def test_a_server_refusing_scripting_serves_gets_and_puts_with_claims_off(
+    namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ACL user without ``@scripting``: every claim script is refused ``-NOPERM``.  Gets,
+    puts and claiming lookups still work (without claims); that is counted, and logged once;
+    a release of claims (a script too) is counted refused; the breaker never opens."""
+    acl = ["--user", "default", "on", "nopass", "~*", "&*", "+@all", "-@scripting"]
+    with start_valkey(extra=acl) as srv, open_store(srv.url, namespace) as store:
+        item = make_item(1, 100)
+        store.put(key(1), item)
+        rounds = 2 * store._breaker.failures_to_open
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            for _ in range(rounds):
+                found = in_time(lambda: store.fetch_or_claim([key(1), key(2)], "host-a"))
+                assert same(found[0][0], item) and found[1] == (None, None), store.stats()
+                in_time(lambda: store.release_claims([key(2)], "host-a"))
+        assert same(store.get(key(1)), item)
+        stats = store.stats()
+        assert stats["breaker_opened"] == 0 and stats["server_errors"] == 0, stats
+        assert stats["claims_refused"] == rounds and stats["refused"] == rounds, stats
+        logged = [r for r in caplog.records if "claim" in r.getMessage()]
+        assert len(logged) == 1 and "no permissions" in logged[0].getMessage(), caplog.text

@@ -27,7 +27,8 @@ take it where asked and free: atomically) in the same pipeline as the ``GETRANGE
 of them; a release is one ``EVAL`` that compares each claim with the owner before deleting
 it, so a host never deletes a claim that lapsed and another host took since (a ``GET`` then
 ``DEL`` could; ``WATCH`` would cost a round trip per key).  Scripting is in every Redis
-since 2.6 and every Valkey.
+since 2.6 and every Valkey; where the server refuses it (an ACL without ``@scripting``, a
+renamed ``EVAL``), a lookup is answered without claims and a release is a refused write.
 
 With retries on, redis-py retries a failed command three times with backoff, so a dead server
 costs seconds per call; here retries are off and every call ends by its deadline as a whole:
@@ -425,6 +426,8 @@ class RedisBackend:
         self.part_bytes = self._chunk
         self.claims_refused = 0
         """Claiming reads answered without claims: the server refused the claim script."""
+        self._refusals_lock = threading.Lock()
+        self._shown_url = redact_url(url)
         self._max_value = max_value_bytes
         # The most a key's first read takes: the largest plain value accepted (a manifest
         # is smaller); one byte more says a value is over it.
@@ -469,7 +472,12 @@ class RedisBackend:
     def release_claims(self, keys: Sequence[str], owner: str, deadline: float) -> int:
         claims = [claim_key(key) for key in keys]
         with _bounded_by(deadline):
-            return int(self._call(self._client.eval, _RELEASE_SCRIPT, len(claims), *claims, owner))
+            try:
+                return int(
+                    self._call(self._client.eval, _RELEASE_SCRIPT, len(claims), *claims, owner)
+                )
+            except redis.exceptions.ResponseError as exc:  # scripting off, say: it answered
+                raise WriteRefused(str(exc)) from exc
 
     def _read(
         self, keys: Sequence[str], heads: list[bytes | TooLarge | None], deadline: float
@@ -567,9 +575,9 @@ class RedisBackend:
         if claim is not None:
             held = replies.pop(0)
             if isinstance(held, redis.exceptions.ResponseError):
-                # The script refused (its SET on a full server, or a read-only replica): this
-                # lookup answers its reads without claims, and the store is no less up.
-                self.claims_refused += 1
+                # The script refused (its SET on a full server, a read-only replica, scripting
+                # off): this lookup answers its reads without claims, and the store is up.
+                self._refuse_claims(held)
                 held = [None] * len(keys)
             holders = [h.decode(errors="replace") if h else None for h in held]
         heads: list[bytes | TooLarge | None] = []
@@ -581,6 +589,20 @@ class RedisBackend:
             # GETRANGE reads an absent key as empty; no value of ours is.
             heads.append(TOO_LARGE if len(head or b"") > self._max_plain else head or None)
         return heads, holders
+
+    def _refuse_claims(self, reply: redis.exceptions.ResponseError) -> None:
+        """Count a claiming read the server answered without claims; log the first."""
+        with self._refusals_lock:
+            self.claims_refused += 1
+            first = self.claims_refused == 1
+        if first:
+            logger.warning(
+                "remote tier %s refuses the claim script (%s): lookups go on without claims "
+                "(no single flight across hosts) while it does; counted in "
+                "RemoteStore.stats()['claims_refused'], not logged again",
+                self._shown_url,
+                reply,
+            )
 
     def _fetch(
         self, names: list[str], views: list[memoryview], deadline: float
