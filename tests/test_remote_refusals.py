@@ -6,13 +6,14 @@ turn the whole tier off, reads too): each refusal is counted for what it is."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import pytest
 import redis
 
 from mmcache.remote.local_server import LocalServer, start_valkey
-from tests.test_remote import in_time, key, make_item, open_store, same
+from tests.test_remote import HANG_S, in_time, key, make_item, open_store, same
 
 MiB = 1 << 20
 
@@ -78,3 +79,53 @@ def test_a_server_refusing_scripting_serves_gets_and_puts_with_claims_off(
         assert stats["claims_refused"] == rounds and stats["refused"] == rounds, stats
         logged = [r for r in caplog.records if "claim" in r.getMessage()]
         assert len(logged) == 1 and "no permissions" in logged[0].getMessage(), caplog.text
+
+
+@pytest.mark.parametrize("n_bytes", [100, 3 * MiB], ids=["plain", "chunked"])
+def test_more_threads_than_max_connections_wait_for_one_instead_of_failing(
+    server: LocalServer, namespace: str, n_bytes: int
+) -> None:
+    """``max_connections=2`` and 8 threads getting and putting at once: each call waits for
+    a connection (within its deadline, generous here) rather than being refused "Too many
+    connections", counted as the store unreachable and opening the breaker."""
+    items = {name: make_item(name, n_bytes) for name in range(4)}
+    url = f"{server.url}?max_connections=2"
+    with open_store(url, namespace, timeout_s=20, breaker_failures=1) as store:
+        for name, item in items.items():
+            store.put(key(name), item)
+        wrong: list[object] = []
+        start = threading.Barrier(8)
+
+        def work(thread: int) -> None:
+            start.wait()
+            for round_ in range(5):
+                name = (thread + round_) % len(items)
+                if not same(store.get(key(name)), items[name]):
+                    wrong.append(name)
+                store.put(key(100 + thread), make_item(thread, 100))
+
+        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(HANG_S * 4)
+            assert not thread.is_alive(), "a call hung waiting for a connection"
+        stats = store.stats()
+        assert not wrong and stats["errors"] == 0 and stats["breaker_opened"] == 0, stats
+
+
+def test_a_call_that_gets_no_connection_by_its_deadline_is_a_timeout(
+    server: LocalServer, namespace: str
+) -> None:
+    """The one connection of ``max_connections=1`` held elsewhere: a call waits for it to
+    its deadline, then is a counted timeout, never "unreachable"."""
+    with open_store(f"{server.url}?max_connections=1", namespace, timeout_s=0.2) as store:
+        pool = store._backend._client.connection_pool  # type: ignore[attr-defined]
+        held = pool.get_connection()
+        try:
+            assert in_time(lambda: store.get(key(1))) is None
+        finally:
+            pool.release(held)
+        stats = store.stats()
+        assert stats["timeouts"] == 1 and stats["unreachable"] == 0, stats
+        assert store.get(key(1)) is None and store.stats()["misses"] == 1, store.stats()

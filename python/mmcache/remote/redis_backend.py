@@ -13,7 +13,8 @@ A reader fetches the manifests (and small values) of a whole batch in one round 
 ``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
 over the bound is :data:`~.backend.TOO_LARGE` without being read whole - and the chunks of
 the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once, or on
-one where the URL's ``max_connections`` caps the pool lower), whose reply it reads off the
+one where the URL's ``max_connections`` caps the pool: a call then waits, within its
+deadline, for a connection to come free), whose reply it reads off the
 socket itself: each chunk goes straight into one buffer allocated for the whole value - no
 copy in the client's parser, no join - and is hashed as soon as it is in, while the server
 is still sending the next.  A value missing any chunk (evicted by
@@ -296,6 +297,31 @@ class _TLSConnection(_BoundedConnect, redis.connection.SSLConnection):
     pass
 
 
+class _WaitingPool(redis.BlockingConnectionPool):
+    """A pool of at most ``max_connections`` whose caller, every one taken, waits for one to
+    come free until its call's deadline (:func:`_bounded_by`); one that does not is a
+    timeout, not the store unreachable."""
+
+    @property
+    def timeout(self) -> float | None:
+        deadline = getattr(_call_deadline, "at", None)
+        return self._wait_s if deadline is None else max(0.0, deadline - time.monotonic())
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self._wait_s = seconds
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except redis.exceptions.ConnectionError:
+            if self.timeout == 0:
+                raise redis.exceptions.TimeoutError(
+                    "no connection of the pool came free by the call's deadline"
+                ) from None
+            raise
+
+
 class _ReplyReader:
     """The reply to one ``MGET`` read off a socket, each value into a buffer of the caller's
     (RESP2 or RESP3); every receive ends by the call's deadline (:class:`_DeadlineSocket`)."""
@@ -434,14 +460,25 @@ class RedisBackend:
         self._max_plain = HEADER_SIZE + max_value_bytes
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS - 1, "mmcache-redis-fetch")
-        self._client = redis.Redis.from_url(
-            urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-            connection_class=_TLSConnection if scheme == "rediss" else _Connection,
+        # A pool the URL caps (max_connections) makes a caller wait for a connection, within
+        # its deadline: redis-py's own refuses one at once ("Too many connections", counted
+        # as the store unreachable) whenever more threads call than it holds.
+        capped = "max_connections" in query
+        pool_class = _WaitingPool if capped else redis.ConnectionPool
+        self._client = redis.Redis(
+            connection_pool=pool_class.from_url(
+                urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+                connection_class=_TLSConnection if scheme == "rediss" else _Connection,
+            )
         )
+        self._client.auto_close_connection_pool = True
+        # A call holding one connection of a capped pool while its fetch thread waits for
+        # another could wait in a circle with a second call doing the same: one each.
+        self._fetch_connections = 1 if capped else FETCH_CONNECTIONS
         pool = self._client.connection_pool
         try:  # a connection object, never connected: whether redis-py takes every option
             pool.connection_class(**pool.connection_kwargs)
@@ -609,12 +646,8 @@ class RedisBackend:
     ) -> list[bytes | None]:
         """The chunks ``names`` read into ``views``, split over the fetch connections (this
         thread reads the first share); each one's digest, or ``None`` where it is missing.
-        A pool capped below :data:`FETCH_CONNECTIONS` (the URL's ``max_connections``) has
-        them read on one: a second would be refused ("Too many connections") every time."""
-        connections = FETCH_CONNECTIONS
-        cap = getattr(self._client.connection_pool, "max_connections", None)
-        if isinstance(cap, int) and cap < connections:
-            connections = 1
+        A pool the URL's ``max_connections`` caps has them read on one connection."""
+        connections = self._fetch_connections
         step = -(-len(names) // connections)
         shares = [slice(i, i + step) for i in range(step, len(names), step)]
         futures = [
