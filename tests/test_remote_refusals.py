@@ -129,3 +129,21 @@ def test_a_call_that_gets_no_connection_by_its_deadline_is_a_timeout(
         stats = store.stats()
         assert stats["timeouts"] == 1 and stats["unreachable"] == 0, stats
         assert store.get(key(1)) is None and store.stats()["misses"] == 1, store.stats()
+
+
+def test_an_item_key_holding_another_type_is_absent_and_a_counted_miss(
+    server: LocalServer, raw: redis.Redis, namespace: str
+) -> None:
+    """A list and a hash under two items' keys (another program's, or garbage): neither is
+    "present" to a lookup, and a get of either is a miss counted as such, not an error."""
+    with open_store(server.url, namespace) as store:
+        raw.rpush(f"mmc/{namespace}/{key(1)}", b"not ours")
+        raw.hset(f"mmc/{namespace}/{key(2)}", "field", b"not ours")
+        store.put(key(3), make_item(3, 100))
+        assert store.contains([key(1), key(2), key(3)]) == [False, False, True]
+        assert store.get_many([key(1), key(2)]) == [None, None]
+        found = store.fetch_or_claim([key(1), key(2)], "host-a", claim=False)
+        assert found == [(None, None), (None, None)]
+        stats = store.stats()
+        assert stats["contains_found"] == 1 and stats["misses"] == 4, stats
+        assert stats["errors"] == 0 and stats["breaker_opened"] == 0, stats

@@ -488,11 +488,17 @@ class RedisBackend:
             raise ValueError(f"redis-py refuses an option of {redact_url(url)!r} ({exc})") from None
 
     def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
+        # STRLEN, not EXISTS: a key of another type (a list, a hash: never a value of ours,
+        # a miss to a get) answers -WRONGTYPE, so it is absent here too, not "present".
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(key)
+            pipe.strlen(key)
         with _bounded_by(deadline):
-            return [bool(n) for n in self._call(pipe.execute)]
+            replies = self._call(pipe.execute, raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not str(reply).startswith("WRONGTYPE"):
+                raise reply
+        return [isinstance(n, int) and n > 0 for n in replies]
 
     def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
         with _bounded_by(deadline):
