@@ -463,7 +463,8 @@ class RedisBackend:
         # A pool the URL caps (max_connections) makes a caller wait for a connection, within
         # its deadline: redis-py's own refuses one at once ("Too many connections", counted
         # as the store unreachable) whenever more threads call than it holds.
-        capped = "max_connections" in query
+        cap = query.get("max_connections", ["0"])[-1]
+        capped = cap.isdigit() and int(cap) > 0  # 0 is no cap, as redis-py reads it
         pool_class = _WaitingPool if capped else redis.ConnectionPool
         self._client = redis.Redis(
             connection_pool=pool_class.from_url(
