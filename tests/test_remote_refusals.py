@@ -114,18 +114,21 @@ def test_more_threads_than_max_connections_wait_for_one_instead_of_failing(
         assert not wrong and stats["errors"] == 0 and stats["breaker_opened"] == 0, stats
 
 
+@pytest.mark.parametrize("options", ["?max_connections=1", ""], ids=["capped", "default"])
 def test_a_call_that_gets_no_connection_by_its_deadline_is_a_timeout(
-    server: LocalServer, namespace: str
+    server: LocalServer, namespace: str, options: str
 ) -> None:
-    """The one connection of ``max_connections=1`` held elsewhere: a call waits for it to
-    its deadline, then is a counted timeout, never "unreachable"."""
-    with open_store(f"{server.url}?max_connections=1", namespace, timeout_s=0.2) as store:
+    """Every connection of the pool held elsewhere (the URL's cap, or redis-py's default
+    of 100): a call waits for one to its deadline, then is a counted timeout, never
+    "unreachable" (redis-py refuses it at once: "Too many connections")."""
+    with open_store(f"{server.url}{options}", namespace, timeout_s=0.2) as store:
         pool = store._backend._client.connection_pool  # type: ignore[attr-defined]
-        held = pool.get_connection()
+        held = [pool.get_connection() for _ in range(pool.max_connections)]
         try:
             assert in_time(lambda: store.get(key(1))) is None
         finally:
-            pool.release(held)
+            for connection in held:
+                pool.release(connection)
         stats = store.stats()
         assert stats["timeouts"] == 1 and stats["unreachable"] == 0, stats
         assert store.get(key(1)) is None and store.stats()["misses"] == 1, store.stats()

@@ -13,8 +13,7 @@ A reader fetches the manifests (and small values) of a whole batch in one round 
 ``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
 over the bound is :data:`~.backend.TOO_LARGE` without being read whole - and the chunks of
 the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once, or on
-one where the URL's ``max_connections`` caps the pool: a call then waits, within its
-deadline, for a connection to come free), whose reply it reads off the
+one where the URL's ``max_connections`` caps the pool), whose reply it reads off the
 socket itself: each chunk goes straight into one buffer allocated for the whole value - no
 copy in the client's parser, no join - and is hashed as soon as it is in, while the server
 is still sending the next.  A value missing any chunk (evicted by
@@ -35,7 +34,8 @@ With retries on, redis-py retries a failed command three times with backoff, so 
 costs seconds per call; here retries are off and every call ends by its deadline as a whole:
 the connections' sockets (:class:`_DeadlineSocket`) bound each connect, send and receive by
 what is left of the deadline of the call the thread is making, so neither a stalled server
-nor one that sends its reply a byte at a time holds a call longer.
+nor one that sends its reply a byte at a time holds a call longer; a call finding every
+connection of the pool taken waits for one by the same deadline (:class:`_WaitingPool`).
 """
 
 from __future__ import annotations
@@ -300,7 +300,8 @@ class _TLSConnection(_BoundedConnect, redis.connection.SSLConnection):
 class _WaitingPool(redis.BlockingConnectionPool):
     """A pool of at most ``max_connections`` whose caller, every one taken, waits for one to
     come free until its call's deadline (:func:`_bounded_by`); one that does not is a
-    timeout, not the store unreachable."""
+    timeout, not the store unreachable.  (Every call runs under a deadline; outside one, the
+    pool's own ``timeout``.)"""
 
     @property
     def timeout(self) -> float | None:
@@ -460,15 +461,16 @@ class RedisBackend:
         self._max_plain = HEADER_SIZE + max_value_bytes
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS - 1, "mmcache-redis-fetch")
-        # A pool the URL caps (max_connections) makes a caller wait for a connection, within
-        # its deadline: redis-py's own refuses one at once ("Too many connections", counted
-        # as the store unreachable) whenever more threads call than it holds.
+        # A caller waits for a connection, within its deadline, where every one of the pool
+        # is taken (the URL's max_connections, or redis-py's default cap of 100: None):
+        # redis-py's own pool refuses it at once ("Too many connections", counted as the
+        # store unreachable).
         cap = query.get("max_connections", ["0"])[-1]
-        capped = cap.isdigit() and int(cap) > 0  # 0 is no cap, as redis-py reads it
-        pool_class = _WaitingPool if capped else redis.ConnectionPool
+        capped = cap.isdigit() and int(cap) > 0  # 0 is no cap of the URL's, as redis-py reads it
         self._client = redis.Redis(
-            connection_pool=pool_class.from_url(
+            connection_pool=_WaitingPool.from_url(
                 urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
+                max_connections=None,
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
                 retry=Retry(NoBackoff(), 0),
@@ -478,7 +480,9 @@ class RedisBackend:
         )
         self._client.auto_close_connection_pool = True
         # A call holding one connection of a capped pool while its fetch thread waits for
-        # another could wait in a circle with a second call doing the same: one each.
+        # another could wait in a circle with a second call doing the same: one each.  (The
+        # default cap, 100, is reached by that many chunked reads at once: they would wait
+        # for the fetch thread's connection until their deadline, a timeout.)
         self._fetch_connections = 1 if capped else FETCH_CONNECTIONS
         pool = self._client.connection_pool
         try:  # a connection object, never connected: whether redis-py takes every option
