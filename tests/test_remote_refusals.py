@@ -158,3 +158,29 @@ def test_an_item_key_holding_another_type_is_absent_and_a_counted_miss(
         stats = store.stats()
         assert stats["contains_found"] == 1 and stats["misses"] == 4, stats
         assert stats["errors"] == 0 and stats["breaker_opened"] == 0, stats
+
+
+def test_a_read_only_replica_serves_reads_and_refuses_puts_without_the_breaker(
+    own_server: LocalServer, namespace: str
+) -> None:
+    """A store opened on a replica: its puts are refused ``-READONLY`` (counted), and what
+    the primary holds is still read from it, claimed lookups included."""
+    item = make_item(1, 100)
+    port = own_server.url.rpartition(":")[2]
+    with start_valkey(extra=["--replicaof", "127.0.0.1", port]) as replica:
+        with open_store(own_server.url, namespace) as primary:
+            primary.put(key(1), item)
+        raw = redis.Redis.from_url(own_server.url)
+        try:  # until the replica acknowledged the primary's writes (or HANG_S ran out)
+            assert raw.execute_command("WAIT", 1, HANG_S * 1000) >= 1, "the replica never synced"
+        finally:
+            raw.close()
+        with open_store(replica.url, namespace, breaker_failures=2) as store:
+            assert same(in_time(lambda: store.get(key(1))), item), store.stats()
+            for name in range(2, 2 + 2 * store._breaker.failures_to_open):
+                in_time(lambda name=name: store.put(key(name), make_item(name, 100)))
+            found = in_time(lambda: store.fetch_or_claim([key(1), key(2)], "host-a"))
+            assert same(found[0][0], item) and found[1] == (None, None), store.stats()
+            stats = store.stats()
+            assert stats["refused"] == 2 * store._breaker.failures_to_open, stats
+            assert stats["breaker_opened"] == 0 and stats["server_errors"] == 0, stats
