@@ -170,7 +170,7 @@ def test_a_read_only_replica_serves_reads_and_refuses_puts_without_the_breaker(
     with start_valkey(extra=["--replicaof", "127.0.0.1", port]) as replica:
         with open_store(own_server.url, namespace) as primary:
             primary.put(key(1), item)
-        raw = redis.Redis.from_url(own_server.url)
+        raw = redis.Redis.from_url(own_server.url, socket_timeout=2 * HANG_S)
         try:  # until the replica acknowledged the primary's writes (or HANG_S ran out)
             assert raw.execute_command("WAIT", 1, HANG_S * 1000) >= 1, "the replica never synced"
         finally:
