@@ -156,6 +156,33 @@ def test_a_put_larger_than_the_client_buffer_as_the_probe_settles_the_breaker() 
         in_time(store.close)
 
 
+def test_a_put_the_full_store_refuses_is_counted_refused_and_reads_go_on() -> None:
+    """A store with no room left (one 16 MiB segment, 20 MiB items): Mooncake refuses each
+    put (``NO_AVAILABLE_HANDLE``) - counted as ``refused``, not as the master unreachable,
+    whose breaker would turn reads off too."""
+    with start_mooncake_master() as master:
+        store = RemoteStore(
+            f"{master.url}&segment_mb=16&buffer_mb=32",
+            namespace="mc/full@1",
+            secret="s",
+            timeout_s=10.0,
+        )
+        item = make_item(1, 1000)
+        store.put(key(1), item)  # the writer client is set up
+        puts = 2 * store._breaker.failures_to_open
+        for name in range(2, 2 + puts):
+            in_time(lambda name=name: store.put(key(name), make_item(name, 20 * MiB)))
+        stats = store.stats()
+        assert stats["refused"] == puts and stats["unreachable"] == 0, stats
+        assert stats["breaker_opened"] == 0, stats
+        # Answered, not refused by an open breaker (Mooncake may have evicted it for room).
+        got = in_time(lambda: store.get(key(1)))
+        stats = store.stats()
+        assert got is None or same(got, item)
+        assert stats["skipped"] == 0 and stats["hits"] + stats["misses"] == 1, stats
+        in_time(store.close)
+
+
 def test_mooncake_holds_no_claims_so_its_hosts_do_not_single_flight(master: LocalServer) -> None:
     # Its put of an existing key answers success to every writer and nothing in it expires:
     # nothing to build a claim on (see RemoteStore.supports_claims).

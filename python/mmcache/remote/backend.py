@@ -4,7 +4,8 @@ and two more for claims where the store can hold them (:class:`ClaimingBackend`)
 A backend moves whole envelopes (see :mod:`.envelope`) and knows nothing of items, keys of
 digests or the circuit breaker (one that receives a value in parts may hash each part as it
 arrives: :class:`Received`); it raises :class:`RemoteTimeout` or :class:`RemoteUnreachable`
-(or its client's own exceptions) and the store turns each into a counted miss.  It never
+(or its client's own exceptions) and the store turns each into a counted miss; a write the
+store refuses raises :class:`WriteRefused`.  It never
 allocates for a value larger than the reader's bound: that value is :data:`TOO_LARGE`.
 """
 
@@ -35,6 +36,7 @@ __all__ = [
     "RemoteUnreachable",
     "TooLarge",
     "ValueTooLarge",
+    "WriteRefused",
     "redact_url",
 ]
 
@@ -45,6 +47,11 @@ class RemoteTimeout(Exception):
 
 class RemoteUnreachable(Exception):
     """The store could not be reached (refused, reset, not set up)."""
+
+
+class WriteRefused(Exception):
+    """The store answered a write with a refusal (full with ``noeviction``, a read-only
+    replica, a value over its limit): the store is up, so this is no failure of it."""
 
 
 class ValueTooLarge(Exception):
@@ -134,6 +141,10 @@ MAX_OWNER_BYTES = 256
 class ClaimingBackend(Backend, Protocol):
     """A store that can also hold *claims*: short-lived markers, beside an item's key, that
     name the host processing that item (see :class:`~mmcache.remote.TieredSenderCache`)."""
+
+    claims_refused: int
+    """Claiming reads answered without claims (every holder ``None``): the store refused to
+    take or read them (full, read-only, scripting off), yet answered the reads."""
 
     def read_claiming(
         self, keys: Sequence[str], owner: str, take: bool, ttl_ms: int, deadline: float

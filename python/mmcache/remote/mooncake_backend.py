@@ -49,6 +49,7 @@ from mmcache.remote.backend import (
     RemoteTimeout,
     RemoteUnreachable,
     ValueTooLarge,
+    WriteRefused,
     redact_url,
 )
 from mmcache.remote.envelope import HEADER_SIZE
@@ -60,6 +61,7 @@ __all__ = ["MooncakeBackend", "import_mooncake"]
 
 MiB = 1 << 20
 _NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+_NO_AVAILABLE_HANDLE = -200  # a put the store has no room for (its segments full)
 _T = TypeVar("_T")
 
 
@@ -288,6 +290,8 @@ class MooncakeBackend:
             if store.is_exist(key) == 1:
                 return False
             rc = store.put_parts(key, header, payload)
+            if rc == _NO_AVAILABLE_HANDLE:  # the master answered: no room for it
+                raise WriteRefused(f"Mooncake has no space for {size} bytes ({rc})")
             if rc != 0:
                 raise RemoteUnreachable(f"Mooncake put_parts failed ({rc})")
             return True

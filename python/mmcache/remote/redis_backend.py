@@ -13,7 +13,7 @@ A reader fetches the manifests (and small values) of a whole batch in one round 
 ``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
 over the bound is :data:`~.backend.TOO_LARGE` without being read whole - and the chunks of
 the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once, or on
-one where the URL's ``max_connections`` caps the pool lower), whose reply it reads off the
+one where the URL's ``max_connections`` caps the pool), whose reply it reads off the
 socket itself: each chunk goes straight into one buffer allocated for the whole value - no
 copy in the client's parser, no join - and is hashed as soon as it is in, while the server
 is still sending the next.  A value missing any chunk (evicted by
@@ -27,13 +27,15 @@ take it where asked and free: atomically) in the same pipeline as the ``GETRANGE
 of them; a release is one ``EVAL`` that compares each claim with the owner before deleting
 it, so a host never deletes a claim that lapsed and another host took since (a ``GET`` then
 ``DEL`` could; ``WATCH`` would cost a round trip per key).  Scripting is in every Redis
-since 2.6 and every Valkey.
+since 2.6 and every Valkey; where the server refuses it (an ACL without ``@scripting``, a
+renamed ``EVAL``), a lookup is answered without claims and a release is a refused write.
 
 With retries on, redis-py retries a failed command three times with backoff, so a dead server
 costs seconds per call; here retries are off and every call ends by its deadline as a whole:
 the connections' sockets (:class:`_DeadlineSocket`) bound each connect, send and receive by
 what is left of the deadline of the call the thread is making, so neither a stalled server
-nor one that sends its reply a byte at a time holds a call longer.
+nor one that sends its reply a byte at a time holds a call longer; a call finding every
+connection of the pool taken waits for one by the same deadline (:class:`_WaitingPool`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from mmcache.remote.backend import (
     RemoteTimeout,
     RemoteUnreachable,
     TooLarge,
+    WriteRefused,
     redact_url,
 )
 from mmcache.remote.envelope import (
@@ -294,6 +297,32 @@ class _TLSConnection(_BoundedConnect, redis.connection.SSLConnection):
     pass
 
 
+class _WaitingPool(redis.BlockingConnectionPool):
+    """A pool of at most ``max_connections`` whose caller, every one taken, waits for one to
+    come free until its call's deadline (:func:`_bounded_by`); one that does not is a
+    timeout, not the store unreachable.  (Every call runs under a deadline; outside one, the
+    pool's own ``timeout``.)"""
+
+    @property
+    def timeout(self) -> float | None:
+        deadline = getattr(_call_deadline, "at", None)
+        return self._wait_s if deadline is None else max(0.0, deadline - time.monotonic())
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self._wait_s = seconds
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except redis.exceptions.ConnectionError:
+            if self.timeout == 0:
+                raise redis.exceptions.TimeoutError(
+                    "no connection of the pool came free by the call's deadline"
+                ) from None
+            raise
+
+
 class _ReplyReader:
     """The reply to one ``MGET`` read off a socket, each value into a buffer of the caller's
     (RESP2 or RESP3); every receive ends by the call's deadline (:class:`_DeadlineSocket`)."""
@@ -422,20 +451,39 @@ class RedisBackend:
                 "drop the option"
             )
         self.part_bytes = self._chunk
+        self.claims_refused = 0
+        """Claiming reads answered without claims: the server refused the claim script."""
+        self._refusals_lock = threading.Lock()
+        self._shown_url = redact_url(url)
         self._max_value = max_value_bytes
         # The most a key's first read takes: the largest plain value accepted (a manifest
         # is smaller); one byte more says a value is over it.
         self._max_plain = HEADER_SIZE + max_value_bytes
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS - 1, "mmcache-redis-fetch")
-        self._client = redis.Redis.from_url(
-            urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-            connection_class=_TLSConnection if scheme == "rediss" else _Connection,
+        # A caller waits for a connection, within its deadline, where every one of the pool
+        # is taken (the URL's max_connections, or redis-py's default cap of 100: None):
+        # redis-py's own pool refuses it at once ("Too many connections", counted as the
+        # store unreachable).
+        cap = query.get("max_connections", ["0"])[-1]
+        capped = cap.isdigit() and int(cap) > 0  # 0 is no cap of the URL's, as redis-py reads it
+        self._client = redis.Redis(
+            connection_pool=_WaitingPool.from_url(
+                urlunsplit(parts._replace(scheme=scheme, query=urlencode(query, doseq=True))),
+                max_connections=None,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+                connection_class=_TLSConnection if scheme == "rediss" else _Connection,
+            )
         )
+        self._client.auto_close_connection_pool = True
+        # A call holding one connection of a capped pool while its fetch thread waits for
+        # another could wait in a circle with a second call doing the same: one each.  (The
+        # default cap, 100, is reached by that many chunked reads at once: they would wait
+        # for the fetch thread's connection until their deadline, a timeout.)
+        self._fetch_connections = 1 if capped else FETCH_CONNECTIONS
         pool = self._client.connection_pool
         try:  # a connection object, never connected: whether redis-py takes every option
             pool.connection_class(**pool.connection_kwargs)
@@ -445,11 +493,17 @@ class RedisBackend:
             raise ValueError(f"redis-py refuses an option of {redact_url(url)!r} ({exc})") from None
 
     def exists(self, keys: Sequence[str], deadline: float) -> list[bool]:
+        # STRLEN, not EXISTS: a key of another type (a list, a hash: never a value of ours,
+        # a miss to a get) answers -WRONGTYPE, so it is absent here too, not "present".
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(key)
+            pipe.strlen(key)
         with _bounded_by(deadline):
-            return [bool(n) for n in self._call(pipe.execute)]
+            replies = self._call(pipe.execute, raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not str(reply).startswith("WRONGTYPE"):
+                raise reply
+        return [isinstance(n, int) and n > 0 for n in replies]
 
     def read(self, keys: Sequence[str], deadline: float) -> list[Fetched]:
         with _bounded_by(deadline):
@@ -466,7 +520,12 @@ class RedisBackend:
     def release_claims(self, keys: Sequence[str], owner: str, deadline: float) -> int:
         claims = [claim_key(key) for key in keys]
         with _bounded_by(deadline):
-            return int(self._call(self._client.eval, _RELEASE_SCRIPT, len(claims), *claims, owner))
+            try:
+                return int(
+                    self._call(self._client.eval, _RELEASE_SCRIPT, len(claims), *claims, owner)
+                )
+            except redis.exceptions.ResponseError as exc:  # scripting off, say: it answered
+                raise WriteRefused(str(exc)) from exc
 
     def _read(
         self, keys: Sequence[str], heads: list[bytes | TooLarge | None], deadline: float
@@ -563,8 +622,11 @@ class RedisBackend:
         holders: list[str | None] = []
         if claim is not None:
             held = replies.pop(0)
-            if isinstance(held, Exception):  # e.g. a server with scripting disabled
-                raise held
+            if isinstance(held, redis.exceptions.ResponseError):
+                # The script refused (its SET on a full server, a read-only replica, scripting
+                # off): this lookup answers its reads without claims, and the store is up.
+                self._refuse_claims(held)
+                held = [None] * len(keys)
             holders = [h.decode(errors="replace") if h else None for h in held]
         heads: list[bytes | TooLarge | None] = []
         for head in replies:
@@ -576,17 +638,27 @@ class RedisBackend:
             heads.append(TOO_LARGE if len(head or b"") > self._max_plain else head or None)
         return heads, holders
 
+    def _refuse_claims(self, reply: redis.exceptions.ResponseError) -> None:
+        """Count a claiming read the server answered without claims; log the first."""
+        with self._refusals_lock:
+            self.claims_refused += 1
+            first = self.claims_refused == 1
+        if first:
+            logger.warning(
+                "remote tier %s refuses the claim script (%s): lookups go on without claims "
+                "(no single flight across hosts) while it does; counted in "
+                "RemoteStore.stats()['claims_refused'], not logged again",
+                self._shown_url,
+                reply,
+            )
+
     def _fetch(
         self, names: list[str], views: list[memoryview], deadline: float
     ) -> list[bytes | None]:
         """The chunks ``names`` read into ``views``, split over the fetch connections (this
         thread reads the first share); each one's digest, or ``None`` where it is missing.
-        A pool capped below :data:`FETCH_CONNECTIONS` (the URL's ``max_connections``) has
-        them read on one: a second would be refused ("Too many connections") every time."""
-        connections = FETCH_CONNECTIONS
-        cap = getattr(self._client.connection_pool, "max_connections", None)
-        if isinstance(cap, int) and cap < connections:
-            connections = 1
+        A pool the URL's ``max_connections`` caps has them read on one connection."""
+        connections = self._fetch_connections
         step = -(-len(names) // connections)
         shares = [slice(i, i + step) for i in range(step, len(names), step)]
         futures = [
@@ -625,7 +697,10 @@ class RedisBackend:
 
     def write(self, key: str, header: bytes, payload: Buffer, deadline: float) -> bool:
         with _bounded_by(deadline):
-            return self._write(key, header, memoryview(payload).cast("B"))
+            try:
+                return self._write(key, header, memoryview(payload).cast("B"))
+            except redis.exceptions.ResponseError as exc:  # -OOM, -READONLY, ...: it answered
+                raise WriteRefused(str(exc)) from exc
 
     def _write(self, key: str, header: bytes, body: memoryview) -> bool:
         if len(header) + body.nbytes <= self._chunk:

@@ -44,6 +44,7 @@ from mmcache.remote.backend import (
     RemoteUnreachable,
     TooLarge,
     ValueTooLarge,
+    WriteRefused,
     redact_url,
 )
 from mmcache.remote.envelope import (
@@ -405,8 +406,11 @@ class RemoteStore(ClosesOnExit):
         not read), ``version_mismatch``, ``digest_mismatch``,
         ``undecodable`` (verified, but decoding it raised), ``unencodable`` (an item the
         codec refused), ``oversize`` (an item over ``max_value_mb``, or over what the
-        backend's client can put, not published), ``skipped`` (calls the open breaker
-        refused) and ``errors`` (their sum, minus ``skipped``); ``breaker_opened``,
+        backend's client can put, not published), ``refused`` (puts the store answered with a
+        refusal - full, read-only - none of which trips the breaker), ``skipped`` (calls the
+        open breaker refused) and ``errors`` (their sum, minus ``skipped``);
+        ``claims_refused`` (claiming lookups the store answered without claims, its claim
+        script refused); ``breaker_opened``,
         ``breaker_open`` (1 while open); ``{contains,get,put,release}_p50_ms`` / ``_p99_ms``
         over the latest calls that reached the store (a claiming lookup is a ``get``)."""
         with self._lock:
@@ -424,6 +428,7 @@ class RemoteStore(ClosesOnExit):
             "undecodable",
             "unencodable",
             "oversize",
+            "refused",
         )
         out: dict[str, float] = {
             name: counts.get(name, 0)
@@ -442,6 +447,10 @@ class RemoteStore(ClosesOnExit):
             )
         }
         out["errors"] = sum(counts.get(name, 0) for name in failures)
+        backend = self._backend
+        out["claims_refused"] = (
+            backend.claims_refused if isinstance(backend, ClaimingBackend) else 0
+        )
         out["breaker_opened"] = self._breaker.opened
         out["breaker_open"] = int(self._breaker.state == "open")
         for op, values in samples.items():
@@ -493,6 +502,9 @@ class RemoteStore(ClosesOnExit):
             return None
         except ValueTooLarge as exc:  # the client's limit, not the store failing
             self._fault("oversize", f"remote tier {self.url}: {op} refused: {exc}")
+            return None
+        except WriteRefused as exc:  # the store answered: it is up, whatever it refused
+            self._fault("refused", f"remote tier {self.url}: {op} refused by the store: {exc}")
             return None
         except Exception as exc:  # the client's own errors (e.g. a server that refuses writes)
             self._transport_failure("server_errors", op, f"failed: {type(exc).__name__}: {exc}")
