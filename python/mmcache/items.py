@@ -171,11 +171,10 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
     Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, a record's
-    fields included, shape and bytes, whatever their memory layout, never padding: a
-    record's, a long double's; a masked array's mask too, a quantized tensor's values),
-    ``str``, ``int`` (of
-    any size), ``float``, ``bool``, ``None`` and
-    lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
+    fields and a user-defined dtype's type included, shape and bytes, whatever their memory
+    layout, never padding: a record's, a long double's; a masked array's mask too, a
+    quantized tensor's values), ``str``, ``int`` (of any size), ``float``, ``bool``, ``None``
+    and lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
     type and length, so different inputs cannot collide by concatenation.
     ``TypeError`` naming a value it cannot hash (another type, an object array, a sparse or
@@ -224,9 +223,14 @@ def _feed(h: Any, value: object, path: str) -> None:
             arr = arr.copy(order="C")
         if arr.dtype.hasobject:
             raise TypeError(f"content_hash: {path} is an object array, which has no content bytes")
-        # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8").
-        fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
-        tag(b"A", f"{arr.dtype.str}{fields}{arr.shape}".encode())
+        # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8"), nor is
+        # a user-defined dtype's kind (ml_dtypes' float8s, float4s and int4s are all "<V1"):
+        # its scalar type names it.
+        kind = arr.dtype
+        fields = "" if kind.names is None else str(kind.descr)
+        if kind.isbuiltin == 2:
+            fields = f"{kind.type.__module__}.{kind.type.__qualname__}"
+        tag(b"A", f"{kind.str}{fields}{arr.shape}".encode())
         if arr.dtype.names is not None:
             # A record's padding is whatever memory held: its fields, packed, are its content.
             from numpy.lib.recfunctions import repack_fields
