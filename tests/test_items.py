@@ -198,6 +198,10 @@ def test_hash_tells_user_defined_dtypes_of_one_size_apart() -> None:
     arrays = [data.view(kind) for kind in kinds] + [data, data.view("V1")]
     assert len({content_hash(a) for a in arrays}) == len(arrays)
     assert content_hash(arrays[0]) == content_hash(arrays[0].copy())
+    # ... nor as a record's field (`descr` says "<V1" too), or a subarray's element.
+    records = [data.view([("x", kind)]) for kind in kinds]
+    subarrays = [data.view([("x", kind, (2,))]) for kind in kinds]
+    assert len({content_hash(a) for a in records + subarrays}) == 2 * len(kinds)
 
 
 def test_hash_takes_ints_of_any_size() -> None:

@@ -167,6 +167,20 @@ def _tensor_bytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size())  # a layout torch may add: as dense
 
 
+def _user_defined(dtype: np.dtype[Any]) -> str:
+    """The user-defined dtypes in ``dtype`` (itself, its fields', its subarrays'), named by
+    their scalar types: ``str`` and ``descr`` give each as void bytes of its size (ml_dtypes'
+    float8s, float4s and int4s are all "<V1"). Empty when there are none."""
+    if dtype.isbuiltin == 2:
+        return f"{dtype.type.__module__}.{dtype.type.__qualname__}"
+    if dtype.subdtype is not None:
+        return _user_defined(dtype.subdtype[0])
+    if dtype.fields is None:
+        return ""
+    kinds = [_user_defined(dtype.fields[name][0]) for name in dtype.names or ()]
+    return repr(kinds) if any(kinds) else ""
+
+
 def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
@@ -223,14 +237,9 @@ def _feed(h: Any, value: object, path: str) -> None:
             arr = arr.copy(order="C")
         if arr.dtype.hasobject:
             raise TypeError(f"content_hash: {path} is an object array, which has no content bytes")
-        # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8"), nor is
-        # a user-defined dtype's kind (ml_dtypes' float8s, float4s and int4s are all "<V1"):
-        # its scalar type names it.
-        kind = arr.dtype
-        fields = "" if kind.names is None else str(kind.descr)
-        if kind.isbuiltin == 2:
-            fields = f"{kind.type.__module__}.{kind.type.__qualname__}"
-        tag(b"A", f"{kind.str}{fields}{arr.shape}".encode())
+        # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8").
+        fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
+        tag(b"A", f"{arr.dtype.str}{fields}{_user_defined(arr.dtype)}{arr.shape}".encode())
         if arr.dtype.names is not None:
             # A record's padding is whatever memory held: its fields, packed, are its content.
             from numpy.lib.recfunctions import repack_fields
