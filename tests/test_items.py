@@ -184,6 +184,26 @@ def test_hash_tells_structured_dtypes_of_one_size_apart() -> None:
     assert content_hash(pair) == content_hash(pair.copy())
 
 
+def test_hash_tells_user_defined_dtypes_of_one_size_apart() -> None:
+    """ml_dtypes' float8, float6, float4 and int4 kinds all say ``<V1`` by ``dtype.str``: the
+    same bytes as any two of them, or as plain bytes, are different inputs."""
+    import ml_dtypes  # a test requirement (pyproject's `test` extra)
+
+    data = np.arange(16, dtype=np.uint8)
+    kinds = [
+        np.dtype(getattr(ml_dtypes, name))
+        for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float4_e2m1fn", "int4")
+    ]
+    assert {kind.str for kind in kinds} == {"<V1"}
+    arrays = [data.view(kind) for kind in kinds] + [data, data.view("V1")]
+    assert len({content_hash(a) for a in arrays}) == len(arrays)
+    assert content_hash(arrays[0]) == content_hash(arrays[0].copy())
+    # ... nor as a record's field (`descr` says "<V1" too), or a subarray's element.
+    records = [data.view([("x", kind)]) for kind in kinds]
+    subarrays = [data.view([("x", kind, (2,))]) for kind in kinds]
+    assert len({content_hash(a) for a in records + subarrays}) == 2 * len(kinds)
+
+
 def test_hash_takes_ints_of_any_size() -> None:
     """Past Python's limit on converting an int to decimal text (4300 digits by default,
     settable per process), an int is still hashed, alike in every process."""

@@ -369,6 +369,18 @@ def test_a_dtype_its_descriptor_does_not_name_is_refused_not_turned_into_void() 
             encode(item)
 
 
+def test_a_dtype_whose_descriptor_numpy_cannot_read_is_refused_by_name() -> None:
+    """ml_dtypes' float8_e5m2 says "<f1", which numpy itself cannot read back: the refusal
+    names the field and the dtype, as for any other user-defined dtype."""
+    import ml_dtypes  # a test requirement (pyproject's `test` extra)
+
+    from mmcache.errors import ItemNotEncodableError
+
+    values = np.zeros(4, dtype=ml_dtypes.float8_e5m2)
+    with pytest.raises(ItemNotEncodableError, match=r"scale.*float8_e5m2.*user-defined"):
+        encode({"scale": values})
+
+
 # -- tensors whose memory the encoder must not trust ----------------------------------------
 
 

@@ -167,15 +167,28 @@ def _tensor_bytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size())  # a layout torch may add: as dense
 
 
+def _user_defined(dtype: np.dtype[Any]) -> str:
+    """The user-defined dtypes in ``dtype`` (itself, its fields', its subarrays'), named by
+    their scalar types: ``str`` and ``descr`` give each as void bytes of its size (ml_dtypes'
+    float8s, float4s and int4s are all "<V1"). Empty when there are none."""
+    if dtype.isbuiltin == 2:
+        return f"{dtype.type.__module__}.{dtype.type.__qualname__}"
+    if dtype.subdtype is not None:
+        return _user_defined(dtype.subdtype[0])
+    if dtype.fields is None:
+        return ""
+    kinds = [_user_defined(dtype.fields[name][0]) for name in dtype.names or ()]
+    return repr(kinds) if any(kinds) else ""
+
+
 def content_hash(*parts: object, **kwargs: object) -> str:
     """A full-width (256-bit, hex) hash of content, the same in every process and run.
 
     Accepts bytes-like values, numpy arrays and torch tensors (hashed by dtype, a record's
-    fields included, shape and bytes, whatever their memory layout, never padding: a
-    record's, a long double's; a masked array's mask too, a quantized tensor's values),
-    ``str``, ``int`` (of
-    any size), ``float``, ``bool``, ``None`` and
-    lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
+    fields and a user-defined dtype's type included, shape and bytes, whatever their memory
+    layout, never padding: a record's, a long double's; a masked array's mask too, a
+    quantized tensor's values), ``str``, ``int`` (of any size), ``float``, ``bool``, ``None``
+    and lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
     type and length, so different inputs cannot collide by concatenation.
     ``TypeError`` naming a value it cannot hash (another type, an object array, a sparse or
@@ -226,7 +239,7 @@ def _feed(h: Any, value: object, path: str) -> None:
             raise TypeError(f"content_hash: {path} is an object array, which has no content bytes")
         # A record's fields are not in dtype.str (every layout of 8 bytes is "|V8").
         fields = "" if arr.dtype.names is None else str(arr.dtype.descr)
-        tag(b"A", f"{arr.dtype.str}{fields}{arr.shape}".encode())
+        tag(b"A", f"{arr.dtype.str}{fields}{_user_defined(arr.dtype)}{arr.shape}".encode())
         if arr.dtype.names is not None:
             # A record's padding is whatever memory held: its fields, packed, are its content.
             from numpy.lib.recfunctions import repack_fields

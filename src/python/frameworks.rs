@@ -88,8 +88,10 @@ pub(super) fn array_descr(dtype: &Bound<'_, PyAny>) -> PyResult<Result<String, S
     let py = dtype.py();
     let descr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
     // A user-defined dtype (ml_dtypes' bfloat16, numpy's test dtype `rational`) has a void
-    // descriptor ("<V8"): it would decode as raw void records, another dtype.
-    if !numpy(py)?.dtype.bind(py).call1((&descr,))?.eq(dtype)? {
+    // descriptor ("<V8"): it would decode as raw void records, another dtype; or one numpy
+    // cannot read at all (ml_dtypes' float8_e5m2 says "<f1").
+    let named = numpy(py)?.dtype.bind(py).call1((&descr,));
+    if !named.is_ok_and(|named| named.eq(dtype).unwrap_or(false)) {
         return Ok(Err(format!(
             "array dtype {dtype} is not the one its descriptor {descr:?} names (a user-defined \
              dtype?)"
