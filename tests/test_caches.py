@@ -20,6 +20,7 @@ from mmcache import (
     ReaderHandle,
     ReceiverCache,
     SenderCache,
+    ShmReceiverCache,
     ShmSenderCache,
     make_caches,
 )
@@ -658,3 +659,39 @@ def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> Non
         p0.close()
         if receiver is not None:
             receiver.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> None:
+    # get_and_update_item(mm_hash, item), the arguments swapped, was "unhashable type:
+    # 'dict'" (LRU) or "'tuple' object is not an instance of 'str'" (shm); a list of hashes
+    # passed to touch_sender_cache_item or invalidate was "unhashable type: 'list'".
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    item = {"x": torch.ones(2)}
+    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
+    try:
+        p0.touch_sender_cache_item("a")  # a pin held (shm): the swapped call must not hide it
+        p0.get_and_update_item((item, None), "a")
+        with pytest.raises(
+            TypeError, match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str, not"
+        ):
+            p0.get_and_update_item("b", (item, None))  # type: ignore[arg-type]
+        with pytest.raises(
+            TypeError, match=r"touch_sender_cache_item\(mm_hash\): mm_hash must be a str, not list"
+        ):
+            p0.touch_sender_cache_item(["a", "b"])  # type: ignore[arg-type]
+        with pytest.raises(
+            TypeError, match=r"invalidate\(mm_hash\): mm_hash must be a str, not list"
+        ):
+            p0.invalidate(["a"])  # type: ignore[arg-type]
+        assert p0.is_cached(["a", "b"]) == [True, False]
+        if receiver is not None:
+            with pytest.raises(
+                TypeError, match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str"
+            ):
+                receiver.get_and_update_item("a", item)
+    finally:
+        if receiver is not None:
+            receiver.close()
+        p0.close()

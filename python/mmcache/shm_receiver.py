@@ -14,7 +14,7 @@ import numpy as np
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.caches import BaseReceiverCache
+from mmcache.caches import BaseReceiverCache, check_mm_hash
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
 
@@ -93,6 +93,7 @@ class ShmReceiverCache(BaseReceiverCache):
         if type(item) is not ShmHandle:
             if item is None or isinstance(item, Mapping):
                 return item
+            check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
             raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
         try:
             if self._plain_copies:
