@@ -108,6 +108,15 @@ def test_capacity_must_be_a_number(mode: str) -> None:
         make_caches(mode, capacity_gb="4")  # type: ignore[arg-type]
 
 
+def test_a_ring_of_zero_capacity_is_refused_naming_capacity_gb() -> None:
+    # 0 is a valid capacity_gb for the LRU caches (they cache nothing); the ring's refusal
+    # was the core's "capacity must be positive", naming no argument the user passed.
+    with pytest.raises(ValueError, match="capacity_gb must be positive for a shared-memory ring"):
+        make_caches("shm", capacity_gb=0)
+    with pytest.raises(ValueError, match="capacity_gb must be positive"):
+        ShmSenderCache(0.0)
+
+
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_is_cached_refuses_one_hash_for_a_list(mode: str) -> None:
     # A str is a sequence of one-character hashes: its answer, a non-empty list, would read

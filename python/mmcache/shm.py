@@ -156,6 +156,10 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # The core clamps the limit to what the ring can hold (a small ring with the default
         # limit is no error).
         capacity = capacity_bytes(capacity_gb)
+        if capacity == 0:  # valid for the LRU caches (they cache nothing), not for a ring
+            raise ValueError(
+                f"capacity_gb must be positive for a shared-memory ring, not {capacity_gb!r}"
+            )
         if capacity >= 2**64:
             raise ValueError(f"capacity_gb={capacity_gb!r} is more shared memory than any host has")
         store = ShmObjectStore.create(
