@@ -704,3 +704,12 @@ def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> No
         if receiver is not None:
             receiver.close()
         p0.close()
+
+
+def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
+    # CacheMissError(h) (one hash, not a list) listed h's characters as the missing hashes:
+    # a sender invalidating those forgot nothing, so its retry missed again.
+    for one in ("ab" * 32, b"ab" * 32):
+        with pytest.raises(TypeError, match=r"CacheMissError takes a list of mm_hashes"):
+            CacheMissError(one)  # type: ignore[arg-type]
+    assert CacheMissError(("a", "b")).mm_hashes == ["a", "b"]
