@@ -713,3 +713,22 @@ def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
         with pytest.raises(TypeError, match=r"CacheMissError takes a list of mm_hashes"):
             CacheMissError(one)  # type: ignore[arg-type]
     assert CacheMissError(("a", "b")).mm_hashes == ["a", "b"]
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> None:
+    # P0 returns (data, prompt_updates) per item; a Feature built with the whole pair was
+    # "ReceiverCache got a tuple for a", which did not say what to send instead.
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
+    assert receiver is not None
+    try:
+        output = p0.get_and_update_item(({"x": torch.ones(2)}, ["<image>"]), "a")
+        with pytest.raises(TypeError, match=r"P0's output is \(data, prompt_updates\)"):
+            receiver.get_and_update_features([Feature(data=output, mm_hash="a")])
+        [feature] = receiver.get_and_update_features([Feature(data=output[0], mm_hash="a")])
+        assert torch.equal(feature.data["x"], torch.ones(2))
+    finally:
+        receiver.close()
+        p0.close()

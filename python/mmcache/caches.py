@@ -111,6 +111,14 @@ def check_mm_hash(call: str, mm_hash: object) -> None:
         raise TypeError(message) from None
 
 
+def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
+    """What receiver ``cache`` raises for data that is no item, handle or ``None``."""
+    # A pair is most likely P0's whole output for the item, sent as its data.
+    pair = isinstance(item, tuple) and len(item) == 2
+    hint = ": P0's output is (data, prompt_updates); send its data" if pair else ""
+    return TypeError(f"{cache} got a {type(item).__qualname__} for {mm_hash}{hint}")
+
+
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
     number; ``TypeError`` unless a number)."""
@@ -683,7 +691,7 @@ class ReceiverCache(BaseReceiverCache):
                 return cached
             if not isinstance(item, Mapping):
                 check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
-                raise TypeError(f"ReceiverCache got a {type(item).__qualname__} for {mm_hash}")
+                raise receiver_type_error("ReceiverCache", item, mm_hash)
             self._cache_if_fits(self._protection, mm_hash, item)
             self._protection.updated(mm_hash)
             if self._request.open:

@@ -14,7 +14,7 @@ import numpy as np
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.caches import BaseReceiverCache, check_mm_hash
+from mmcache.caches import BaseReceiverCache, check_mm_hash, receiver_type_error
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
 
@@ -94,7 +94,7 @@ class ShmReceiverCache(BaseReceiverCache):
             if item is None or isinstance(item, Mapping):
                 return item
             check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
-            raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
+            raise receiver_type_error("ShmReceiverCache", item, mm_hash)
         try:
             if self._plain_copies:
                 # The core's defaults, passed as none: PyO3 parses keywords at ~0.25 µs a
