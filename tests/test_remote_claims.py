@@ -600,6 +600,19 @@ def test_a_url_where_the_store_goes_is_a_type_error_naming_remote(mode: str) -> 
     local.close()
 
 
+def test_a_local_cache_that_is_no_p0_cache_is_a_type_error_naming_local() -> None:
+    """``make_caches``'s whole ``(p0_cache, downstream)`` pair, or a receiver, as ``local``
+    was ``AttributeError: 'tuple' object has no attribute 'is_cached'``."""
+    store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
+    pair = make_caches("lru", capacity_gb=0.01)
+    try:
+        for local in (pair, pair[1]):
+            with pytest.raises(TypeError, match=r"local must be a P0 cache .*, not (tuple|Recei)"):
+                TieredSenderCache(local, store)  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("claim_ttl_s", [float("inf"), float("nan"), -1.0, 0, "5"])
 def test_a_claim_lifetime_out_of_range_is_a_value_error(claim_ttl_s: Any) -> None:
     """Not an ``OverflowError`` (infinity), nor a claim silently cut to 1 ms (0, negative)
