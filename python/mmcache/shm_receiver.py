@@ -49,6 +49,11 @@ class ShmReceiverCache(BaseReceiverCache):
         # Checked before a reader slot is taken: the core takes only a bool at every
         # resolve, and a truthy string would silently mean copies.
         copy, pin_memory = _flag("copy", copy), _flag("pin_memory", pin_memory)
+        if not isinstance(handle, ReaderHandle):  # the sender itself, say
+            raise TypeError(
+                "ShmReceiverCache takes a ReaderHandle (from the P0 cache's handle(), or "
+                f"make_caches' downstream), not {type(handle).__qualname__}"
+            )
         super().__init__()
         # Nothing in Python to guard (a request's state is per thread; the core reader is
         # thread-safe): no lock, so worker threads resolve and copy in parallel.
