@@ -20,6 +20,7 @@ from mmcache import (
     ReaderHandle,
     ReceiverCache,
     SenderCache,
+    ShmReceiverCache,
     ShmSenderCache,
     make_caches,
 )
@@ -105,6 +106,15 @@ def test_capacity_must_be_a_number(mode: str) -> None:
     # E.g. read from an environment variable and passed on unconverted.
     with pytest.raises(TypeError, match="capacity_gb must be a number of GiB, not str"):
         make_caches(mode, capacity_gb="4")  # type: ignore[arg-type]
+
+
+def test_a_ring_of_zero_capacity_is_refused_naming_capacity_gb() -> None:
+    # 0 is a valid capacity_gb for the LRU caches (they cache nothing); the ring's refusal
+    # was the core's "capacity must be positive", naming no argument the user passed.
+    with pytest.raises(ValueError, match="capacity_gb must be positive for a shared-memory ring"):
+        make_caches("shm", capacity_gb=0)
+    with pytest.raises(ValueError, match="capacity_gb must be positive"):
+        ShmSenderCache(0.0)
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
@@ -658,3 +668,67 @@ def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> Non
         p0.close()
         if receiver is not None:
             receiver.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> None:
+    # get_and_update_item(mm_hash, item), the arguments swapped, was "unhashable type:
+    # 'dict'" (LRU) or "'tuple' object is not an instance of 'str'" (shm); a list of hashes
+    # passed to touch_sender_cache_item or invalidate was "unhashable type: 'list'".
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    item = {"x": torch.ones(2)}
+    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
+    try:
+        p0.touch_sender_cache_item("a")  # a pin held (shm): the swapped call must not hide it
+        p0.get_and_update_item((item, None), "a")
+        with pytest.raises(
+            TypeError, match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str, not"
+        ):
+            p0.get_and_update_item("b", (item, None))  # type: ignore[arg-type]
+        with pytest.raises(
+            TypeError, match=r"touch_sender_cache_item\(mm_hash\): mm_hash must be a str, not list"
+        ):
+            p0.touch_sender_cache_item(["a", "b"])  # type: ignore[arg-type]
+        with pytest.raises(
+            TypeError, match=r"invalidate\(mm_hash\): mm_hash must be a str, not list"
+        ):
+            p0.invalidate(["a"])  # type: ignore[arg-type]
+        assert p0.is_cached(["a", "b"]) == [True, False]
+        if receiver is not None:
+            with pytest.raises(
+                TypeError, match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str"
+            ):
+                receiver.get_and_update_item("a", item)
+    finally:
+        if receiver is not None:
+            receiver.close()
+        p0.close()
+
+
+def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
+    # CacheMissError(h) (one hash, not a list) listed h's characters as the missing hashes:
+    # a sender invalidating those forgot nothing, so its retry missed again.
+    for one in ("ab" * 32, b"ab" * 32):
+        with pytest.raises(TypeError, match=r"CacheMissError takes a list of mm_hashes"):
+            CacheMissError(one)  # type: ignore[arg-type]
+    assert CacheMissError(("a", "b")).mm_hashes == ["a", "b"]
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> None:
+    # P0 returns (data, prompt_updates) per item; a Feature built with the whole pair was
+    # "ReceiverCache got a tuple for a", which did not say what to send instead.
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
+    assert receiver is not None
+    try:
+        output = p0.get_and_update_item(({"x": torch.ones(2)}, ["<image>"]), "a")
+        with pytest.raises(TypeError, match=r"P0's output is \(data, prompt_updates\)"):
+            receiver.get_and_update_features([Feature(data=output, mm_hash="a")])
+        [feature] = receiver.get_and_update_features([Feature(data=output[0], mm_hash="a")])
+        assert torch.equal(feature.data["x"], torch.ones(2))
+    finally:
+        receiver.close()
+        p0.close()

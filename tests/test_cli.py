@@ -148,6 +148,20 @@ def test_main_returns_the_exit_status_in_process(capsys: pytest.CaptureFixture[s
     assert main(["prune", "--dry-run"]) == 0
 
 
+@pytest.mark.parametrize("command", ["simulate", "bench", "inspect", "prune"])
+def test_a_misspelled_flag_points_to_its_commands_help(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `mmcache --help` does not list a command's flags: the error must send the user to the
+    # help that does, under the command's own name.
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--no-such-flag"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mmcache {command}: error: unrecognized arguments: --no-such-flag")
+    assert err.rstrip().endswith(f"(see mmcache {command} --help)")
+
+
 def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = mmcache("bench", "--quick", "--json", str(out))

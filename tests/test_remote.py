@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import subprocess
 import threading
 import tracemalloc
 from collections.abc import Callable
@@ -52,7 +53,13 @@ from mmcache.remote.envelope import (
     part_hasher,
     seal,
 )
-from mmcache.remote.local_server import LocalServer, start_valkey
+from mmcache.remote.local_server import (
+    LocalServer,
+    ServerUnavailable,
+    find_mooncake_master,
+    start_mooncake_master,
+    start_valkey,
+)
 from mmcache.remote.redis_backend import CHUNK_BYTES, UPLOAD_LEASE_MS
 from tests.servers import kill, resume, stall
 
@@ -1539,3 +1546,19 @@ def test_items_fetched_for_the_coming_update_are_bounded_by_bytes(
         assert fetched is not None and same(fetched[0], make_item(2, 400_000))
     finally:
         p0.close()
+
+
+def test_a_mooncake_master_missing_os_libraries_names_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `mmcache simulate --remote mooncake://auto` without them showed the loader's "error
+    # while loading shared libraries" only, where the client's ImportError names the fix.
+    binary = find_mooncake_master()
+    if binary is None:
+        pytest.skip("no mooncake_master here (the mooncake extra)")
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)  # the Makefile's fetched copies
+    loads = subprocess.run([binary, "--help"], capture_output=True, text=True, check=False)
+    if "error while loading shared libraries" not in loads.stderr:
+        pytest.skip("the OS has Mooncake's libraries")
+    with pytest.raises(ServerUnavailable, match=r"apt-get install libibverbs1 libnuma1 libcurl4"):
+        start_mooncake_master()

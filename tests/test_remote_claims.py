@@ -10,6 +10,7 @@ timeout; no duration is asserted).
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from typing import Any, ClassVar
 import pytest
 import redis
 
-from mmcache import CacheMissError, SenderCache, ShmSenderCache
+from mmcache import CacheMissError, SenderCache, ShmSenderCache, _core, make_caches
 from mmcache.remote import TieredSenderCache
 from mmcache.remote.local_server import LocalServer
 from test_remote import (
@@ -579,6 +580,35 @@ def test_a_byte_bound_that_is_no_finite_number_is_a_value_error(bound: dict[str,
     try:
         with pytest.raises(ValueError, match=next(iter(bound))):
             TieredSenderCache(SenderCache(0.05), store, **bound)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_url_where_the_store_goes_is_a_type_error_naming_remote(mode: str) -> None:
+    """``remote="redis://..."`` was accepted; the first lookup then raised ``AttributeError:
+    'str' object has no attribute 'get_many'``, and so did ``close()``."""
+    name = _core.generate_segment_name()
+    with pytest.raises(
+        TypeError, match=r"remote must be a RemoteStore\(url, namespace=.*\), not str"
+    ):
+        make_caches(mode, capacity_gb=0.01, name=name, remote="redis://127.0.0.1:1")  # type: ignore[arg-type]
+    assert not os.path.exists(f"/dev/shm/{name}")  # the ring made first is closed again
+    local = SenderCache(0.01)
+    with pytest.raises(TypeError, match="remote must be a RemoteStore"):
+        TieredSenderCache(local, "redis://127.0.0.1:1")  # type: ignore[arg-type]
+    local.close()
+
+
+def test_a_local_cache_that_is_no_p0_cache_is_a_type_error_naming_local() -> None:
+    """``make_caches``'s whole ``(p0_cache, downstream)`` pair, or a receiver, as ``local``
+    was ``AttributeError: 'tuple' object has no attribute 'is_cached'``."""
+    store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
+    pair = make_caches("lru", capacity_gb=0.01)
+    try:
+        for local in (pair, pair[1]):
+            with pytest.raises(TypeError, match=r"local must be a P0 cache .*, not (tuple|Recei)"):
+                TieredSenderCache(local, store)  # type: ignore[arg-type]
     finally:
         store.close()
 

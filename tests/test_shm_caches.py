@@ -730,3 +730,14 @@ def test_a_receiver_flag_that_is_no_bool_is_refused_before_it_takes_a_slot(
         with ShmReceiverCache(p0.handle(), copy=np.bool_(False)) as worker:
             handle, _ = p0.get_and_update_item(({"x": torch.ones(4)}, None), "a")
             assert worker.get_and_update_item(handle, "a")["x"].tolist() == [1.0] * 4
+
+
+def test_a_worker_given_the_sender_instead_of_its_handle_names_what_it_takes(
+    sender: ShmSenderCache,
+) -> None:
+    # Was PyO3's "'ShmSenderCache' object is not an instance of 'ReaderHandle'", which did not
+    # say where a ReaderHandle comes from.
+    for wrong in (sender, sender.writer_handle(), None):
+        with pytest.raises(TypeError, match=r"ShmReceiverCache takes a ReaderHandle \(from"):
+            ShmReceiverCache(wrong)  # type: ignore[arg-type]
+    ShmReceiverCache(sender.handle()).close()  # no reader slot was taken by the refusals

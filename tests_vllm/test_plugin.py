@@ -59,6 +59,20 @@ def test_the_plugin_changes_nothing_without_mmcache_vllm() -> None:
     assert on.stdout.split()[1:] == ["True"], on.stderr[-2000:]
 
 
+@pytest.mark.parametrize("value", ["true", "yes", " 1"])
+def test_a_value_of_mmcache_vllm_other_than_1_or_0_says_the_plugin_stays_off(value: str) -> None:
+    # MMCACHE_VLLM=true left vLLM's own caches in place without a word.
+    check = LOAD_ENTRY_POINT + (
+        "print(sorted({m.partition('.')[0] for m in sys.modules} & {'vllm', 'torch'}))\n"
+    )
+    result = run(check, **{mv.ENABLE_ENV: value})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["[]"], result.stderr[-2000:]
+    assert f"{mv.ENABLE_ENV}={value!r}" in result.stderr and "stays off" in result.stderr
+    for quiet in ("0", ""):
+        assert run(check, **{mv.ENABLE_ENV: quiet}).stderr == ""
+
+
 def test_a_vllm_that_moved_a_module_breaks_only_the_enabled_plugin() -> None:
     # ``None`` in sys.modules makes importing that module fail, as if vLLM had moved it.
     moved = "import sys\nsys.modules['vllm.multimodal.cache.lru'] = None\n"

@@ -102,6 +102,23 @@ def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None
         )
 
 
+def check_mm_hash(call: str, mm_hash: object) -> None:
+    """Called on a ``TypeError``: raise one naming ``call``'s ``mm_hash`` unless it is a str
+    (the arguments swapped, a list where one hash goes); else return, for the caller to
+    re-raise the original."""
+    if not isinstance(mm_hash, str):
+        message = f"{call}: mm_hash must be a str, not {type(mm_hash).__qualname__}"
+        raise TypeError(message) from None
+
+
+def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
+    """What receiver ``cache`` raises for data that is no item, handle or ``None``."""
+    # A pair is most likely P0's whole output for the item, sent as its data.
+    pair = isinstance(item, tuple) and len(item) == 2
+    hint = ": P0's output is (data, prompt_updates); send its data" if pair else ""
+    return TypeError(f"{cache} got a {type(item).__qualname__} for {mm_hash}{hint}")
+
+
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
     number; ``TypeError`` unless a number)."""
@@ -523,7 +540,11 @@ class _LruSenderCache(BaseSenderCache):
         the module's docstring) and returns it as given.  ``CacheMissError`` for a miss
         without data."""
         with self._lock:
-            entry = self._lru.get(mm_hash)
+            try:
+                entry = self._lru.get(mm_hash)
+            except TypeError:  # unhashable
+                check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+                raise
             if entry is not None:
                 self._protection.updated(mm_hash)
                 return self._hit(entry)
@@ -540,7 +561,11 @@ class _LruSenderCache(BaseSenderCache):
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the receiver's touch does."""
         with self._lock:
-            self._protection.touch(mm_hash)
+            try:
+                self._protection.touch(mm_hash)
+            except TypeError:  # unhashable
+                check_mm_hash("touch_sender_cache_item(mm_hash)", mm_hash)
+                raise
 
     def release_sender_touches(self) -> None:
         """Drop this thread's protection of every item it touched (its request was
@@ -553,7 +578,11 @@ class _LruSenderCache(BaseSenderCache):
 
     def invalidate(self, mm_hash: str) -> None:
         with self._lock:
-            self._protection.pop(mm_hash)
+            try:
+                self._protection.pop(mm_hash)
+            except TypeError:  # unhashable
+                check_mm_hash("invalidate(mm_hash)", mm_hash)
+                raise
 
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
@@ -661,7 +690,8 @@ class ReceiverCache(BaseReceiverCache):
                 self._protection.updated(mm_hash)
                 return cached
             if not isinstance(item, Mapping):
-                raise TypeError(f"ReceiverCache got a {type(item).__qualname__} for {mm_hash}")
+                check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+                raise receiver_type_error("ReceiverCache", item, mm_hash)
             self._cache_if_fits(self._protection, mm_hash, item)
             self._protection.updated(mm_hash)
             if self._request.open:

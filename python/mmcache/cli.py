@@ -214,7 +214,7 @@ def _parser() -> _Parser:
         help="write a chart of throughput and latency: a PNG, or the format PATH's extension "
         "names (.svg, .pdf, ...) (needs matplotlib)",
     )
-    sim.set_defaults(run=_simulate)
+    sim.set_defaults(run=_simulate, command_parser=sim)
 
     bench = commands.add_parser(
         "bench",
@@ -231,7 +231,7 @@ def _parser() -> _Parser:
         "--quick", action="store_true", help="a short run (fewer sizes' repetitions, 1-2 readers)"
     )
     bench.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    bench.set_defaults(run=_bench)
+    bench.set_defaults(run=_bench, command_parser=bench)
 
     inspect = commands.add_parser(
         "inspect",
@@ -248,7 +248,7 @@ def _parser() -> _Parser:
         "name", nargs="?", help="the segment's name; without it, list the segments"
     )
     inspect.add_argument("--json", action="store_true", help="print the raw figures as JSON")
-    inspect.set_defaults(run=_inspect)
+    inspect.set_defaults(run=_inspect, command_parser=inspect)
 
     prune = commands.add_parser(
         "prune",
@@ -261,7 +261,7 @@ def _parser() -> _Parser:
         formatter_class=formatter,
     )
     prune.add_argument("--dry-run", action="store_true", help="only list them")
-    prune.set_defaults(run=_prune)
+    prune.set_defaults(run=_prune, command_parser=prune)
     return parser
 
 
@@ -277,7 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_USAGE
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Refused by the command's own parser, so the message sends the user to the help
+        # that lists its flags (the top-level parser would name `mmcache --help`).
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prog = f"mmcache {args.command}"
     try:
         status = int(args.run(args))

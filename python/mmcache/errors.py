@@ -64,6 +64,11 @@ class CacheMissError(MmcacheError, RuntimeError):
     mm_hashes: list[str]
 
     def __init__(self, mm_hashes: Iterable[str]) -> None:
+        if isinstance(mm_hashes, str | bytes):  # else listed as its characters
+            raise TypeError(
+                f"CacheMissError takes a list of mm_hashes, not one "
+                f"{type(mm_hashes).__name__}: CacheMissError([mm_hash])"
+            )
         self.mm_hashes = list(mm_hashes)
         super().__init__(
             f"multimodal cache miss for {self.mm_hashes}: the sender's view of the cache "

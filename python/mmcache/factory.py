@@ -86,5 +86,9 @@ def make_caches(
     if remote is not None and sender is not None:
         from mmcache.remote import TieredSenderCache
 
-        sender = TieredSenderCache(sender, remote)
+        try:
+            sender = TieredSenderCache(sender, remote)
+        except BaseException:  # a bad remote: the cache made for it is never returned
+            sender.close()
+            raise
     return sender, downstream

@@ -54,6 +54,7 @@ from mmcache.caches import (
     SenderOutput,
     capacity_bytes,
     check_hash_list,
+    check_mm_hash,
     logger,
     split_sender_input,
 )
@@ -155,6 +156,10 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # The core clamps the limit to what the ring can hold (a small ring with the default
         # limit is no error).
         capacity = capacity_bytes(capacity_gb)
+        if capacity == 0:  # valid for the LRU caches (they cache nothing), not for a ring
+            raise ValueError(
+                f"capacity_gb must be positive for a shared-memory ring, not {capacity_gb!r}"
+            )
         if capacity >= 2**64:
             raise ValueError(f"capacity_gb={capacity_gb!r} is more shared memory than any host has")
         store = ShmObjectStore.create(
@@ -326,7 +331,11 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # The handle's reference protects the object from now on: this thread's pin from the
         # touch is undone, by the core call that issues it when that is the object pinned (one
         # lookup for both), else below; its claim has ended (a put) or is given up.
-        pinned = request.pins.pop(mm_hash, None)
+        try:
+            pinned = request.pins.pop(mm_hash, None)
+        except TypeError:  # unhashable
+            check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+            raise
         # The lock by hand, not `with`: a `with` looks up and calls `__enter__` and
         # `__exit__` (arguments packed for both), 70 ns of a hit's 800.
         lock = self._lock
@@ -354,6 +363,9 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         except ReferencesSaturatedError:
             self._lookups.hits += 1
             return self._serve_saturated(item, mm_hash)
+        except TypeError:  # the core's, for a key that is not a str
+            check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+            raise
         finally:
             try:
                 if pinned is not None and not self._store.closed:
@@ -514,10 +526,14 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # on the core's lock only for an object being evicted, held by a writer that needs
         # no GIL to finish).
         pins = self._request.pins
-        if mm_hash not in pins:
-            pinned = self._store.pin_object(mm_hash)
-            if pinned is not None:
-                pins[mm_hash] = pinned
+        try:
+            if mm_hash not in pins:
+                pinned = self._store.pin_object(mm_hash)
+                if pinned is not None:
+                    pins[mm_hash] = pinned
+        except TypeError:  # unhashable, or the core's for a key that is not a str
+            check_mm_hash("touch_sender_cache_item(mm_hash)", mm_hash)
+            raise
 
     def release_sender_touches(self) -> None:
         """Unpin every item this thread touched, and give up every claim it took, whose
@@ -566,7 +582,11 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         are a miss, never another item's data; the next update of ``mm_hash`` writes it
         anew."""
         with self._lock:
-            self._store.invalidate(mm_hash)  # drops its pins too
+            try:
+                self._store.invalidate(mm_hash)  # drops its pins too
+            except TypeError:  # the core's, for a key that is not a str
+                check_mm_hash("invalidate(mm_hash)", mm_hash)
+                raise
             self._prompt_updates.pop(mm_hash, None)
 
     def clear_cache(self, *, keep_in_flight: bool = False) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.caches import BaseReceiverCache
+from mmcache.caches import BaseReceiverCache, check_mm_hash, receiver_type_error
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
 
@@ -49,6 +49,11 @@ class ShmReceiverCache(BaseReceiverCache):
         # Checked before a reader slot is taken: the core takes only a bool at every
         # resolve, and a truthy string would silently mean copies.
         copy, pin_memory = _flag("copy", copy), _flag("pin_memory", pin_memory)
+        if not isinstance(handle, ReaderHandle):  # the sender itself, say
+            raise TypeError(
+                "ShmReceiverCache takes a ReaderHandle (from the P0 cache's handle(), or "
+                f"make_caches' downstream), not {type(handle).__qualname__}"
+            )
         super().__init__()
         # Nothing in Python to guard (a request's state is per thread; the core reader is
         # thread-safe): no lock, so worker threads resolve and copy in parallel.
@@ -93,7 +98,8 @@ class ShmReceiverCache(BaseReceiverCache):
         if type(item) is not ShmHandle:
             if item is None or isinstance(item, Mapping):
                 return item
-            raise TypeError(f"ShmReceiverCache got a {type(item).__qualname__} for {mm_hash}")
+            check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+            raise receiver_type_error("ShmReceiverCache", item, mm_hash)
         try:
             if self._plain_copies:
                 # The core's defaults, passed as none: PyO3 parses keywords at ~0.25 µs a

@@ -102,7 +102,11 @@ class LocalServer(ClosesOnExit):
         self.ports = [_free_port() for _ in range(ports)]
         self.url = url(self.ports)
         self._proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # nobody gets the server to close: remove its directory here
+            self._dir.cleanup()
+            raise
 
     @property
     def pid(self) -> int | None:
@@ -217,10 +221,18 @@ def start_mooncake_master() -> LocalServer:
             f"--metrics_port={metrics}",
         ]
 
-    return LocalServer(
-        "mooncake_master",
-        command,
-        3,
-        lambda p: f"mooncake://127.0.0.1:{p[0]}?metadata=http://127.0.0.1:{p[1]}/metadata",
-        lambda p: _accepts(p[0]) and _accepts(p[1]),
-    )
+    try:
+        return LocalServer(
+            "mooncake_master",
+            command,
+            3,
+            lambda p: f"mooncake://127.0.0.1:{p[0]}?metadata=http://127.0.0.1:{p[1]}/metadata",
+            lambda p: _accepts(p[0]) and _accepts(p[1]),
+        )
+    except ServerUnavailable as exc:
+        # The loader names the library, not what to install (the client's error does).
+        from mmcache.remote.mooncake_backend import OS_LIBRARIES_HINT, lacks_os_library
+
+        if lacks_os_library(str(exc)):
+            raise ServerUnavailable(f"{str(exc).rstrip()}; {OS_LIBRARIES_HINT}") from None
+        raise

@@ -65,17 +65,26 @@ _NO_AVAILABLE_HANDLE = -200  # a put the store has no room for (its segments ful
 _T = TypeVar("_T")
 
 
+OS_LIBRARIES_HINT = (
+    "Mooncake's wheel needs libibverbs, libnuma and libcurl from the OS "
+    "(Debian/Ubuntu: apt-get install libibverbs1 libnuma1 libcurl4)"
+)
+"""What to install when the client or ``mooncake_master`` cannot load an OS library."""
+
+
+def lacks_os_library(message: str) -> bool:
+    """Whether the loader's ``message`` names a library :data:`OS_LIBRARIES_HINT` covers."""
+    return "libibverbs" in message or "libnuma" in message or "libcurl" in message
+
+
 def import_mooncake() -> Any:
     """``mooncake.store``, or an ``ImportError`` that says what to install."""
     try:
         return importlib.import_module("mooncake.store")
     except ImportError as exc:
         missing = str(exc)
-        if "libibverbs" in missing or "libnuma" in missing or "libcurl" in missing:
-            hint = (
-                "Mooncake's wheel needs libibverbs, libnuma and libcurl from the OS "
-                "(Debian/Ubuntu: apt-get install libibverbs1 libnuma1 libcurl4)"
-            )
+        if lacks_os_library(missing):
+            hint = OS_LIBRARIES_HINT
         else:
             hint = "install it with: pip install 'mmcache[mooncake]'"
         raise ImportError(

@@ -152,6 +152,15 @@ class TieredSenderCache(BaseSenderCache):
         claim_ttl_s: float = 5.0,
     ) -> None:
         super().__init__()
+        if not isinstance(local, BaseSenderCache):  # make_caches' whole pair, a receiver...
+            raise TypeError(
+                "local must be a P0 cache (ProcessorOnlyCache, SenderCache or ShmSenderCache), "
+                f"not {type(local).__qualname__}"
+            )
+        if not isinstance(remote, RemoteStore):  # a URL, say: else refused at the first lookup
+            raise TypeError(
+                f"remote must be a RemoteStore(url, namespace=...), not {type(remote).__qualname__}"
+            )
         if publish_queue < 1 or prefetch_limit < 1:
             raise ValueError("publish_queue and prefetch_limit must be at least 1")
         # Finite: each is turned into a byte count (an infinite one would not be a bound).

@@ -39,6 +39,7 @@ The adapter's modules, each imported on first use of one of its names here
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -133,8 +134,17 @@ class UnsupportedVllmError(ImportError):
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` hook: :func:`install` when ``MMCACHE_VLLM=1``, so
     installing the extra never changes vLLM by itself."""
-    if os.environ.get(ENABLE_ENV) == "1":
+    value = os.environ.get(ENABLE_ENV, "")
+    if value == "1":
         install()
+    elif value not in ("", "0"):
+        # `true`, `yes`...: the user meant it on; say so rather than leave vLLM's caches.
+        logging.getLogger(__name__).warning(
+            "%s=%r is not 1: the mmcache vLLM plugin stays off (set %s=1 to turn it on)",
+            ENABLE_ENV,
+            value,
+            ENABLE_ENV,
+        )
 
 
 def install() -> None:
