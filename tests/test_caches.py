@@ -638,6 +638,27 @@ def test_settle_recency_orders_a_requests_cached_keys_and_counts_nothing(cache_t
     assert cache.stats() == before
 
 
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ReceiverCache])
+def test_settle_recency_refuses_one_hash_for_a_list(cache_type: type) -> None:
+    # A str was read as its characters: "ab" settled the keys "a" and "b", not "ab".
+    cache = cache_type(1)
+    for h in ["b", "a", "ab"]:
+        item = make_item(h)
+        cache.get_and_update_item((item, None) if cache_type is not ReceiverCache else item, h)
+    with pytest.raises(TypeError, match="settle_recency takes a list of mm_hashes, not one str"):
+        cache.settle_recency("ab")
+    assert cache.keys() == ["b", "a", "ab"]
+
+
+def test_release_handles_refuses_one_str_for_a_list() -> None:
+    # A str's characters are no handles, so it gave nothing back without a word.
+    with (
+        ShmSenderCache(gb(1 << 20)) as sender,
+        pytest.raises(TypeError, match="release_handles takes a list of handles"),
+    ):
+        sender.release_handles("handle")
+
+
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> None:
     # A str is a sequence of one-character strings: get_and_update([a, b], "xy") cached a

@@ -88,18 +88,22 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.4g}"
 
 
+def check_list(values: object, method: str, what: str, one: str) -> None:
+    """``TypeError`` for one str (or bytes) where ``method`` takes a list of ``what``: it is
+    iterable too, and would be read as a list of one-character ``what`` (``one``: the call
+    meant)."""
+    if isinstance(values, str | bytes):
+        raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
+
+
 def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
-    """``TypeError`` for one hash where ``method`` expects a list of them (a str would be
-    read as a list of one-character hashes)."""
-    if isinstance(mm_hashes, str | bytes):
-        one = (
-            "is_cached([mm_hash]) or is_cached_item(mm_hash)"
-            if method == "is_cached"
-            else f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
-        )
-        raise TypeError(
-            f"{method} takes a list of mm_hashes, not one {type(mm_hashes).__name__}: {one}"
-        )
+    """:func:`check_list` for the ``mm_hashes`` of ``method``."""
+    one = (
+        "is_cached([mm_hash]) or is_cached_item(mm_hash)"
+        if method == "is_cached"
+        else f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+    )
+    check_list(mm_hashes, method, "mm_hashes", one)
 
 
 def capacity_bytes(capacity_gb: float) -> int:
@@ -558,6 +562,7 @@ class _LruSenderCache(BaseSenderCache):
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
         (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
+        check_list(keys, "settle_recency", "mm_hashes", "settle_recency([mm_hash])")
         with self._lock:
             self._lru.settle(keys)
 
@@ -676,6 +681,7 @@ class ReceiverCache(BaseReceiverCache):
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
         (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
+        check_list(keys, "settle_recency", "mm_hashes", "settle_recency([mm_hash])")
         with self._lock:
             self._lru.settle(keys)
 

@@ -54,6 +54,7 @@ from mmcache.caches import (
     SenderOutput,
     capacity_bytes,
     check_hash_list,
+    check_list,
     logger,
     split_sender_input,
 )
@@ -555,6 +556,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         """Give back the references of handles that will never reach the readers (their
         request was aborted or rejected).  Anything that is not a handle is skipped, so the
         data of a request's features can be passed as is."""
+        check_list(handles, "release_handles", "handles", "release_handles([handle])")
         with self._lock:  # as in is_cached_item: wait here, not on the core's mutex
             for handle in handles:
                 if isinstance(handle, ShmHandle):

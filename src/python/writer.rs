@@ -129,6 +129,13 @@ impl ShmWriter {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
+        // One str is iterable too: it would be read as a list of one-character keys.
+        if keys.is_instance_of::<PyString>() || keys.is_instance_of::<PyBytes>() {
+            return Err(PyTypeError::new_err(format!(
+                "uncached takes a list of keys, not one {}: uncached([key])",
+                type_name(keys)
+            )));
+        }
         // An `Arc`, not `with`: iterating `keys` may run Python code (a generator).
         let writer = self.writer.get()?;
         let out = PyList::empty(py);
