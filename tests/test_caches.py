@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -679,3 +680,44 @@ def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> Non
         p0.close()
         if receiver is not None:
             receiver.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_hash_with_a_lone_surrogate_is_one_value_error_in_every_mode(mode: str) -> None:
+    # The ring keys by UTF-8, so shm raised the codec's bare UnicodeEncodeError, after the
+    # request's earlier items were stored; lru stored such a hash as any other.
+    bad = "\ud800"
+    named = re.escape(f"mm_hash {bad!r} holds a lone surrogate")
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    item = (make_item("good"), None)
+    try:
+        with pytest.raises(ValueError, match=named):
+            p0.get_and_update([item, item], ["good", bad])
+        assert not p0.is_cached_item("good")  # nothing of the request was applied
+        for call in (
+            p0.is_cached_item,
+            lambda h: p0.is_cached([h]),
+            p0.touch_sender_cache_item,
+            lambda h: p0.get_and_update_item(item, h),
+            p0.invalidate,
+        ):
+            with pytest.raises(ValueError, match=named):
+                call(bad)
+        p0.release_sender_touches()
+        if isinstance(p0, ShmSenderCache):
+            stats = p0.stats()
+            assert stats["store_outstanding_refs"] == stats["store_pinned"] == 0
+            assert stats["store_objects"] == stats["store_claims"] == 0
+        if isinstance(downstream, ReceiverCache):
+            for call in (
+                downstream.touch_receiver_cache_item,
+                lambda h: downstream.get_and_update_item(make_item("good"), h),
+            ):
+                with pytest.raises(ValueError, match=named):
+                    call(bad)
+            assert downstream.keys() == []
+    finally:
+        p0.close()
+        if isinstance(downstream, ReceiverCache):
+            downstream.close()

@@ -106,6 +106,21 @@ def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None
     check_list(mm_hashes, method, "mm_hashes", one)
 
 
+def unstorable_hash(mm_hash: str) -> ValueError:
+    """The error for an ``mm_hash`` that is not valid Unicode text (it holds a lone
+    surrogate): the shared-memory ring keys objects by UTF-8, so every mode refuses it alike."""
+    return ValueError(f"mm_hash {mm_hash!r} holds a lone surrogate (it is no valid UTF-8)")
+
+
+def check_mm_hash(mm_hash: str) -> None:
+    """:func:`unstorable_hash`'s error for such an ``mm_hash``."""
+    if type(mm_hash) is str and not mm_hash.isascii():
+        try:
+            mm_hash.encode()
+        except UnicodeEncodeError:
+            raise unstorable_hash(mm_hash) from None
+
+
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
     number; ``TypeError`` unless a number)."""
@@ -389,6 +404,7 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
         hashes and resends the request with their data)."""
         missing = []
         for item, h in zip(items, mm_hashes, strict=True):
+            check_mm_hash(h)
             if item is not None:
                 split_sender_input(item, h)
             elif not self.is_cached_item(h):
@@ -481,6 +497,7 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
     """``(item, prompt_updates)`` of a P0 input; ``CacheMissError`` for ``None``,
     ``TypeError`` unless a pair whose item is a mapping (as the ring and P1's
     :class:`ReceiverCache` require: an item P1 refuses would be a drift)."""
+    check_mm_hash(mm_hash)
     if item is None:
         raise CacheMissError([mm_hash])
     # A tuple of types, not `tuple | list`: that union is built anew at each call (P0's put).
@@ -537,12 +554,14 @@ class _LruSenderCache(BaseSenderCache):
             return data, prompt_updates
 
     def is_cached_item(self, mm_hash: str) -> bool:
+        check_mm_hash(mm_hash)  # as the ring's lookup does
         # No lock: one lookup in the LRU's dict, atomic by itself.
         return mm_hash in self._lru
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the receiver's touch does."""
+        check_mm_hash(mm_hash)
         with self._lock:
             self._protection.touch(mm_hash)
 
@@ -556,6 +575,7 @@ class _LruSenderCache(BaseSenderCache):
         self._protection.end(keys)
 
     def invalidate(self, mm_hash: str) -> None:
+        check_mm_hash(mm_hash)
         with self._lock:
             self._protection.pop(mm_hash)
 
@@ -655,6 +675,7 @@ class ReceiverCache(BaseReceiverCache):
         self._protection = _ProtectedLRU(self._lru, self._request)
 
     def get_and_update_item(self, item: Item | None, mm_hash: str) -> Item:
+        check_mm_hash(mm_hash)
         with self._lock:
             if item is None:
                 cached: Item | None = self._lru.get(mm_hash)
@@ -688,6 +709,7 @@ class ReceiverCache(BaseReceiverCache):
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the sender's touch does."""
+        check_mm_hash(mm_hash)
         with self._lock:
             self._protection.touch(mm_hash)
 

@@ -55,6 +55,7 @@ from mmcache.caches import (
     capacity_bytes,
     check_hash_list,
     check_list,
+    check_mm_hash,
     logger,
     split_sender_input,
 )
@@ -355,6 +356,11 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         except ReferencesSaturatedError:
             self._lookups.hits += 1
             return self._serve_saturated(item, mm_hash)
+        except UnicodeEncodeError:
+            # The core's for a key that is no UTF-8 (checked here, not on every call), or
+            # the codec's for the prompt updates.
+            check_mm_hash(mm_hash)
+            raise
         finally:
             try:
                 if pinned is not None and not self._store.closed:
@@ -514,6 +520,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # No lock: the pins are this thread's, and a pin is one atomic core call (which waits
         # on the core's lock only for an object being evicted, held by a writer that needs
         # no GIL to finish).
+        check_mm_hash(mm_hash)
         pins = self._request.pins
         if mm_hash not in pins:
             pinned = self._store.pin_object(mm_hash)
@@ -567,6 +574,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         in flight either still read their own data (their unread references protect it) or
         are a miss, never another item's data; the next update of ``mm_hash`` writes it
         anew."""
+        check_mm_hash(mm_hash)
         with self._lock:
             self._store.invalidate(mm_hash)  # drops its pins too
             self._prompt_updates.pop(mm_hash, None)
