@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -301,12 +302,13 @@ def test_lru_pair_eviction_order() -> None:
     assert sender.keys() == receiver.keys() == ["c", "a", "d"]
     # "c" is least recent, but the request touches it before inserting "b": "a" goes instead
     # (without the touch, P0 would have sent None for an item inserting "b" evicted).
+    # A request's new items are stored when it ends, after its hits were made recent.
     data, _ = run_request(sender, receiver, ["b", "c"], truth)
-    assert sender.keys() == receiver.keys() == ["d", "b", "c"]
+    assert sender.keys() == receiver.keys() == ["d", "c", "b"]
     assert same_item(data[1], truth["c"])
     # New items replace the least recent ones, on both sides alike.
-    run_request(sender, receiver, ["e", "f"], truth)
-    assert sender.keys() == receiver.keys() == ["c", "e", "f"]
+    run_request(sender, receiver, ["f", "e"], truth)
+    assert sender.keys() == receiver.keys() == ["b", "e", "f"]
 
 
 # -- requests larger than the cache ----------------------------------------------------------
@@ -593,7 +595,8 @@ def test_invalidate_and_one_resend_recover_from_drift() -> None:
         sender.invalidate(h)
     data, _ = run_request(sender, receiver, ["z", "y", "x"], truth)  # the single retry
     assert all(same_item(d, truth[h]) for d, h in zip(data, ["z", "y", "x"], strict=True))
-    assert sender.keys() == receiver.keys() == ["z", "y", "x"]
+    # Its hit, then its new items in sorted order (stored when it ended).
+    assert sender.keys() == receiver.keys() == ["y", "x", "z"]
 
 
 def test_receiver_prefers_the_resent_payload() -> None:
@@ -646,6 +649,27 @@ def test_settle_recency_orders_a_requests_cached_keys_and_counts_nothing(cache_t
     cache.settle_recency(["b", "c", "absent", "a", "c"])
     assert cache.keys() == ["x", "a", "b", "c"]
     assert cache.stats() == before
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ReceiverCache])
+def test_settle_recency_refuses_one_hash_for_a_list(cache_type: type) -> None:
+    # A str was read as its characters: "ab" settled the keys "a" and "b", not "ab".
+    cache = cache_type(1)
+    for h in ["b", "a", "ab"]:
+        item = make_item(h)
+        cache.get_and_update_item((item, None) if cache_type is not ReceiverCache else item, h)
+    with pytest.raises(TypeError, match="settle_recency takes a list of mm_hashes, not one str"):
+        cache.settle_recency("ab")
+    assert cache.keys() == ["b", "a", "ab"]
+
+
+def test_release_handles_refuses_one_str_for_a_list() -> None:
+    # A str's characters are no handles, so it gave nothing back without a word.
+    with (
+        ShmSenderCache(gb(1 << 20)) as sender,
+        pytest.raises(TypeError, match="release_handles takes a list of handles"),
+    ):
+        sender.release_handles("handle")
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
@@ -732,3 +756,44 @@ def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> N
     finally:
         receiver.close()
         p0.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_hash_with_a_lone_surrogate_is_one_value_error_in_every_mode(mode: str) -> None:
+    # The ring keys by UTF-8, so shm raised the codec's bare UnicodeEncodeError, after the
+    # request's earlier items were stored; lru stored such a hash as any other.
+    bad = "\ud800"
+    named = re.escape(f"mm_hash {bad!r} holds a lone surrogate")
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    item = (make_item("good"), None)
+    try:
+        with pytest.raises(ValueError, match=named):
+            p0.get_and_update([item, item], ["good", bad])
+        assert not p0.is_cached_item("good")  # nothing of the request was applied
+        for call in (
+            p0.is_cached_item,
+            lambda h: p0.is_cached([h]),
+            p0.touch_sender_cache_item,
+            lambda h: p0.get_and_update_item(item, h),
+            p0.invalidate,
+        ):
+            with pytest.raises(ValueError, match=named):
+                call(bad)
+        p0.release_sender_touches()
+        if isinstance(p0, ShmSenderCache):
+            stats = p0.stats()
+            assert stats["store_outstanding_refs"] == stats["store_pinned"] == 0
+            assert stats["store_objects"] == stats["store_claims"] == 0
+        if isinstance(downstream, ReceiverCache):
+            for call in (
+                downstream.touch_receiver_cache_item,
+                lambda h: downstream.get_and_update_item(make_item("good"), h),
+            ):
+                with pytest.raises(ValueError, match=named):
+                    call(bad)
+            assert downstream.keys() == []
+    finally:
+        p0.close()
+        if isinstance(downstream, ReceiverCache):
+            downstream.close()

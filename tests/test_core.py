@@ -208,6 +208,12 @@ def test_stale_after_eviction_and_after_clear():
     assert writer.uncached(iter(["c", "a", "zz", "b", "a"])) == ["a", "zz", "a"]
     with pytest.raises(TypeError):
         writer.uncached(["b", 1])
+    # One key is iterable too: it was read as the keys "z", "z" (both reported uncached).
+    for one in ("zz", b"zz"):
+        with pytest.raises(TypeError, match="uncached takes a list of keys, not one"):
+            writer.uncached(one)
+        with pytest.raises(TypeError):
+            writer.wait_for(one, 0.0)
     with pytest.raises(StaleHandleError):
         reader.get(h0, "a")
     writer.clear()

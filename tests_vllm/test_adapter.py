@@ -483,3 +483,31 @@ def test_a_workers_batched_update_checks_lengths_and_reads_every_handle(shm_pair
         worker.get_and_update([stale, fresh, None, stale], ["old", "fresh", "x", "old"])
     assert info.value.mm_hashes == ["old", "old"]
     assert outstanding(p0) == before, "the handle after the stale one was left unread"
+
+
+def test_lru_mode_stays_mirrored_when_a_requests_new_items_evict_each_other() -> None:
+    # Two new items of one request that do not fit together: each side kept the one it
+    # inserted last (a new item is no older entry, and nothing protects it), and P0 inserts
+    # them modality by modality, P1 in prompt order.  P0 then kept the video, P1 the image,
+    # and the next request of the video, a hit at P0, missed at P1.
+    truth = {"v0": kwargs_item(1), "i0": kwargs_item(2)}
+    size = MultiModalCache.get_item_size(truth["v0"])
+    config = vllm_config("lru", size + size // 2)
+    p0, p1 = processor_cache_from_config(config), engine_receiver_cache_from_config(config)
+    by_modality = {"image": ["i0"], "video": ["v0"]}
+    for hashes in by_modality.values():
+        assert p0.is_cached(hashes) == [False]
+    for hashes in by_modality.values():
+        for h in hashes:
+            p0.touch_sender_cache_item(h)
+    sent = {
+        h: p0.get_and_update_item((truth[h], []), h)[0] for hs in by_modality.values() for h in hs
+    }
+    p0.release_sender_touches()
+    p1.get_and_update_features(
+        [feature(sent[h], h, offset) for offset, h in enumerate(["v0", "i0"])]
+    )
+    for h in truth:  # what P0 holds, P1 holds
+        sent_again = vllm_p0_request(p0, [h], truth)
+        p1.get_and_update_features([feature(sent_again[0], h)])
+    assert p0._sender.keys() == p1._receiver.keys()

@@ -11,7 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm.multimodal.cache import processor_cache_from_config
+from vllm.multimodal.cache import (
+    MultiModalCacheMissError,
+    engine_receiver_cache_from_config,
+    processor_cache_from_config,
+)
+from vllm.multimodal.cache.base import MultiModalCache
 from vllm.renderers.base import BaseRenderer
 from vllm.v1.engine.input_processor import InputProcessor
 
@@ -347,5 +352,41 @@ def test_an_lru_request_vllm_rejects_after_its_render_leaves_p0_as_p1_is() -> No
         }
         reject_too_long(p0, rendered)
         assert p0.is_cached(["b", "c"]) == [False, True]
+    finally:
+        p0.close()
+
+
+@pytest.mark.xfail(
+    raises=MultiModalCacheMissError,
+    strict=True,
+    reason="P0 does not undo the recency a rejected request's lookup moved (unfixed)",
+)
+def test_an_lru_request_vllm_rejects_after_its_render_moves_no_recency_p1_does_not() -> None:
+    # A rejected request never reaches P1, but its lookup's touch of a cached item made the
+    # item most recent at P0: the next eviction took another item on each side, and a later
+    # request of the item P1 evicted (cached at P0, so sent without its data) missed at P1.
+    size = MultiModalCache.get_item_size(TRUTH["a"])
+    config = vllm_config("lru", 2 * size + size // 2)  # room for two items
+    p0, p1 = processor_cache_from_config(config), engine_receiver_cache_from_config(config)
+
+    def request(hashes: list[str]) -> None:
+        items = vllm_p0_request(p0, hashes)
+        p1.get_and_update_features([feature(d, h) for d, h in zip(items, hashes, strict=True)])
+
+    try:
+        request(["c"])
+        request(["a"])
+        with rendering():
+            items = vllm_p0_request(p0, ["c"])
+        rendered = {
+            "type": "multimodal",
+            "mm_kwargs": {"image": items},
+            "mm_hashes": {"image": ["c"]},
+        }
+        reject_too_long(p0, rendered)
+        request(["b"])  # evicts the least recent item
+        request(["c"])
+        request(["a"])
+        assert p0._sender.keys() == p1._receiver.keys()
     finally:
         p0.close()

@@ -88,21 +88,40 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.4g}"
 
 
+def check_list(values: object, method: str, what: str, one: str) -> None:
+    """``TypeError`` for one str (or bytes) where ``method`` takes a list of ``what``: it is
+    iterable too, and would be read as a list of one-character ``what`` (``one``: the call
+    meant)."""
+    if isinstance(values, str | bytes):
+        raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
+
+
 def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
-    """``TypeError`` for one hash where ``method`` expects a list of them (a str would be
-    read as a list of one-character hashes)."""
-    if isinstance(mm_hashes, str | bytes):
-        one = (
-            "is_cached([mm_hash]) or is_cached_item(mm_hash)"
-            if method == "is_cached"
-            else f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
-        )
-        raise TypeError(
-            f"{method} takes a list of mm_hashes, not one {type(mm_hashes).__name__}: {one}"
-        )
+    """:func:`check_list` for the ``mm_hashes`` of ``method``."""
+    one = (
+        "is_cached([mm_hash]) or is_cached_item(mm_hash)"
+        if method == "is_cached"
+        else f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+    )
+    check_list(mm_hashes, method, "mm_hashes", one)
 
 
-def check_mm_hash(call: str, mm_hash: object) -> None:
+def unstorable_hash(mm_hash: str) -> ValueError:
+    """The error for an ``mm_hash`` that is not valid Unicode text (it holds a lone
+    surrogate): the shared-memory ring keys objects by UTF-8, so every mode refuses it alike."""
+    return ValueError(f"mm_hash {mm_hash!r} holds a lone surrogate (it is no valid UTF-8)")
+
+
+def check_mm_hash(mm_hash: str) -> None:
+    """:func:`unstorable_hash`'s error for such an ``mm_hash``."""
+    if type(mm_hash) is str and not mm_hash.isascii():
+        try:
+            mm_hash.encode()
+        except UnicodeEncodeError:
+            raise unstorable_hash(mm_hash) from None
+
+
+def check_mm_hash_type(call: str, mm_hash: object) -> None:
     """Called on a ``TypeError``: raise one naming ``call``'s ``mm_hash`` unless it is a str
     (the arguments swapped, a list where one hash goes); else return, for the caller to
     re-raise the original."""
@@ -282,6 +301,24 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
             )
 
     def _cache_if_fits(self, store: _ProtectedLRU, key: str, value: Any) -> None:
+        """:meth:`_store_if_fits` now, or, inside a request, when it ends
+        (:meth:`_store_pending`)."""
+        if self._request.open:
+            self._request.pending[key] = value
+        else:
+            self._store_if_fits(store, key, value)
+
+    def _store_pending(self, store: _ProtectedLRU) -> None:
+        """Store what this thread's request updated, in sorted order: P0 and P1 apply a
+        request's items in different orders (vLLM's P0 modality by modality, its P1 in
+        prompt order), and two new items that do not fit together would each evict the
+        other, each side keeping another one."""
+        pending = self._request.pending
+        for key in sorted(pending):
+            self._store_if_fits(store, key, pending[key])
+        pending.clear()
+
+    def _store_if_fits(self, store: _ProtectedLRU, key: str, value: Any) -> None:
         """Store ``value`` under ``key``, or serve it uncached: when it exceeds the capacity
         (``oversize``), or when it fits only by evicting items that requests in flight
         protect (``full``).
@@ -402,6 +439,7 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
         hashes and resends the request with their data)."""
         missing = []
         for item, h in zip(items, mm_hashes, strict=True):
+            check_mm_hash(h)
             if item is not None:
                 split_sender_input(item, h)
             elif not self.is_cached_item(h):
@@ -466,18 +504,20 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         ``deliver(i, result)``; raise as :meth:`get_and_update_features` says."""
         missed: list[bool] = []
         failure: Exception | None = None
-        with self._lock, self._request_scope(keys):
-            for item, key in zip(items, keys, strict=True):
-                self.touch_receiver_cache_item(key, item)
-            for i, (item, key) in enumerate(zip(items, keys, strict=True)):
-                try:
-                    deliver(i, self.get_and_update_item(item, key))
-                    missed.append(False)
-                except CacheMissError:
-                    missed.append(True)
-                except Exception as exc:
-                    missed.append(False)
-                    failure = failure or exc
+        with self._lock:
+            with self._request_scope(keys):
+                for item, key in zip(items, keys, strict=True):
+                    self.touch_receiver_cache_item(key, item)
+                for i, (item, key) in enumerate(zip(items, keys, strict=True)):
+                    try:
+                        deliver(i, self.get_and_update_item(item, key))
+                        missed.append(False)
+                    except CacheMissError:
+                        missed.append(True)
+                    except Exception as exc:
+                        missed.append(False)
+                        failure = failure or exc
+            # After the scope: a request opened here stored its items when it ended.
             if failure is not None:
                 raise failure
             if any(missed):
@@ -494,6 +534,7 @@ def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
     """``(item, prompt_updates)`` of a P0 input; ``CacheMissError`` for ``None``,
     ``TypeError`` unless a pair whose item is a mapping (as the ring and P1's
     :class:`ReceiverCache` require: an item P1 refuses would be a drift)."""
+    check_mm_hash(mm_hash)
     if item is None:
         raise CacheMissError([mm_hash])
     # A tuple of types, not `tuple | list`: that union is built anew at each call (P0's put).
@@ -541,9 +582,10 @@ class _LruSenderCache(BaseSenderCache):
         without data."""
         with self._lock:
             try:
-                entry = self._lru.get(mm_hash)
+                # An item this request updated already is a hit too (stored at its end).
+                entry = self._request.pending.get(mm_hash) or self._lru.get(mm_hash)
             except TypeError:  # unhashable
-                check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+                check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
                 raise
             if entry is not None:
                 self._protection.updated(mm_hash)
@@ -554,17 +596,19 @@ class _LruSenderCache(BaseSenderCache):
             return data, prompt_updates
 
     def is_cached_item(self, mm_hash: str) -> bool:
+        check_mm_hash(mm_hash)  # as the ring's lookup does
         # No lock: one lookup in the LRU's dict, atomic by itself.
         return mm_hash in self._lru
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the receiver's touch does."""
+        check_mm_hash(mm_hash)
         with self._lock:
             try:
                 self._protection.touch(mm_hash)
             except TypeError:  # unhashable
-                check_mm_hash("touch_sender_cache_item(mm_hash)", mm_hash)
+                check_mm_hash_type("touch_sender_cache_item(mm_hash)", mm_hash)
                 raise
 
     def release_sender_touches(self) -> None:
@@ -574,19 +618,23 @@ class _LruSenderCache(BaseSenderCache):
             self._protection.release_all()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
+        self._store_pending(self._protection)
         self._protection.end(keys)
 
     def invalidate(self, mm_hash: str) -> None:
+        check_mm_hash(mm_hash)
         with self._lock:
             try:
+                self._request.pending.pop(mm_hash, None)
                 self._protection.pop(mm_hash)
             except TypeError:  # unhashable
-                check_mm_hash("invalidate(mm_hash)", mm_hash)
+                check_mm_hash_type("invalidate(mm_hash)", mm_hash)
                 raise
 
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
         (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
+        check_list(keys, "settle_recency", "mm_hashes", "settle_recency([mm_hash])")
         with self._lock:
             self._lru.settle(keys)
 
@@ -679,6 +727,7 @@ class ReceiverCache(BaseReceiverCache):
         self._protection = _ProtectedLRU(self._lru, self._request)
 
     def get_and_update_item(self, item: Item | None, mm_hash: str) -> Item:
+        check_mm_hash(mm_hash)
         with self._lock:
             if item is None:
                 cached: Item | None = self._lru.get(mm_hash)
@@ -690,7 +739,7 @@ class ReceiverCache(BaseReceiverCache):
                 self._protection.updated(mm_hash)
                 return cached
             if not isinstance(item, Mapping):
-                check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+                check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
                 raise receiver_type_error("ReceiverCache", item, mm_hash)
             self._cache_if_fits(self._protection, mm_hash, item)
             self._protection.updated(mm_hash)
@@ -701,17 +750,20 @@ class ReceiverCache(BaseReceiverCache):
             return item
 
     def _not_held(self, key: str) -> bool:
-        return key not in self._lru
+        # (Stored when the request ends, where the caller opened it.)
+        return key not in self._lru and key not in self._request.pending
 
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
         (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
+        check_list(keys, "settle_recency", "mm_hashes", "settle_recency([mm_hash])")
         with self._lock:
             self._lru.settle(keys)
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the sender's touch does."""
+        check_mm_hash(mm_hash)
         with self._lock:
             self._protection.touch(mm_hash)
 
@@ -719,6 +771,7 @@ class ReceiverCache(BaseReceiverCache):
         self._request.carried.clear()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
+        self._store_pending(self._protection)
         self._protection.end(keys)
         self._request.carried.clear()
 

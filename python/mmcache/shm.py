@@ -54,7 +54,9 @@ from mmcache.caches import (
     SenderOutput,
     capacity_bytes,
     check_hash_list,
+    check_list,
     check_mm_hash,
+    check_mm_hash_type,
     logger,
     split_sender_input,
 )
@@ -334,7 +336,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         try:
             pinned = request.pins.pop(mm_hash, None)
         except TypeError:  # unhashable
-            check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+            check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
             raise
         # The lock by hand, not `with`: a `with` looks up and calls `__enter__` and
         # `__exit__` (arguments packed for both), 70 ns of a hit's 800.
@@ -364,7 +366,12 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             self._lookups.hits += 1
             return self._serve_saturated(item, mm_hash)
         except TypeError:  # the core's, for a key that is not a str
-            check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+            check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
+            raise
+        except UnicodeEncodeError:
+            # The core's for a key that is no UTF-8 (checked here, not on every call), or
+            # the codec's for the prompt updates.
+            check_mm_hash(mm_hash)
             raise
         finally:
             try:
@@ -525,6 +532,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # No lock: the pins are this thread's, and a pin is one atomic core call (which waits
         # on the core's lock only for an object being evicted, held by a writer that needs
         # no GIL to finish).
+        check_mm_hash(mm_hash)
         pins = self._request.pins
         try:
             if mm_hash not in pins:
@@ -532,7 +540,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                 if pinned is not None:
                     pins[mm_hash] = pinned
         except TypeError:  # unhashable, or the core's for a key that is not a str
-            check_mm_hash("touch_sender_cache_item(mm_hash)", mm_hash)
+            check_mm_hash_type("touch_sender_cache_item(mm_hash)", mm_hash)
             raise
 
     def release_sender_touches(self) -> None:
@@ -571,6 +579,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         """Give back the references of handles that will never reach the readers (their
         request was aborted or rejected).  Anything that is not a handle is skipped, so the
         data of a request's features can be passed as is."""
+        check_list(handles, "release_handles", "handles", "release_handles([handle])")
         with self._lock:  # as in is_cached_item: wait here, not on the core's mutex
             for handle in handles:
                 if isinstance(handle, ShmHandle):
@@ -581,11 +590,12 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         in flight either still read their own data (their unread references protect it) or
         are a miss, never another item's data; the next update of ``mm_hash`` writes it
         anew."""
+        check_mm_hash(mm_hash)
         with self._lock:
             try:
                 self._store.invalidate(mm_hash)  # drops its pins too
             except TypeError:  # the core's, for a key that is not a str
-                check_mm_hash("invalidate(mm_hash)", mm_hash)
+                check_mm_hash_type("invalidate(mm_hash)", mm_hash)
                 raise
             self._prompt_updates.pop(mm_hash, None)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.caches import BaseReceiverCache, check_mm_hash, receiver_type_error
+from mmcache.caches import BaseReceiverCache, check_mm_hash_type, receiver_type_error
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
 
@@ -98,7 +98,7 @@ class ShmReceiverCache(BaseReceiverCache):
         if type(item) is not ShmHandle:
             if item is None or isinstance(item, Mapping):
                 return item
-            check_mm_hash("get_and_update_item(item, mm_hash)", mm_hash)
+            check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
             raise receiver_type_error("ShmReceiverCache", item, mm_hash)
         try:
             if self._plain_copies:

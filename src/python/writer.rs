@@ -129,6 +129,13 @@ impl ShmWriter {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
+        // One str is iterable too: it would be read as a list of one-character keys.
+        if keys.is_instance_of::<PyString>() || keys.is_instance_of::<PyBytes>() {
+            return Err(PyTypeError::new_err(format!(
+                "uncached takes a list of keys, not one {}: uncached([key])",
+                type_name(keys)
+            )));
+        }
         // An `Arc`, not `with`: iterating `keys` may run Python code (a generator).
         let writer = self.writer.get()?;
         let out = PyList::empty(py);
@@ -344,7 +351,15 @@ impl CachedItemCheck {
                 "is_cached_item of a cache that was never opened (made without __init__ or join)",
             ));
         };
-        let key = mm_hash.to_str()?;
+        // The message Python's `mmcache.caches.unstorable_hash` gives, for every mode alike.
+        let key = mm_hash.to_str().map_err(|_| {
+            PyValueError::new_err(format!(
+                "mm_hash {} holds a lone surrogate (it is no valid UTF-8)",
+                mm_hash
+                    .repr()
+                    .map_or_else(|_| "?".into(), |r| r.to_string())
+            ))
+        })?;
         let Some(id) = state.writer.get().writer.with(py, |w| w.stored_id(key))?? else {
             return Ok(false);
         };

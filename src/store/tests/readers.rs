@@ -165,6 +165,53 @@ fn a_closed_reader_with_a_live_view_drains() {
 }
 
 #[test]
+fn close_racing_acquire_on_another_thread_leaves_each_lease_protected_and_frees_the_slot() {
+    // `close(&self)` and `acquire(&Arc<Self>)` may run on two threads at once (`Reader` is
+    // `Sync`): a lease taken past the closed check, as the slot turns to draining, holds its
+    // view on the draining slot (which protects it) and the `Arc` the slot is freed with.
+    for round in 0..100u8 {
+        let (w, [closing, other]) = writer_with_readers(4096);
+        let info = w.reader_info();
+        let h = w.put("a", &[&[round; 896]]).unwrap();
+        read(&other, &h, "a").unwrap(); // only `closing`'s lease may protect it now
+        let views = std::thread::scope(|scope| {
+            let acquiring = scope.spawn(|| {
+                let mut views = Vec::new();
+                loop {
+                    match closing.acquire(&h, "a") {
+                        Ok(lease) => views.extend(lease.into_view().ok()),
+                        Err(Error::Closed) => return views,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            });
+            closing.close();
+            acquiring.join().unwrap()
+        });
+        // The ring is churned: a chunk a view protects is never reused under it.
+        for i in 0..20 {
+            let key = format!("n{i}");
+            let hk = w.put(&key, &[&[i as u8; 896]]).unwrap();
+            read(&other, &hk, &key).unwrap();
+        }
+        for view in &views {
+            let mut bytes = [0u8; 896];
+            view.read_at(0, &mut bytes).unwrap();
+            assert_eq!(bytes, [round; 896]);
+        }
+        drop(views);
+        drop(closing);
+        let stats = stats_of(&w);
+        assert_eq!(
+            (stats["readers_draining"], stats["views"]),
+            (0, 0),
+            "the slot is freed with its last lease, and no view is left counted"
+        );
+        Reader::attach(&info).expect("the freed slot is claimable");
+    }
+}
+
+#[test]
 fn closed_writer_is_reported_to_readers() {
     let (w, [r]) = writer_with_readers(1 << 16);
     let h = w.put("k", &[b"x"]).unwrap();
