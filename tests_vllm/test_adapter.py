@@ -435,6 +435,21 @@ def test_decoded_tensors_are_ordinary_writable_tensors_on_cpu(shm_pair: Pair) ->
     assert torch.equal(pixels, kwargs_item(1)["pixel_values"].data + 1)
 
 
+def new_items_by_modality(
+    p0: Any, p1: Any, truth: dict[str, Any], by_modality: dict[str, list[str]], prompt: list[str]
+) -> None:
+    """One request of new items as vLLM runs it: P0 updates them modality by modality, P1
+    resolves them in ``prompt`` order."""
+    for hashes in by_modality.values():
+        for h in hashes:
+            p0.touch_sender_cache_item(h)
+    sent = {
+        h: p0.get_and_update_item((truth[h], []), h)[0] for hs in by_modality.values() for h in hs
+    }
+    p0.release_sender_touches()
+    p1.get_and_update_features([feature(sent[h], h, offset) for offset, h in enumerate(prompt)])
+
+
 def test_lru_mode_stays_mirrored_when_p1_resolves_in_prompt_order() -> None:
     # vLLM's P0 updates a request's items modality by modality (`_merge_mm_kwargs` walks
     # mm_hashes, a dict by modality); its P1 resolves the request's features in prompt order
@@ -448,16 +463,7 @@ def test_lru_mode_stays_mirrored_when_p1_resolves_in_prompt_order() -> None:
     by_modality = {"image": ["i0", "i1"], "video": ["v0"]}
     assert p0.is_cached(by_modality["image"]) == [False, False]
     assert p0.is_cached(by_modality["video"]) == [False]
-    for hashes in by_modality.values():
-        for h in hashes:
-            p0.touch_sender_cache_item(h)
-    sent = {
-        h: p0.get_and_update_item((truth[h], []), h)[0] for hs in by_modality.values() for h in hs
-    }
-    p0.release_sender_touches()
-    p1.get_and_update_features(
-        [feature(sent[h], h, offset) for offset, h in enumerate(["i0", "v0", "i1"])]
-    )
+    new_items_by_modality(p0, p1, truth, by_modality, ["i0", "v0", "i1"])
     assert p0._sender.keys() == p1._receiver.keys()
     # The next request evicts the two least recent items: the same two on both sides.
     sent_big = vllm_p0_request(p0, ["big"], truth)
@@ -497,16 +503,7 @@ def test_lru_mode_stays_mirrored_when_a_requests_new_items_evict_each_other() ->
     by_modality = {"image": ["i0"], "video": ["v0"]}
     for hashes in by_modality.values():
         assert p0.is_cached(hashes) == [False]
-    for hashes in by_modality.values():
-        for h in hashes:
-            p0.touch_sender_cache_item(h)
-    sent = {
-        h: p0.get_and_update_item((truth[h], []), h)[0] for hs in by_modality.values() for h in hs
-    }
-    p0.release_sender_touches()
-    p1.get_and_update_features(
-        [feature(sent[h], h, offset) for offset, h in enumerate(["v0", "i0"])]
-    )
+    new_items_by_modality(p0, p1, truth, by_modality, ["v0", "i0"])
     for h in truth:  # what P0 holds, P1 holds
         sent_again = vllm_p0_request(p0, [h], truth)
         p1.get_and_update_features([feature(sent_again[0], h)])
