@@ -302,13 +302,12 @@ def test_lru_pair_eviction_order() -> None:
     assert sender.keys() == receiver.keys() == ["c", "a", "d"]
     # "c" is least recent, but the request touches it before inserting "b": "a" goes instead
     # (without the touch, P0 would have sent None for an item inserting "b" evicted).
-    # A request's new items are stored when it ends, after its hits were made recent.
     data, _ = run_request(sender, receiver, ["b", "c"], truth)
-    assert sender.keys() == receiver.keys() == ["d", "c", "b"]
+    assert sender.keys() == receiver.keys() == ["d", "b", "c"]
     assert same_item(data[1], truth["c"])
     # New items replace the least recent ones, on both sides alike.
-    run_request(sender, receiver, ["f", "e"], truth)
-    assert sender.keys() == receiver.keys() == ["b", "e", "f"]
+    run_request(sender, receiver, ["e", "f"], truth)
+    assert sender.keys() == receiver.keys() == ["c", "e", "f"]
 
 
 # -- requests larger than the cache ----------------------------------------------------------
@@ -595,8 +594,7 @@ def test_invalidate_and_one_resend_recover_from_drift() -> None:
         sender.invalidate(h)
     data, _ = run_request(sender, receiver, ["z", "y", "x"], truth)  # the single retry
     assert all(same_item(d, truth[h]) for d, h in zip(data, ["z", "y", "x"], strict=True))
-    # Its hit, then its new items in sorted order (stored when it ended).
-    assert sender.keys() == receiver.keys() == ["y", "x", "z"]
+    assert sender.keys() == receiver.keys() == ["z", "y", "x"]
 
 
 def test_receiver_prefers_the_resent_payload() -> None:

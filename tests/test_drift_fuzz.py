@@ -410,19 +410,18 @@ def test_request_larger_than_the_cache_recovers_with_one_retry() -> None:
 
 def test_a_retry_cannot_miss_an_item_p1_could_not_keep() -> None:
     # Drift: P0 alone holds 'm' (a lost request), P1 alone holds 'x' (another frontend).
-    pair = _LruPair(100, {"x": 70, "z": 40, "m": 20})
+    pair = _LruPair(100, {"x": 70, "k": 40, "m": 20})
     pair.p0.get_and_update_item((pair.items["m"], None), "m")
     pair.p1.get_and_update_item(pair.items["x"], "x")
-    request = ["x", "z", "m"]
-    # P0 keeps 'z' (stored after 'x', evicting it) and sends None for 'm'.
-    outputs = pair.stage(request)
+    request = ["x", "k", "m"]
+    outputs = pair.stage(request)  # P0 keeps 'k' (evicting 'x') and sends None for 'm'
     assert [d is None for d, _ in outputs] == [False, False, True]
     with pytest.raises(CacheMissError) as miss:
         pair.deliver(request, outputs)
-    # 'm' missed; 'z' was resolved but P1 could not keep it beside the touched 'x': P1
+    # 'm' missed; 'k' was resolved but P1 could not keep it beside the touched 'x': P1
     # reports it too, or P0 (which kept it) would send None for it in the retry.
-    assert miss.value.mm_hashes == ["z", "m"]
-    assert pair.p0.is_cached(["z", "m"]) == [True, True] and pair.p1.keys() == ["x"]
+    assert miss.value.mm_hashes == ["k", "m"]
+    assert pair.p0.is_cached(["k", "m"]) == [True, True] and pair.p1.keys() == ["x"]
     assert pair.finish(request, outputs) == 1
 
 

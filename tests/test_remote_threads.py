@@ -331,12 +331,11 @@ def test_the_request_bracket_reaches_the_local_cache(
         assert a(lambda: local.in_request) and not b(lambda: local.in_request)
         a(p0.touch_sender_cache_item, "a")
         assert a(p0.get_and_update_item, None, "a") == (None, None)
-        # "a" stays protected until a's request ends, not only until its own update ("b"
-        # is stored when the request ends, beside "a" still protected then).
+        # "a" stays protected until a's request ends, not only until its own update.
         a(p0.get_and_update_item, (item, None), "b")
+        assert local.keys() == ["a"] and p0.stats()["uncached_full"] == 1
         a(p0.end_request)
         assert not a(lambda: local.in_request)
-        assert local.keys() == ["a"] and p0.stats()["uncached_full"] == 1
         p0.get_and_update_item((item, None), "b")
         assert local.keys() == ["b"]
     finally:

@@ -301,24 +301,6 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
             )
 
     def _cache_if_fits(self, store: _ProtectedLRU, key: str, value: Any) -> None:
-        """:meth:`_store_if_fits` now, or, inside a request, when it ends
-        (:meth:`_store_pending`)."""
-        if self._request.open:
-            self._request.pending[key] = value
-        else:
-            self._store_if_fits(store, key, value)
-
-    def _store_pending(self, store: _ProtectedLRU) -> None:
-        """Store what this thread's request updated, in sorted order: P0 and P1 apply a
-        request's items in different orders (vLLM's P0 modality by modality, its P1 in
-        prompt order), and two new items that do not fit together would each evict the
-        other, each side keeping another one."""
-        pending = self._request.pending
-        for key in sorted(pending):
-            self._store_if_fits(store, key, pending[key])
-        pending.clear()
-
-    def _store_if_fits(self, store: _ProtectedLRU, key: str, value: Any) -> None:
         """Store ``value`` under ``key``, or serve it uncached: when it exceeds the capacity
         (``oversize``), or when it fits only by evicting items that requests in flight
         protect (``full``).
@@ -504,20 +486,18 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         ``deliver(i, result)``; raise as :meth:`get_and_update_features` says."""
         missed: list[bool] = []
         failure: Exception | None = None
-        with self._lock:
-            with self._request_scope(keys):
-                for item, key in zip(items, keys, strict=True):
-                    self.touch_receiver_cache_item(key, item)
-                for i, (item, key) in enumerate(zip(items, keys, strict=True)):
-                    try:
-                        deliver(i, self.get_and_update_item(item, key))
-                        missed.append(False)
-                    except CacheMissError:
-                        missed.append(True)
-                    except Exception as exc:
-                        missed.append(False)
-                        failure = failure or exc
-            # After the scope: a request opened here stored its items when it ended.
+        with self._lock, self._request_scope(keys):
+            for item, key in zip(items, keys, strict=True):
+                self.touch_receiver_cache_item(key, item)
+            for i, (item, key) in enumerate(zip(items, keys, strict=True)):
+                try:
+                    deliver(i, self.get_and_update_item(item, key))
+                    missed.append(False)
+                except CacheMissError:
+                    missed.append(True)
+                except Exception as exc:
+                    missed.append(False)
+                    failure = failure or exc
             if failure is not None:
                 raise failure
             if any(missed):
@@ -582,8 +562,7 @@ class _LruSenderCache(BaseSenderCache):
         without data."""
         with self._lock:
             try:
-                # An item this request updated already is a hit too (stored at its end).
-                entry = self._request.pending.get(mm_hash) or self._lru.get(mm_hash)
+                entry = self._lru.get(mm_hash)
             except TypeError:  # unhashable
                 check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
                 raise
@@ -618,14 +597,12 @@ class _LruSenderCache(BaseSenderCache):
             self._protection.release_all()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
-        self._store_pending(self._protection)
         self._protection.end(keys)
 
     def invalidate(self, mm_hash: str) -> None:
         check_mm_hash(mm_hash)
         with self._lock:
             try:
-                self._request.pending.pop(mm_hash, None)
                 self._protection.pop(mm_hash)
             except TypeError:  # unhashable
                 check_mm_hash_type("invalidate(mm_hash)", mm_hash)
@@ -750,8 +727,7 @@ class ReceiverCache(BaseReceiverCache):
             return item
 
     def _not_held(self, key: str) -> bool:
-        # (Stored when the request ends, where the caller opened it.)
-        return key not in self._lru and key not in self._request.pending
+        return key not in self._lru
 
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
@@ -771,7 +747,6 @@ class ReceiverCache(BaseReceiverCache):
         self._request.carried.clear()
 
     def _end_request(self, keys: Sequence[str] | None) -> None:
-        self._store_pending(self._protection)
         self._protection.end(keys)
         self._request.carried.clear()
 

@@ -276,16 +276,15 @@ class _SenderAdapter:
         if self._sender.in_request:
             if bracket.updates < bracket.touches:
                 self._abandon(bracket.issued, bracket.sent)
-                self._sender.end_request()
             else:
-                if (issued := getattr(_render, "issued", None)) is not None:
-                    issued.append((self, bracket.issued, bracket.sent))
-                self._sender.end_request()  # (where lru mode stores the request's items)
                 # P1 resolves the request in prompt order, not in the order vLLM updated
                 # it here: both sides end it with the same recency (see settle_recency).
                 settle = getattr(self._sender, "settle_recency", None)
                 if settle is not None:
                     settle(bracket.keys)
+                if (issued := getattr(_render, "issued", None)) is not None:
+                    issued.append((self, bracket.issued, bracket.sent))
+            self._sender.end_request()
         bracket.touches = bracket.updates = 0
         bracket.issued = []
         bracket.sent = []
