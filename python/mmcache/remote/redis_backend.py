@@ -627,6 +627,9 @@ class RedisBackend:
             if isinstance(held, redis.exceptions.ResponseError):
                 # The script refused (its SET on a full server, a read-only replica, scripting
                 # off): this lookup answers its reads without claims, and the store is up.
+                # The next lookup sends it again, no back-off: it rides in the lookup's round
+                # trip (as cheap refused as taken), and a server with room again, or
+                # promoted, then takes claims at once.
                 self._refuse_claims(held)
                 held = [None] * len(keys)
             holders = [h.decode(errors="replace") if h else None for h in held]
