@@ -146,7 +146,8 @@ end
 # asked, nobody holds it and no key before it is held by another; "" for an item present, or
 # unclaimed.  Atomic, so two hosts never both take one claim, and no claim is taken on an
 # item already present.  A claim key of another type, or without an expiry, is taken over
-# (SET replaces it).
+# (SET replaces it).  All or nothing: Redis and Valkey refuse a script's write (full,
+# read-only, a disk error) only before its first one, so a refused script took no claim.
 _CLAIM_SCRIPT = (
     _CLAIM_HOLDER
     + """
