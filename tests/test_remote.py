@@ -16,6 +16,7 @@ import subprocess
 import threading
 import tracemalloc
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -1174,6 +1175,39 @@ def test_a_chunk_fetch_queued_behind_another_ends_by_its_own_deadline(
             busy.result()
         assert got is None and store.stats()["timeouts"] == 1
         assert same(store.get(key(5)), make_item(5, 3 * MiB))  # the next read is whole
+
+
+def test_a_read_never_waits_for_the_fetch_thread_another_read_is_using(
+    server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two chunked reads at once, the first one's share on the fetch thread held up (as a
+    slow transfer would hold it): the second reads all its chunks on its own connection
+    instead of queueing its share behind the first's until its deadline - as did every read
+    beyond the first when a hundred threads read large values at once, a timeout each."""
+    items = {name: make_item(name, 3 * MiB) for name in (1, 2)}
+    with open_store(server.url, namespace, timeout_s=10) as store:
+        for name, item in items.items():
+            store.put(key(name), item)
+        backend = store._backend
+        real_share = type(backend)._fetch_share  # type: ignore[attr-defined]
+        on_fetch_thread, go_on = threading.Event(), threading.Event()
+
+        def held_up_share(self: Any, names: list[str], *args: Any) -> Any:
+            if threading.current_thread().name.startswith("mmcache-redis-fetch"):
+                on_fetch_thread.set()
+                go_on.wait(HANG_S)
+            return real_share(self, names, *args)
+
+        monkeypatch.setattr(type(backend), "_fetch_share", held_up_share)
+        with ThreadPoolExecutor(1) as caller:
+            first = caller.submit(store.get, key(1))
+            try:
+                assert on_fetch_thread.wait(HANG_S), "the first read used no fetch thread"
+                assert same(in_time(lambda: store.get(key(2))), items[2]), store.stats()
+            finally:
+                go_on.set()
+            assert same(first.result(HANG_S), items[1]), store.stats()
+        assert store.stats()["errors"] == 0, store.stats()
 
 
 def _resp_command(buffer: bytearray) -> list[bytes] | None:

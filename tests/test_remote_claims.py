@@ -24,10 +24,11 @@ import pytest
 import redis
 
 from mmcache import CacheMissError, SenderCache, ShmSenderCache, _core, make_caches
-from mmcache.remote import TieredSenderCache
+from mmcache.remote import TieredSenderCache, redis_backend
 from mmcache.remote.local_server import LocalServer
 from test_remote import (
     HANG_S,
+    MiB,
     in_time,
     key,
     make_item,
@@ -507,6 +508,51 @@ def test_a_stalled_server_costs_claim_calls_their_deadline_not_a_hang(
         a_thread.shutdown(wait=False)
         in_time(a.close)
         in_time(b.close)
+
+
+def test_claims_a_failed_lookup_took_are_the_owners_and_are_released(
+    own_server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claiming lookup of a large item and a miss whose script ran (the miss claimed) and
+    whose chunk read then timed out (the server stalled mid-value): the claim is in the
+    store, so the answer names its owner as the miss's holder, and the request's end
+    releases it.  It was ``(None, None)``: a claim nobody released, that other hosts waited
+    on until it lapsed."""
+    # More than the sockets' buffers hold: the stall catches the value mostly unsent.
+    with open_store(own_server.url, namespace, timeout_s=30) as writer:
+        writer.put(key(1), {"item": make_item(1, 40 * MiB), "prompt_updates": None})
+    store = open_store(own_server.url, namespace, timeout_s=1.0, breaker_failures=100)
+    a = TieredSenderCache(SenderCache(0.05), store)
+    a_thread = ThreadPoolExecutor(max_workers=1)  # a's request: its claims are its thread's
+    raw = redis.Redis.from_url(own_server.url)
+    real_into = redis_backend._ReplyReader.into
+
+    def stall_first(reader: Any, view: memoryview) -> bytes:
+        stall(own_server)  # once the value has begun to arrive: the claims are taken
+        return real_into(reader, view)
+
+    def stalled(call: Callable[[], Any]) -> Any:
+        monkeypatch.setattr(redis_backend._ReplyReader, "into", stall_first)
+        try:
+            return a_thread.submit(call).result(HANG_S)
+        finally:
+            resume(own_server)
+            monkeypatch.undo()
+
+    try:
+        answer = stalled(lambda: store.fetch_or_claim([key(1), key(2)], "host-b"))
+        assert store.stats()["timeouts"] == 1 and claim_of(raw, namespace, 2) == "host-b"
+        assert answer == [(None, "host-b"), (None, "host-b")], "a claim it holds, unsaid"
+        store.release_claims([key(1), key(2)], "host-b")  # compare-and-delete: what it took
+        assert claim_of(raw, namespace, 2) is None
+        found = stalled(lambda: a.is_cached([key(1), key(3)], claim=True))
+        assert found == [False, False] and claim_of(raw, namespace, 3) == a.host_id
+        a_thread.submit(a.release_sender_touches).result(HANG_S)  # the request gives up
+        assert claim_of(raw, namespace, 3) is None, "a claim the host did not know it held"
+    finally:
+        a_thread.shutdown(wait=False)
+        raw.close()
+        in_time(a.close)
 
 
 def test_a_server_that_stalls_as_a_wait_begins_costs_it_one_deadline(

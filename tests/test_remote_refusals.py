@@ -57,6 +57,28 @@ def test_writes_the_server_refuses_are_counted_refusals_not_the_store_down(
         assert stats["breaker_opened"] == 0 and stats["claims_refused"] == 1, stats
 
 
+def test_claims_come_back_at_the_first_lookup_after_the_server_stops_refusing_them(
+    full_server: LocalServer, namespace: str
+) -> None:
+    """A full server refuses the claim script; once it has room again the very next claiming
+    lookup claims.  The refused script is sent with every claiming lookup (in the lookup's
+    own round trip, the bytes every accepted one sends too), so no back-off stands between
+    a recovered server and single flight."""
+    raw = redis.Redis.from_url(full_server.url)
+    try:
+        with open_store(full_server.url, namespace) as store:
+            _fill(full_server)
+            for _ in range(3):
+                assert in_time(lambda: store.fetch_or_claim([key(1)], "host-a")) == [(None, None)]
+            raw.config_set("maxmemory", "0")  # room again
+            assert in_time(lambda: store.fetch_or_claim([key(1)], "host-a")) == [(None, "host-a")]
+            assert raw.get(f"mmc/{namespace}/{key(1)}/claim") == b"host-a"
+            stats = store.stats()
+            assert stats["claims_refused"] == 3 and stats["errors"] == 0, stats
+    finally:
+        raw.close()
+
+
 @pytest.mark.parametrize(
     ("server_args", "reply"),
     [

@@ -12,8 +12,9 @@ won, so a put cut short leaves nothing behind for long.
 A reader fetches the manifests (and small values) of a whole batch in one round trip - a
 ``GETRANGE`` of each key that reads at most the largest value it accepts, so a plain value
 over the bound is :data:`~.backend.TOO_LARGE` without being read whole - and the chunks of
-the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once, or on
-one where the URL's ``max_connections`` caps the pool), whose reply it reads off the
+the batch with an ``MGET`` (split over :data:`FETCH_CONNECTIONS` connections at once where
+a fetch thread is free, else - another call using it, or the URL's ``max_connections``
+capping the pool - on one), whose reply it reads off the
 socket itself: each chunk goes straight into one buffer allocated for the whole value - no
 copy in the client's parser, no join - and is hashed as soon as it is in, while the server
 is still sending the next.  A value missing any chunk (evicted by
@@ -145,7 +146,8 @@ end
 # asked, nobody holds it and no key before it is held by another; "" for an item present, or
 # unclaimed.  Atomic, so two hosts never both take one claim, and no claim is taken on an
 # item already present.  A claim key of another type, or without an expiry, is taken over
-# (SET replaces it).
+# (SET replaces it).  All or nothing: Redis and Valkey refuse a script's write (full,
+# read-only, a disk error) only before its first one, so a refused script took no claim.
 _CLAIM_SCRIPT = (
     _CLAIM_HOLDER
     + """
@@ -461,6 +463,9 @@ class RedisBackend:
         self._max_plain = HEADER_SIZE + max_value_bytes
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._fetchers = ThreadPoolExecutor(FETCH_CONNECTIONS - 1, "mmcache-redis-fetch")
+        # The fetch threads no call is using: a call takes one only where it is free, so no
+        # call's share waits behind another's (see _fetch).
+        self._idle_fetchers = threading.BoundedSemaphore(FETCH_CONNECTIONS - 1)
         # A caller waits for a connection, within its deadline, where every one of the pool
         # is taken (the URL's max_connections, or redis-py's default cap of 100: None):
         # redis-py's own pool refuses it at once ("Too many connections", counted as the
@@ -480,9 +485,7 @@ class RedisBackend:
         )
         self._client.auto_close_connection_pool = True
         # A call holding one connection of a capped pool while its fetch thread waits for
-        # another could wait in a circle with a second call doing the same: one each.  (The
-        # default cap, 100, is reached by that many chunked reads at once: they would wait
-        # for the fetch thread's connection until their deadline, a timeout.)
+        # another could wait in a circle with a second call doing the same: one each.
         self._fetch_connections = 1 if capped else FETCH_CONNECTIONS
         pool = self._client.connection_pool
         try:  # a connection object, never connected: whether redis-py takes every option
@@ -625,6 +628,9 @@ class RedisBackend:
             if isinstance(held, redis.exceptions.ResponseError):
                 # The script refused (its SET on a full server, a read-only replica, scripting
                 # off): this lookup answers its reads without claims, and the store is up.
+                # The next lookup sends it again, no back-off: it rides in the lookup's round
+                # trip (as cheap refused as taken), and a server with room again, or
+                # promoted, then takes claims at once.
                 self._refuse_claims(held)
                 held = [None] * len(keys)
             holders = [h.decode(errors="replace") if h else None for h in held]
@@ -655,15 +661,27 @@ class RedisBackend:
     def _fetch(
         self, names: list[str], views: list[memoryview], deadline: float
     ) -> list[bytes | None]:
-        """The chunks ``names`` read into ``views``, split over the fetch connections (this
-        thread reads the first share); each one's digest, or ``None`` where it is missing.
-        A pool the URL's ``max_connections`` caps has them read on one connection."""
-        connections = self._fetch_connections
-        step = -(-len(names) // connections)
+        """The chunks ``names`` read into ``views``, split over this thread and the fetch
+        threads no other call is using (this thread reads the first share); each one's
+        digest, or ``None`` where it is missing.  A pool the URL's ``max_connections`` caps
+        has them read on one connection."""
+        # Only a free fetch thread: one shared by every call would queue each call's share
+        # behind the others' (a hundred large reads at once: most of them timeouts).
+        helpers = 0
+        while helpers < min(self._fetch_connections, len(names)) - 1:
+            if not self._idle_fetchers.acquire(blocking=False):
+                break
+            helpers += 1
+        step = -(-len(names) // (helpers + 1))
         shares = [slice(i, i + step) for i in range(step, len(names), step)]
-        futures = [
-            self._fetchers.submit(self._fetch_share, names[s], views[s], deadline) for s in shares
-        ]
+        for _ in range(helpers - len(shares)):  # fewer shares than threads taken
+            self._idle_fetchers.release()
+        futures = []
+        for share in shares:
+            future = self._fetchers.submit(self._fetch_share, names[share], views[share], deadline)
+            # Free once the share ended or was cancelled (whenever its caller stopped waiting).
+            future.add_done_callback(lambda _: self._idle_fetchers.release())
+            futures.append(future)
         first = self._fetch_share(names[:step], views[:step], deadline)
         try:
             # Bounded too: a share queued behind another call's would end by that call's

@@ -308,7 +308,10 @@ class RemoteStore(ClosesOnExit):
         for that reason has no holder), so hosts that wait for each other's claims never
         wait in a circle.  One call, under the deadline and the breaker like every other.
         A store without claims (:attr:`supports_claims`) answers every holder ``None``; a
-        failure answers ``(None, None)`` for every key."""
+        failure answers ``(None, None)`` for every key - ``(None, owner)`` where, claiming,
+        it reached the store: its claims may have been taken before the rest of the lookup
+        failed (the reply lost, the reads past the deadline), so they are the owner's to
+        release (:meth:`release_claims` drops only those it holds)."""
         _check_owner(owner)
         # As TieredSenderCache's: a claim that lapses before anyone could wait on it (0 or
         # less would be cut to 1 ms) is no claim, and an infinite one no whole milliseconds.
@@ -319,12 +322,19 @@ class RemoteStore(ClosesOnExit):
         backend = self._backend
         unique = sorted(self._unique(keys))  # one order for every host: see the backend
         ttl_ms = max(1, int(claim_ttl_s * 1000))
-        found = self._call(
-            "get",
-            lambda deadline: backend.read_claiming(unique, owner, claim, ttl_ms, deadline),
-        )
+        reached = False
+
+        def lookup(deadline: float) -> tuple[list[Fetched], list[str | None]]:
+            nonlocal reached
+            reached = True
+            return backend.read_claiming(unique, owner, claim, ttl_ms, deadline)
+
+        found = self._call("get", lookup)
         if found is None:
-            return [(None, None)] * len(keys)
+            # The store runs a claim script to its end once it began, whatever came of the
+            # rest: a caller told nobody holds them would never release claims it holds,
+            # and other hosts would wait on them until they lapse.
+            return [(None, owner if claim and reached else None)] * len(keys)
         values, holders = found
         results = {
             store_key: (self._open(store_key, value), holder)

@@ -325,6 +325,9 @@ class TieredSenderCache(BaseSenderCache):
         results = self.remote.fetch_or_claim(
             hashes, self.host_id, claim=claim, claim_ttl_s=self.claim_ttl_s
         )
+        # A failed lookup names this host the holder of claims it may have taken: noted, so
+        # that they are released, but not counted as taken.
+        failed = self.remote.last_call_failed
         found: set[str] = set()
         elsewhere: list[str] = []
         with self._lock:
@@ -333,7 +336,7 @@ class TieredSenderCache(BaseSenderCache):
                     found.add(h)
                 elif holder == self.host_id:
                     if claim:
-                        self._note_claim(h, counted=h not in retaking)
+                        self._note_claim(h, counted=h not in retaking and not failed)
                 elif holder is not None and h in ours:
                     elsewhere.append(h)
         return found, elsewhere
