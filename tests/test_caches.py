@@ -97,6 +97,46 @@ def test_make_caches_builds_each_mode() -> None:
         make_caches("redis", capacity_gb=1)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("mode", "option", "value"),
+    [
+        ("lru", "max_writers", 2),
+        ("processor_only", "max_writers", 2),
+        ("none", "max_writers", 2),
+        ("lru", "name", "mmcache-mine"),
+        ("lru", "max_object_size_mb", 1),
+        ("processor_only", "prompt_updates_codec", "pickle"),
+        ("shm", "getsizeof", lambda item: 1),
+        ("none", "getsizeof", lambda item: 1),
+    ],
+)
+def test_an_option_the_mode_does_not_have_is_a_value_error_naming_both(
+    mode: str, option: str, value: object
+) -> None:
+    # Was silently ignored: make_caches("lru", max_writers=2) read as frontends sharing a
+    # cache, and an lru pair has no ring to share.
+    with pytest.raises(ValueError, match=rf"^{option}=.* applies to mode .*, not {mode}\b"):
+        make_caches(mode, capacity_gb=0.01, **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["none", "processor_only", "lru", "shm"])
+def test_defaults_passed_explicitly_and_the_worker_count_suit_every_mode(mode: str) -> None:
+    # An engine passes its worker count and the defaults whatever the mode it runs.
+    p0, downstream = make_caches(
+        mode,  # type: ignore[arg-type]
+        capacity_gb=0.01,
+        n_readers=2,
+        max_object_size_mb=128,
+        name=None,
+        max_writers=1,
+        prompt_updates_codec="plain",
+    )
+    if p0 is not None:
+        p0.close()
+    if isinstance(downstream, ReaderHandle):
+        assert downstream.n_readers == 2
+
+
 def test_capacity_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         SenderCache(-1)
