@@ -64,6 +64,10 @@ __all__ = [
 logger = logging.getLogger("mmcache")
 
 GiB = 1 << 30
+MAX_CAPACITY_GB = 1 << 14
+"""The most ``capacity_gb`` any cache takes: 16 TiB, the ring's limit (the core's), more
+memory than one host gives a cache. Above it lies a capacity in bytes mistaken for GiB (of
+any size from 16 KiB): an LRU that never evicts until the process runs out of memory."""
 
 SenderInput: TypeAlias = tuple[Item, Any] | None
 """What P0 passes per item: ``(item, prompt_updates)``, or ``None`` when it believes the
@@ -140,7 +144,7 @@ def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
 
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
-    number; ``TypeError`` unless a number)."""
+    number of at most :data:`MAX_CAPACITY_GB`; ``TypeError`` unless a number)."""
     try:
         valid = capacity_gb >= 0 and math.isfinite(capacity_gb)
     except TypeError:
@@ -151,11 +155,13 @@ def capacity_bytes(capacity_gb: float) -> int:
         valid = True
     if not valid:
         raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
-    # Whole GiB and the fraction apart: `capacity_gb * GiB` is infinite past 1.6e299 GiB (and
-    # int() of it an OverflowError). The fraction is exact and below one, so the bytes are
-    # those of `int(capacity_gb * GiB)` wherever that is finite (lru's mirror relies on it).
-    whole = int(capacity_gb)
-    return whole * GiB + int((capacity_gb - whole) * GiB)
+    if capacity_gb > MAX_CAPACITY_GB:
+        raise ValueError(
+            f"capacity_gb is in GiB: {capacity_gb!r} GiB asked, more than {MAX_CAPACITY_GB} GiB "
+            f"(16 TiB, the most a cache holds); was it given in bytes?"
+        )
+    # Exact: a float times a power of two is (so P0's and P1's lru bounds are the same bytes).
+    return int(capacity_gb * GiB)
 
 
 class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
