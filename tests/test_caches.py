@@ -172,6 +172,18 @@ def test_is_cached_refuses_one_hash_for_a_list(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_is_cached_item_of_a_list_is_a_type_error_naming_mm_hash(mode: str) -> None:
+    # is_cached([h]) carried over to is_cached_item([h]) was "unhashable type: 'list'" in
+    # the LRU modes (shm named the call).
+    p0, _ = make_caches(mode, capacity_gb=gb(4 << 20))  # type: ignore[arg-type]
+    assert p0 is not None
+    with p0:
+        with pytest.raises(TypeError, match=r"^is_cached_item.*mm_hash.*\blist\b"):
+            p0.is_cached_item(["a" * 64])  # type: ignore[arg-type]
+        assert p0.is_cached_item("a" * 64) is False
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_p0_refuses_an_item_that_is_not_a_mapping(mode: str) -> None:
     # An array passed as the item itself: every mode refuses it at P0 (P1's ReceiverCache
     # and the ring would refuse it too, after P0 had counted it as cached).

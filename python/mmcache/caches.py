@@ -583,7 +583,11 @@ class _LruSenderCache(BaseSenderCache):
     def is_cached_item(self, mm_hash: str) -> bool:
         check_mm_hash(mm_hash)  # as the ring's lookup does
         # No lock: one lookup in the LRU's dict, atomic by itself.
-        return mm_hash in self._lru
+        try:
+            return mm_hash in self._lru
+        except TypeError:  # unhashable: is_cached's list, most likely
+            check_mm_hash_type("is_cached_item(mm_hash)", mm_hash)
+            raise
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
