@@ -748,6 +748,43 @@ def test_an_integer_argument_out_of_range_is_a_value_error_naming_it(name: str, 
         ShmObjectStore.create(**{**kwargs, name: 1.5})
 
 
+@pytest.mark.parametrize("value", ["2", 2.0, None])
+@pytest.mark.parametrize(
+    "name", ["capacity", "n_readers", "max_writers", "max_object_size", "max_objects"]
+)
+def test_an_integer_argument_that_is_no_int_is_a_type_error_naming_it(
+    name: str, value: object
+) -> None:
+    # n_readers="2" (from an environment variable or a command line) was PyO3's "'str'
+    # object cannot be interpreted as an integer": its message named no argument (PyO3 puts
+    # the name in a note, which a log of str(error) loses).
+    if value is None and name in ("max_object_size", "max_objects"):
+        return  # None is their default: no limit asked
+
+    def refused(make: Callable[..., object], **kwargs: Any) -> None:
+        with pytest.raises(TypeError) as refusal:
+            make(**kwargs)
+        message = str(refusal.value)
+        assert message.startswith(f"{name} must be an int ("), message
+        assert message.endswith(f"), not {type(value).__name__}"), message
+
+    refused(ShmObjectStore.create, **{"capacity": MiB, name: value})
+    if name in ("n_readers", "max_writers"):
+        refused(ShmSenderCache, capacity_gb=1 / 1024, **{name: value})
+        refused(make_caches, mode="shm", capacity_gb=1 / 1024, **{name: value})
+    for handle, fields in (
+        (_core.ReaderHandle, _READER_FIELDS),
+        (_core.WriterHandle, _WRITER_FIELDS),
+    ):
+        if name in fields:
+            refused(handle, **{**fields, name: value}, secret=_SECRET)
+
+
+def test_an_int_of_another_type_is_an_int() -> None:
+    with ShmSenderCache(1 / 1024, n_readers=np.int64(2), max_writers=np.uint8(3)) as p0:  # type: ignore[arg-type]
+        assert p0.handle().n_readers == 2 and p0.max_writers == 3
+
+
 @pytest.mark.parametrize("monotonic_id", [-1, 2**64])
 def test_a_monotonic_id_out_of_range_is_a_value_error_naming_it(monotonic_id: int) -> None:
     # No object has such an id: it was PyO3's OverflowError, naming nothing.
