@@ -745,6 +745,45 @@ def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> Non
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: str) -> None:
+    # get_and_update_features(feature) was "'Feature' object is not iterable" from deep
+    # inside; one item (a mapping: iterable, over its field names) for a list of items was
+    # "1 items but 2 mm_hashes" at best, "ReceiverCache got a str for h" (a field name as
+    # the item) at worst; one handle to release_handles was "not iterable".
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
+    item = {"x": torch.ones(2)}
+    try:
+        with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one dict"):
+            p0.get_and_update(item, ["h"])  # type: ignore[arg-type]
+        assert not p0.is_cached_item("h")
+        (data, _), *_ = p0.get_and_update([(item, None)], ["h"])
+        if isinstance(p0, ShmSenderCache):
+            with pytest.raises(
+                TypeError, match=r"^release_handles takes a list of handles, not one ShmHandle"
+            ):
+                p0.release_handles(data)  # type: ignore[arg-type]
+        if receiver is None:
+            return
+        one = Feature(data, mm_hash="h", identifier="h")
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features, not one Feature: "
+            r"get_and_update_features\(\[feature\]\)",
+        ):
+            receiver.get_and_update_features(one)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one"):
+            receiver.get_and_update(data if data is not None else item, ["h"])
+        [resolved] = receiver.get_and_update_features([one])  # nothing was consumed
+        assert torch.equal(resolved.data["x"], item["x"])
+    finally:
+        p0.close()
+        if receiver is not None:
+            receiver.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> None:
     # get_and_update_item(mm_hash, item), the arguments swapped, was "unhashable type:
     # 'dict'" (LRU) or "'tuple' object is not an instance of 'str'" (shm); a list of hashes

@@ -93,11 +93,31 @@ def _gib(n_bytes: float) -> str:
 
 
 def check_list(values: object, method: str, what: str, one: str) -> None:
-    """``TypeError`` for one str (or bytes) where ``method`` takes a list of ``what``: it is
-    iterable too, and would be read as a list of one-character ``what`` (``one``: the call
-    meant)."""
-    if isinstance(values, str | bytes):
-        raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
+    """``TypeError`` for one value where ``method`` takes a list of ``what`` (``one``: the
+    call meant): one str (or bytes), which is iterable too and would be read as a list of
+    one-character ``what``, or anything not iterable (one feature, one handle), which would
+    fail as "not iterable" deep inside."""
+    if not isinstance(values, str | bytes):
+        try:
+            iter(values)  # type: ignore[call-overload]
+            return
+        except TypeError:
+            pass
+    raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
+
+
+def _one_item_call(method: str) -> str:
+    """The calls meant by one item for batched ``method``'s list."""
+    return f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+
+
+def check_item_list(items: object, method: str) -> None:
+    """:func:`check_list` for the ``items`` of ``method``, where one item (a mapping) is
+    refused too: it is iterable, over its field names."""
+    one = _one_item_call(method)
+    if isinstance(items, Mapping):
+        raise TypeError(f"{method} takes a list of items, not one {type(items).__name__}: {one}")
+    check_list(items, method, "items", one)
 
 
 def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
@@ -105,9 +125,16 @@ def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None
     one = (
         "is_cached([mm_hash]) or is_cached_item(mm_hash)"
         if method == "is_cached"
-        else f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+        else _one_item_call(method)
     )
     check_list(mm_hashes, method, "mm_hashes", one)
+
+
+def check_feature_list(features: object) -> None:
+    """:func:`check_list` for the ``features`` of ``get_and_update_features``."""
+    check_list(
+        features, "get_and_update_features", "features", "get_and_update_features([feature])"
+    )
 
 
 def unstorable_hash(mm_hash: str) -> ValueError:
@@ -201,6 +228,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         order.  What the request touched stays protected until it is done (until
         :meth:`end_request` when called inside an open request); if it raises, whatever its
         earlier outputs hold is given back first."""
+        check_item_list(items, "get_and_update")
         check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
@@ -465,6 +493,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         except in caches that hold no state of their own to guard
         (:class:`~mmcache.shm_receiver.ShmReceiverCache`, whose threads resolve in parallel).
         """
+        check_feature_list(features)
         keys = [f.mm_hash or f.identifier for f in features]
 
         def deliver(i: int, data: Any) -> None:
@@ -478,6 +507,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (every item, every miss in one :class:`CacheMissError`): stopping at the first miss,
         as the senders' batched call does, would leave the rest of the request unapplied
         here (and, in ``shm``, its handles unread, pinning their objects)."""
+        check_item_list(items, "get_and_update")
         check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
