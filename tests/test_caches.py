@@ -104,7 +104,7 @@ def test_make_caches_builds_each_mode() -> None:
         ("processor_only", "max_writers", 2),
         ("none", "max_writers", 2),
         ("lru", "name", "mmcache-mine"),
-        ("lru", "max_object_size_mb", 1),
+        ("processor_only", "name", "mmcache-mine"),
         ("processor_only", "prompt_updates_codec", "pickle"),
         ("shm", "getsizeof", lambda item: 1),
         ("none", "getsizeof", lambda item: 1),
@@ -120,13 +120,14 @@ def test_an_option_the_mode_does_not_have_is_a_value_error_naming_both(
 
 
 @pytest.mark.parametrize("mode", ["none", "processor_only", "lru", "shm"])
-def test_defaults_passed_explicitly_and_the_worker_count_suit_every_mode(mode: str) -> None:
-    # An engine passes its worker count and the defaults whatever the mode it runs.
+def test_defaults_passed_explicitly_and_specs_options_suit_every_mode(mode: str) -> None:
+    # Engine code passes its worker count, an object size (SPEC's factory signature has both)
+    # and the defaults whatever the mode it runs.
     p0, downstream = make_caches(
         mode,  # type: ignore[arg-type]
         capacity_gb=0.01,
         n_readers=2,
-        max_object_size_mb=128,
+        max_object_size_mb=1,
         name=None,
         max_writers=1,
         prompt_updates_codec="plain",

@@ -20,9 +20,9 @@ __all__ = ["MODES", "Mode", "make_caches"]
 Mode: TypeAlias = Literal["none", "processor_only", "lru", "shm"]
 MODES: tuple[Mode, ...] = ("none", "processor_only", "lru", "shm")
 
-# The modes each option of `make_caches` applies to (`n_readers`: all of them, below).
+# The modes each option of `make_caches` applies to.  SPEC's two, `n_readers` and
+# `max_object_size_mb`, suit every mode (engine code passes them whatever the mode it runs).
 _APPLIES_TO: dict[str, tuple[Mode, ...]] = {
-    "max_object_size_mb": ("shm",),
     "name": ("shm",),
     "max_writers": ("shm",),
     "prompt_updates_codec": ("shm",),
@@ -66,8 +66,8 @@ def make_caches(
     ``none`` has no P0 cache to put it in (``ValueError``).  ``ValueError`` for an unknown
     mode, and for an option given a value other than its default in a mode it does not
     apply to (``make_caches("lru", ..., max_writers=2)`` shares nothing: an lru pair has no
-    ring); ``n_readers`` suits every mode (an engine passes its worker count whatever the
-    mode).
+    ring); ``n_readers`` and ``max_object_size_mb`` (the factory's first options) suit
+    every mode (engine code passes them whatever the mode it runs).
 
     Safe to call from several threads, and every cache it returns may be shared by threads
     (see "Threads" in :mod:`mmcache.caches`; the
@@ -78,7 +78,6 @@ def make_caches(
     # Refused rather than ignored: the caller expects what the option does (frontends
     # sharing a ring, a size function), and the mode would silently not do it.
     options = {
-        "max_object_size_mb": max_object_size_mb,
         "name": name,
         "max_writers": max_writers,
         "prompt_updates_codec": prompt_updates_codec,
