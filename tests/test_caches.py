@@ -97,6 +97,47 @@ def test_make_caches_builds_each_mode() -> None:
         make_caches("redis", capacity_gb=1)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("mode", "option", "value"),
+    [
+        ("lru", "max_writers", 2),
+        ("processor_only", "max_writers", 2),
+        ("none", "max_writers", 2),
+        ("lru", "name", "mmcache-mine"),
+        ("processor_only", "name", "mmcache-mine"),
+        ("processor_only", "prompt_updates_codec", "pickle"),
+        ("shm", "getsizeof", lambda item: 1),
+        ("none", "getsizeof", lambda item: 1),
+    ],
+)
+def test_an_option_the_mode_does_not_have_is_a_value_error_naming_both(
+    mode: str, option: str, value: object
+) -> None:
+    # Was silently ignored: make_caches("lru", max_writers=2) read as frontends sharing a
+    # cache, and an lru pair has no ring to share.
+    with pytest.raises(ValueError, match=rf"^{option}=.* applies to mode .*, not {mode}\b"):
+        make_caches(mode, capacity_gb=0.01, **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["none", "processor_only", "lru", "shm"])
+def test_defaults_passed_explicitly_and_specs_options_suit_every_mode(mode: str) -> None:
+    # Engine code passes its worker count, an object size (SPEC's factory signature has both)
+    # and the defaults whatever the mode it runs.
+    p0, downstream = make_caches(
+        mode,  # type: ignore[arg-type]
+        capacity_gb=0.01,
+        n_readers=2,
+        max_object_size_mb=1,
+        name=None,
+        max_writers=1,
+        prompt_updates_codec="plain",
+    )
+    if p0 is not None:
+        p0.close()
+    if isinstance(downstream, ReaderHandle):
+        assert downstream.n_readers == 2
+
+
 def test_capacity_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         SenderCache(-1)
@@ -129,6 +170,18 @@ def test_is_cached_refuses_one_hash_for_a_list(mode: str) -> None:
             with pytest.raises(TypeError, match="a list of mm_hashes"):
                 p0.is_cached(one)  # type: ignore[arg-type]
         assert p0.is_cached(["a" * 64]) == [False]
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_is_cached_item_of_a_list_is_a_type_error_naming_mm_hash(mode: str) -> None:
+    # is_cached([h]) carried over to is_cached_item([h]) was "unhashable type: 'list'" in
+    # the LRU modes (shm named the call).
+    p0, _ = make_caches(mode, capacity_gb=gb(4 << 20))  # type: ignore[arg-type]
+    assert p0 is not None
+    with p0:
+        with pytest.raises(TypeError, match=r"^is_cached_item.*mm_hash.*\blist\b"):
+            p0.is_cached_item(["a" * 64])  # type: ignore[arg-type]
+        assert p0.is_cached_item("a" * 64) is False
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
@@ -686,6 +739,45 @@ def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> Non
             with pytest.raises(TypeError, match="get_and_update takes a list of mm_hashes"):
                 receiver.get_and_update([{"x": torch.ones(2)}, None], "xy")
             assert "x" not in receiver._lru
+    finally:
+        p0.close()
+        if receiver is not None:
+            receiver.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: str) -> None:
+    # get_and_update_features(feature) was "'Feature' object is not iterable" from deep
+    # inside; one item (a mapping: iterable, over its field names) for a list of items was
+    # "1 items but 2 mm_hashes" at best, "ReceiverCache got a str for h" (a field name as
+    # the item) at worst; one handle to release_handles was "not iterable".
+    p0, downstream = make_caches(mode, capacity_gb=0.01)
+    assert p0 is not None
+    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
+    item = {"x": torch.ones(2)}
+    try:
+        with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one dict"):
+            p0.get_and_update(item, ["h"])  # type: ignore[arg-type]
+        assert not p0.is_cached_item("h")
+        (data, _), *_ = p0.get_and_update([(item, None)], ["h"])
+        if isinstance(p0, ShmSenderCache):
+            with pytest.raises(
+                TypeError, match=r"^release_handles takes a list of handles, not one ShmHandle"
+            ):
+                p0.release_handles(data)  # type: ignore[arg-type]
+        if receiver is None:
+            return
+        one = Feature(data, mm_hash="h", identifier="h")
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features, not one Feature: "
+            r"get_and_update_features\(\[feature\]\)",
+        ):
+            receiver.get_and_update_features(one)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one"):
+            receiver.get_and_update(data if data is not None else item, ["h"])
+        [resolved] = receiver.get_and_update_features([one])  # nothing was consumed
+        assert torch.equal(resolved.data["x"], item["x"])
     finally:
         p0.close()
         if receiver is not None:

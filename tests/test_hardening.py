@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -642,30 +643,33 @@ def test_inspect_of_something_that_is_not_a_segment_fails_in_one_line(
 @pytest.mark.parametrize("capacity_gb", [float("inf"), float("nan"), -1.0, 1e30])
 def test_capacities_that_are_not_sizes_are_value_errors(capacity_gb: float) -> None:
     for mode in ("processor_only", "lru", "shm"):
-        if mode != "shm" and capacity_gb == 1e30:
-            continue  # a huge LRU bound is a bound
         with pytest.raises(ValueError, match="capacity_gb"):
             make_caches(mode, capacity_gb=capacity_gb)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("capacity_gb", [1e300, 2**2000])
-def test_a_capacity_beyond_what_a_float_can_scale_is_a_bound_or_a_value_error(
-    capacity_gb: float,
+@pytest.mark.parametrize(
+    "capacity_gb", [4 << 30, 2**40, 16384.5, 1e300, pytest.param(2**2000, id="2**2000")]
+)
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_capacity_in_bytes_is_a_value_error_saying_capacity_gb_is_in_gib(
+    mode: str, capacity_gb: float
 ) -> None:
-    # Finite, but its bytes are past the largest float (1e300 GiB) or an int too large to
-    # become one: an LRU takes it as the bound it is, the ring refuses it naming capacity_gb
-    # (both were an OverflowError from deep inside: "cannot convert float infinity").
-    sender, downstream = make_caches("lru", capacity_gb=capacity_gb)
+    # capacity_gb=4 << 30 (4 GiB, in bytes) was a 4 EiB LRU, which never evicts and so grows
+    # until the process runs out of memory, and for shm the core's "capacity
+    # 4611686018427387904 is too large (at most 17592186044416 bytes)", naming no argument
+    # the caller passed. A bound past 2**44 bytes (the ring's) is no cache of one host.
+    message = f"^capacity_gb is in GiB: {re.escape(repr(capacity_gb))} GiB asked, more than 16384"
+    with pytest.raises(ValueError, match=message):
+        make_caches(mode, capacity_gb=capacity_gb)  # type: ignore[arg-type]
+
+
+def test_the_largest_capacity_is_the_rings_and_sizes_stay_exact() -> None:
+    # 16 TiB is a bound an LRU takes (the ring would need /dev/shm to hold it).
+    sender, downstream = make_caches("lru", capacity_gb=16384)
     assert isinstance(sender, SenderCache) and isinstance(downstream, ReceiverCache)
-    assert sender.get_and_update_item(({"x": torch.ones(4)}, "u"), "h")[0] is not None
-    assert sender.is_cached_item("h")
+    assert sender.stats()["capacity_bytes"] == 2**44
     sender.close()
     downstream.close()
-    with make_caches("processor_only", capacity_gb=capacity_gb)[0] as p0:  # type: ignore[union-attr]
-        p0.get_and_update_item(({"x": torch.ones(4)}, "u"), "h")
-        assert p0.is_cached_item("h")
-    with pytest.raises(ValueError, match="capacity_gb"):
-        make_caches("shm", capacity_gb=capacity_gb)
     # The usual sizes are still the same bytes, to the byte (P0 and P1 of lru mirror them).
     assert capacity_bytes(0.5) == GiB // 2 and capacity_bytes(1.75) == 7 * GiB // 4
     assert capacity_bytes(3) == 3 * GiB and capacity_bytes(1e-9) == int(1e-9 * GiB)
@@ -742,6 +746,43 @@ def test_an_integer_argument_out_of_range_is_a_value_error_naming_it(name: str, 
     # Not an int at all stays a TypeError that names the argument.
     with pytest.raises(TypeError, match=name):
         ShmObjectStore.create(**{**kwargs, name: 1.5})
+
+
+@pytest.mark.parametrize("value", ["2", 2.0, None])
+@pytest.mark.parametrize(
+    "name", ["capacity", "n_readers", "max_writers", "max_object_size", "max_objects"]
+)
+def test_an_integer_argument_that_is_no_int_is_a_type_error_naming_it(
+    name: str, value: object
+) -> None:
+    # n_readers="2" (from an environment variable or a command line) was PyO3's "'str'
+    # object cannot be interpreted as an integer": its message named no argument (PyO3 puts
+    # the name in a note, which a log of str(error) loses).
+    if value is None and name in ("max_object_size", "max_objects"):
+        return  # None is their default: no limit asked
+
+    def refused(make: Callable[..., object], **kwargs: Any) -> None:
+        with pytest.raises(TypeError) as refusal:
+            make(**kwargs)
+        message = str(refusal.value)
+        assert message.startswith(f"{name} must be an int ("), message
+        assert message.endswith(f"), not {type(value).__name__}"), message
+
+    refused(ShmObjectStore.create, **{"capacity": MiB, name: value})
+    if name in ("n_readers", "max_writers"):
+        refused(ShmSenderCache, capacity_gb=1 / 1024, **{name: value})
+        refused(make_caches, mode="shm", capacity_gb=1 / 1024, **{name: value})
+    for handle, fields in (
+        (_core.ReaderHandle, _READER_FIELDS),
+        (_core.WriterHandle, _WRITER_FIELDS),
+    ):
+        if name in fields:
+            refused(handle, **{**fields, name: value}, secret=_SECRET)
+
+
+def test_an_int_of_another_type_is_an_int() -> None:
+    with ShmSenderCache(1 / 1024, n_readers=np.int64(2), max_writers=np.uint8(3)) as p0:  # type: ignore[arg-type]
+        assert p0.handle().n_readers == 2 and p0.max_writers == 3
 
 
 @pytest.mark.parametrize("monotonic_id", [-1, 2**64])

@@ -1429,6 +1429,22 @@ def test_make_caches_puts_the_p0_cache_of_a_mode_behind_the_tier(
     assert p0.remote.get(key(1)) is None and p0.remote.stats()["skipped"] == 1  # closed with it
 
 
+def test_one_item_or_hash_where_a_request_takes_a_list_is_a_type_error(
+    server: LocalServer, namespace: str
+) -> None:
+    # The tier zipped them before its local cache checked: one item for a list was "1
+    # items but 2 mm_hashes" (or a field name taken for an item), a str "xy" two hashes.
+    with TieredSenderCache(SenderCache(0.01), open_store(server.url, namespace)) as p0:
+        item = {"x": torch.ones(2)}
+        with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one dict"):
+            p0.get_and_update(item, ["h"])  # type: ignore[arg-type]
+        pairs = [(item, None), (item, None)]
+        with pytest.raises(TypeError, match=r"^get_and_update takes a list of mm_hashes, not one"):
+            p0.get_and_update(pairs, "xy")
+        assert p0.is_cached(["h", "x", "y"]) == [False] * 3
+        assert p0.get_and_update([(item, None)], ["h"])[0][0] is item
+
+
 def test_the_readme_example_runs_against_a_real_server(
     server: LocalServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

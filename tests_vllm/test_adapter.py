@@ -513,3 +513,40 @@ def test_lru_mode_stays_mirrored_when_a_requests_new_items_evict_each_other() ->
         sent_again = vllm_p0_request(p0, [h], truth)
         p1.get_and_update_features([feature(sent_again[0], h)])
     assert p0._sender.keys() == p1._receiver.keys()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_one_feature_or_item_where_vllm_passes_a_list_is_a_type_error(mode: str) -> None:
+    # get_and_update_features(feature), one MultiModalFeatureSpec for the request's list,
+    # was "'MultiModalFeatureSpec' object is not iterable" from deep inside; one item for
+    # get_and_update's list was "5 items but 1 mm_hashes" (its field names taken for items).
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = (
+        engine_receiver_cache_from_config(config)
+        if mode == "lru"
+        else worker_receiver_cache_from_config(config, LOCK)
+    )
+    item = kwargs_item(1)
+    try:
+        with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one"):
+            p0.get_and_update(item, ["h"])
+        assert p0.is_cached(["h"]) == [False]
+        [(data, _)] = p0.get_and_update([(item, [])], ["h"])
+        one = feature(data if data is not None else item, "h")
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features, not one "
+            r"MultiModalFeatureSpec: get_and_update_features\(\[feature\]\)",
+        ):
+            p1.get_and_update_features(one)
+        with pytest.raises(
+            TypeError, match=r"^get_and_update takes a list of items, not one MultiModalKwargsItem"
+        ):
+            p1.get_and_update(one.data, ["h"])
+        [resolved] = p1.get_and_update_features([one])  # nothing was consumed
+        assert same_item(item, resolved.data)
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()

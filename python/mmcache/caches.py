@@ -64,6 +64,10 @@ __all__ = [
 logger = logging.getLogger("mmcache")
 
 GiB = 1 << 30
+MAX_CAPACITY_GB = 1 << 14
+"""The most ``capacity_gb`` any cache takes: 16 TiB, the ring's limit (the core's), more
+memory than one host gives a cache. Above it lies a capacity in bytes mistaken for GiB (of
+any size from 16 KiB): an LRU that never evicts until the process runs out of memory."""
 
 SenderInput: TypeAlias = tuple[Item, Any] | None
 """What P0 passes per item: ``(item, prompt_updates)``, or ``None`` when it believes the
@@ -89,11 +93,31 @@ def _gib(n_bytes: float) -> str:
 
 
 def check_list(values: object, method: str, what: str, one: str) -> None:
-    """``TypeError`` for one str (or bytes) where ``method`` takes a list of ``what``: it is
-    iterable too, and would be read as a list of one-character ``what`` (``one``: the call
-    meant)."""
-    if isinstance(values, str | bytes):
-        raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
+    """``TypeError`` for one value where ``method`` takes a list of ``what`` (``one``: the
+    call meant): one str (or bytes), which is iterable too and would be read as a list of
+    one-character ``what``, or anything not iterable (one feature, one handle), which would
+    fail as "not iterable" deep inside."""
+    if not isinstance(values, str | bytes):
+        try:
+            iter(values)  # type: ignore[call-overload]
+            return
+        except TypeError:
+            pass
+    raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
+
+
+def _one_item_call(method: str) -> str:
+    """The calls meant by one item for batched ``method``'s list."""
+    return f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+
+
+def check_item_list(items: object, method: str) -> None:
+    """:func:`check_list` for the ``items`` of ``method``, where one item (a mapping) is
+    refused too: it is iterable, over its field names."""
+    one = _one_item_call(method)
+    if isinstance(items, Mapping):
+        raise TypeError(f"{method} takes a list of items, not one {type(items).__name__}: {one}")
+    check_list(items, method, "items", one)
 
 
 def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
@@ -101,9 +125,16 @@ def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None
     one = (
         "is_cached([mm_hash]) or is_cached_item(mm_hash)"
         if method == "is_cached"
-        else f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+        else _one_item_call(method)
     )
     check_list(mm_hashes, method, "mm_hashes", one)
+
+
+def check_feature_list(features: object) -> None:
+    """:func:`check_list` for the ``features`` of ``get_and_update_features``."""
+    check_list(
+        features, "get_and_update_features", "features", "get_and_update_features([feature])"
+    )
 
 
 def unstorable_hash(mm_hash: str) -> ValueError:
@@ -140,7 +171,7 @@ def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
 
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
-    number; ``TypeError`` unless a number)."""
+    number of at most :data:`MAX_CAPACITY_GB`; ``TypeError`` unless a number)."""
     try:
         valid = capacity_gb >= 0 and math.isfinite(capacity_gb)
     except TypeError:
@@ -151,11 +182,13 @@ def capacity_bytes(capacity_gb: float) -> int:
         valid = True
     if not valid:
         raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
-    # Whole GiB and the fraction apart: `capacity_gb * GiB` is infinite past 1.6e299 GiB (and
-    # int() of it an OverflowError). The fraction is exact and below one, so the bytes are
-    # those of `int(capacity_gb * GiB)` wherever that is finite (lru's mirror relies on it).
-    whole = int(capacity_gb)
-    return whole * GiB + int((capacity_gb - whole) * GiB)
+    if capacity_gb > MAX_CAPACITY_GB:
+        raise ValueError(
+            f"capacity_gb is in GiB: {capacity_gb!r} GiB asked, more than {MAX_CAPACITY_GB} GiB "
+            f"(16 TiB, the most a cache holds); was it given in bytes?"
+        )
+    # Exact: a float times a power of two is (so P0's and P1's lru bounds are the same bytes).
+    return int(capacity_gb * GiB)
 
 
 class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
@@ -195,6 +228,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         order.  What the request touched stays protected until it is done (until
         :meth:`end_request` when called inside an open request); if it raises, whatever its
         earlier outputs hold is given back first."""
+        check_item_list(items, "get_and_update")
         check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
@@ -459,6 +493,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         except in caches that hold no state of their own to guard
         (:class:`~mmcache.shm_receiver.ShmReceiverCache`, whose threads resolve in parallel).
         """
+        check_feature_list(features)
         keys = [f.mm_hash or f.identifier for f in features]
 
         def deliver(i: int, data: Any) -> None:
@@ -472,6 +507,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (every item, every miss in one :class:`CacheMissError`): stopping at the first miss,
         as the senders' batched call does, would leave the rest of the request unapplied
         here (and, in ``shm``, its handles unread, pinning their objects)."""
+        check_item_list(items, "get_and_update")
         check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
@@ -577,7 +613,11 @@ class _LruSenderCache(BaseSenderCache):
     def is_cached_item(self, mm_hash: str) -> bool:
         check_mm_hash(mm_hash)  # as the ring's lookup does
         # No lock: one lookup in the LRU's dict, atomic by itself.
-        return mm_hash in self._lru
+        try:
+            return mm_hash in self._lru
+        except TypeError:  # unhashable: is_cached's list, most likely
+            check_mm_hash_type("is_cached_item(mm_hash)", mm_hash)
+            raise
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a

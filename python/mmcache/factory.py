@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
@@ -18,6 +19,15 @@ __all__ = ["MODES", "Mode", "make_caches"]
 
 Mode: TypeAlias = Literal["none", "processor_only", "lru", "shm"]
 MODES: tuple[Mode, ...] = ("none", "processor_only", "lru", "shm")
+
+# The modes each option of `make_caches` applies to.  SPEC's two, `n_readers` and
+# `max_object_size_mb`, suit every mode (engine code passes them whatever the mode it runs).
+_APPLIES_TO: dict[str, tuple[Mode, ...]] = {
+    "name": ("shm",),
+    "max_writers": ("shm",),
+    "prompt_updates_codec": ("shm",),
+    "getsizeof": ("processor_only", "lru"),
+}
 
 
 def make_caches(
@@ -54,7 +64,10 @@ def make_caches(
     that mode's P0 cache behind the shared remote tier (a
     :class:`~mmcache.remote.TieredSenderCache`; it closes the store with itself); mode
     ``none`` has no P0 cache to put it in (``ValueError``).  ``ValueError`` for an unknown
-    mode.
+    mode, and for an option given a value other than its default in a mode it does not
+    apply to (``make_caches("lru", ..., max_writers=2)`` shares nothing: an lru pair has no
+    ring); ``n_readers`` and ``max_object_size_mb`` (the factory's first options) suit
+    every mode (engine code passes them whatever the mode it runs).
 
     Safe to call from several threads, and every cache it returns may be shared by threads
     (see "Threads" in :mod:`mmcache.caches`; the
@@ -62,6 +75,21 @@ def make_caches(
     """
     if mode not in MODES:
         raise ValueError(f"unknown cache mode {mode!r}; expected one of {', '.join(MODES)}")
+    # Refused rather than ignored: the caller expects what the option does (frontends
+    # sharing a ring, a size function), and the mode would silently not do it.
+    options = {
+        "name": name,
+        "max_writers": max_writers,
+        "prompt_updates_codec": prompt_updates_codec,
+        "getsizeof": getsizeof,
+    }
+    for option, value in options.items():
+        modes = _APPLIES_TO[option]
+        default = _DEFAULTS[option]
+        if mode not in modes and value is not default and value != default:
+            raise ValueError(
+                f"{option}={value!r} applies to mode {' and '.join(modes)} only, not {mode}"
+            )
     if remote is not None and mode == "none":
         raise ValueError("a remote tier needs a P0 cache: use mode processor_only, lru or shm")
     sender: BaseSenderCache | None
@@ -92,3 +120,7 @@ def make_caches(
             sender.close()
             raise
     return sender, downstream
+
+
+# An option at its default was not asked for, whatever the mode.
+_DEFAULTS = {name: p.default for name, p in inspect.signature(make_caches).parameters.items()}

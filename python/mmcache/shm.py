@@ -162,8 +162,6 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             raise ValueError(
                 f"capacity_gb must be positive for a shared-memory ring, not {capacity_gb!r}"
             )
-        if capacity >= 2**64:
-            raise ValueError(f"capacity_gb={capacity_gb!r} is more shared memory than any host has")
         store = ShmObjectStore.create(
             capacity,
             n_readers=n_readers,

@@ -2,14 +2,17 @@
 //!
 //! PyO3 turns a Python int that does not fit the Rust type (`-1` for a `u64`, `2**70`) into an
 //! `OverflowError` that names neither the argument nor what it takes ("can't convert negative
-//! int to unsigned", "out of range integral type conversion attempted"). `Int<A>` is a `u64`
-//! argument whose out-of-range value is a `ValueError` saying which argument and what range,
-//! like the core's own refusals of in-range values; anything that is not an int stays
-//! PyO3's `TypeError`, which names the argument.
+//! int to unsigned", "out of range integral type conversion attempted"), and anything that is
+//! not an int (`n_readers="2"`, read from an environment variable) into a `TypeError` whose
+//! message names no argument either ("'str' object cannot be interpreted as an integer": PyO3
+//! names it in a note, which a log of the message loses). `Int<A>` is a `u64` argument whose
+//! out-of-range value is a `ValueError` saying which argument and what range, like the core's
+//! own refusals of in-range values, and whose value of another type is a `TypeError` saying
+//! the same.
 
 use std::marker::PhantomData;
 
-use pyo3::exceptions::{PyOverflowError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 /// The name of an integer argument and the values it takes, for its error message.
@@ -49,6 +52,14 @@ impl<'a, 'py, A: Named> FromPyObject<'a, 'py> for Int<A> {
             Ok(value) => Ok(Int::new(value)),
             Err(err) if err.is_instance_of::<PyOverflowError>(obj.py()) => {
                 Err(out_of_range::<A>(&*obj))
+            }
+            Err(err) if err.is_instance_of::<PyTypeError>(obj.py()) => {
+                Err(PyTypeError::new_err(format!(
+                    "{} must be an int ({}), not {}",
+                    A::NAME,
+                    A::RANGE,
+                    obj.get_type().qualname()?
+                )))
             }
             Err(err) => Err(err),
         }

@@ -77,7 +77,13 @@ from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
+from mmcache.caches import (
+    BaseSenderCache,
+    SenderInput,
+    SenderOutput,
+    check_hash_list,
+    check_item_list,
+)
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.protection import Holds, RequestState
@@ -385,6 +391,9 @@ class TieredSenderCache(BaseSenderCache):
     def get_and_update(
         self, items: Sequence[SenderInput], mm_hashes: Sequence[str]
     ) -> list[SenderOutput]:
+        # Before the zips below, which would read one item's field names as items.
+        check_item_list(items, "get_and_update")
+        check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         return self._update(

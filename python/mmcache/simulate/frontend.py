@@ -558,7 +558,9 @@ def frontend_main(
                 capacity_gb=config.capacity_gb,
                 n_readers=config.workers,
                 name=ring,
-                max_writers=config.frontends,
+                # Several frontends share one store in mode shm only; in the others each
+                # has its own cache (refused by make_caches if asked to share).
+                max_writers=config.frontends if config.mode == "shm" else 1,
             )
             setup["downstream"] = pickle.dumps(downstream)
             if config.frontends > 1 and isinstance(local, ShmSenderCache):

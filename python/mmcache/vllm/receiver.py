@@ -27,7 +27,7 @@ from vllm.utils.platform_utils import is_pin_memory_available
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle
-from mmcache.caches import ReceiverCache
+from mmcache.caches import ReceiverCache, check_feature_list, check_hash_list, check_item_list
 from mmcache.errors import StaleHandleError
 from mmcache.items import Feature, ShmHandle, item_size
 from mmcache.shm import ShmReceiverCache
@@ -61,6 +61,7 @@ class MmcacheLruReceiverCache(LruKeyReplicatedReceiverCache):  # type: ignore[mi
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
         """Resolve the request's features (in prompt order), then settle the recency of its
         items as P0 settled it (P0 updated them modality by modality): the mirror holds."""
+        check_feature_list(mm_features)  # before the settling below iterates them
         # One step for the cache: no other thread's request between the two.
         with self._receiver._lock:
             try:
@@ -191,6 +192,7 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
         """Resolve every feature that carries data, in place (``None``: a payload the
         scheduler stripped, nothing to read)."""
+        check_feature_list(mm_features)
         with_data = [f for f in mm_features if f.data is not None]
         resolving = [
             Feature(
@@ -216,6 +218,8 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         resolves features: every handle is read (vLLM's base class stopped at the first
         miss, leaving the handles after it unread, pinning their objects in the ring) and a
         miss lists every missing hash.  ``ValueError`` when the lengths differ."""
+        check_item_list(mm_items, "get_and_update")
+        check_hash_list(mm_hashes, "get_and_update")
         if len(mm_items) != len(mm_hashes):
             raise ValueError(f"{len(mm_items)} items but {len(mm_hashes)} mm_hashes")
         features = [

@@ -44,7 +44,7 @@ from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
 from vllm.utils.cache import CacheInfo as VllmCacheInfo
 
 from mmcache._core import WriterHandle
-from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache
+from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache, check_item_list
 from mmcache.errors import ShmTooSmallError
 from mmcache.items import ShmHandle
 from mmcache.shm import ShmSenderCache
@@ -240,6 +240,7 @@ class _SenderAdapter:
 
     def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
         """One request: every item is updated or none (a miss lists every missing hash)."""
+        check_item_list(mm_items, "get_and_update")  # before the conversion iterates them
         with vllm_errors():
             outputs = self._sender.get_and_update(
                 [self._to_mmcache(item) for item in mm_items], mm_hashes
