@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -745,17 +746,29 @@ def test_one_hash_where_a_request_takes_a_list_is_a_type_error(mode: str) -> Non
             receiver.close()
 
 
+@contextmanager
+def cache_pair(mode: str) -> Iterator[tuple[BaseSenderCache, BaseReceiverCache | None]]:
+    """``mode``'s P0 cache (0.01 GiB) and its receiver (a worker's, in ``shm``; ``None``
+    where the mode has none), both closed after."""
+    p0, downstream = make_caches(mode, capacity_gb=0.01)  # type: ignore[arg-type]
+    assert p0 is not None
+    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
+    try:
+        yield p0, receiver
+    finally:
+        if receiver is not None:
+            receiver.close()
+        p0.close()
+
+
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: str) -> None:
     # get_and_update_features(feature) was "'Feature' object is not iterable" from deep
     # inside; one item (a mapping: iterable, over its field names) for a list of items was
     # "1 items but 2 mm_hashes" at best, "ReceiverCache got a str for h" (a field name as
     # the item) at worst; one handle to release_handles was "not iterable".
-    p0, downstream = make_caches(mode, capacity_gb=0.01)
-    assert p0 is not None
-    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
     item = {"x": torch.ones(2)}
-    try:
+    with cache_pair(mode) as (p0, receiver):
         with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one dict"):
             p0.get_and_update(item, ["h"])  # type: ignore[arg-type]
         assert not p0.is_cached_item("h")
@@ -778,10 +791,6 @@ def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: 
             receiver.get_and_update(data if data is not None else item, ["h"])
         [resolved] = receiver.get_and_update_features([one])  # nothing was consumed
         assert torch.equal(resolved.data["x"], item["x"])
-    finally:
-        p0.close()
-        if receiver is not None:
-            receiver.close()
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
@@ -789,11 +798,8 @@ def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> No
     # get_and_update_item(mm_hash, item), the arguments swapped, was "unhashable type:
     # 'dict'" (LRU) or "'tuple' object is not an instance of 'str'" (shm); a list of hashes
     # passed to touch_sender_cache_item or invalidate was "unhashable type: 'list'".
-    p0, downstream = make_caches(mode, capacity_gb=0.01)
-    assert p0 is not None
     item = {"x": torch.ones(2)}
-    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
-    try:
+    with cache_pair(mode) as (p0, receiver):
         p0.touch_sender_cache_item("a")  # a pin held (shm): the swapped call must not hide it
         p0.get_and_update_item((item, None), "a")
         with pytest.raises(
@@ -814,10 +820,6 @@ def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> No
                 TypeError, match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str"
             ):
                 receiver.get_and_update_item("a", item)
-    finally:
-        if receiver is not None:
-            receiver.close()
-        p0.close()
 
 
 def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
@@ -833,19 +835,13 @@ def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
 def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> None:
     # P0 returns (data, prompt_updates) per item; a Feature built with the whole pair was
     # "ReceiverCache got a tuple for a", which did not say what to send instead.
-    p0, downstream = make_caches(mode, capacity_gb=0.01)
-    assert p0 is not None
-    receiver = ShmReceiverCache(downstream) if isinstance(downstream, ReaderHandle) else downstream
-    assert receiver is not None
-    try:
+    with cache_pair(mode) as (p0, receiver):
+        assert receiver is not None
         output = p0.get_and_update_item(({"x": torch.ones(2)}, ["<image>"]), "a")
         with pytest.raises(TypeError, match=r"P0's output is \(data, prompt_updates\)"):
             receiver.get_and_update_features([Feature(data=output, mm_hash="a")])
         [feature] = receiver.get_and_update_features([Feature(data=output[0], mm_hash="a")])
         assert torch.equal(feature.data["x"], torch.ones(2))
-    finally:
-        receiver.close()
-        p0.close()
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
