@@ -1,16 +1,21 @@
-//! What any writer does to the whole store: invalidating a key, clearing everything, and the
-//! statistics (under the ring lock and the index lock; `invalidate` under the index lock).
+//! What any writer does to the whole store: invalidating a key, clearing everything (under
+//! the ring lock and the index lock; `invalidate` under the index lock), and the statistics
+//! (the ring counted in slices, the ring lock given back between two).
 
 use std::sync::atomic::{Ordering, fence};
 
 use super::super::index::{Found, Seen};
-use super::super::ring::Census;
+use super::super::ring::{Census, Walk};
 use super::super::{Stats, crash, update_word};
 use super::Writer;
 use crate::error::Result;
 use crate::layout::{
     BlockKind, BlockState, Counter, PinWord, SlotState, SlotWord, WriterId, chunk,
 };
+
+/// Blocks `stats` counts under one hold of the ring lock (~20 µs: no longer than a buffer's
+/// refill holds it).
+const STATS_SLICE: usize = 128;
 
 impl Writer {
     /// Forget `key` for every writer; its chunk is reclaimed once nobody holds it (pins on it
@@ -103,54 +108,73 @@ impl Writer {
         Ok(())
     }
 
-    /// The store's counters and what the ring holds now (claims of writers that died are
-    /// dropped first, so `claims` counts live ones).
+    /// The store's counters and what the ring holds (claims of writers that died are dropped
+    /// first, so `claims` counts live ones).
+    ///
+    /// The ring is counted in slices of [`STATS_SLICE`] blocks, each under the ring lock, given
+    /// back between two, and the index lock is taken only to drop dead writers' claims (when a
+    /// look without it saw one): a walk over a large ring of small objects holds up no other
+    /// writer's allocation for longer than a refill does. So while other writers put, each
+    /// block is counted as it stood when its slice was walked, not all at one instant.
     pub fn stats(&self) -> Result<Stats> {
         let _busy = self.enter()?;
         let sh = &self.shared;
-        let lock = self.lock()?;
-        let index = self.lock_index()?;
+        let mut census = Census::new(self.me);
+        if sh.counter_value(Counter::Claims)? > 0 && self.dead_claim_seen(&mut census)? {
+            let index = self.lock_index()?;
+            self.reap_claims(&index, &mut census)?;
+        }
         let occupants = sh.occupants()?;
         let (mut chunks, mut reserved, mut pinned, mut outstanding, mut views) = (0, 0, 0, 0, 0);
-        let mut census = Census::new(self.me);
-        self.reap_claims(&index, &mut census)?;
-        for block in sh.blocks(&lock)? {
-            let address = block.address;
-            match block.state.kind {
-                BlockKind::Free => continue,
-                BlockKind::Reserved { .. } if block.buffer => continue,
-                BlockKind::Reserved { .. } => {
-                    reserved += 1;
-                    chunks += 1;
-                    continue;
-                }
-                BlockKind::Live | BlockKind::Evicting => chunks += 1,
+        let mut walk = Walk::default();
+        loop {
+            let lock = self.lock()?;
+            // Under the ring lock: no block of the slice is evicted meanwhile, so its words are
+            // its own.
+            let slice = sh.walk_slice(&lock, &mut walk, STATS_SLICE)?;
+            if slice.is_empty() {
+                break;
             }
-            if block.state.keyed {
-                for w in 0..sh.layout.max_writers {
-                    let pin = PinWord::unpack(sh.pin_word(address, w)?.load(Ordering::Acquire));
-                    let writer = WriterId {
-                        slot: w,
-                        epoch: pin.epoch,
-                    };
-                    if pin.pins > 0 && census.writer_alive(sh, writer)? {
-                        pinned += 1;
-                        break;
+            for block in slice {
+                let address = block.address;
+                match block.state.kind {
+                    BlockKind::Free => continue,
+                    BlockKind::Reserved { .. } if block.buffer => continue,
+                    BlockKind::Reserved { .. } => {
+                        reserved += 1;
+                        chunks += 1;
+                        continue;
+                    }
+                    BlockKind::Live | BlockKind::Evicting => chunks += 1,
+                }
+                if block.state.keyed {
+                    for w in 0..sh.layout.max_writers {
+                        let pin = PinWord::unpack(sh.pin_word(address, w)?.load(Ordering::Acquire));
+                        let writer = WriterId {
+                            slot: w,
+                            epoch: pin.epoch,
+                        };
+                        if pin.pins > 0 && census.writer_alive(sh, writer)? {
+                            pinned += 1;
+                            break;
+                        }
+                    }
+                }
+                let sig_tag = sh.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) as u32;
+                for o in &occupants {
+                    let w = SlotWord::unpack(sh.word(address, o.slot)?.load(Ordering::Acquire));
+                    if w.stamp == SlotWord::stamp_for(sig_tag, o.claim.epoch as u64) {
+                        if o.claim.state == SlotState::Claimed {
+                            outstanding += w.outstanding as u64;
+                        }
+                        views += w.views as u64;
                     }
                 }
             }
-            let sig_tag = sh.chunk(address, chunk::SIG_LO)?.load(Ordering::Relaxed) as u32;
-            for o in &occupants {
-                let w = SlotWord::unpack(sh.word(address, o.slot)?.load(Ordering::Acquire));
-                if w.stamp == SlotWord::stamp_for(sig_tag, o.claim.epoch as u64) {
-                    if o.claim.state == SlotState::Claimed {
-                        outstanding += w.outstanding as u64;
-                    }
-                    views += w.views as u64;
-                }
-            }
+            lock.give_way();
+            #[cfg(test)]
+            crash::hook::run();
         }
-        drop(lock);
         let draining = occupants
             .iter()
             .filter(|o| o.claim.state == SlotState::Draining)
