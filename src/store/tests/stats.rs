@@ -164,3 +164,19 @@ fn a_walk_resumes_on_a_block_start_after_merges_swallowed_the_one_it_stopped_at(
         assert_eq!(rest, now[first..], "lapped: {lapped}");
     }
 }
+
+#[test]
+fn a_slice_holds_fewer_blocks_where_each_block_has_more_words() {
+    // 64 writer slots: a block's pin words alone are 64, so a slice holds 48 blocks, not 128.
+    let w = store(8192 * KIB, 1, 64);
+    for i in 0..400 {
+        w.put(&format!("small{i}"), &[&payload(i, 1000)]).unwrap();
+    }
+    let (tell, told) = mpsc::channel();
+    hook::set(move || tell.send(()).unwrap());
+    let chunks = stats_of(&w)["chunks"];
+    hook::clear();
+    assert_eq!(chunks, 400);
+    let pauses = told.try_iter().count();
+    assert!(pauses >= 400 / 48, "{pauses} pauses for 400 blocks");
+}
