@@ -816,8 +816,10 @@ impl Shared {
         if !hand_ok {
             hand.store(0, Ordering::Relaxed);
         }
-        // The dead holder may have merged blocks and moved the hand without counting its
-        // laps: two more tell every walk in progress that any block start may be gone.
+        // The dead holder may have merged a window at the hand (and split it) without moving
+        // the hand past it, and the hand may have been put back to 0 above: a walk in
+        // progress cannot tell from the hand how far merges reached. Two more laps tell it
+        // that any block start may be gone.
         let laps = self.header(header::HAND_LAPS)?;
         laps.store(
             laps.load(Ordering::Relaxed).wrapping_add(2),
