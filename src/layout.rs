@@ -55,7 +55,8 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
 /// Version 6: the index lock beside it (the store lock became the ring lock), and a chunk's
 /// key hash where its bucket number was.
 /// Version 7: keys filed without the index lock (the index gate, each writer's filings).
-pub const LAYOUT_VERSION: u64 = 7;
+/// Version 8: the hand's laps (a walk that gives the ring lock back between slices).
+pub const LAYOUT_VERSION: u64 = 8;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).
@@ -109,6 +110,11 @@ pub mod header {
     /// and rarely): 1 while the index lock's holder may change the index, 0 otherwise. A
     /// writer files a new key without the lock only while it is 0 (`store/gate.rs`).
     pub const INDEX_GATE: u64 = 328;
+    /// How many times CLOCK's hand passed the ring's end (under the ring lock; counted before
+    /// the hand moves). With the hand, a position that only grows: allocations merge blocks
+    /// only where the hand sweeps, so a walk that gave the ring lock back knows from it which
+    /// of the block starts it saw may be gone (`ring::Walk`).
+    pub const HAND_LAPS: u64 = 384;
     /// CLOCK's hand: the ring address of the block the next allocation starts at (always a
     /// block start). On one cache line with the journal and the gauges (the first counters),
     /// which the ring lock guards too (but for the index's gauges: see [`super::Counter`]).
@@ -223,6 +229,7 @@ const _: () = assert!(header::LOCK % 64 == 0);
 const _: () = assert!(header::LOCK + 64 <= header::INDEX_MOVES);
 const _: () = assert!(header::INDEX_GATE / 64 == header::INDEX_MOVES / 64);
 const _: () = assert!(header::INDEX_GATE + 8 <= header::HAND / 64 * 64);
+const _: () = assert!(header::HAND_LAPS / 64 == header::HAND / 64);
 
 pub const STORE_LIVE: u64 = 1;
 pub const STORE_CLOSED: u64 = 2;

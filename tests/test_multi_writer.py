@@ -156,6 +156,22 @@ def _racing_writer(handle: WriterHandle, seed: int, rounds: int, out: Any) -> No
     out.put(None)
 
 
+def _filling_writer(handle: WriterHandle, seed: int, rounds: int, out: Any) -> None:
+    """Put objects of every size under keys of its own (most carved from its allocation
+    buffer without the ring lock, some large enough to evict and merge many blocks) and
+    invalidate some; then say it is done."""
+    writer = ShmObjectStore.join(handle)
+    rng = random.Random(seed)
+    for i in range(rounds):
+        roll = rng.random()
+        size = rng.randrange(8 * KiB, 200 * KiB) if roll < 0.03 else rng.randrange(1, 1500)
+        writer.put(f"{seed}-{i}", bytes(size))
+        if roll > 0.9:
+            writer.invalidate(f"{seed}-{rng.randrange(i + 1)}")
+    writer.close()
+    out.put(None)
+
+
 def _store_with_two_writers(conn: Any) -> None:
     """Create a store with two writers in this process and wait to be killed."""
     first = ShmObjectStore.create(1 * MiB, max_writers=2)
@@ -390,6 +406,41 @@ def test_writer_processes_with_threads_race_and_every_handle_reads_its_own_bytes
     for key in keys:
         assert store.read_stored(key)[: len(content(key))] == content(key)
     reader.close()
+    store.close()
+
+
+def test_stats_walks_the_ring_while_writer_processes_carve_merge_and_evict() -> None:
+    # A ring of a thousand-odd small blocks (several slices of a walk, the ring lock given
+    # back between two) that two writer processes keep filling, evicting and merging while
+    # this one counts it again and again: every walk ends with figures, never with a header
+    # read out of an object's bytes (SegmentCorruptError).
+    store = ShmObjectStore.create(1 * MiB, n_readers=1, max_writers=3)
+    out: Any = ctx.Queue()
+    children = [
+        ctx.Process(target=_filling_writer, args=(store.writer_handle(), seed, 4000, out))
+        for seed in (1, 2)
+    ]
+    for child in children:
+        child.start()
+    done, walks, most = 0, 0, 0
+    try:
+        while done < len(children):
+            with contextlib.suppress(queue.Empty):
+                if out.get(timeout=0.001) is None:
+                    done += 1
+            stats = store.stats()
+            assert stats["chunks"] <= stats["capacity"] // 64, stats
+            most = max(most, stats["chunks"])
+            walks += 1
+    finally:
+        for child in children:
+            child.join(TIMEOUT)
+            reap(child)
+    assert [child.exitcode for child in children] == [0, 0]
+    assert walks > 1 and most > 300, (walks, most)
+    stats = store.stats()
+    assert stats["evictions"] > 0 and stats["chunks_reserved"] == 0
+    assert store.stats()["chunks"] == stats["chunks"] >= stats["objects"]
     store.close()
 
 

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import multiprocessing as mp
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -172,6 +173,33 @@ def test_data_sent_again_for_a_cached_item_is_a_hit_and_ignored(sender: ShmSende
     with pytest.raises(TypeError, match=r"field item\['x'\]"):
         sender.get_and_update_item(({"x": object()}, ["new"]), "b")
     assert not sender.is_cached_item("b")
+
+
+def test_another_thread_puts_while_stats_walks_the_store(sender: ShmSenderCache) -> None:
+    """The store's ``stats()`` walks the whole ring (milliseconds in a large one): the cache's
+    lock is not held meanwhile, so the writer's other threads go on."""
+    put(sender, "a")
+    store = sender._store
+    finished = []
+
+    class Watched:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def stats(self) -> dict[str, int]:
+            other = threading.Thread(target=put, args=(sender, "b"))
+            other.start()
+            other.join(timeout=60)  # only a bound for a failure: it returns as soon as it puts
+            finished.append(not other.is_alive())
+            return store.stats()
+
+    sender._store = Watched()  # type: ignore[assignment]
+    try:
+        stats = sender.stats()
+    finally:
+        sender._store = store
+    assert finished == [True], "the put waited for the cache's lock, held across the walk"
+    assert stats["store_objects"] == 2 and cached(sender, "ab") == {"a", "b"}
 
 
 def test_verify_is_side_effect_free_and_tracks_the_current_entry(

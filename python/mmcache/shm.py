@@ -635,8 +635,10 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         """This writer's hit counters, items served uncached and puts whose prompt updates
         no other writer can read (``unshared_prompt_updates``), and the store's counters
         (``store_*``, shared by every writer)."""
+        # Outside the cache's lock: the store's walks the whole ring (milliseconds in a large
+        # one), and this writer's other threads put and look up meanwhile.
+        store = {f"store_{k}": v for k, v in self._store.stats().items()}
         with self._lock:
-            store = {f"store_{k}": v for k, v in self._store.stats().items()}
             own = {
                 "hits": self._lookups.hits,
                 "total": self._lookups.total,

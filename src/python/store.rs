@@ -304,7 +304,12 @@ impl ShmObjectStore {
 
     fn stats<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
         let stats: Stats = match Self::role(slf)? {
-            Role::Writer(w) => w.get()?.stats()?,
+            // A walk over the whole ring (milliseconds in a large one): the GIL released, so
+            // the process's other threads go on meanwhile.
+            Role::Writer(w) => {
+                let writer = w.get()?;
+                slf.py().detach(|| writer.stats())?
+            }
             Role::Reader(r) => r.get()?.stats()?,
         };
         let dict = PyDict::new(slf.py());

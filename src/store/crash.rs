@@ -5,6 +5,9 @@
 //! `MMCACHE_CRASH_POINT=<name>` arms one point, read once, when the process makes its first
 //! writer; `MMCACHE_CRASH_AFTER=<n>` (default 1) kills at the point's n-th pass, so a test
 //! can let earlier operations through. Unarmed, a point costs one Relaxed load of a static.
+//!
+//! Unit tests also have a [`hook`]: code of theirs run at a place (between two slices of a
+//! `stats` walk, the ring lock given back) on the thread that set it.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -70,5 +73,32 @@ fn passed(name: &'static str) {
         if armed == name && PASSES.fetch_add(1, Ordering::Relaxed) + 1 >= *after {
             segment::kill_self();
         }
+    }
+}
+
+/// A unit test's code, run on the thread that set it where the writer calls [`hook::run`].
+#[cfg(test)]
+pub(super) mod hook {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static HOOK: RefCell<Option<Box<dyn FnMut()>>> = RefCell::new(None);
+    }
+
+    /// Run `hook` at every pass of this thread, until [`clear`].
+    pub(in crate::store) fn set(hook: impl FnMut() + 'static) {
+        HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
+    }
+
+    pub(in crate::store) fn clear() {
+        HOOK.with(|h| *h.borrow_mut() = None);
+    }
+
+    pub(in crate::store) fn run() {
+        HOOK.with(|h| {
+            if let Some(hook) = h.borrow_mut().as_mut() {
+                hook();
+            }
+        });
     }
 }

@@ -142,7 +142,8 @@ impl Shared {
         self.header(header::INDEX_MOVES)
     }
 
-    /// What bucket `bucket` holds now (the index lock's holder: it does not change meanwhile).
+    /// What bucket `bucket` holds now (for the index lock's holder: it does not change
+    /// meanwhile; for anyone else, what it held at some instant).
     pub(super) fn bucket(&self, bucket: u64) -> Result<Bucket> {
         Ok(Bucket::unpack(
             self.bucket_head(bucket)?.load(Ordering::Relaxed),

@@ -45,6 +45,12 @@ const SPIN_FOR: Duration = Duration::from_micros(100);
 /// waits for it: more writers than cores).
 const SPINS_PER_YIELD: u32 = 256;
 
+/// How long a lock given back to let others in ([`LockGuard::give_way`]) is left free for a
+/// writer spinning for it (which takes it within a fraction of this)...
+const GIVE_WAY: Duration = Duration::from_micros(2);
+/// ...and for one that slept on it (woken by the release, it needs to be scheduled first).
+const GIVE_WAY_TO_SLEEPER: Duration = Duration::from_millis(1);
+
 /// A lock word held; released when dropped.
 struct Held<'a> {
     word: &'a AtomicU64,
@@ -78,6 +84,33 @@ impl LockGuard<'_> {
     /// Taken over from a holder that died: the ring needs `repair` first.
     pub(super) fn taken_over(&self) -> bool {
         self.0.taken_over
+    }
+
+    /// Give the lock back and let a writer waiting for it take it before this thread may
+    /// take it again (a walk holding it slice by slice: given back and taken again at once, it
+    /// would stay with the walker, as a spinning waiter on another core rarely sees it free).
+    /// Returns once another holder took it, or after a short while (longer when the word says
+    /// a waiter slept), without giving up the CPU unless a sleeper waits: a walker's
+    /// `yield` on a busy machine costs it a scheduler's time slice per slice.
+    pub(super) fn give_way(self) {
+        let word = self.0.word;
+        let sleepers = LockWord::unpack(word.load(Ordering::Relaxed)).is_some_and(|h| h.waiters);
+        drop(self);
+        let wait = if sleepers {
+            GIVE_WAY_TO_SLEEPER
+        } else {
+            GIVE_WAY
+        };
+        let since = Instant::now();
+        let mut spins = 0u32;
+        while LockWord::unpack(word.load(Ordering::Relaxed)).is_none() && since.elapsed() < wait {
+            spins = spins.wrapping_add(1);
+            if sleepers && spins % SPINS_PER_YIELD == 0 {
+                std::thread::yield_now();
+            } else {
+                spin_loop();
+            }
+        }
     }
 }
 

@@ -21,6 +21,12 @@
 //! two of these leaves free blocks, a reserved block nobody lives to fill (reclaimed by the
 //! next sweep that meets it), or chunks marked EVICTING that the journal names: whoever takes
 //! the ring lock over repairs those first ([`Shared::repair`]) and recounts `bytes_in_use`.
+//!
+//! **A walk may give the lock back** ([`Walk`], for `stats()`): blocks merge only in a window
+//! the hand sweeps (a window starts where the hand stands or past it, and the hand ends where
+//! the last one ends), and the hand counts its laps (`header::HAND_LAPS`), so a walk that
+//! resumes knows whether the block start it stopped at can have been merged away, and if so
+//! finds its way from a block start no merge can have crossed.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
@@ -125,6 +131,25 @@ pub(super) struct Block {
     pub(super) buffer: bool,
 }
 
+/// Where CLOCK's hand stands: its laps of the ring and its address, a position that only
+/// grows (read under the ring lock).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HandAt {
+    laps: u64,
+    address: u64,
+}
+
+/// A walk over the ring's blocks from address 0 in slices, each under the ring lock, the lock
+/// given back between two ([`Shared::walk_slice`]): every block it yields was a block when its
+/// slice was walked, and a block start no merge has crossed since is never passed over.
+#[derive(Debug, Default)]
+pub(super) struct Walk {
+    /// The block start the next slice begins at (as of the last slice).
+    next: u64,
+    /// Where the hand stood while the last slice was walked.
+    hand: Option<HandAt>,
+}
+
 impl Shared {
     pub(super) fn state_word(&self, address: u64) -> Result<&AtomicU64> {
         self.chunk(address, chunk::STATE)
@@ -170,6 +195,97 @@ impl Shared {
             out.push(block);
         }
         Ok(out)
+    }
+
+    fn hand_at(&self, _lock: &LockGuard<'_>) -> Result<HandAt> {
+        Ok(HandAt {
+            laps: self.header(header::HAND_LAPS)?.load(Ordering::Relaxed),
+            address: self.header(header::HAND)?.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Move the hand to `to` (a block start, or the ring's end: then 0) after it passed the
+    /// ring's end `wraps` times. The laps are counted first: a holder that dies between the
+    /// two leaves a count a walk takes for a lap at least ([`Shared::repair`] adds two).
+    fn move_hand(&self, _lock: &LockGuard<'_>, mut wraps: u64, mut to: u64) -> Result<()> {
+        if to == self.layout.capacity {
+            (wraps, to) = (wraps + 1, 0);
+        }
+        if wraps > 0 {
+            let laps = self.header(header::HAND_LAPS)?;
+            laps.store(
+                laps.load(Ordering::Relaxed).wrapping_add(wraps),
+                Ordering::Relaxed,
+            );
+        }
+        self.header(header::HAND)?.store(to, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The next slice of `walk`, at most `max` blocks (none once it reached the ring's end).
+    pub(super) fn walk_slice(
+        &self,
+        lock: &LockGuard<'_>,
+        walk: &mut Walk,
+        max: usize,
+    ) -> Result<Vec<Block>> {
+        let hand = self.hand_at(lock)?;
+        if let Some(then) = walk.hand {
+            walk.next = self.resume_at(then, hand, walk.next)?;
+        }
+        walk.hand = Some(hand);
+        let mut out = Vec::new();
+        while walk.next < self.layout.capacity && out.len() < max {
+            let block = self.block(walk.next)?;
+            walk.next += block.size;
+            out.push(block);
+        }
+        Ok(out)
+    }
+
+    /// Where a walk that stopped at the block start `next` while the hand stood at `then`
+    /// resumes, the hand now at `now` (under the ring lock): `next` itself when no merge can
+    /// have crossed it, else the first block start past it, found from a block start no merge
+    /// can have crossed (0; the hand now; the hand then, if it has not lapped).
+    fn resume_at(&self, then: HandAt, now: HandAt, next: u64) -> Result<u64> {
+        let capacity = self.layout.capacity;
+        if next >= capacity {
+            return Ok(next);
+        }
+        // Every window merged since lies between the hand then and the end of the block it
+        // stands on now (the last window's rest): `reach` bytes on from the hand then, or
+        // `None` once that is a lap or more (any block start may be gone).
+        let swept = match now.laps.wrapping_sub(then.laps) {
+            0 if now.address >= then.address => Some(now.address - then.address),
+            1 if now.address < then.address => Some(capacity - then.address + now.address),
+            _ => None,
+        };
+        let reach = match swept {
+            Some(swept) => Some(swept + self.block_size(now.address)?).filter(|&r| r <= capacity),
+            None => None,
+        };
+        let ahead = if next >= then.address {
+            next - then.address
+        } else {
+            capacity - then.address + next
+        };
+        let mut from = 0;
+        if let Some(reach) = reach {
+            // A window starts at the hand or past it: it never swallows where the hand stood.
+            if ahead == 0 || ahead >= reach {
+                return Ok(next);
+            }
+            if then.address <= next {
+                from = then.address;
+            }
+        }
+        if now.address <= next {
+            from = from.max(now.address);
+        }
+        while from < next {
+            from += self.block_size(from)?;
+        }
+        Ok(from)
     }
 
     /// Change the kind of the block at `address`, keeping its bits (a hit may set the
@@ -424,10 +540,10 @@ impl Shared {
         if size == 0 || size > capacity || size % ALIGN != 0 {
             return Ok(None);
         }
-        let hand = self.header(header::HAND)?;
-        let mut cursor = hand.load(Ordering::Relaxed);
+        let mut cursor = self.header(header::HAND)?.load(Ordering::Relaxed);
         let budget = sweep.unwrap_or(2 * capacity + size);
         let mut swept = 0u64;
+        let mut wraps = 0;
         census.last_lap = LastLap::default();
         while swept <= budget {
             if swept >= capacity && !census.last_lap.started() {
@@ -436,6 +552,7 @@ impl Shared {
             if cursor + size > capacity {
                 swept += capacity.saturating_sub(cursor);
                 cursor = 0;
+                wraps += 1;
                 continue;
             }
             let end = cursor + size;
@@ -474,7 +591,7 @@ impl Shared {
             }
             crash::point("alloc.marked");
             // From here the window's blocks change: the hand stays on a block start.
-            hand.store(cursor, Ordering::Relaxed);
+            self.move_hand(lock, wraps, cursor)?;
             self.unindex_window(census.me, cursor, reach)?;
             let mut address = cursor;
             while address < reach {
@@ -509,7 +626,7 @@ impl Shared {
             self.adjust(lock, Counter::BytesInUse, size as i64)?;
             crash::point("alloc.reserved");
             self.journal_done()?;
-            hand.store(if end == capacity { 0 } else { end }, Ordering::Relaxed);
+            self.move_hand(lock, 0, end)?;
             return Ok(Some(cursor));
         }
         Ok(None)
@@ -627,9 +744,9 @@ impl Shared {
         census: &mut Census,
     ) -> Result<bool> {
         let capacity = self.layout.capacity;
-        let hand = self.header(header::HAND)?;
-        let mut address = hand.load(Ordering::Relaxed);
+        let mut address = self.header(header::HAND)?.load(Ordering::Relaxed);
         let mut swept = 0;
+        let mut wraps = 0;
         census.last_lap = LastLap::default();
         while swept < 2 * capacity {
             if swept >= capacity && !census.last_lap.started() {
@@ -637,13 +754,14 @@ impl Shared {
             }
             if address >= capacity {
                 address = 0;
+                wraps += 1;
             }
             let block = self.block(address)?;
             let next = address + block.size;
             if block.state.keyed && block.state.kind == BlockKind::Live {
                 if self.evict_if_unheld(lock, index, address, block.size, census)? {
                     fence(Ordering::Release); // P2
-                    hand.store(if next == capacity { 0 } else { next }, Ordering::Relaxed);
+                    self.move_hand(lock, wraps, next)?;
                     return Ok(true);
                 }
                 self.note_kept(address, census)?;
@@ -698,6 +816,15 @@ impl Shared {
         if !hand_ok {
             hand.store(0, Ordering::Relaxed);
         }
+        // The dead holder may have merged a window at the hand (and split it) without moving
+        // the hand past it, and the hand may have been put back to 0 above: a walk in
+        // progress cannot tell from the hand how far merges reached. Two more laps tell it
+        // that any block start may be gone.
+        let laps = self.header(header::HAND_LAPS)?;
+        laps.store(
+            laps.load(Ordering::Relaxed).wrapping_add(2),
+            Ordering::Relaxed,
+        );
         self.counter(Counter::BytesInUse)?
             .store(in_use, Ordering::Relaxed);
         Ok(())

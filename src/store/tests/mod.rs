@@ -7,7 +7,8 @@
 //! `writers_model` (three writers against a model), `buffers` (allocation buffers), `full` (a
 //! ring or index a sweep found nothing in, answered without sweeping again), `lookups`
 //! (lock-free lookups meeting a change in progress), `two_locks` (the index and the ring
-//! agree after races and deaths). `race`: threads racing (readers against an evicting
+//! agree after races and deaths), `stats` (the ring counted in slices, the ring lock given
+//! back between two). `race`: threads racing (readers against an evicting
 //! writer; several writers' threads on the same keys, in a small ring and in one where every
 //! object is carved from a buffer).
 
@@ -29,6 +30,7 @@ mod protection;
 mod race;
 mod readers;
 mod segments;
+mod stats;
 mod two_locks;
 mod writers_model;
 

@@ -136,6 +136,19 @@ impl Writer {
         self.drop_claims_where(lock, |owner| Ok(!census.writer_alive(&self.shared, owner)?))
     }
 
+    /// Whether a claim of a writer that is gone is in the index, looked at without the index
+    /// lock (a claim filed or dropped meanwhile may be missed, or seen after it went).
+    pub(super) fn dead_claim_seen(&self, census: &mut Census) -> Result<bool> {
+        for bucket in 0..self.shared.layout.index_buckets {
+            if let Bucket::Claim { owner, .. } = self.shared.bucket(bucket)? {
+                if !census.writer_alive(&self.shared, owner)? {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
     /// Drop every claim whose writer is gone (taking the index lock).
     pub(super) fn reap_dead_claims(&self) -> Result<()> {
         let _busy = self.enter()?;
