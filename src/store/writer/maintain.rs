@@ -116,7 +116,7 @@ impl Writer {
     /// The store's counters and what the ring holds (claims of writers that died are dropped
     /// first, so `claims` counts live ones).
     ///
-    /// The ring is counted in slices ([`STATS_SLICE_WORDS`]), each under the ring lock, given
+    /// The ring is counted in slices (about 15 µs of work each), each under the ring lock, given
     /// back between two, and the index lock is taken only to drop dead writers' claims (when a
     /// look without it saw one): a walk over a large ring of small objects holds up no other
     /// writer's allocation for longer than a refill does. So while other writers put, each
