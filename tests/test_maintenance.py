@@ -282,6 +282,44 @@ def test_prune_prints_a_hostile_name_as_it_is(
     assert "\x1b" not in out and f"would remove {name!a}" in out
 
 
+def test_a_file_whose_name_is_not_utf8_is_never_listed_judged_or_removed() -> None:
+    """Anyone may put a file whose name is not UTF-8 in /dev/shm, even one under our prefix
+    or holding a copy of a segment. Every name this package makes is UTF-8, so such a file is
+    never one of its segments: listing, prune and every store's creation pass over it, and
+    ``mmcache inspect NAME`` of it says the name is not UTF-8 (it was a UnicodeEncodeError
+    about the 'utf-8' codec)."""
+    with _core.ShmObjectStore.create(1 << 16) as store:
+        dead = (Path(SHM) / store.name).read_bytes()  # copied: a segment no writer holds
+    tag = f"{os.getpid()}_{time.monotonic_ns()}".encode()
+    paths = [b"%s/mmc_\xff%s" % (SHM.encode(), tag), b"%s/odd_\xfe%s" % (SHM.encode(), tag)]
+    for path in paths:
+        with open(path, "xb") as f:
+            f.write(dead)
+    try:
+        listed = _core.list_segments()
+        assert not any(tag.decode() in name for name in listed)
+        for name in listed:
+            name.encode()  # UTF-8: no surrogate stands for a byte of a name
+        assert not any(tag.decode() in name for name in prune(dry_run=True))
+        assert not any(tag.decode() in name for name in prune())
+        with _core.ShmObjectStore.create(1 << 16):
+            pass
+        for args in (("inspect",), ("inspect", "--json"), ("prune",)):
+            result = mmcache(*args)
+            assert result.returncode == 0, (args, result.stderr)
+        for path in paths:
+            name = os.fsdecode(path.rsplit(b"/", 1)[1])  # as a shell passes it: surrogates
+            result = mmcache("inspect", name)
+            assert result.returncode == 1
+            assert "is not valid UTF-8" in result.stderr, result.stderr
+            assert "codec" not in result.stderr, result.stderr
+        assert all(os.path.exists(path) for path in paths), "a foreign file was removed"
+    finally:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 # --------------------------------------------------------------------------------------------
 # Another mmcache version's segment: its layout is not this build's, nor (maybe) its locks
 

@@ -119,6 +119,8 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
 /// Names in `/dev/shm` that this package made: generated names (`mmc_…`, whatever their
 /// content: a truncated or half-made segment has lost or not yet got its magic) and any
 /// regular file that starts with this package's magic (segments created with a chosen name).
+/// A file whose name is not UTF-8 is never listed: every name this package makes is UTF-8
+/// (names are `str`s), so such a file is another program's, whatever it holds.
 pub fn list_segments() -> Vec<String> {
     segment::list_files(
         |name| name.starts_with(segment::NAME_PREFIX),
