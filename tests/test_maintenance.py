@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from mmcache import _core, inspect, prune
+from mmcache import SegmentCorruptError, _core, inspect, prune
 
 MiB = 1 << 20
 SHM = "/dev/shm"
 TIMEOUT = 120
 #: The core's test hook: a creation waits this long once its segment is locked and sized but
-#: has no header yet (``segment::pause_in_creation_for_tests``).
+#: has no header yet (``segment::pause_in_creation_for_tests``), or, with ``..._AT`` set to
+#: ``locked``, once it is locked, still empty.
 PAUSE_IN_CREATION = "MMCACHE_TEST_PAUSE_IN_CREATION_S"
+PAUSE_IN_CREATION_AT = "MMCACHE_TEST_PAUSE_IN_CREATION_AT"
 
 
 def mmcache(*args: str) -> subprocess.CompletedProcess[str]:
@@ -161,10 +163,10 @@ def test_prune_commands_list_and_remove_orphans_and_leave_live_segments(
 # Creation prunes: a segment outlives no creator, and never one that still makes or uses it
 
 
-def creating(name: str, pause_s: float) -> subprocess.Popen[str]:
+def creating(name: str, pause_s: float, at: str = "sized") -> subprocess.Popen[str]:
     """A process that creates the segment ``name`` and stops ``pause_s`` half-way through
-    (locked and sized, no header yet), then prints ``created`` and keeps the store until its
-    standard input closes."""
+    (locked and sized, no header yet; ``at="locked"``: locked, not sized), then prints
+    ``created`` and keeps the store until its standard input closes."""
     code = (
         "import sys; from mmcache import _core\n"
         "store = _core.ShmObjectStore.create(1 << 20, name=sys.argv[1])\n"
@@ -175,7 +177,7 @@ def creating(name: str, pause_s: float) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, PAUSE_IN_CREATION: str(pause_s)},
+        env={**os.environ, PAUSE_IN_CREATION: str(pause_s), PAUSE_IN_CREATION_AT: at},
     )
 
 
@@ -380,6 +382,45 @@ def test_a_half_made_segment_under_a_chosen_name_is_still_replaced() -> None:
             assert store.name == name and inspect(name)["creator_alive"] is True
         assert not path.exists()
     finally:
+        path.unlink(missing_ok=True)
+
+
+def test_an_empty_file_left_by_a_creator_killed_before_sizing_it_is_taken_over_by_name() -> None:
+    """A creator killed between creating its file and sizing it leaves an empty file under
+    its chosen name. While it lives (it holds its lock) nothing removes it; once it is dead,
+    a creation under that name takes the file over (it was a ``FileExistsError`` until the
+    file was ten seconds old, whose advice, ``mmcache prune``, removed nothing), ``inspect``
+    says what the file is (it said "corrupt ... recreate the cache"), and prune leaves it:
+    under a chosen name an empty file may be another program's."""
+    name = f"unsized_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    creator = creating(name, pause_s=TIMEOUT, at="locked")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert path.stat().st_size == 0
+        assert _core.segment_status(name)[0] == "live", "its creator holds it while making it"
+        with pytest.raises(SegmentCorruptError, match=r"empty .*its creator holds it"):
+            inspect(name)
+        with pytest.raises(FileExistsError, match=name):
+            _core.ShmObjectStore.create(1 << 16, name=name)
+        assert path.exists(), "a creation removed a file whose creator is about to size it"
+        creator.kill()
+        creator.communicate(timeout=TIMEOUT)
+        assert creator.returncode == -signal.SIGKILL
+        assert path.stat().st_size == 0
+        with pytest.raises(
+            SegmentCorruptError, match=r"empty .*no process holds it.*takes it over"
+        ):
+            inspect(name)
+        assert name not in prune(dry_run=True) and path.exists()
+        with _core.ShmObjectStore.create(1 << 16, name=name) as store:
+            assert store.name == name and inspect(name)["creator_alive"] is True
+        assert not path.exists()
+    finally:
+        creator.kill()
+        creator.communicate()
         path.unlink(missing_ok=True)
 
 
