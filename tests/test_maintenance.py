@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -421,6 +422,41 @@ def test_an_empty_file_left_by_a_creator_killed_before_sizing_it_is_taken_over_b
     finally:
         creator.kill()
         creator.communicate()
+        path.unlink(missing_ok=True)
+
+
+def test_a_creation_waiting_for_an_empty_file_under_its_name_lets_other_threads_run() -> None:
+    """A creation under a chosen name waits (up to ten seconds) for an empty file there to be
+    judged; it waited holding the GIL, so no other thread of the process ran meanwhile. Here
+    another thread, while the creation waits, makes the file another program's (it writes
+    data into it): the creation must see that and find the name taken, never take over the
+    file it was waiting for."""
+    name = f"waited_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(b"")
+    outcome: list[object] = []
+
+    def create() -> None:
+        try:
+            with _core.ShmObjectStore.create(1 << 16, name=name) as store:
+                outcome.append(store.name)
+        except Exception as exc:  # the outcome is what the test asserts
+            outcome.append(exc)
+
+    creation = threading.Thread(target=create)
+    creation.start()
+    try:
+        time.sleep(0.3)  # the creation is waiting (or about to): this thread runs anyway
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"another program's data")
+        finally:
+            os.close(fd)
+        creation.join(TIMEOUT)
+        assert len(outcome) == 1 and isinstance(outcome[0], FileExistsError), outcome
+        assert path.read_bytes() == b"another program's data"
+    finally:
+        creation.join(TIMEOUT)
         path.unlink(missing_ok=True)
 
 

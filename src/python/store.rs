@@ -200,7 +200,10 @@ impl ShmObjectStore {
             max_objects: max_objects.map(|m| m.get()),
         };
         let name = name.map(|n| n.0);
-        Self::writer(py, Writer::create_with(&config, name.as_deref())?)
+        // Without the GIL: a creation under a chosen name may wait, for an empty file there
+        // to be judged (up to 10 s) or for whoever removes an orphan of that name (up to 5 s).
+        let writer = py.detach(|| Writer::create_with(&config, name.as_deref()))?;
+        Self::writer(py, writer)
     }
 
     /// One more writer of the store `writer_handle` names (this process or another).
