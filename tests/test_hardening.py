@@ -780,6 +780,56 @@ def test_an_integer_argument_that_is_no_int_is_a_type_error_naming_it(
             refused(handle, **{**fields, name: value}, secret=_SECRET)
 
 
+def _name_takers() -> list[Callable[[object], object]]:
+    """Every entry point that takes a segment name, called with ``name`` alone varied."""
+    from mmcache.maintenance import inspect
+
+    return [
+        lambda name: ShmObjectStore.create(MiB, name=name),  # type: ignore[arg-type]
+        lambda name: ShmSenderCache(1 / 1024, name=name),  # type: ignore[arg-type]
+        lambda name: make_caches("shm", capacity_gb=1 / 1024, name=name),  # type: ignore[arg-type]
+        inspect,
+        _core.inspect_segment,
+        _core.segment_status,
+        _core.unlink_segment,
+        _core.remove_orphaned_segment,
+        lambda name: _core.ReaderHandle(**{**_READER_FIELDS, "name": name}, secret=_SECRET),
+        lambda name: _core.WriterHandle(**{**_WRITER_FIELDS, "name": name}, secret=_SECRET),
+        lambda name: pickle.loads(
+            pickle.dumps(
+                _Forged(_core._reader_handle, *{**_READER_FIELDS, "name": name}.values(), _SECRET)  # type: ignore[attr-defined]
+            )
+        ),
+        lambda name: pickle.loads(
+            pickle.dumps(
+                _Forged(_core._writer_handle, *{**_WRITER_FIELDS, "name": name}.values(), _SECRET)  # type: ignore[attr-defined]
+            )
+        ),
+    ]
+
+
+@pytest.mark.parametrize("value", [3, b"x", 1.5])
+def test_a_segment_name_that_is_no_str_is_a_type_error_naming_it(value: object) -> None:
+    # Was PyO3's "'int' object is not an instance of 'str'": the argument was named only in
+    # a note ("while processing 'name'"), which a log of str(error) loses.
+    for take in _name_takers():
+        with pytest.raises(TypeError) as refusal:
+            take(value)
+        message = str(refusal.value)
+        assert message.startswith("name must be a str"), message
+        assert message.endswith(f"not {type(value).__name__}"), message
+
+
+def test_a_segment_name_that_is_not_utf8_is_a_value_error_naming_it() -> None:
+    # "\udcff" is how Python decodes the byte 0xff of a file name (os.listdir, sys.argv):
+    # it was a UnicodeEncodeError about the 'utf-8' codec, naming no argument. No segment
+    # has such a name (every name this package makes is UTF-8).
+    for take in _name_takers():
+        with pytest.raises(ValueError, match=r"^name 'mmc_\\udcff' is not valid UTF-8") as refusal:
+            take("mmc_\udcff")
+        assert not isinstance(refusal.value, UnicodeError)
+
+
 def test_an_int_of_another_type_is_an_int() -> None:
     with ShmSenderCache(1 / 1024, n_readers=np.int64(2), max_writers=np.uint8(3)) as p0:  # type: ignore[arg-type]
         assert p0.handle().n_readers == 2 and p0.max_writers == 3

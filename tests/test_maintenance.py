@@ -8,20 +8,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from mmcache import _core, inspect, prune
+from mmcache import SegmentCorruptError, _core, inspect, prune
 
 MiB = 1 << 20
 SHM = "/dev/shm"
 TIMEOUT = 120
 #: The core's test hook: a creation waits this long once its segment is locked and sized but
-#: has no header yet (``segment::pause_in_creation_for_tests``).
+#: has no header yet (``segment::pause_in_creation_for_tests``), or, with ``..._AT`` set to
+#: ``locked``, once it is locked, still empty.
 PAUSE_IN_CREATION = "MMCACHE_TEST_PAUSE_IN_CREATION_S"
+PAUSE_IN_CREATION_AT = "MMCACHE_TEST_PAUSE_IN_CREATION_AT"
 
 
 def mmcache(*args: str) -> subprocess.CompletedProcess[str]:
@@ -161,10 +164,10 @@ def test_prune_commands_list_and_remove_orphans_and_leave_live_segments(
 # Creation prunes: a segment outlives no creator, and never one that still makes or uses it
 
 
-def creating(name: str, pause_s: float) -> subprocess.Popen[str]:
+def creating(name: str, pause_s: float, at: str = "sized") -> subprocess.Popen[str]:
     """A process that creates the segment ``name`` and stops ``pause_s`` half-way through
-    (locked and sized, no header yet), then prints ``created`` and keeps the store until its
-    standard input closes."""
+    (locked and sized, no header yet; ``at="locked"``: locked, not sized), then prints
+    ``created`` and keeps the store until its standard input closes."""
     code = (
         "import sys; from mmcache import _core\n"
         "store = _core.ShmObjectStore.create(1 << 20, name=sys.argv[1])\n"
@@ -175,7 +178,7 @@ def creating(name: str, pause_s: float) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, PAUSE_IN_CREATION: str(pause_s)},
+        env={**os.environ, PAUSE_IN_CREATION: str(pause_s), PAUSE_IN_CREATION_AT: at},
     )
 
 
@@ -282,6 +285,44 @@ def test_prune_prints_a_hostile_name_as_it_is(
     assert "\x1b" not in out and f"would remove {name!a}" in out
 
 
+def test_a_file_whose_name_is_not_utf8_is_never_listed_judged_or_removed() -> None:
+    """Anyone may put a file whose name is not UTF-8 in /dev/shm, even one under our prefix
+    or holding a copy of a segment. Every name this package makes is UTF-8, so such a file is
+    never one of its segments: listing, prune and every store's creation pass over it, and
+    ``mmcache inspect NAME`` of it says the name is not UTF-8 (it was a UnicodeEncodeError
+    about the 'utf-8' codec)."""
+    with _core.ShmObjectStore.create(1 << 16) as store:
+        dead = (Path(SHM) / store.name).read_bytes()  # copied: a segment no writer holds
+    tag = f"{os.getpid()}_{time.monotonic_ns()}".encode()
+    paths = [b"%s/mmc_\xff%s" % (SHM.encode(), tag), b"%s/odd_\xfe%s" % (SHM.encode(), tag)]
+    for path in paths:
+        with open(path, "xb") as f:
+            f.write(dead)
+    try:
+        listed = _core.list_segments()
+        assert not any(tag.decode() in name for name in listed)
+        for name in listed:
+            name.encode()  # UTF-8: no surrogate stands for a byte of a name
+        assert not any(tag.decode() in name for name in prune(dry_run=True))
+        assert not any(tag.decode() in name for name in prune())
+        with _core.ShmObjectStore.create(1 << 16):
+            pass
+        for args in (("inspect",), ("inspect", "--json"), ("prune",)):
+            result = mmcache(*args)
+            assert result.returncode == 0, (args, result.stderr)
+        for path in paths:
+            name = os.fsdecode(path.rsplit(b"/", 1)[1])  # as a shell passes it: surrogates
+            result = mmcache("inspect", name)
+            assert result.returncode == 1
+            assert "is not valid UTF-8" in result.stderr, result.stderr
+            assert "codec" not in result.stderr, result.stderr
+        assert all(os.path.exists(path) for path in paths), "a foreign file was removed"
+    finally:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 # --------------------------------------------------------------------------------------------
 # Another mmcache version's segment: its layout is not this build's, nor (maybe) its locks
 
@@ -342,6 +383,80 @@ def test_a_half_made_segment_under_a_chosen_name_is_still_replaced() -> None:
             assert store.name == name and inspect(name)["creator_alive"] is True
         assert not path.exists()
     finally:
+        path.unlink(missing_ok=True)
+
+
+def test_an_empty_file_left_by_a_creator_killed_before_sizing_it_is_taken_over_by_name() -> None:
+    """A creator killed between creating its file and sizing it leaves an empty file under
+    its chosen name. While it lives (it holds its lock) nothing removes it; once it is dead,
+    a creation under that name takes the file over (it was a ``FileExistsError`` until the
+    file was ten seconds old, whose advice, ``mmcache prune``, removed nothing), ``inspect``
+    says what the file is (it said "corrupt ... recreate the cache"), and prune leaves it:
+    under a chosen name an empty file may be another program's."""
+    name = f"unsized_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    creator = creating(name, pause_s=TIMEOUT, at="locked")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert path.stat().st_size == 0
+        assert _core.segment_status(name)[0] == "live", "its creator holds it while making it"
+        with pytest.raises(SegmentCorruptError, match=r"empty .*its creator holds it"):
+            inspect(name)
+        with pytest.raises(FileExistsError, match=name):
+            _core.ShmObjectStore.create(1 << 16, name=name)
+        assert path.exists(), "a creation removed a file whose creator is about to size it"
+        creator.kill()
+        creator.communicate(timeout=TIMEOUT)
+        assert creator.returncode == -signal.SIGKILL
+        assert path.stat().st_size == 0
+        with pytest.raises(
+            SegmentCorruptError, match=r"empty .*no process holds it.*takes it over"
+        ):
+            inspect(name)
+        assert name not in prune(dry_run=True) and path.exists()
+        with _core.ShmObjectStore.create(1 << 16, name=name) as store:
+            assert store.name == name and inspect(name)["creator_alive"] is True
+        assert not path.exists()
+    finally:
+        creator.kill()
+        creator.communicate()
+        path.unlink(missing_ok=True)
+
+
+def test_a_creation_waiting_for_an_empty_file_under_its_name_lets_other_threads_run() -> None:
+    """A creation under a chosen name waits (up to ten seconds) for an empty file there to be
+    judged; it waited holding the GIL, so no other thread of the process ran meanwhile. Here
+    another thread, while the creation waits, makes the file another program's (it writes
+    data into it): the creation must see that and find the name taken, never take over the
+    file it was waiting for."""
+    name = f"waited_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(b"")
+    outcome: list[object] = []
+
+    def create() -> None:
+        try:
+            with _core.ShmObjectStore.create(1 << 16, name=name) as store:
+                outcome.append(store.name)
+        except Exception as exc:  # the outcome is what the test asserts
+            outcome.append(exc)
+
+    creation = threading.Thread(target=create)
+    creation.start()
+    try:
+        time.sleep(0.3)  # the creation is waiting (or about to): this thread runs anyway
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"another program's data")
+        finally:
+            os.close(fd)
+        creation.join(TIMEOUT)
+        assert len(outcome) == 1 and isinstance(outcome[0], FileExistsError), outcome
+        assert path.read_bytes() == b"another program's data"
+    finally:
+        creation.join(TIMEOUT)
         path.unlink(missing_ok=True)
 
 

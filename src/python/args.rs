@@ -1,4 +1,5 @@
-//! Integer arguments whose range errors name the argument.
+//! Integer arguments whose range errors name the argument, and segment names whose type
+//! errors do.
 //!
 //! PyO3 turns a Python int that does not fit the Rust type (`-1` for a `u64`, `2**70`) into an
 //! `OverflowError` that names neither the argument nor what it takes ("can't convert negative
@@ -8,12 +9,13 @@
 //! names it in a note, which a log of the message loses). `Int<A>` is a `u64` argument whose
 //! out-of-range value is a `ValueError` saying which argument and what range, like the core's
 //! own refusals of in-range values, and whose value of another type is a `TypeError` saying
-//! the same.
+//! the same. `Name` is a segment name argument, for the same reasons (see there).
 
 use std::marker::PhantomData;
 
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 /// The name of an integer argument and the values it takes, for its error message.
 pub(super) trait Named {
@@ -62,6 +64,35 @@ impl<'a, 'py, A: Named> FromPyObject<'a, 'py> for Int<A> {
                 )))
             }
             Err(err) => Err(err),
+        }
+    }
+}
+
+/// A segment name argument (`name`): a `str` of UTF-8. Anything else is a `TypeError` saying
+/// so and naming `name` (PyO3's own, "'int' object is not an instance of 'str'", names it only
+/// in a note), and a `str` with a lone surrogate (how Python decodes a file name that is not
+/// UTF-8: `os.listdir`, `sys.argv`) a `ValueError` naming it, not a `UnicodeEncodeError` about
+/// a codec: no segment has such a name (every name this package makes is UTF-8, so a file
+/// in `/dev/shm` whose name is not is never one of its segments).
+pub(super) struct Name(pub(super) String);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Name {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let Ok(name) = obj.cast::<PyString>() else {
+            return Err(PyTypeError::new_err(format!(
+                "name must be a str (a segment's file name in /dev/shm), not {}",
+                obj.get_type().qualname()?
+            )));
+        };
+        match name.to_str() {
+            Ok(name) => Ok(Name(name.to_owned())),
+            Err(_) => Err(PyValueError::new_err(format!(
+                "name {} is not valid UTF-8 (it has a lone surrogate): a segment name is UTF-8, \
+                 so a file in /dev/shm whose name is not is no mmcache segment",
+                name.repr()?
+            ))),
         }
     }
 }

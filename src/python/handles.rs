@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyTuple};
 
-use super::args::{self, Int};
+use super::args::{self, Int, Name};
 use super::errors::InvalidHandleError;
 use crate::handle::{Handle, SIGNATURE_LEN};
 use crate::store::{ReaderInfo, WriterInfo};
@@ -175,7 +175,7 @@ impl ReaderHandle {
     #[new]
     #[pyo3(signature = (*, name, capacity, n_readers, max_object_size, layout_version, secret))]
     fn new(
-        name: String,
+        name: Name,
         capacity: Int<args::Capacity>,
         n_readers: Int<args::NReaders>,
         max_object_size: Int<args::MaxObjectSize>,
@@ -184,7 +184,7 @@ impl ReaderHandle {
     ) -> PyResult<Self> {
         Ok(ReaderHandle {
             info: ReaderInfo {
-                name,
+                name: name.0,
                 capacity: capacity.get(),
                 n_readers: n_readers.get_u32()?,
                 max_object_size: max_object_size.get(),
@@ -236,7 +236,7 @@ impl ReaderHandle {
 /// Unpickle a `ReaderHandle` (positional, unlike its keyword-only constructor).
 #[pyfunction]
 pub(super) fn _reader_handle(
-    name: String,
+    name: Name,
     capacity: Int<args::Capacity>,
     n_readers: Int<args::NReaders>,
     max_object_size: Int<args::MaxObjectSize>,
@@ -278,7 +278,7 @@ impl WriterHandle {
         *, name, capacity, n_readers, max_object_size, max_writers, layout_version, secret
     ))]
     fn new(
-        name: String,
+        name: Name,
         capacity: Int<args::Capacity>,
         n_readers: Int<args::NReaders>,
         max_object_size: Int<args::MaxObjectSize>,
@@ -288,7 +288,7 @@ impl WriterHandle {
     ) -> PyResult<Self> {
         Ok(WriterHandle {
             info: WriterInfo {
-                name,
+                name: name.0,
                 capacity: capacity.get(),
                 n_readers: n_readers.get_u32()?,
                 max_object_size: max_object_size.get(),
@@ -345,7 +345,7 @@ impl WriterHandle {
 /// Unpickle a `WriterHandle` (positional, unlike its keyword-only constructor).
 #[pyfunction]
 pub(super) fn _writer_handle(
-    name: String,
+    name: Name,
     capacity: Int<args::Capacity>,
     n_readers: Int<args::NReaders>,
     max_object_size: Int<args::MaxObjectSize>,

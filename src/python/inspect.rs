@@ -4,14 +4,15 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use super::args::Name;
 use crate::layout::{Liveness, SlotState};
 use crate::store;
 
 /// Read a live segment's header, counters, reader and writer slots without attaching (never
 /// writes to it).
 #[pyfunction]
-pub(super) fn inspect_segment<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
-    let info = store::inspect(name)?;
+pub(super) fn inspect_segment<'py>(py: Python<'py>, name: Name) -> PyResult<Bound<'py, PyDict>> {
+    let info = store::inspect(&name.0)?;
     let d = PyDict::new(py);
     d.set_item("name", &info.name)?;
     d.set_item("capacity", info.layout.capacity)?;
@@ -78,8 +79,8 @@ fn slot_state(state: SlotState) -> &'static str {
 /// Whether segment `name` is `"live"` (its writer runs, in any PID namespace), `"orphaned"`
 /// (safe to remove) or `"undecided"` (leave it for now), and why.
 #[pyfunction]
-pub(super) fn segment_status(name: &str) -> PyResult<(&'static str, String)> {
-    Ok(match store::status(name)? {
+pub(super) fn segment_status(name: Name) -> PyResult<(&'static str, String)> {
+    Ok(match store::status(&name.0)? {
         store::Status::Live => ("live", "a writer is alive".to_owned()),
         store::Status::Orphaned(why) => ("orphaned", why),
         store::Status::Undecided(why) => ("undecided", why),
@@ -94,16 +95,16 @@ pub(super) fn list_segments() -> Vec<String> {
 
 /// Remove a segment's name (its memory is freed once every process unmaps it).
 #[pyfunction]
-pub(super) fn unlink_segment(name: &str) -> PyResult<()> {
-    Ok(crate::segment::unlink(name)?)
+pub(super) fn unlink_segment(name: Name) -> PyResult<()> {
+    Ok(crate::segment::unlink(&name.0)?)
 }
 
 /// Remove segment `name` if it is orphaned, judged again while holding a lock that every
 /// remover of a segment takes (so the name is not given to a new store in between); whether
 /// it did.
 #[pyfunction]
-pub(super) fn remove_orphaned_segment(name: &str) -> PyResult<bool> {
-    Ok(store::remove_if_orphaned(name, false)?)
+pub(super) fn remove_orphaned_segment(name: Name) -> PyResult<bool> {
+    Ok(store::remove_if_orphaned(&name.0, false)?)
 }
 
 /// A fresh name of the kind `ShmObjectStore.create` generates (`mmc_<this process's

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::pyclass_init::PyClassInitializer;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::args::{self, Int};
+use super::args::{self, Int, Name};
 use super::buffer::{Keeper, ShmView, copied_bytes};
 use super::decode::{check_pin_memory, decode};
 use super::handles::{ReaderHandle, ShmHandle, WriterHandle};
@@ -188,7 +188,7 @@ impl ShmObjectStore {
         capacity: Int<args::Capacity>,
         n_readers: Int<args::NReaders>,
         max_object_size: Option<Int<args::MaxObjectSize>>,
-        name: Option<&str>,
+        name: Option<Name>,
         max_writers: Int<args::MaxWriters>,
         max_objects: Option<Int<args::MaxObjects>>,
     ) -> PyResult<Bound<'py, ShmWriter>> {
@@ -199,7 +199,11 @@ impl ShmObjectStore {
             max_writers: max_writers.get_u32()?,
             max_objects: max_objects.map(|m| m.get()),
         };
-        Self::writer(py, Writer::create_with(&config, name)?)
+        let name = name.map(|n| n.0);
+        // Without the GIL: a creation under a chosen name may wait, for an empty file there
+        // to be judged (up to 10 s) or for whoever removes an orphan of that name (up to 5 s).
+        let writer = py.detach(|| Writer::create_with(&config, name.as_deref()))?;
+        Self::writer(py, writer)
     }
 
     /// One more writer of the store `writer_handle` names (this process or another).

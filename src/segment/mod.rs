@@ -149,15 +149,17 @@ fn map(fd: &OwnedFd, len: usize, access: Access) -> io::Result<NonNull<u8>> {
 }
 
 /// Test hook: with `MMCACHE_TEST_PAUSE_IN_CREATION_S=<seconds>` in its environment, a process
-/// waits that long in every creation once the segment is locked and sized but has no header
-/// yet, so a test can kill a creator mid-creation or race another creation against it. Unset
-/// (always, outside tests) it costs one environment lookup per creation.
-fn pause_in_creation_for_tests() {
+/// waits that long in every creation at the stage `MMCACHE_TEST_PAUSE_IN_CREATION_AT` names
+/// (default `sized`: locked and sized but no header yet; `locked`: locked, still empty), so a
+/// test can kill a creator mid-creation or race another creation against it. Unset (always,
+/// outside tests) it costs one environment lookup per stage.
+fn pause_in_creation_for_tests(stage: &str) {
     let pause = std::env::var("MMCACHE_TEST_PAUSE_IN_CREATION_S")
         .ok()
         .and_then(|s| s.parse::<f64>().ok())
         .filter(|s| s.is_finite() && *s > 0.0);
-    if let Some(seconds) = pause {
+    let at = || std::env::var("MMCACHE_TEST_PAUSE_IN_CREATION_AT");
+    if let Some(seconds) = pause.filter(|_| at().as_deref().unwrap_or("sized") == stage) {
         std::thread::sleep(std::time::Duration::from_secs_f64(seconds.min(3600.0)));
     }
 }
@@ -230,6 +232,7 @@ impl Segment {
             Err(e) if locks_unsupported(&e) => false,
             Err(e) => return Err(fail(Error::os("locking the new segment", e))),
         };
+        pause_in_creation_for_tests("locked");
         // The umask may have narrowed the mode; make sure it is exactly owner read-write.
         // SAFETY: fchmod on an fd we own.
         if unsafe { libc::fchmod(fd.as_raw_fd(), 0o600) } != 0 {
@@ -239,7 +242,7 @@ impl Segment {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(fail(Error::os("ftruncate", io::Error::last_os_error())));
         }
-        pause_in_creation_for_tests();
+        pause_in_creation_for_tests("sized");
         let base = map(&fd, len, Access::ReadWrite)
             .map_err(|e| fail(Error::os("mapping shared memory", e)))?;
         let mut seg = Segment {

@@ -164,6 +164,7 @@ pub fn list_files<const N: usize>(
     entries
         .filter_map(|e| e.ok())
         .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        // A name that is not UTF-8 is no segment's: every name this package makes is UTF-8.
         .filter_map(|e| e.file_name().into_string().ok())
         .filter(|name| {
             by_name(name)

@@ -63,6 +63,9 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
     // Read from a copy of the header and the slot tables, not through a mapping of the file:
     // whoever can write it may shrink it meanwhile, a SIGBUS under a mapping.
     let (len, bytes) = segment::read_start::<{ header::READER_TABLE as usize }>(name)?;
+    if len == 0 {
+        return Err(empty_file(name));
+    }
     let (layout, _) = Layout::read_bytes(len, &bytes)?;
     let tables = usize::try_from(layout.bucket_offset(0))
         .map_err(|_| Error::Corrupt("slot tables larger than this host's memory".into()))?;
@@ -116,9 +119,32 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
     })
 }
 
+/// What `inspect` says of an empty file: not a segment yet, and what becomes of it (rather
+/// than "corrupt ... recreate the cache", which a creation under its name refused while its
+/// creator might still be making it).
+fn empty_file(name: &str) -> Error {
+    let holder = match segment::probe_file(name, WRITER_LOCK) {
+        Ok(probe) if probe.creator_lock_held => {
+            "its creator holds it, about to give it a size".to_owned()
+        }
+        _ => format!(
+            "no process holds it: its creator was killed before giving it a size (or is \
+             between creating and locking it); a store created under this name takes it over \
+             once it is {CREATION_GRACE_SECS} s old, and `mmcache prune` removes it under a \
+             generated (mmc_) name only (under a chosen one it may be another program's file)"
+        ),
+    };
+    Error::NotASegment(format!(
+        "{}/{name} is empty (0 bytes), no store yet; {holder}",
+        segment::SHM_DIR
+    ))
+}
+
 /// Names in `/dev/shm` that this package made: generated names (`mmc_…`, whatever their
 /// content: a truncated or half-made segment has lost or not yet got its magic) and any
 /// regular file that starts with this package's magic (segments created with a chosen name).
+/// A file whose name is not UTF-8 is never listed: every name this package makes is UTF-8
+/// (names are `str`s), so such a file is another program's, whatever it holds.
 pub fn list_segments() -> Vec<String> {
     segment::list_files(
         |name| name.starts_with(segment::NAME_PREFIX),
@@ -235,10 +261,36 @@ pub fn status(name: &str) -> Result<Status> {
         )));
     }
     // Empty or garbage: a creator that died half-way, unless it may still be creating it.
-    if probe.age_secs < CREATION_GRACE_SECS && (probe.size == 0 || !probe.locks_supported) {
+    if in_creation_grace(&probe) {
         return Ok(Status::Undecided("new: it may be being created".into()));
     }
     Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+}
+
+/// Whether a file no writer lock holds may still be being created (see
+/// [`CREATION_GRACE_SECS`]): young, and empty or on a kernel without OFD locks.
+fn in_creation_grace(probe: &segment::FileProbe) -> bool {
+    probe.age_secs < CREATION_GRACE_SECS && (probe.size == 0 || !probe.locks_supported)
+}
+
+/// Wait, for at most [`CREATION_GRACE_SECS`], while `name` is an empty file that no writer
+/// holds and that may still be being created: what a creation under a chosen name does
+/// before it judges the file there, so that a store restarted under its name right after its
+/// creator was killed before sizing the file takes that file over (it was a
+/// `FileExistsError` until the file was ten seconds old). Returns as soon as the file is
+/// gone, sized, locked (a creator is making it: the name is taken) or old enough to judge.
+pub(super) fn wait_out_creation_grace(name: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(CREATION_GRACE_SECS);
+    while std::time::Instant::now() < deadline {
+        match segment::probe_file(name, WRITER_LOCK) {
+            Ok(probe)
+                if probe.size == 0 && !probe.creator_lock_held && in_creation_grace(&probe) =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            _ => return,
+        }
+    }
 }
 
 /// The little-endian word at `offset` of `bytes` (0 past their end).

@@ -149,6 +149,7 @@ mod stuck;
 mod writer;
 
 pub use crash::POINTS as CRASH_POINTS;
+use inspect::wait_out_creation_grace;
 pub use inspect::{
     SegmentInfo, SlotInfo, Status, WriterSlotInfo, inspect, list_segments, remove_if_orphaned,
     remove_orphans, status,

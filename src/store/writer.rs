@@ -105,7 +105,9 @@ impl Writer {
         super::remove_orphans();
         if name_given {
             // An orphan of this name that a sweep elsewhere is removing: wait for it to go, or
-            // remove it here, rather than find the name taken.
+            // remove it here, rather than find the name taken. An empty file a creator left
+            // is judged only once it can no longer be one being created.
+            super::wait_out_creation_grace(&name);
             let _ = super::remove_if_orphaned(&name, true);
         }
         // The header and the slot tables are read by every process from the start; the key
