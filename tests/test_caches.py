@@ -478,6 +478,84 @@ def test_a_request_bracket_keeps_items_updated_one_by_one_mirrored() -> None:
     assert sender.stats()["uncached_full"] == receiver.stats()["uncached_full"] > 0
 
 
+def sender_bracket(sender: SenderCache, hashes: list[str], truth: dict[str, Any]) -> list[Any]:
+    """One request at P0 as vLLM brackets it, settled; the data it sends."""
+    cached = sender.is_cached(hashes)
+    sender.begin_request()
+    for h in hashes:
+        sender.touch_sender_cache_item(h)
+    data = [
+        sender.get_and_update_item(None if c else (truth[h], updates_of(h)), h)[0]
+        for h, c in zip(hashes, cached, strict=True)
+    ]
+    sender.settle_recency(hashes)
+    sender.end_request()
+    return data
+
+
+def test_a_request_that_never_reaches_the_receiver_gives_the_recency_it_moved_back() -> None:
+    # An engine may reject a request after P0 applied it (vLLM: a prompt too long), so P1
+    # never sees it; its touches made the items it found cached most recent at P0 only. Kept
+    # so, the next evictions took other items on each side, and a later request of an item
+    # P1 had evicted (cached at P0, so sent without its data) missed at P1.
+    rng = random.Random(3)
+    keys = [f"k{i}" for i in range(12)]
+    truth = {k: make_item(k, rng.choice([1, 2, 3]) * KiB) for k in keys}
+    sender, receiver = SenderCache(gb(8 * KiB)), ReceiverCache(gb(8 * KiB))
+    rejected = 0
+    for _ in range(300):
+        hashes = [rng.choice(keys) for _ in range(rng.randint(1, 3))]
+        if all(sender.is_cached(hashes)) and rng.random() < 0.5:
+            # Rejected: only items it found cached, so it stored (and evicted) nothing.
+            sender_bracket(sender, hashes, truth)
+            assert sender.undo_recency(list(reversed(hashes)))  # the hashes it found cached
+            assert not sender.undo_recency(hashes)  # once only
+            rejected += 1
+        else:
+            data = sender_bracket(sender, hashes, truth)
+            receiver.get_and_update_features(
+                [Feature(d, mm_hash=h) for d, h in zip(data, hashes, strict=True)]
+            )
+            receiver.settle_recency(hashes)
+        assert sender.keys() == receiver.keys()
+    assert rejected > 20
+
+
+@pytest.mark.parametrize("first", ["older", "newer"])
+def test_undoing_two_requests_that_moved_one_item_puts_it_back_where_it_was(first: str) -> None:
+    truth = {k: make_item(k) for k in "abc"}
+    sender = SenderCache(1)
+    for h in "abc":
+        sender.get_and_update_item((truth[h], updates_of(h)), h)
+    sender_bracket(sender, ["a", "b"], truth)
+    sender_bracket(sender, ["a"], truth)
+    assert sender.keys() == ["c", "b", "a"]
+    if first == "older":
+        assert sender.undo_recency(["a", "b"])  # b back; a stays, where the newer one left it
+        assert sender.keys() == ["b", "c", "a"]
+        assert sender.undo_recency(["a"])
+    else:
+        assert sender.undo_recency(["a"])
+        assert sender.keys() == ["c", "a", "b"]
+        assert sender.undo_recency(["b", "a"])
+    assert sender.keys() == ["a", "b", "c"]
+
+
+def test_an_undone_request_leaves_what_moved_its_items_since_alone() -> None:
+    truth = {k: make_item(k) for k in "abc"}
+    sender = SenderCache(1)
+    for h in "abc":
+        sender.get_and_update_item((truth[h], updates_of(h)), h)
+    sender_bracket(sender, ["a", "b"], truth)
+    assert not sender.undo_recency(["a"])  # no request found exactly "a" cached
+    sender.touch_sender_cache_item("a")  # outside a request: moves it, files nothing
+    assert sender.keys() == ["c", "b", "a"]
+    assert sender.undo_recency(["a", "b"])
+    assert sender.keys() == ["b", "c", "a"]
+    with pytest.raises(TypeError, match="undo_recency takes a list of mm_hashes"):
+        sender.undo_recency("ab")
+
+
 def test_request_bracket_rules() -> None:
     sender = SenderCache(gb(10 * KiB))
     sender.end_request()  # none open: nothing to do

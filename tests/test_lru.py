@@ -270,6 +270,135 @@ TestProtectedLRUAgainstModel.settings = settings(
 )
 
 
+class RestoredLRUAgainstModel(ProtectedLRUAgainstModel):
+    """The model with recency given back: a touch a mirror never saw is undone
+    (``restore_recency``), the key going back among the others by its earlier stamp, unless
+    something made it recent since. The model keeps stamps of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamps: dict[str, int] = {}
+        self.clock = 0
+        # key, the model's stamps before and after the touch, the cache's before and after
+        self.touched: list[tuple[str, int, int, int, int]] = []
+
+    keys = st.sampled_from("abcdefg")
+
+    def stamp(self, key: str) -> None:
+        self.clock += 1
+        self.stamps[key] = self.clock
+
+    @rule(key=keys, size=st.integers(0, 25))
+    def put_if_fits(self, key: str, size: int) -> None:
+        others = sum(len(v) for k, v in self.model.items() if k in self.protected and k != key)
+        super().put_if_fits(key, size)
+        if size <= self.CAPACITY - others:
+            self.stamp(key)
+
+    @rule(key=keys)
+    def get(self, key: str) -> None:
+        hit = key in self.model
+        super().get(key)
+        if hit:
+            self.stamp(key)
+
+    @rule(key=keys)
+    def touch(self, key: str) -> None:
+        super().touch(key)
+        if key in self.model:
+            self.stamp(key)
+
+    @rule(key=keys)
+    def touch_to_undo(self, key: str) -> None:
+        if key in self.model:
+            model_before, cache_before = self.stamps[key], self.cache.recency(key)
+            assert cache_before is not None
+            self.touch(key)
+            cache_after = self.cache.recency(key)
+            assert cache_after is not None and cache_after > cache_before
+            self.touched.append((key, model_before, self.stamps[key], cache_before, cache_after))
+
+    @rule(data=st.data())
+    def undo(self, data: st.DataObject) -> None:
+        if not self.touched:
+            return
+        i = data.draw(st.integers(0, len(self.touched) - 1))
+        key, model_before, model_after, before, after = self.touched.pop(i)
+        expected = key in self.model and self.stamps[key] == model_after
+        assert self.cache.restore_recency(key, before, since=after) == expected
+        if expected:
+            self.stamps[key] = model_before
+            self.model = OrderedDict(sorted(self.model.items(), key=lambda kv: self.stamps[kv[0]]))
+
+    @invariant()
+    def stamps_ascend(self) -> None:
+        stamps = [self.cache.recency(key) or 0 for key in self.cache.recency_order()]
+        assert 0 not in stamps and stamps == sorted(set(stamps))  # present, ascending
+        assert self.cache.recency("absent") is None
+
+
+TestRestoredLRUAgainstModel = RestoredLRUAgainstModel.TestCase
+TestRestoredLRUAgainstModel.settings = settings(
+    max_examples=300, stateful_step_count=60, deadline=None
+)
+
+
+def test_restore_recency_gives_a_key_its_place_back_unless_it_moved_since() -> None:
+    cache = unit_cache(4)
+    for key in "abcd":
+        cache.put(key, 1)
+    before = cache.recency("b")
+    assert before is not None
+    cache.touch("b")
+    after = cache.recency("b")
+    assert after is not None and after > before
+    assert cache.recency_order() == ["a", "c", "d", "b"]
+    assert not cache.restore_recency("b", before, since=after + 1)  # not where it was left
+    assert not cache.restore_recency("b", after, since=after)  # no earlier recency
+    assert not cache.restore_recency("absent", before, since=after)
+    assert cache.restore_recency("b", before, since=after)
+    assert cache.recency_order() == ["a", "b", "c", "d"]
+    assert not cache.restore_recency("b", before, since=after)  # once
+    cache.put("e", 1)  # evicts a, as if b was never touched
+    assert cache.recency_order() == ["b", "c", "d", "e"]
+    assert cache.stat() == CacheInfo(0, 0)
+
+
+def test_restore_recency_puts_a_key_back_at_any_place() -> None:
+    keys = [f"k{i}" for i in range(9)]
+    cache = unit_cache(len(keys))
+    for key in keys:
+        cache.put(key, 1)
+    for key in keys:
+        before = cache.recency(key)
+        cache.touch(key)
+        after = cache.recency(key)
+        assert before is not None and after is not None
+        assert cache.restore_recency(key, before, since=after)
+        assert cache.recency_order() == keys
+
+
+def test_restore_recency_among_the_parked_entries_keeps_eviction_in_order() -> None:
+    cache = unit_cache(6)
+    for key in "abcdef":
+        cache.put(key, 1)
+    cache.protect("a")
+    cache.protect("b")
+    cache.put("g", 1)  # evicts c, parking a and b
+    before = cache.recency("a")
+    cache.touch("a")
+    after = cache.recency("a")
+    assert before is not None and after is not None
+    assert cache.recency_order() == ["b", "d", "e", "f", "g", "a"]
+    assert cache.restore_recency("a", before, since=after)  # back before the parked b
+    assert cache.recency_order() == ["a", "b", "d", "e", "f", "g"]
+    cache.put("h", 1)  # a and b still protected: evicts d
+    assert cache.recency_order() == ["a", "b", "e", "f", "g", "h"]
+    cache.unprotect("a")
+    cache.put("i", 1)  # evicts a, the least recent
+    assert cache.recency_order() == ["b", "e", "f", "g", "h", "i"]
+
+
 def test_protected_entries_at_the_least_recent_end_are_passed_once_then_kept_in_order() -> None:
     """An eviction parks the protected entries it passes at the least recent end: later ones
     do not pass them again, and each keeps its place in the recency order (evicted first

@@ -356,15 +356,10 @@ def test_an_lru_request_vllm_rejects_after_its_render_leaves_p0_as_p1_is() -> No
         p0.close()
 
 
-@pytest.mark.xfail(
-    raises=MultiModalCacheMissError,
-    strict=True,
-    reason="P0 does not undo the recency a rejected request's lookup moved (unfixed)",
-)
-def test_an_lru_request_vllm_rejects_after_its_render_moves_no_recency_p1_does_not() -> None:
-    # A rejected request never reaches P1, but its lookup's touch of a cached item made the
-    # item most recent at P0: the next eviction took another item on each side, and a later
-    # request of the item P1 evicted (cached at P0, so sent without its data) missed at P1.
+def mirrored_after(reject: Callable[[Any], None]) -> None:
+    """Requests of "c" then "a" through P0 and P1, ``reject(p0)`` (a request of "c" that P1
+    never gets), then requests of "b" (evicting the least recent item), "c" and "a": P1
+    misses unless P0 evicted what P1 did."""
     size = MultiModalCache.get_item_size(TRUTH["a"])
     config = vllm_config("lru", 2 * size + size // 2)  # room for two items
     p0, p1 = processor_cache_from_config(config), engine_receiver_cache_from_config(config)
@@ -376,6 +371,20 @@ def test_an_lru_request_vllm_rejects_after_its_render_moves_no_recency_p1_does_n
     try:
         request(["c"])
         request(["a"])
+        reject(p0)
+        request(["b"])  # evicts the least recent item
+        request(["c"])
+        request(["a"])
+        assert p0._sender.keys() == p1._receiver.keys()
+    finally:
+        p0.close()
+
+
+def test_an_lru_request_vllm_rejects_after_its_render_moves_no_recency_p1_does_not() -> None:
+    # A rejected request never reaches P1, but its lookup's touch of a cached item made the
+    # item most recent at P0: the next eviction took another item on each side, and a later
+    # request of the item P1 evicted (cached at P0, so sent without its data) missed at P1.
+    def too_long(p0: Any) -> None:
         with rendering():
             items = vllm_p0_request(p0, ["c"])
         rendered = {
@@ -384,9 +393,30 @@ def test_an_lru_request_vllm_rejects_after_its_render_moves_no_recency_p1_does_n
             "mm_hashes": {"image": ["c"]},
         }
         reject_too_long(p0, rendered)
-        request(["b"])  # evicts the least recent item
-        request(["c"])
-        request(["a"])
-        assert p0._sender.keys() == p1._receiver.keys()
-    finally:
-        p0.close()
+
+    mirrored_after(too_long)
+
+
+def test_an_lru_render_that_fails_after_its_request_moves_no_recency_p1_does_not() -> None:
+    def render_then_fail(p0: Any) -> None:
+        vllm_p0_request(p0, ["c"])
+        raise AssertionError("Failed to apply prompt replacement for mm_items['image'][0]")
+
+    def replacement_fails(p0: Any) -> None:
+        with pytest.raises(AssertionError, match="prompt replacement"), rendering():
+            render_then_fail(p0)
+
+    mirrored_after(replacement_fails)
+
+
+def test_an_lru_request_that_fails_part_way_moves_no_recency_p1_does_not() -> None:
+    def fails_part_way(p0: Any) -> None:
+        assert p0.is_cached(["c", "x"]) == [True, False]
+        p0.touch_sender_cache_item("c")
+        p0.touch_sender_cache_item("x")
+        p0.get_and_update_item(None, "c")
+        with pytest.raises(MultiModalCacheMissError):
+            p0.get_and_update_item(None, "x")  # vLLM's processor failed to give its data
+        p0.release_sender_touches()
+
+    mirrored_after(fails_part_way)

@@ -384,10 +384,13 @@ class _ProtectedLRU:
         # A pickled copy starts with no request in flight, so with nothing protected.
         return _ProtectedLRU, (self.lru, self._request)
 
-    def touch(self, key: str) -> None:
-        """Make ``key`` most recent and protect it for this request; a no-op when absent."""
-        self.lru.touch(key)
-        self._holds.take(self._request.holds, key)
+    def touch(self, key: str) -> int | None:
+        """Make ``key`` most recent and protect it for this request; a no-op when absent.
+        Returns its recency stamp before (``None`` when absent)."""
+        before = self.lru.touch(key)
+        if before is not None:
+            self._holds.take(self._request.holds, key)
+        return before
 
     def updated(self, key: str) -> None:
         """``key`` was updated: outside a request, this thread's protection of it ends now."""
@@ -625,10 +628,14 @@ class _LruSenderCache(BaseSenderCache):
         check_mm_hash(mm_hash)
         with self._lock:
             try:
-                self._protection.touch(mm_hash)
+                self._touch(mm_hash)
             except TypeError:  # unhashable
                 check_mm_hash_type("touch_sender_cache_item(mm_hash)", mm_hash)
                 raise
+
+    def _touch(self, mm_hash: str) -> None:
+        """Make ``mm_hash`` most recent and protect it (lock held)."""
+        self._protection.touch(mm_hash)
 
     def release_sender_touches(self) -> None:
         """Drop this thread's protection of every item it touched (its request was
@@ -700,11 +707,95 @@ class ProcessorOnlyCache(_LruSenderCache):
         return entry.item, entry.prompt_updates
 
 
+Moves: TypeAlias = tuple[dict[str, int], int]
+"""What one request did to the recency of the items it found cached: each item's recency
+stamp before the request, and the last stamp given when it ended (the request moved an item
+it left between the two)."""
+
+
 class SenderCache(_LruSenderCache):
     """P0 shadow of P1's :class:`ReceiverCache`: sizes and prompt updates, no data.
 
     A hit returns ``(None, prompt_updates)``: P1 holds the item, so nothing is sent.
+
+    A request the engine rejects after it ended here never reaches P1, yet its touches made
+    the items it found cached most recent here.  So each request opened with
+    :meth:`begin_request` files, when it ends, what its touches moved, and
+    :meth:`undo_recency` gives those items their earlier recency back: the two LRUs stay
+    alike.
     """
+
+    def __init__(self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size) -> None:
+        super().__init__(capacity_gb, getsizeof=getsizeof)
+        self._last_moves: dict[str, Moves] = {}
+        """Each key -> the moves of the ended request that moved it last."""
+        self._prune_at = 1024
+
+    def _touch(self, mm_hash: str) -> None:
+        before = self._protection.touch(mm_hash)
+        if before is not None:
+            request = self._request
+            if request.open:
+                request.moved.setdefault(mm_hash, before)
+
+    def _end_request(self, keys: Sequence[str] | None) -> None:
+        self._protection.end(keys)
+        request = self._request
+        if request.moved:  # file them (handed over, not copied)
+            moves = (request.moved, self._lru.last_stamp)
+            request.moved = {}
+            last = self._last_moves
+            for key in moves[0]:
+                last[key] = moves
+            if len(last) > self._prune_at:
+                # Those that can no longer be undone dropped: keys evicted, or moved since.
+                self._last_moves = {
+                    k: m for k, m in last.items() if self._left_at(k, m) is not None
+                }
+                self._prune_at = 2 * len(self._last_moves) + 1024
+
+    def _left_at(self, key: str, moves: Moves) -> int | None:
+        """``key``'s recency stamp while it is where the request of ``moves`` left it, else
+        ``None`` (lock held)."""
+        stamp = self._lru.recency(key)
+        return stamp if stamp is not None and moves[0][key] < stamp <= moves[1] else None
+
+    def undo_recency(self, mm_hashes: Iterable[str]) -> bool:
+        """The last ended request whose touches found exactly ``mm_hashes`` cached never
+        reached P1 (the engine rejected it): give each of those items the recency it had
+        before the request, unless something made it recent since.  Returns whether such a
+        request was found (it is not, once undone, or once later requests moved all of its
+        items).
+
+        An item a later request moved from where this one left it stays there, but should
+        that request be undone too, it goes back to where it was before both (in either
+        order)."""
+        check_list(mm_hashes, "undo_recency", "mm_hashes", "undo_recency([mm_hash])")
+        keys = set(mm_hashes)
+        with self._lock:
+            last = self._last_moves
+            moves = next((m for k in keys if (m := last.get(k)) and m[0].keys() == keys), None)
+            if moves is None:
+                return False
+            befores, end = moves
+            for key, before in befores.items():
+                latest = last.get(key)
+                if latest is moves:
+                    del last[key]
+                elif latest is not None and before < latest[0][key] <= end:
+                    # The later request moved it from where this one left it: had this one
+                    # never happened, it moved it from where it was before.
+                    latest[0][key] = before
+                # (What moved it since, if anything, was undone.)
+                if (stamp := self._left_at(key, moves)) is not None:
+                    self._lru.restore_recency(key, before, since=stamp)
+            befores.clear()  # undone: found no more
+            return True
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            super().clear_cache()
+            self._last_moves.clear()
 
     def _entry(self, item: Item, prompt_updates: Any) -> ItemMetadata:
         return ItemMetadata(self._item_size(item), prompt_updates)

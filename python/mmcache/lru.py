@@ -88,18 +88,21 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
                 f"{capacity_bytes!r}"
             )
         super().__init__(capacity_bytes, getsizeof)
-        # The recency order, least recent first, is ``_parked`` then ``_order``. Eviction takes
-        # the least recent entry that is not protected; a protected entry it passes at the
-        # front of ``_order`` is parked (moved, in order, to the end of ``_parked``, so every
-        # parked key stays older than every key of ``_order``) rather than passed again by
-        # every eviction after it: the entries a long request protects drift to the front,
-        # and each insertion walked over all of them (100 µs with 1,000 there, 2 ms with
-        # 10,000). A parked key no longer protected waits in ``_free``, a heap of (parking
-        # number, key), to be evicted first; one made recent again goes back to ``_order``.
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-        self._parked: dict[Hashable, int] = {}  # parked key -> its parking number, in order
+        # Every entry has a recency stamp (:meth:`recency`), larger when more recent, so a
+        # key's earlier recency can be given back (:meth:`restore_recency`). The recency
+        # order, least recent first (ascending stamps), is ``_parked`` then ``_order``, each
+        # mapping its keys to their stamps. Eviction takes the least recent entry that is
+        # not protected; a protected entry it passes at the front of ``_order`` is parked
+        # (moved, in order, to the end of ``_parked``, so every parked key stays older than
+        # every key of ``_order``) rather than passed again by every eviction after it: the
+        # entries a long request protects drift to the front, and each insertion walked over
+        # all of them (100 µs with 1,000 there, 2 ms with 10,000). A parked key no longer
+        # protected waits in ``_free``, a heap of (stamp, key), to be evicted first; one
+        # made recent again goes back to ``_order``.
+        self._order: OrderedDict[Hashable, int] = OrderedDict()
+        self._parked: dict[Hashable, int] = {}
         self._free: list[tuple[int, Hashable]] = []  # parked keys unprotected (some stale)
-        self._parkings = 0
+        self._stamp = 0  # the last stamp given
         self._protected: dict[Hashable, float] = {}  # protected key -> its value's size
         self._protected_bytes: float = 0
         self.evictions = 0
@@ -116,10 +119,11 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
 
     def _make_recent(self, key: Hashable) -> None:
         """Move ``key`` (present) to the most recent end."""
-        if self._parked.pop(key, None) is None:
-            self._order.move_to_end(key)
-        else:
-            self._order[key] = None
+        self._stamp = stamp = self._stamp + 1
+        order = self._order
+        if not self._parked or self._parked.pop(key, None) is None:
+            order.move_to_end(key)
+        order[key] = stamp
 
     def _forget_order(self, key: Hashable) -> None:
         """Take ``key`` (present) out of the recency order."""
@@ -140,7 +144,8 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
             cachetools.Cache.__delitem__(self, key)  # its protection stays
             self._forget_order(key)
         super().__setitem__(key, value)  # evicts through popitem() as needed
-        self._order[key] = None  # most recent
+        self._stamp += 1
+        self._order[key] = self._stamp  # most recent
         if key in self._protected:  # a protected entry replaced in place: its new size
             self._protected_bytes += size - self._protected[key]
             self._protected[key] = size
@@ -179,10 +184,17 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
         self[key] = value
         return True
 
-    def touch(self, key: Hashable) -> None:
-        """Make ``key`` most recent; a no-op when it is absent (no entry is created)."""
-        if key in self:
-            self._make_recent(key)
+    def touch(self, key: Hashable) -> int | None:
+        """Make ``key`` most recent; a no-op when it is absent (no entry is created).
+        Returns its recency stamp before (:meth:`recency`), ``None`` when absent."""
+        # Every entry is in one of the two: no lookup in cachetools' mapping.
+        stamp = self._order.get(key)
+        if stamp is None:
+            stamp = self._parked.get(key)
+            if stamp is None:
+                return None
+        self._make_recent(key)
+        return stamp
 
     def settle(self, keys: Iterable[str]) -> None:
         """Make those of ``keys`` present the most recent, in sorted order: two caches that
@@ -214,7 +226,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
                 self._free_parked(parked, key)
 
     def _free_parked(self, parked: int, key: Hashable) -> None:
-        """Parked ``key`` (parking number ``parked``) may be evicted again."""
+        """Parked ``key`` (stamp ``parked``) may be evicted again."""
         free = self._free
         heapq.heappush(free, (parked, key))
         if len(free) > 2 * len(self._parked) + 64:
@@ -264,9 +276,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
             key = next(iter(order))
             if key not in protected:
                 return key
-            del order[key]
-            self._parked[key] = self._parkings
-            self._parkings += 1
+            self._parked[key] = order.pop(key)
         raise KeyError(f"{type(self).__name__} has no entry that is not protected")
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
@@ -313,6 +323,71 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
     def recency_order(self) -> list[Hashable]:
         """Keys from least to most recently used (the order eviction follows); O(n)."""
         return [*self._parked, *self._order]
+
+    @property
+    def last_stamp(self) -> int:
+        """The last recency stamp given (0 before any)."""
+        return self._stamp
+
+    def recency(self, key: Hashable) -> int | None:
+        """``key``'s recency stamp (``None`` when absent): stamps grow as entries are made
+        recent, so they order the entries as :meth:`recency_order` does, and each is given
+        once (a key made recent again, or stored again, gets a new one)."""
+        stamp = self._order.get(key)
+        return self._parked.get(key) if stamp is None else stamp
+
+    def restore_recency(self, key: Hashable, stamp: int, *, since: int) -> bool:
+        """Give ``key`` back its earlier recency ``stamp`` (from :meth:`recency`), undoing
+        what made it more recent since, provided its recency is still ``since`` (nothing
+        made it recent again since); returns whether it did.  The other entries keep their
+        order; no statistics change.
+
+        For a mirror (P0 of P1's LRU): what made ``key`` recent never happened on the other
+        side (a request that was rejected), so both sides order their entries alike again.
+        """
+        if self.recency(key) != since or not stamp < since:
+            return False
+        order = self._order
+        if key in self._parked or (self._parked and stamp < next(reversed(self._parked.values()))):
+            self._rebuild_order(key, stamp)
+            return True
+        # ``_order`` ascends by stamp: move the shorter run, the entries more recent than
+        # ``stamp`` (from the end) or those less recent (from the front). A rejected
+        # request's item was often the least recent one before: its run from the front is
+        # short.
+        del order[key]
+        newer: list[Hashable] = []
+        older: list[Hashable] = []
+        for (back, back_stamp), (front, front_stamp) in zip(
+            reversed(order.items()), order.items(), strict=True
+        ):
+            if back_stamp < stamp:
+                order[key] = stamp
+                for newer_key in reversed(newer):
+                    order.move_to_end(newer_key)
+                return True
+            if front_stamp > stamp:
+                order[key] = stamp
+                order.move_to_end(key, last=False)
+                for older_key in reversed(older):
+                    order.move_to_end(older_key, last=False)
+                return True
+            newer.append(back)
+            older.append(front)
+        order[key] = stamp  # the only entry
+        return True
+
+    def _rebuild_order(self, key: Hashable, stamp: int) -> None:
+        """Every entry in ``_order`` by stamp, ``key``'s now ``stamp``, none parked (eviction
+        parks the protected ones again as it passes them): O(n), for a stamp that falls
+        among the parked entries (rare: they are the protected entries that drifted to the
+        least recent end)."""
+        entries = [*self._parked.items(), *self._order.items()]
+        entries = [(k, stamp if k == key else s) for k, s in entries]
+        entries.sort(key=lambda entry: entry[1])
+        self._order = OrderedDict(entries)
+        self._parked.clear()
+        self._free.clear()
 
     def _room_taken_by_others(self, key: Hashable) -> float:
         """Bytes of the protected entries other than ``key``."""
@@ -384,9 +459,9 @@ class LRUCache(UnsynchronizedLRUCache):
         with self.lock:
             return super().put_if_fits(key, value)
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: Hashable) -> int | None:
         with self.lock:
-            super().touch(key)
+            return super().touch(key)
 
     def protect(self, key: Hashable) -> bool:
         with self.lock:
@@ -419,3 +494,16 @@ class LRUCache(UnsynchronizedLRUCache):
     def recency_order(self) -> list[Hashable]:
         with self.lock:
             return super().recency_order()
+
+    @property
+    def last_stamp(self) -> int:
+        """The last recency stamp given (0 before any)."""
+        return self._stamp
+
+    def recency(self, key: Hashable) -> int | None:
+        with self.lock:
+            return super().recency(key)
+
+    def restore_recency(self, key: Hashable, stamp: int, *, since: int) -> bool:
+        with self.lock:
+            return super().restore_recency(key, stamp, since=since)

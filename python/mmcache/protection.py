@@ -32,13 +32,15 @@ class Hold:
 
 class RequestState(threading.local):
     """What one thread's request has: whether it is open (between ``begin_request`` and
-    ``end_request``, or inside one batched call), the holds it took (key -> hold), and the
-    data its features carried (receivers)."""
+    ``end_request``, or inside one batched call), the holds it took (key -> hold), the
+    data its features carried (receivers), and the recency stamps the cached items it
+    touched had before it (``lru`` mode's sender)."""
 
     def __init__(self) -> None:
         self.open = False
         self.holds: dict[str, Hold] = {}
         self.carried: dict[str, Any] = {}
+        self.moved: dict[str, int] = {}
 
     def __reduce__(self) -> tuple[type[RequestState], tuple[()]]:
         # A pickled cache's copy has no request in flight: its threads have none yet.

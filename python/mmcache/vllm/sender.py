@@ -10,7 +10,10 @@ thread brackets its own request (vLLM's renderer runs ``--renderer-num-workers``
 A request vLLM rejects after the cache issued its handles (a prompt replacement that fails,
 a prompt too long) never reaches the workers: vLLM's frontend runs each render in
 :func:`rendering`, and the handles of the requests a render completed are given back when
-it raises (:mod:`mmcache.vllm.frontend` wraps vLLM's methods).
+it raises (:mod:`mmcache.vllm.frontend` wraps vLLM's methods).  In ``lru`` mode P1 never
+sees such a request, nor one that raised part-way: P0 forgets the items it stored and gives
+the items it found cached the recency they had before it
+(:meth:`~mmcache.caches.SenderCache.undo_recency`), so the two LRUs stay alike.
 
 Invalidations (a receiver reported items missing) never land inside a request that found
 the item cached: one that arrives from another thread while such a request is between its
@@ -33,7 +36,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from contextlib import contextmanager
 from typing import Any
 
@@ -78,8 +81,8 @@ logger = logging.getLogger(__name__)
 
 _render = threading.local()
 """This thread's render (:func:`rendering`): ``issued``, the adapters whose requests it
-completed, the outputs those requests were issued and the hashes whose outputs carried data
-(``None`` outside a render)."""
+completed, the outputs those requests were issued, the hashes whose outputs carried data
+and those they found cached (``None`` outside a render)."""
 
 
 @contextmanager
@@ -88,17 +91,18 @@ def rendering() -> Iterator[None]:
 
     If the render raises after a request of it ended (vLLM failed the prompt's replacement,
     say), nothing of it reaches the workers: the handles its requests were issued are given
-    back (in ``lru`` mode, the items they stored are forgotten: P1 never gets them).  Every
-    lookup the render opened is closed (:meth:`_SenderAdapter.is_cached`).
+    back (in ``lru`` mode, the items they stored are forgotten: P1 never gets them, and
+    the items they found cached get their earlier recency back).  Every lookup the render
+    opened is closed (:meth:`_SenderAdapter.is_cached`).
     """
-    issued: list[tuple[_SenderAdapter, list[Any], list[str]]] = []
+    issued: list[tuple[_SenderAdapter, list[Any], list[str], Set[str]]] = []
     outer, _render.issued = getattr(_render, "issued", None), issued
     try:
         yield
     except BaseException:
-        for cache, handles, sent in issued:
-            cache._abandon(handles, sent)
-        for cache in {id(cache): cache for cache, _, _ in issued}.values():
+        for cache, handles, sent, found in issued:
+            cache._abandon(handles, sent, found)
+        for cache in {id(entry[0]): entry[0] for entry in issued}.values():
             # A render that failed before vLLM's release (its processor raised, say) still
             # holds what its lookup claimed: another API server may be waiting for it.
             cache._sender.release_sender_touches()
@@ -108,7 +112,7 @@ def rendering() -> Iterator[None]:
             outer += issued
     finally:
         _render.issued = outer
-        for cache in {id(cache): cache for cache, _, _ in issued}.values():
+        for cache in {id(entry[0]): entry[0] for entry in issued}.values():
             cache._end_lookup()
 
 
@@ -123,6 +127,8 @@ class _Bracket(threading.local):
         self.sent: list[str] = []
         """The hashes whose outputs carried data (the items the request stored)."""
         self.keys: list[str] = []
+        self.found: Set[str] = frozenset()
+        """The hashes the request's lookup found cached (set as the request begins)."""
 
 
 class _SenderAdapter:
@@ -148,9 +154,12 @@ class _SenderAdapter:
         """What the sender returned for ``mm_item``, as vLLM expects it."""
         return data
 
-    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
-        """A request failed part-way, or was rejected after it: give back what its outputs
-        (``issued``) hold; ``sent`` are the hashes whose outputs carried data."""
+    def _abandon(
+        self, issued: list[Any], sent: Sequence[str] = (), found: Set[str] = frozenset()
+    ) -> None:
+        """A request failed part-way, or was rejected after it (it has ended): give back
+        what its outputs (``issued``) hold; ``sent`` are the hashes whose outputs carried
+        data, ``found`` those it found cached."""
 
     def is_cached_item(self, mm_hash: str) -> bool:
         return self._sender.is_cached_item(mm_hash)
@@ -175,7 +184,7 @@ class _SenderAdapter:
             looking = [h for h in mm_hashes if h not in found]
             found.update(looking)
         if (issued := getattr(_render, "issued", None)) is not None:
-            issued.append((self, [], []))  # so that the render closes this lookup
+            issued.append((self, [], [], frozenset()))  # so that the render closes this lookup
         cached: list[bool] = []
         try:
             cached = self._look_up(mm_hashes)
@@ -220,6 +229,8 @@ class _SenderAdapter:
         if self._bracket.updates or not self._sender.in_request:
             self._end_request()
             self._sender.begin_request()
+            # What this request's lookup found cached (its lookups precede its touches).
+            self._bracket.found = self._looking_up.get(threading.get_ident(), frozenset())
         self._bracket.touches += 1
         self._bracket.keys.append(mm_hash)
         self._sender.touch_sender_cache_item(mm_hash)
@@ -260,12 +271,18 @@ class _SenderAdapter:
     def release_unsent(self, items: Sequence[Any], mm_hashes: Sequence[str | None] = ()) -> None:
         """Give back what vLLM items this cache output for a request that will never be sent
         (vLLM rejected it after rendering it) hold: their handles, and, in ``lru`` mode, the
-        items they stored (``mm_hashes``: each item's hash, where known)."""
+        items they stored and the recency it moved (``mm_hashes``: each item's hash, where
+        known)."""
         handles = [handle_from_item(item, "") for item in items if item is not None]
         # (No hashes, or fewer: only the handles are given back.)
-        known = zip(items, mm_hashes, strict=False)
+        known = list(zip(items, mm_hashes, strict=False))
         sent = [h for item, h in known if item is not None and h is not None]
-        self._abandon([handle for handle in handles if handle is not None], sent)
+        found: Set[str] = frozenset()
+        if len(mm_hashes) == len(items) and None not in mm_hashes:
+            # In lru mode a hit's output is None (and a repeat of an item the request
+            # stored is one too).
+            found = {h for item, h in known if item is None and h is not None} - set(sent)
+        self._abandon([handle for handle in handles if handle is not None], sent, found)
 
     def release_sender_touches(self) -> None:
         """End the request vLLM assembled (vLLM calls this whether or not it succeeded)."""
@@ -275,17 +292,18 @@ class _SenderAdapter:
     def _end_request(self) -> None:
         bracket = self._bracket
         if self._sender.in_request:
-            if bracket.updates < bracket.touches:
-                self._abandon(bracket.issued, bracket.sent)
-            else:
+            failed = bracket.updates < bracket.touches
+            if not failed:
                 # P1 resolves the request in prompt order, not in the order vLLM updated
                 # it here: both sides end it with the same recency (see settle_recency).
                 settle = getattr(self._sender, "settle_recency", None)
                 if settle is not None:
                     settle(bracket.keys)
                 if (issued := getattr(_render, "issued", None)) is not None:
-                    issued.append((self, bracket.issued, bracket.sent))
+                    issued.append((self, bracket.issued, bracket.sent, bracket.found))
             self._sender.end_request()
+            if failed:
+                self._abandon(bracket.issued, bracket.sent, bracket.found)
         bracket.touches = bracket.updates = 0
         bracket.issued = []
         bracket.sent = []
@@ -347,12 +365,18 @@ class MmcacheLruSenderCache(_SenderAdapter, LruKeyReplicatedSenderCache):  # typ
     def __init__(self, model_config: ModelConfig) -> None:
         sender = SenderCache(capacity_gb(model_config), getsizeof=vllm_item_size)
         self._adopt(sender)
+        self._mirror = sender
         self._cache = KeysView(sender.keys)
 
-    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
-        """The items the request stored never reach P1: forgotten, so that P0 sends them
-        with their data next time (kept, the next request with one of them would miss at
-        P1)."""
+    def _abandon(
+        self, issued: list[Any], sent: Sequence[str] = (), found: Set[str] = frozenset()
+    ) -> None:
+        """The request never reaches P1: the items it stored are forgotten, so that P0
+        sends them with their data next time (kept, the next request with one of them would
+        miss at P1), and the items it found cached get the recency they had before it
+        (kept most recent, they made P0 evict other items than P1 next)."""
+        if found:
+            self._mirror.undo_recency(found)
         for mm_hash in sent:
             self._sender.invalidate(mm_hash)
 
@@ -480,7 +504,9 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         # ring's copy, which is in mmcache's form.
         return mm_item[0] if mm_item is not None else item_from_mmcache(data)
 
-    def _abandon(self, issued: list[Any], sent: Sequence[str] = ()) -> None:
+    def _abandon(
+        self, issued: list[Any], sent: Sequence[str] = (), found: Set[str] = frozenset()
+    ) -> None:
         if self._ring is not None:
             self._ring.release_handles(issued)
 
