@@ -14,7 +14,6 @@ asserted by a test.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in bench_writers.py
+
+from bench_writers import report
 
 from mmcache._core import ShmObjectStore, WriterHandle
 
@@ -143,14 +144,8 @@ def main(argv: list[str]) -> int:
         f"ring {capacity // MiB} MiB, {filled['chunks']} chunks, {filled['objects']} objects; "
         f"one stats() with nothing else running: {alone / 1e3:,.0f} us"
     )
-    for row in rows:
-        figures = ", ".join(f"{k}={v:,.1f}" for k, v in row.items() if k != "op")
-        print(f"{row['op']:<40} {figures}")
     print(f"stats() calls: median {statistics.median(durations) / 1e3:,.0f} us")
-    load = os.getloadavg()
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "load": load}, indent=2) + "\n")
+    report(rows, args.json, width=40)
     return 0
 
 

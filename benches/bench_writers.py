@@ -147,6 +147,13 @@ def main(argv: list[str]) -> int:
         )
     ratio = statistics.median(rates[2]) / statistics.median(rates[1])
     rows.append({"op": "put throughput, 2 writers / 1", "ratio": ratio})
+    report(rows, args.json)
+    return 0
+
+
+def report(rows: list[dict[str, Any]], json_path: Path | None, width: int = 45) -> None:
+    """Print ``rows`` (their ``op``, then each figure but the per-round ones) and the load
+    average; write both to ``json_path`` when given (bench_stats.py reports alike)."""
     load = os.getloadavg()
     for row in rows:
         figures = ", ".join(
@@ -154,11 +161,10 @@ def main(argv: list[str]) -> int:
             for k, v in row.items()
             if k not in ("op", "rounds")
         )
-        print(f"{row['op']:<45} {figures}")
+        print(f"{row['op']:<{width}} {figures}")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "load": load}, indent=2) + "\n")
-    return 0
+    if json_path is not None:
+        json_path.write_text(json.dumps({"rows": rows, "load": load}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

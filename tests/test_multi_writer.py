@@ -353,6 +353,18 @@ def test_single_flight_across_processes_and_a_dead_claimant(store: ShmWriter) ->
         reap(child)
 
 
+def start_writers(target: Any, store: ShmObjectStore, count: int, out: Any) -> list[Any]:
+    """Two writer processes joined to ``store`` (seeds 1 and 2), started: each runs
+    ``target(writer_handle, seed, count, out)``."""
+    children = [
+        ctx.Process(target=target, args=(store.writer_handle(), seed, count, out))
+        for seed in (1, 2)
+    ]
+    for child in children:
+        child.start()
+    return children
+
+
 def test_writer_processes_with_threads_race_and_every_handle_reads_its_own_bytes() -> None:
     # A small ring (the 24 keys' bytes need about twice its room: constant eviction) shared
     # by this process (the reader, and a writer) and two joined writer processes of three
@@ -361,12 +373,7 @@ def test_writer_processes_with_threads_race_and_every_handle_reads_its_own_bytes
     store = ShmObjectStore.create(48 * KiB, n_readers=1, max_writers=3)
     reader: ShmReader = ShmObjectStore.attach(store.handle())
     out: Any = ctx.Queue()
-    children = [
-        ctx.Process(target=_racing_writer, args=(store.writer_handle(), seed, 300, out))
-        for seed in (1, 2)
-    ]
-    for child in children:
-        child.start()
+    children = start_writers(_racing_writer, store, 300, out)
     done, resolved = 0, 0
     try:
         while done < len(children):
@@ -416,12 +423,7 @@ def test_stats_walks_the_ring_while_writer_processes_carve_merge_and_evict() -> 
     # read out of an object's bytes (SegmentCorruptError).
     store = ShmObjectStore.create(1 * MiB, n_readers=1, max_writers=3)
     out: Any = ctx.Queue()
-    children = [
-        ctx.Process(target=_filling_writer, args=(store.writer_handle(), seed, 4000, out))
-        for seed in (1, 2)
-    ]
-    for child in children:
-        child.start()
+    children = start_writers(_filling_writer, store, 4000, out)
     done, walks, most = 0, 0, 0
     try:
         while done < len(children):
