@@ -40,7 +40,7 @@ from mmcache import (
     prune,
 )
 from mmcache._core import ShmObjectStore, ShmWriter
-from mmcache.caches import capacity_bytes
+from mmcache.arguments import capacity_bytes
 
 KiB = 1024
 MiB = 1 << 20

@@ -36,18 +36,28 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
+from mmcache.arguments import (
+    GiB,
+    capacity_bytes,
+    check_feature_list,
+    check_hash_list,
+    check_item_list,
+    check_list,
+    check_mm_hash,
+    check_mm_hash_type,
+    receiver_type_error,
+)
 from mmcache.closing import ClosesOnExit
 from mmcache.errors import CacheMissError
 from mmcache.items import CachedItem, Item, ItemMetadata, ShmHandle, item_size
 from mmcache.lru import CacheInfo, UnsynchronizedLRUCache
-from mmcache.protection import Holds, RequestState
+from mmcache.protection import ProtectedLRU, RequestState
 
 __all__ = [
     "BaseCache",
@@ -62,12 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mmcache")
-
-GiB = 1 << 30
-MAX_CAPACITY_GB = 1 << 14
-"""The most ``capacity_gb`` any cache takes: 16 TiB, the ring's limit (the core's), more
-memory than one host gives a cache. Above it lies a capacity in bytes mistaken for GiB (of
-any size from 16 KiB): an LRU that never evicts until the process runs out of memory."""
 
 SenderInput: TypeAlias = tuple[Item, Any] | None
 """What P0 passes per item: ``(item, prompt_updates)``, or ``None`` when it believes the
@@ -90,105 +94,6 @@ class FeatureLike(Protocol):
 def _gib(n_bytes: float) -> str:
     """``n_bytes`` in GiB, with enough digits to tell small sizes apart."""
     return f"{n_bytes / GiB:.4g}"
-
-
-def check_list(values: object, method: str, what: str, one: str) -> None:
-    """``TypeError`` for one value where ``method`` takes a list of ``what`` (``one``: the
-    call meant): one str (or bytes), which is iterable too and would be read as a list of
-    one-character ``what``, or anything not iterable (one feature, one handle), which would
-    fail as "not iterable" deep inside."""
-    if not isinstance(values, str | bytes):
-        try:
-            iter(values)  # type: ignore[call-overload]
-            return
-        except TypeError:
-            pass
-    raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
-
-
-def _one_item_call(method: str) -> str:
-    """The calls meant by one item for batched ``method``'s list."""
-    return f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
-
-
-def check_item_list(items: object, method: str) -> None:
-    """:func:`check_list` for the ``items`` of ``method``, where one item (a mapping) is
-    refused too: it is iterable, over its field names."""
-    one = _one_item_call(method)
-    if isinstance(items, Mapping):
-        raise TypeError(f"{method} takes a list of items, not one {type(items).__name__}: {one}")
-    check_list(items, method, "items", one)
-
-
-def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
-    """:func:`check_list` for the ``mm_hashes`` of ``method``."""
-    one = (
-        "is_cached([mm_hash]) or is_cached_item(mm_hash)"
-        if method == "is_cached"
-        else _one_item_call(method)
-    )
-    check_list(mm_hashes, method, "mm_hashes", one)
-
-
-def check_feature_list(features: object) -> None:
-    """:func:`check_list` for the ``features`` of ``get_and_update_features``."""
-    check_list(
-        features, "get_and_update_features", "features", "get_and_update_features([feature])"
-    )
-
-
-def unstorable_hash(mm_hash: str) -> ValueError:
-    """The error for an ``mm_hash`` that is not valid Unicode text (it holds a lone
-    surrogate): the shared-memory ring keys objects by UTF-8, so every mode refuses it alike."""
-    return ValueError(f"mm_hash {mm_hash!r} holds a lone surrogate (it is no valid UTF-8)")
-
-
-def check_mm_hash(mm_hash: str) -> None:
-    """:func:`unstorable_hash`'s error for such an ``mm_hash``."""
-    if type(mm_hash) is str and not mm_hash.isascii():
-        try:
-            mm_hash.encode()
-        except UnicodeEncodeError:
-            raise unstorable_hash(mm_hash) from None
-
-
-def check_mm_hash_type(call: str, mm_hash: object) -> None:
-    """Called on a ``TypeError``: raise one naming ``call``'s ``mm_hash`` unless it is a str
-    (the arguments swapped, a list where one hash goes); else return, for the caller to
-    re-raise the original."""
-    if not isinstance(mm_hash, str):
-        message = f"{call}: mm_hash must be a str, not {type(mm_hash).__qualname__}"
-        raise TypeError(message) from None
-
-
-def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
-    """What receiver ``cache`` raises for data that is no item, handle or ``None``."""
-    # A pair is most likely P0's whole output for the item, sent as its data.
-    pair = isinstance(item, tuple) and len(item) == 2
-    hint = ": P0's output is (data, prompt_updates); send its data" if pair else ""
-    return TypeError(f"{cache} got a {type(item).__qualname__} for {mm_hash}{hint}")
-
-
-def capacity_bytes(capacity_gb: float) -> int:
-    """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
-    number of at most :data:`MAX_CAPACITY_GB`; ``TypeError`` unless a number)."""
-    try:
-        valid = capacity_gb >= 0 and math.isfinite(capacity_gb)
-    except TypeError:
-        raise TypeError(
-            f"capacity_gb must be a number of GiB, not {type(capacity_gb).__name__}"
-        ) from None
-    except OverflowError:  # an int past the largest float: finite all the same
-        valid = True
-    if not valid:
-        raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
-    if capacity_gb > MAX_CAPACITY_GB:
-        raise ValueError(
-            f"capacity_gb is in GiB: {capacity_gb!r} GiB asked, more than {MAX_CAPACITY_GB} GiB "
-            f"(16 TiB, the most a cache holds); was it given in bytes?"
-        )
-    # Exact: a float times a power of two is (so P0's and P1's lru bounds are the same bytes).
-    return int(capacity_gb * GiB)
 
 
 class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
@@ -334,7 +239,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
                 reason,
             )
 
-    def _cache_if_fits(self, store: _ProtectedLRU, key: str, value: Any) -> None:
+    def _cache_if_fits(self, store: ProtectedLRU, key: str, value: Any) -> None:
         """Store ``value`` under ``key``, or serve it uncached: when it exceeds the capacity
         (``oversize``), or when it fits only by evicting items that requests in flight
         protect (``full``).
@@ -361,65 +266,6 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
                 f"{_gib(lru.protected_bytes)} GiB of items the requests in flight still use "
                 f"(capacity_gb={_gib(capacity)}; raise it to cache requests this large)",
             )
-
-
-class _ProtectedLRU:
-    """An LRU whose entries the requests in flight keep from being evicted by their own
-    insertions (nor by other requests'): the same rule on P0 and P1, so the mirror holds.
-
-    An item a request touched (one present when touched) is protected until the request is
-    done when the request is updated in one call, or until its own update when items are
-    updated one by one; an item updated in the request without a touch is not protected.
-    ``request`` is the owning cache's per-thread state, so "the request" is always the
-    calling thread's.  The caller holds the cache's lock around every method.
-    """
-
-    def __init__(self, lru: UnsynchronizedLRUCache, request: RequestState) -> None:
-        self.lru = lru
-        self._request = request
-        self._holds = Holds(lru.protect, lru.unprotect)
-        lru.unprotect_all()  # no request holds anything yet (in a pickled copy too)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # A pickled copy starts with no request in flight, so with nothing protected.
-        return _ProtectedLRU, (self.lru, self._request)
-
-    def touch(self, key: str) -> int | None:
-        """Make ``key`` most recent and protect it for this request; a no-op when absent.
-        Returns its recency stamp before (``None`` when absent)."""
-        before = self.lru.touch(key)
-        if before is not None:
-            self._holds.take(self._request.holds, key)
-        return before
-
-    def updated(self, key: str) -> None:
-        """``key`` was updated: outside a request, this thread's protection of it ends now."""
-        request = self._request
-        if not request.open and request.holds:
-            self._holds.give(request.holds, key)
-
-    def end(self, keys: Sequence[str] | None) -> None:
-        """This thread's request is over: let go of ``keys`` (``None``: of every key it
-        protects)."""
-        if keys is None:
-            self.release_all()
-            return
-        for key in keys:
-            self._holds.give(self._request.holds, key)
-
-    def release_all(self) -> None:
-        """This thread's request lets go of every key it protects."""
-        self._holds.give_all(self._request.holds)
-
-    def pop(self, key: str) -> None:
-        """Remove ``key``, protected or not."""
-        self.lru.pop(key)
-        self._holds.forget(key)
-
-    def clear(self) -> None:
-        """Remove every entry and every protection, and reset the statistics."""
-        self.lru.clear()
-        self._holds.forget_all()
 
 
 class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
@@ -581,7 +427,7 @@ class _LruSenderCache(BaseSenderCache):
         self._item_size = getsizeof
         # Only ever used under the cache's lock.
         self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=self._entry_size)
-        self._protection = _ProtectedLRU(self._lru, self._request)
+        self._protection = ProtectedLRU(self._lru, self._request)
 
     @abstractmethod
     def _entry(self, item: Item, prompt_updates: Any) -> Any:
@@ -832,7 +678,7 @@ class ReceiverCache(BaseReceiverCache):
         super().__init__()
         # Only ever used under the cache's lock.
         self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=getsizeof)
-        self._protection = _ProtectedLRU(self._lru, self._request)
+        self._protection = ProtectedLRU(self._lru, self._request)
 
     def get_and_update_item(self, item: Item | None, mm_hash: str) -> Item:
         check_mm_hash(mm_hash)

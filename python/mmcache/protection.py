@@ -11,15 +11,20 @@ A store can drop a key's protection on its own account (the key was popped, inva
 cleared); the cache then calls :meth:`Holds.forget`, and the requests that held the key find
 their hold stale when they let go: they release nothing, so a request can never end the
 protection another request took of a later entry under the same key.
+
+:class:`ProtectedLRU` applies that to the LRU caches' store (P0's shadow and P1's LRU alike).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Hold", "Holds", "RequestState"]
+if TYPE_CHECKING:
+    from mmcache.lru import UnsynchronizedLRUCache
+
+__all__ = ["Hold", "Holds", "ProtectedLRU", "RequestState"]
 
 
 class Hold:
@@ -100,3 +105,62 @@ class Holds:
     def forget_all(self) -> None:
         """The store dropped every protection (cleared)."""
         self._current.clear()
+
+
+class ProtectedLRU:
+    """An LRU whose entries the requests in flight keep from being evicted by their own
+    insertions (nor by other requests'): the same rule on P0 and P1, so the mirror holds.
+
+    An item a request touched (one present when touched) is protected until the request is
+    done when the request is updated in one call, or until its own update when items are
+    updated one by one; an item updated in the request without a touch is not protected.
+    ``request`` is the owning cache's per-thread state, so "the request" is always the
+    calling thread's.  The caller holds the cache's lock around every method.
+    """
+
+    def __init__(self, lru: UnsynchronizedLRUCache, request: RequestState) -> None:
+        self.lru = lru
+        self._request = request
+        self._holds = Holds(lru.protect, lru.unprotect)
+        lru.unprotect_all()  # no request holds anything yet (in a pickled copy too)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A pickled copy starts with no request in flight, so with nothing protected.
+        return ProtectedLRU, (self.lru, self._request)
+
+    def touch(self, key: str) -> int | None:
+        """Make ``key`` most recent and protect it for this request; a no-op when absent.
+        Returns its recency stamp before (``None`` when absent)."""
+        before = self.lru.touch(key)
+        if before is not None:
+            self._holds.take(self._request.holds, key)
+        return before
+
+    def updated(self, key: str) -> None:
+        """``key`` was updated: outside a request, this thread's protection of it ends now."""
+        request = self._request
+        if not request.open and request.holds:
+            self._holds.give(request.holds, key)
+
+    def end(self, keys: Sequence[str] | None) -> None:
+        """This thread's request is over: let go of ``keys`` (``None``: of every key it
+        protects)."""
+        if keys is None:
+            self.release_all()
+            return
+        for key in keys:
+            self._holds.give(self._request.holds, key)
+
+    def release_all(self) -> None:
+        """This thread's request lets go of every key it protects."""
+        self._holds.give_all(self._request.holds)
+
+    def pop(self, key: str) -> None:
+        """Remove ``key``, protected or not."""
+        self.lru.pop(key)
+        self._holds.forget(key)
+
+    def clear(self) -> None:
+        """Remove every entry and every protection, and reset the statistics."""
+        self.lru.clear()
+        self._holds.forget_all()

@@ -48,18 +48,14 @@ from mmcache._core import (
     ShmWriter,
     WriterHandle,
 )
-from mmcache.caches import (
-    BaseSenderCache,
-    SenderInput,
-    SenderOutput,
+from mmcache.arguments import (
     capacity_bytes,
     check_hash_list,
     check_list,
     check_mm_hash,
     check_mm_hash_type,
-    logger,
-    split_sender_input,
 )
+from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput, logger, split_sender_input
 from mmcache.errors import (
     CacheMissError,
     ObjectTooLargeError,

@@ -14,7 +14,8 @@ import numpy as np
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.caches import BaseReceiverCache, check_mm_hash_type, receiver_type_error
+from mmcache.arguments import check_mm_hash_type, receiver_type_error
+from mmcache.caches import BaseReceiverCache
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
 

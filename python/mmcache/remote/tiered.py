@@ -77,13 +77,8 @@ from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from mmcache.caches import (
-    BaseSenderCache,
-    SenderInput,
-    SenderOutput,
-    check_hash_list,
-    check_item_list,
-)
+from mmcache.arguments import check_hash_list, check_item_list
+from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.protection import Holds, RequestState

@@ -27,7 +27,8 @@ from vllm.utils.platform_utils import is_pin_memory_available
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle
-from mmcache.caches import ReceiverCache, check_feature_list, check_hash_list, check_item_list
+from mmcache.arguments import check_feature_list, check_hash_list, check_item_list
+from mmcache.caches import ReceiverCache
 from mmcache.errors import StaleHandleError
 from mmcache.items import Feature, ShmHandle, item_size
 from mmcache.shm import ShmReceiverCache

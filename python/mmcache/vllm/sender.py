@@ -47,7 +47,8 @@ from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
 from vllm.utils.cache import CacheInfo as VllmCacheInfo
 
 from mmcache._core import WriterHandle
-from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache, check_item_list
+from mmcache.arguments import check_item_list
+from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache
 from mmcache.errors import ShmTooSmallError
 from mmcache.items import ShmHandle
 from mmcache.shm import ShmSenderCache

@@ -1,0 +1,113 @@
+"""What callers pass the caches, checked: the errors that name the argument and the call that
+was meant (one value where a list goes, a hash of the wrong type or no valid UTF-8, data
+that is no item, a capacity in bytes), and ``capacity_gb`` as bytes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+GiB = 1 << 30
+MAX_CAPACITY_GB = 1 << 14
+"""The most ``capacity_gb`` any cache takes: 16 TiB, the ring's limit (the core's), more
+memory than one host gives a cache. Above it lies a capacity in bytes mistaken for GiB (of
+any size from 16 KiB): an LRU that never evicts until the process runs out of memory."""
+
+
+def check_list(values: object, method: str, what: str, one: str) -> None:
+    """``TypeError`` for one value where ``method`` takes a list of ``what`` (``one``: the
+    call meant): one str (or bytes), which is iterable too and would be read as a list of
+    one-character ``what``, or anything not iterable (one feature, one handle), which would
+    fail as "not iterable" deep inside."""
+    if not isinstance(values, str | bytes):
+        try:
+            iter(values)  # type: ignore[call-overload]
+            return
+        except TypeError:
+            pass
+    raise TypeError(f"{method} takes a list of {what}, not one {type(values).__name__}: {one}")
+
+
+def _one_item_call(method: str) -> str:
+    """The calls meant by one item for batched ``method``'s list."""
+    return f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
+
+
+def check_item_list(items: object, method: str) -> None:
+    """:func:`check_list` for the ``items`` of ``method``, where one item (a mapping) is
+    refused too: it is iterable, over its field names."""
+    one = _one_item_call(method)
+    if isinstance(items, Mapping):
+        raise TypeError(f"{method} takes a list of items, not one {type(items).__name__}: {one}")
+    check_list(items, method, "items", one)
+
+
+def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
+    """:func:`check_list` for the ``mm_hashes`` of ``method``."""
+    one = (
+        "is_cached([mm_hash]) or is_cached_item(mm_hash)"
+        if method == "is_cached"
+        else _one_item_call(method)
+    )
+    check_list(mm_hashes, method, "mm_hashes", one)
+
+
+def check_feature_list(features: object) -> None:
+    """:func:`check_list` for the ``features`` of ``get_and_update_features``."""
+    check_list(
+        features, "get_and_update_features", "features", "get_and_update_features([feature])"
+    )
+
+
+def unstorable_hash(mm_hash: str) -> ValueError:
+    """The error for an ``mm_hash`` that is not valid Unicode text (it holds a lone
+    surrogate): the shared-memory ring keys objects by UTF-8, so every mode refuses it alike."""
+    return ValueError(f"mm_hash {mm_hash!r} holds a lone surrogate (it is no valid UTF-8)")
+
+
+def check_mm_hash(mm_hash: str) -> None:
+    """:func:`unstorable_hash`'s error for such an ``mm_hash``."""
+    if type(mm_hash) is str and not mm_hash.isascii():
+        try:
+            mm_hash.encode()
+        except UnicodeEncodeError:
+            raise unstorable_hash(mm_hash) from None
+
+
+def check_mm_hash_type(call: str, mm_hash: object) -> None:
+    """Called on a ``TypeError``: raise one naming ``call``'s ``mm_hash`` unless it is a str
+    (the arguments swapped, a list where one hash goes); else return, for the caller to
+    re-raise the original."""
+    if not isinstance(mm_hash, str):
+        message = f"{call}: mm_hash must be a str, not {type(mm_hash).__qualname__}"
+        raise TypeError(message) from None
+
+
+def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
+    """What receiver ``cache`` raises for data that is no item, handle or ``None``."""
+    # A pair is most likely P0's whole output for the item, sent as its data.
+    pair = isinstance(item, tuple) and len(item) == 2
+    hint = ": P0's output is (data, prompt_updates); send its data" if pair else ""
+    return TypeError(f"{cache} got a {type(item).__qualname__} for {mm_hash}{hint}")
+
+
+def capacity_bytes(capacity_gb: float) -> int:
+    """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
+    number of at most :data:`MAX_CAPACITY_GB`; ``TypeError`` unless a number)."""
+    try:
+        valid = capacity_gb >= 0 and math.isfinite(capacity_gb)
+    except TypeError:
+        raise TypeError(
+            f"capacity_gb must be a number of GiB, not {type(capacity_gb).__name__}"
+        ) from None
+    except OverflowError:  # an int past the largest float: finite all the same
+        valid = True
+    if not valid:
+        raise ValueError(f"capacity_gb must be a finite, non-negative number, not {capacity_gb!r}")
+    if capacity_gb > MAX_CAPACITY_GB:
+        raise ValueError(
+            f"capacity_gb is in GiB: {capacity_gb!r} GiB asked, more than {MAX_CAPACITY_GB} GiB "
+            f"(16 TiB, the most a cache holds); was it given in bytes?"
+        )
+    # Exact: a float times a power of two is (so P0's and P1's lru bounds are the same bytes).
+    return int(capacity_gb * GiB)
