@@ -41,8 +41,10 @@ fn a_put_that_needs_the_ring_lock_completes_while_stats_is_between_two_slices() 
             let (done, finished) = mpsc::channel();
             std::thread::spawn(move || {
                 let put = b.put("large", &[&payload(7, 200 * 1024)]);
-                done.send(put.map(|_| ())).unwrap();
+                // Closed before it says so: its close takes the ring lock too (to give its
+                // allocation buffer back), which the next pause must not see held.
                 drop(b);
+                done.send(put.map(|_| ())).unwrap();
             });
             let put = finished.recv_timeout(Duration::from_secs(20));
             assert!(
