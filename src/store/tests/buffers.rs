@@ -1,9 +1,15 @@
 //! Allocation buffers (`writer/lab.rs`): small objects carved from a block reserved for
 //! several, large ones reserved on their own; a buffer given back, taken back by another
-//! writer's sweep while its owner is idle, and reclaimed when its owner dies.
+//! writer's sweep while its owner is idle, and reclaimed when its owner dies; an owner paused
+//! in a carve while a sweep takes its buffer back and another object's bytes fill its place.
+
+use std::sync::mpsc;
+use std::time::Duration;
 
 use super::*;
-use crate::layout::BlockKind;
+use crate::layout::{BlockKind, BlockState, chunk, slot};
+use crate::store::crash::hook;
+use crate::store::ring::{Block, Census};
 
 const KIB: u64 = 1 << 10;
 
@@ -94,4 +100,230 @@ fn a_dead_writers_buffer_is_reclaimed() {
         .filter(|block| block.state.kind == (BlockKind::Reserved { owner: dead }))
         .collect();
     assert!(left.is_empty(), "b's buffer was reclaimed: {left:?}");
+}
+
+#[test]
+fn a_writer_dead_in_the_middle_of_a_carve_wedges_nobody_and_its_slot_carves_again() {
+    let (a, b, r) = two_writers_and_a_reader();
+    put_and_read(&b, &r, "from b", b"carved from b's buffer");
+    // b dies between its announcement and its CAS: its carve word says so from then on.
+    let carve = b.shared.writer_slot(b.me.slot, slot::CARVE).unwrap();
+    carve.fetch_or(slot::CARVING, Ordering::SeqCst);
+    let dead = b.me;
+    pretend_writer_dead(b);
+    let buffers_of = |w: &Writer, owner| {
+        let lock = w.shared.lock(w.me).unwrap();
+        let blocks = w.shared.blocks(&lock).unwrap();
+        let of_owner = |block: &Block| block.state.kind == (BlockKind::Reserved { owner });
+        blocks.into_iter().filter(of_owner).collect::<Vec<_>>()
+    };
+    for n in 0..600 {
+        put_and_read(&a, &r, &format!("a{n}"), &payload(n, 4000));
+    }
+    let left = buffers_of(&a, dead);
+    assert!(left.is_empty(), "b's buffer was reclaimed: {left:?}");
+    // The next occupant of b's slot carves, and its idle buffer is taken back as any other.
+    let c = join(&a);
+    assert_eq!(c.me.slot, dead.slot);
+    put_and_read(&c, &r, "from c", b"carved from c's buffer");
+    assert_eq!(buffers_of(&a, c.me).len(), 1, "c's buffer");
+    for n in 600..1200 {
+        put_and_read(&a, &r, &format!("a{n}"), &payload(n, 4000));
+    }
+    let left = buffers_of(&a, c.me);
+    assert!(left.is_empty(), "c's idle buffer was taken back: {left:?}");
+    c.close().unwrap();
+}
+
+#[test]
+fn a_take_back_marked_before_a_buffer_started_never_stops_its_carves() {
+    // A sweep took a's buffer at `address` back while a was idle, and a carved nothing since
+    // (its puts too large, or it cleared): the mark still names `address` when a's next
+    // buffer starts there. Had a given that buffer up, it would hold its room until a sweep
+    // met it, and a's `close` (which waits for its reservations) until then.
+    let a = store(1024 * KIB, 1, 2);
+    let (len, size) = (32 * KIB, 4 * KIB);
+    let lock = a.shared.lock(a.me).unwrap();
+    let mut census = Census::new(a.me);
+    let address = a.shared.allocate(&lock, len, &mut census, None).unwrap();
+    let address = address.expect("room");
+    let carve = a.shared.writer_slot(a.me.slot, slot::CARVE).unwrap();
+    carve.store(address | slot::TAKEN, Ordering::SeqCst);
+    a.shared.make_buffer(&lock, address, a.me).unwrap();
+    drop(lock);
+    let carved = a.shared.carve_buffer(address, len, size, a.me).unwrap();
+    let lock = a.shared.lock(a.me).unwrap();
+    let rest = if carved {
+        a.shared.unreserve(&lock, address).unwrap();
+        address + size
+    } else {
+        address
+    };
+    assert!(a.shared.free_buffer(&lock, rest, a.me).unwrap());
+    drop(lock);
+    assert!(carved, "a carved from its new buffer");
+}
+
+/// Two writers of a 1 MiB ring (32 KiB buffers each), no reader attached (nothing a put
+/// issues is owed, so objects are evicted freely), the first with a buffer it carved one
+/// object from: the writers, and where what is left of that buffer starts.
+fn a_buffer_carved_once() -> (Writer, Writer, u64) {
+    let a = store(1024 * KIB, 1, 2);
+    let b = join(&a);
+    let first = a.put("a0", &[&payload(0, 1000)]).unwrap();
+    let rest = first.address + a.shared.block_size(first.address).unwrap();
+    let word = a.shared.state_word(rest).unwrap().load(Ordering::Relaxed);
+    assert_eq!(word, BlockState::buffer_word(a.me), "a's buffer follows a0");
+    (a, b, rest)
+}
+
+/// Where the first difference between `got` and `want` is, if any.
+fn first_difference(got: &[u8], want: &[u8]) -> Option<usize> {
+    let differs = got.iter().zip(want).position(|(g, w)| g != w);
+    differs.or((got.len() != want.len()).then_some(got.len().min(want.len())))
+}
+
+#[test]
+fn an_owner_paused_in_a_carve_never_carves_a_buffer_taken_back_and_filled_since() {
+    let (a, b, rest) = a_buffer_carved_once();
+    // Crafted bytes (stored verbatim): a's buffer word at every 8 bytes, so wherever the old
+    // state word of `rest` falls in such an object's payload, it reads as a's buffer word.
+    let buffer_word = BlockState::buffer_word(a.me);
+    let forged = forged_copy(buffer_word, 96 * KIB as usize);
+    let state_at = rest + chunk::STATE;
+    let header = a.shared.layout.chunk_header_size;
+    let (tell, told) = mpsc::channel();
+    let mut meddler = Some((b, forged));
+    // Paused in its next carve, after it read its buffer and before it carves, a sees b's
+    // sweeps take the buffer back, until one of b's objects covers `rest`.
+    hook::set(hook::LAB_CARVE, move || {
+        let Some((b, forged)) = meddler.take() else {
+            return;
+        };
+        let covering = std::thread::spawn(move || {
+            for n in 0..200u64 {
+                // Sizes vary, so block starts do not repeat from one lap to the next.
+                let len = (48 + 8 * (n % 7) as usize) * 1024;
+                let key = format!("b{n}");
+                let h = b.put(&key, &[&forged[..len]]).unwrap();
+                let payload = h.address + header..h.address + header + len as u64;
+                if payload.contains(&state_at) && payload.contains(&(state_at + 7)) {
+                    return (b, key, h, len);
+                }
+            }
+            panic!("no object of b covered a's old buffer");
+        })
+        .join()
+        .unwrap();
+        tell.send(covering).unwrap();
+    });
+    let carved = a.put("a1", &[&payload(1, 1000)]);
+    hook::clear();
+    let (b, key, covering, len) = told.try_recv().expect("a paused in its carve");
+    let carved = carved.unwrap();
+    assert_eq!(a.read(&carved, "a1").unwrap(), payload(1, 1000));
+    // On main a's CAS took the forged word for its buffer: a1's header and bytes landed
+    // inside b's object (where a's buffer was).
+    let got = b.read(&covering, &key).unwrap();
+    assert_eq!(
+        first_difference(&got, &forged_copy(buffer_word, len)),
+        None,
+        "b's object kept its bytes (a carved nothing inside it)"
+    );
+    assert!(b.verify(&covering, &key).unwrap());
+    let lock = a.shared.lock(a.me).unwrap();
+    let blocks = a.shared.blocks(&lock).unwrap();
+    let inside = covering.address + 1..covering.address + header + len as u64;
+    assert!(
+        !blocks.iter().any(|block| inside.contains(&block.address)),
+        "no block starts inside b's object: {blocks:?}"
+    );
+}
+
+#[test]
+fn a_sweep_leaves_the_buffer_of_an_owner_in_the_middle_of_a_carve_to_it() {
+    let (a, b, rest) = a_buffer_carved_once();
+    let capacity = a.shared.layout.capacity;
+    let len_of = |n: u64| (48 + 8 * (n % 7) as usize) * 1024;
+    let (tell, told) = mpsc::channel();
+    let mut meddler = Some(b);
+    // Paused between its announcement and its CAS, a sees b's puts sweep the ring twice over:
+    // each steps over a's buffer (a preempted owner never wedges a sweep), none takes it.
+    hook::set(hook::LAB_ANNOUNCED, move || {
+        let Some(b) = meddler.take() else {
+            return;
+        };
+        let seen = std::thread::spawn(move || {
+            let mut put = 0;
+            let mut n = 0u64;
+            while put < 2 * capacity {
+                let len = len_of(n);
+                b.put(&format!("b{n}"), &[&payload(n, len)]).unwrap();
+                put += len as u64;
+                n += 1;
+            }
+            let word = b.shared.state_word(rest).unwrap().load(Ordering::Relaxed);
+            (b, n, word)
+        })
+        .join()
+        .unwrap();
+        tell.send(seen).unwrap();
+    });
+    let carved = a.put("a1", &[&payload(1, 1000)]);
+    hook::clear();
+    let (b, n, word) = told.try_recv().expect("a paused in its carve");
+    assert_eq!(word, BlockState::buffer_word(a.me), "a's buffer was kept");
+    let carved = carved.unwrap();
+    assert_eq!(carved.address, rest, "a1 was carved from it");
+    assert_eq!(a.read(&carved, "a1").unwrap(), payload(1, 1000));
+    let last = format!("b{}", n - 1);
+    assert_eq!(
+        b.read_key(&last).unwrap(),
+        payload(n - 1, b.read_key(&last).unwrap().len())
+    );
+    // The buffer is an idle writer's again: the next sweep over it takes it back.
+    for m in n..n + 40 {
+        b.put(&format!("b{m}"), &[&payload(m, 64 * 1024)]).unwrap();
+    }
+    let lock = a.shared.lock(a.me).unwrap();
+    let buffers: Vec<_> = a
+        .shared
+        .blocks(&lock)
+        .unwrap()
+        .into_iter()
+        .filter(|block| block.buffer)
+        .collect();
+    assert!(buffers.is_empty(), "a's buffer was taken back: {buffers:?}");
+}
+
+#[test]
+fn a_buffer_given_up_whole_goes_back_when_its_owner_closes() {
+    // A sweep marked a's buffer taken and died before it freed it: a's next carve gives the
+    // buffer up, whole, as if it were gone. a's `close` (which waits for its reservations)
+    // must not wait for it.
+    let (a, b, rest) = a_buffer_carved_once();
+    let carve = a.shared.writer_slot(a.me.slot, slot::CARVE).unwrap();
+    carve.store(rest | slot::TAKEN, Ordering::SeqCst);
+    let carved = a.put("a1", &[&payload(1, 1000)]).unwrap();
+    assert_ne!(carved.address, rest, "a gave its buffer up");
+    let word = a.shared.state_word(rest).unwrap().load(Ordering::Relaxed);
+    assert_eq!(word, BlockState::buffer_word(a.me), "whole");
+    let me = a.me;
+    let (done, closed) = mpsc::channel();
+    std::thread::spawn(move || done.send(a.close()).unwrap());
+    let closed = closed.recv_timeout(Duration::from_secs(20));
+    assert!(matches!(closed, Ok(Ok(()))), "a's close: {closed:?}");
+    let lock = b.shared.lock(b.me).unwrap();
+    let blocks = b.shared.blocks(&lock).unwrap();
+    let reserved = |block: &&Block| block.state.kind == (BlockKind::Reserved { owner: me });
+    let left: Vec<_> = blocks.iter().filter(reserved).collect();
+    assert!(left.is_empty(), "a's blocks all went back: {left:?}");
+}
+
+/// `len` bytes of `word` repeated (little endian).
+fn forged_copy(word: u64, len: usize) -> Vec<u8> {
+    std::iter::repeat_n(word.to_le_bytes(), len.div_ceil(8))
+        .flatten()
+        .take(len)
+        .collect()
 }
