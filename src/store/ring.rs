@@ -651,8 +651,25 @@ impl Shared {
         self.free_buffer(lock, address, owner)
     }
 
-    /// Free `owner`'s allocation buffer at `address` (given back by its owner, or taken back
-    /// by a sweep): whether it was still the buffer (not carved from, nor taken back, since).
+    /// Whether a sweep took `owner`'s buffer at `address` back: its mark names it
+    /// ([`Shared::take_back_buffer`]). Asked by `owner` with its buffer's mutex and the ring
+    /// lock held, so no carve of its own nor any sweep changes the word meanwhile. (A sweep
+    /// that died after its mark and before its CAS left the buffer whole: it stays, given up,
+    /// until a sweep meets it or `owner` closes.)
+    pub(super) fn buffer_taken(
+        &self,
+        _lock: &LockGuard<'_>,
+        address: u64,
+        owner: WriterId,
+    ) -> Result<bool> {
+        // Acquire: pairs with the sweep's SeqCst mark (one that died holding the lock too).
+        let word = self.writer_slot(owner.slot, slot::CARVE)?;
+        Ok(word.load(Ordering::Acquire) == address | slot::TAKEN)
+    }
+
+    /// Free `owner`'s allocation buffer at `address` (given back by its owner, once it knows
+    /// no sweep took it back, or taken back by a sweep): whether it was still the buffer (not
+    /// carved from, nor taken back, since).
     pub(super) fn free_buffer(
         &self,
         lock: &LockGuard<'_>,

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use super::*;
-use crate::layout::{BlockKind, BlockState, chunk, slot};
+use crate::layout::{BlockKind, BlockState, WriterId, chunk, slot};
 use crate::store::crash::hook;
 use crate::store::ring::{Block, Census};
 
@@ -183,61 +183,82 @@ fn first_difference(got: &[u8], want: &[u8]) -> Option<usize> {
     differs.or((got.len() != want.len()).then_some(got.len().min(want.len())))
 }
 
-#[test]
-fn an_owner_paused_in_a_carve_never_carves_a_buffer_taken_back_and_filled_since() {
-    let (a, b, rest) = a_buffer_carved_once();
-    // Crafted bytes (stored verbatim): a's buffer word at every 8 bytes, so wherever the old
-    // state word of `rest` falls in such an object's payload, it reads as a's buffer word.
-    let buffer_word = BlockState::buffer_word(a.me);
-    let forged = forged_copy(buffer_word, 96 * KIB as usize);
+/// One of `b`'s objects, put over the ring until one covers the state word of the block
+/// start `rest` (where `a`'s buffer was), its payload crafted (stored verbatim): `a`'s buffer
+/// word at every 8 bytes, so that word reads as `a`'s buffer word. Its key, handle and bytes.
+fn cover_with_forged_words(a: WriterId, b: &Writer, rest: u64) -> (String, Handle, Vec<u8>) {
+    let forged = forged_copy(BlockState::buffer_word(a), 96 * KIB as usize);
     let state_at = rest + chunk::STATE;
-    let header = a.shared.layout.chunk_header_size;
-    let (tell, told) = mpsc::channel();
-    let mut meddler = Some((b, forged));
-    // Paused in its next carve, after it read its buffer and before it carves, a sees b's
-    // sweeps take the buffer back, until one of b's objects covers `rest`.
-    hook::set(hook::LAB_CARVE, move || {
-        let Some((b, forged)) = meddler.take() else {
-            return;
-        };
-        let covering = std::thread::spawn(move || {
-            for n in 0..200u64 {
-                // Sizes vary, so block starts do not repeat from one lap to the next.
-                let len = (48 + 8 * (n % 7) as usize) * 1024;
-                let key = format!("b{n}");
-                let h = b.put(&key, &[&forged[..len]]).unwrap();
-                let payload = h.address + header..h.address + header + len as u64;
-                if payload.contains(&state_at) && payload.contains(&(state_at + 7)) {
-                    return (b, key, h, len);
-                }
-            }
-            panic!("no object of b covered a's old buffer");
-        })
-        .join()
-        .unwrap();
-        tell.send(covering).unwrap();
-    });
-    let carved = a.put("a1", &[&payload(1, 1000)]);
-    hook::clear();
-    let (b, key, covering, len) = told.try_recv().expect("a paused in its carve");
-    let carved = carved.unwrap();
-    assert_eq!(a.read(&carved, "a1").unwrap(), payload(1, 1000));
-    // On main a's CAS took the forged word for its buffer: a1's header and bytes landed
-    // inside b's object (where a's buffer was).
-    let got = b.read(&covering, &key).unwrap();
+    let header = b.shared.layout.chunk_header_size;
+    for n in 0..200u64 {
+        // Sizes vary, so block starts do not repeat from one lap to the next.
+        let len = (48 + 8 * (n % 7) as usize) * 1024;
+        let key = format!("b{n}");
+        let h = b.put(&key, &[&forged[..len]]).unwrap();
+        let payload = h.address + header..h.address + header + len as u64;
+        if payload.contains(&state_at) && payload.contains(&(state_at + 7)) {
+            return (key, h, forged[..len].to_vec());
+        }
+    }
+    panic!("no object of b covered a's old buffer");
+}
+
+/// `b`'s object (`cover_with_forged_words`) reads back whole, and no block starts inside it.
+fn check_intact(b: &Writer, (key, covering, bytes): &(String, Handle, Vec<u8>)) {
+    let got = b.read(covering, key).unwrap();
     assert_eq!(
-        first_difference(&got, &forged_copy(buffer_word, len)),
+        first_difference(&got, bytes),
         None,
-        "b's object kept its bytes (a carved nothing inside it)"
+        "b's object kept its bytes (a changed nothing inside it)"
     );
-    assert!(b.verify(&covering, &key).unwrap());
-    let lock = a.shared.lock(a.me).unwrap();
-    let blocks = a.shared.blocks(&lock).unwrap();
-    let inside = covering.address + 1..covering.address + header + len as u64;
+    assert!(b.verify(covering, key).unwrap());
+    let lock = b.shared.lock(b.me).unwrap();
+    let blocks = b.shared.blocks(&lock).unwrap();
+    let header = b.shared.layout.chunk_header_size;
+    let inside = covering.address + 1..covering.address + header + bytes.len() as u64;
     assert!(
         !blocks.iter().any(|block| inside.contains(&block.address)),
         "no block starts inside b's object: {blocks:?}"
     );
+}
+
+#[test]
+fn an_owner_paused_in_a_carve_never_carves_a_buffer_taken_back_and_filled_since() {
+    let (a, b, rest) = a_buffer_carved_once();
+    let (tell, told) = mpsc::channel();
+    let owner = a.me;
+    let mut meddler = Some(b);
+    // Paused in its next carve, after it read its buffer and before it carves, a sees b's
+    // sweeps take the buffer back, until one of b's objects covers `rest`.
+    hook::set(hook::LAB_CARVE, move || {
+        let Some(b) = meddler.take() else {
+            return;
+        };
+        let covering = std::thread::spawn(move || {
+            let covering = cover_with_forged_words(owner, &b, rest);
+            (b, covering)
+        });
+        tell.send(covering.join().unwrap()).unwrap();
+    });
+    let carved = a.put("a1", &[&payload(1, 1000)]);
+    hook::clear();
+    let (b, covering) = told.try_recv().expect("a paused in its carve");
+    let carved = carved.unwrap();
+    assert_eq!(a.read(&carved, "a1").unwrap(), payload(1, 1000));
+    // On main a's CAS took the forged word for its buffer: a1's header and bytes landed
+    // inside b's object (where a's buffer was).
+    check_intact(&b, &covering);
+}
+
+#[test]
+fn an_owner_never_gives_back_a_buffer_taken_back_and_filled_since() {
+    // a idle: b's sweeps take its buffer back and fill its room; then a gives back what it
+    // thinks is left of its buffer (on `close`, as on a refill or `clear`).
+    let (a, b, rest) = a_buffer_carved_once();
+    let covering = cover_with_forged_words(a.me, &b, rest);
+    let closed = a.close();
+    check_intact(&b, &covering);
+    assert!(closed.is_ok(), "a's close: {closed:?}");
 }
 
 #[test]

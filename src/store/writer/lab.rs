@@ -129,8 +129,11 @@ impl Writer {
     /// Give what is left of the buffer back to the ring (under the ring lock).
     pub(super) fn return_lab(&self, lock: &LockGuard<'_>, lab: &mut Option<Lab>) -> Result<()> {
         if let Some(buffer) = lab.take() {
-            // Unless a sweep took it back already.
-            self.shared.free_buffer(lock, buffer.rest, self.me)?;
+            // Unless a sweep took it back already: its room may be another object's since,
+            // and the bytes at `rest` that object's payload, which a CAS must not touch.
+            if !self.shared.buffer_taken(lock, buffer.rest, self.me)? {
+                self.shared.free_buffer(lock, buffer.rest, self.me)?;
+            }
         }
         Ok(())
     }
