@@ -595,8 +595,13 @@ impl Shared {
         // Only a sweep's take-back changes the buffer's word meanwhile, and none may now.
         let carved = !taken && self.take_buffer(address, owner, reserved.pack())?;
         // Release: a sweep whose RMW reads this sees the CAS's word. No sweep marked the word
-        // since the announcement; what it held is done with.
-        carve.store(0, Ordering::Release);
+        // since the announcement. A mark naming this buffer stays: if the sweep that made it
+        // died before it freed the buffer, `repair` frees it by that mark. Any other is done
+        // with (it names a block carved since, or a buffer before this one).
+        carve.store(
+            if taken { address | slot::TAKEN } else { 0 },
+            Ordering::Release,
+        );
         if !carved {
             return Ok(false);
         }
@@ -654,8 +659,8 @@ impl Shared {
     /// Whether a sweep took `owner`'s buffer at `address` back: its mark names it
     /// ([`Shared::take_back_buffer`]). Asked by `owner` with its buffer's mutex and the ring
     /// lock held, so no carve of its own nor any sweep changes the word meanwhile. (A sweep
-    /// that died after its mark and before its CAS left the buffer whole: it stays, given up,
-    /// until a sweep meets it or `owner` closes.)
+    /// that died after its mark and before its CAS left the buffer whole: the next holder of
+    /// the ring lock frees it, in `repair`.)
     pub(super) fn buffer_taken(
         &self,
         _lock: &LockGuard<'_>,
@@ -665,6 +670,21 @@ impl Shared {
         // Acquire: pairs with the sweep's SeqCst mark (one that died holding the lock too).
         let word = self.writer_slot(owner.slot, slot::CARVE)?;
         Ok(word.load(Ordering::Acquire) == address | slot::TAKEN)
+    }
+
+    /// Free `owner`'s allocation buffer at `address` if a sweep marked it taken (the dead
+    /// holder's, between its mark and its CAS, [`Shared::take_back_buffer`]), for `repair`:
+    /// whether it did. Its owner never carves from it after the mark, so it is nobody's; freed
+    /// here, before any other sweep can mark another buffer of the owner's, the owner's one
+    /// carve word names at most one buffer of its, the one it may still carve from.
+    fn free_marked_buffer(
+        &self,
+        lock: &LockGuard<'_>,
+        address: u64,
+        owner: WriterId,
+    ) -> Result<bool> {
+        Ok(self.buffer_taken(lock, address, owner)?
+            && self.take_buffer(address, owner, BlockState::FREE.pack())?)
     }
 
     /// Free `owner`'s allocation buffer at `address` (given back by its owner, once it knows
@@ -785,6 +805,8 @@ impl Shared {
                     self.set_kind(block.address, BlockKind::Live)?;
                     in_use += block.size;
                 }
+                BlockKind::Reserved { owner }
+                    if block.buffer && self.free_marked_buffer(lock, block.address, owner)? => {}
                 _ => in_use += block.size,
             }
         }

@@ -684,7 +684,6 @@ impl Writer {
                 Err(e) => return Err(e),
             };
             self.return_lab(&lock, &mut self.lab())?;
-            self.return_given_up_labs(&lock)?;
             if !self.holds_anything(&lock)? {
                 self.drop_claims(&self.lock_index()?)?;
                 break;

@@ -318,24 +318,42 @@ fn a_sweep_leaves_the_buffer_of_an_owner_in_the_middle_of_a_carve_to_it() {
 }
 
 #[test]
-fn a_buffer_given_up_whole_goes_back_when_its_owner_closes() {
-    // A sweep marked a's buffer taken and died before it freed it: a's next carve gives the
-    // buffer up, whole, as if it were gone. a's `close` (which waits for its reservations)
-    // must not wait for it.
+fn a_buffer_a_dead_sweep_marked_taken_is_freed_by_the_next_holder_of_the_ring_lock() {
+    // b's sweep marked a's buffer taken and died, holding the ring lock, before it freed it:
+    // a's next carve gives the buffer up, whole, and the ring lock's next holder (a, to
+    // refill) frees it in its repair. Left in place, it would be a second buffer of a's that
+    // a later sweep marks, overwriting the mark of a's new one; and a's `close` (which waits
+    // for its reservations) would wait for it.
     let (a, b, rest) = a_buffer_carved_once();
-    let carve = a.shared.writer_slot(a.me.slot, slot::CARVE).unwrap();
-    carve.store(rest | slot::TAKEN, Ordering::SeqCst);
+    {
+        let guard = b.shared.lock(b.me).unwrap();
+        let carve = b.shared.writer_slot(a.me.slot, slot::CARVE).unwrap();
+        carve.store(rest | slot::TAKEN, Ordering::SeqCst);
+        std::mem::forget(guard);
+    }
+    pretend_writer_dead(b);
     let carved = a.put("a1", &[&payload(1, 1000)]).unwrap();
     assert_ne!(carved.address, rest, "a gave its buffer up");
-    let word = a.shared.state_word(rest).unwrap().load(Ordering::Relaxed);
-    assert_eq!(word, BlockState::buffer_word(a.me), "whole");
     let me = a.me;
+    let lock = a.shared.lock(me).unwrap();
+    let blocks = a.shared.blocks(&lock).unwrap();
+    drop(lock);
+    let at_rest = blocks.iter().find(|block| block.address == rest);
+    assert!(
+        at_rest.is_none_or(|block| !block.buffer),
+        "the marked buffer was freed: {at_rest:?}"
+    );
+    let buffers = blocks
+        .iter()
+        .filter(|block| block.buffer && block.state.kind == (BlockKind::Reserved { owner: me }));
+    assert_eq!(buffers.count(), 1, "a holds its new buffer only");
+    let c = join(&a); // to look at the ring once a closed
     let (done, closed) = mpsc::channel();
     std::thread::spawn(move || done.send(a.close()).unwrap());
     let closed = closed.recv_timeout(Duration::from_secs(20));
     assert!(matches!(closed, Ok(Ok(()))), "a's close: {closed:?}");
-    let lock = b.shared.lock(b.me).unwrap();
-    let blocks = b.shared.blocks(&lock).unwrap();
+    let lock = c.shared.lock(c.me).unwrap();
+    let blocks = c.shared.blocks(&lock).unwrap();
     let reserved = |block: &&Block| block.state.kind == (BlockKind::Reserved { owner: me });
     let left: Vec<_> = blocks.iter().filter(reserved).collect();
     assert!(left.is_empty(), "a's blocks all went back: {left:?}");

@@ -29,7 +29,7 @@ use super::super::lock::LockGuard;
 use super::Writer;
 use super::put::Reservation;
 use crate::error::Result;
-use crate::layout::{ALIGN, BlockKind};
+use crate::layout::ALIGN;
 
 /// The most a buffer holds.
 const MOST: u64 = 256 << 10;
@@ -133,19 +133,6 @@ impl Writer {
             // and the bytes at `rest` that object's payload, which a CAS must not touch.
             if !self.shared.buffer_taken(lock, buffer.rest, self.me)? {
                 self.shared.free_buffer(lock, buffer.rest, self.me)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Give back the buffers this writer gave up whole (on `close`, under the ring lock,
-    /// after [`Writer::return_lab`]: nothing carves now). A carve gives its buffer up when a
-    /// sweep marked it taken; one that died before it freed the buffer leaves it in the
-    /// ring, a reservation of this writer, until a sweep meets it (`Shared::carve_buffer`).
-    pub(super) fn return_given_up_labs(&self, lock: &LockGuard<'_>) -> Result<()> {
-        for block in self.shared.blocks(lock)? {
-            if block.buffer && block.state.kind == (BlockKind::Reserved { owner: self.me }) {
-                self.shared.free_buffer(lock, block.address, self.me)?;
             }
         }
         Ok(())
