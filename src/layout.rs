@@ -56,7 +56,8 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"MMCACHE\x01");
 /// key hash where its bucket number was.
 /// Version 7: keys filed without the index lock (the index gate, each writer's filings).
 /// Version 8: the hand's laps (a walk that gives the ring lock back between slices).
-pub const LAYOUT_VERSION: u64 = 8;
+/// Version 9: each writer's carve word (a carve and a sweep taking its buffer back).
+pub const LAYOUT_VERSION: u64 = 9;
 /// Alignment of chunks and of payload parts (a cache line; enough for any dtype).
 pub const ALIGN: u64 = 64;
 /// Most reader slots a segment may have (the reader table must fit its pages).
@@ -299,6 +300,17 @@ pub mod slot {
     /// (writers) `epoch << 32 | n`: `n` of the occupant's threads are filing a key without
     /// the index lock (`store/gate.rs`); the epoch tells whose they are once it is gone.
     pub const FILING: u64 = 48;
+    /// (writers) The occupant's carves from its allocation buffer against the sweeps that
+    /// take the buffer back (`Shared::carve_buffer`): [`CARVING`] from just before its CAS on
+    /// the buffer's word to just after; else `address | TAKEN` once a sweep took back the
+    /// buffer at `address` (a block start: [`ALIGN`](super::ALIGN)ed), marked before the
+    /// sweep's CAS. Each side changes the word with one SeqCst RMW that reads the other's
+    /// mark, so whichever comes second sees the first. 0 when the occupant starts a buffer
+    /// (under the ring lock, which every sweep holds; a new occupant starts one before it
+    /// carves, so what a dead one left counts for nothing).
+    pub const CARVE: u64 = 56;
+    pub const CARVING: u64 = 1;
+    pub const TAKEN: u64 = 2;
     /// (writers) `HAZARDS` hazard words: the id of a chunk one of the occupant's operations
     /// holds (a hit adding references, a pin, a copy), 0 when unused. Taken with a SeqCst
     /// CAS before the chunk is checked; the evictor reads them (SeqCst) after marking a chunk

@@ -48,6 +48,7 @@ SCENARIOS: dict[str, tuple[str, int]] = {
     "alloc.evicted": ("put", 2),
     "alloc.coalesced": ("put", 2),
     "alloc.reserved": ("put", 2),
+    "lab.announced": ("put small", 2),
     "lab.split": ("put small", 2),
     "put.reserved": ("put", 2),
     "put.mid_copy": ("put", 2),

@@ -7,7 +7,8 @@
 //! can let earlier operations through. Unarmed, a point costs one Relaxed load of a static.
 //!
 //! Unit tests also have a [`hook`]: code of theirs run at a place (between two slices of a
-//! `stats` walk, the ring lock given back) on the thread that set it.
+//! `stats` walk, the ring lock given back; in a carve, before its announcement and before
+//! its CAS) on the thread that set it.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,6 +23,7 @@ pub const POINTS: &[&str] = &[
     "alloc.evicted",
     "alloc.coalesced",
     "alloc.reserved",
+    "lab.announced",
     "lab.split",
     "put.reserved",
     "put.mid_copy",
@@ -76,28 +78,46 @@ fn passed(name: &'static str) {
     }
 }
 
-/// A unit test's code, run on the thread that set it where the writer calls [`hook::run`].
+/// A unit test's code, run on the thread that set it where the writer calls [`hook::run`]
+/// with the place it was set for.
 #[cfg(test)]
 pub(super) mod hook {
     use std::cell::RefCell;
 
+    /// A place: between two slices of a `stats` walk, the ring lock given back.
+    pub(in crate::store) const STATS_SLICE: &str = "stats.slice";
+    /// A carve from the writer's allocation buffer, after it read the buffer and before it
+    /// announced the carve.
+    pub(in crate::store) const LAB_CARVE: &str = "lab.carve";
+    /// A carve, announced, before its CAS on the buffer's word.
+    pub(in crate::store) const LAB_ANNOUNCED: &str = "lab.announced";
+
+    type Hook = (&'static str, Box<dyn FnMut()>);
+
     thread_local! {
-        static HOOK: RefCell<Option<Box<dyn FnMut()>>> = RefCell::new(None);
+        static HOOK: RefCell<Option<Hook>> = RefCell::new(None);
     }
 
-    /// Run `hook` at every pass of this thread, until [`clear`].
-    pub(in crate::store) fn set(hook: impl FnMut() + 'static) {
-        HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
+    /// Run `hook` at every pass of this thread at `place`, until [`clear`].
+    pub(in crate::store) fn set(place: &'static str, hook: impl FnMut() + 'static) {
+        HOOK.with(|h| *h.borrow_mut() = Some((place, Box::new(hook))));
     }
 
     pub(in crate::store) fn clear() {
         HOOK.with(|h| *h.borrow_mut() = None);
     }
 
-    pub(in crate::store) fn run() {
+    /// Run this thread's hook if it was set for `place` (not from inside a hook: a hook
+    /// that puts passes places too).
+    pub(in crate::store) fn run(place: &'static str) {
         HOOK.with(|h| {
-            if let Some(hook) = h.borrow_mut().as_mut() {
-                hook();
+            let Ok(mut running) = h.try_borrow_mut() else {
+                return;
+            };
+            if let Some((at, hook)) = running.as_mut() {
+                if *at == place {
+                    hook();
+                }
             }
         });
     }

@@ -33,6 +33,12 @@
 //! with **Acquire** (pairs with it), so one that sees the new size sees the rest's header.
 //! A sweep takes a live writer's buffer back with a CAS of the same word to free: one of
 //! the two CASes fails, and the block's size changes only after the owner's succeeds.
+//! Before either CAS, each side changes the owner's carve word (`slot::CARVE`) with one
+//! **SeqCst** RMW that reads the other's mark: the owner announces its carve and CASes only
+//! if no sweep named its buffer taken; a sweep names it taken, and CASes, only if the owner
+//! is not carving. The owner clears the word with **Release** after its CAS (a sweep's RMW
+//! that reads the clear sees the CAS). So an owner never CASes a word in room a sweep freed
+//! (where another object's payload may hold the same bytes).
 //!
 //! **Publication and the ring (B2).** A publication holds only the index lock, so a block a
 //! ring-lock holder walks past may go from a writer's buffer to a carved reservation to

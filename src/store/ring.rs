@@ -302,10 +302,11 @@ impl Shared {
                         return Ok(Verdict::Keep);
                     }
                     // A live writer's allocation buffer is taken back (freed here), so an
-                    // idle writer's buffer never holds the ring, nor the chunks before it.
-                    // Its owner carves with a CAS on this word: one of the two fails.
-                    if !self.free_buffer(lock, address, owner)? {
-                        continue; // its owner carved from it meanwhile
+                    // idle writer's buffer never holds the ring, nor the chunks before it;
+                    // unless its owner is carving from it, or carved from it meanwhile (the
+                    // block is then a reservation of its own).
+                    if !self.take_back_buffer(lock, address, owner)? {
+                        return Ok(Verdict::Keep);
                     }
                     return Ok(Verdict::Evict);
                 }
@@ -547,6 +548,10 @@ impl Shared {
         address: u64,
         owner: WriterId,
     ) -> Result<()> {
+        // No sweep has taken this one back, and no carve of `owner` is under way (its
+        // buffer's mutex is held): its carve word starts afresh. Sweeps see it under the lock.
+        self.writer_slot(owner.slot, slot::CARVE)?
+            .store(0, Ordering::Relaxed);
         self.state_word(address)?
             .store(BlockState::buffer_word(owner), Ordering::Release);
         Ok(())
@@ -559,6 +564,14 @@ impl Shared {
     /// keeps the ring tiled: the rest's header first, then the block shrinks onto it with
     /// Release (a walker under the lock reads sizes with Acquire, so one that sees the new
     /// size sees the rest's header).
+    ///
+    /// The CAS alone cannot tell the buffer from bytes that merely look like it: once taken
+    /// back, the buffer's room may be merged and filled with another object, whose payload
+    /// may hold the buffer's word where the buffer's state was. So the owner first announces
+    /// the carve in its carve word (`slot::CARVE`), in the same RMW that reads whether a
+    /// sweep took the buffer back, and CASes only if none did; a sweep marks the word before
+    /// its CAS, in the RMW that reads the announcement, and leaves the buffer alone if it
+    /// sees one ([`Shared::take_back_buffer`]).
     pub(super) fn carve_buffer(
         &self,
         address: u64,
@@ -571,7 +584,25 @@ impl Shared {
             referenced: false,
             keyed: false,
         };
-        if !self.take_buffer(address, owner, reserved.pack())? {
+        let carve = self.writer_slot(owner.slot, slot::CARVE)?;
+        // SeqCst RMW (both sides): the one of the two that comes second in the word's order
+        // sees the other's mark, so a sweep that took this buffer back said so before this.
+        // (A mark naming another address is stale: a block carved since, a buffer before.)
+        let taken = carve.fetch_or(slot::CARVING, Ordering::SeqCst) == address | slot::TAKEN;
+        crash::point("lab.announced");
+        #[cfg(test)]
+        crash::hook::run(crash::hook::LAB_ANNOUNCED);
+        // Only a sweep's take-back changes the buffer's word meanwhile, and none may now.
+        let carved = !taken && self.take_buffer(address, owner, reserved.pack())?;
+        // Release: a sweep whose RMW reads this sees the CAS's word. No sweep marked the word
+        // since the announcement. A mark naming this buffer stays: if the sweep that made it
+        // died before it freed the buffer, `repair` frees it by that mark. Any other is done
+        // with (it names a block carved since, or a buffer before this one).
+        carve.store(
+            if taken { address | slot::TAKEN } else { 0 },
+            Ordering::Release,
+        );
+        if !carved {
             return Ok(false);
         }
         if size < len {
@@ -601,8 +632,64 @@ impl Shared {
             .is_ok())
     }
 
-    /// Free `owner`'s allocation buffer at `address` (given back by its owner, or taken back
-    /// by a sweep): whether it was still the buffer (not carved from, nor taken back, since).
+    /// Take a live writer's allocation buffer at `address` back (free it), for a sweep:
+    /// whether it did. Its owner's carve word names it taken first (`slot::CARVE`,
+    /// [`Shared::carve_buffer`]): the owner never carves from it after, whatever bytes fill
+    /// its room then. An owner between its announcement and its CAS keeps it this time (a
+    /// sweep does not wait under the ring lock for an owner that may be preempted).
+    fn take_back_buffer(
+        &self,
+        lock: &LockGuard<'_>,
+        address: u64,
+        owner: WriterId,
+    ) -> Result<bool> {
+        let marked = self.writer_slot(owner.slot, slot::CARVE)?.fetch_update(
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+            |word| (word & slot::CARVING == 0).then_some(address | slot::TAKEN),
+        );
+        if marked.is_err() {
+            return Ok(false);
+        }
+        // `false`: the owner carved from it before the mark, which names a block start that
+        // is its reservation now, never its buffer again.
+        self.free_buffer(lock, address, owner)
+    }
+
+    /// Whether a sweep took `owner`'s buffer at `address` back: its mark names it
+    /// ([`Shared::take_back_buffer`]). Asked by `owner` with its buffer's mutex and the ring
+    /// lock held, so no carve of its own nor any sweep changes the word meanwhile. (A sweep
+    /// that died after its mark and before its CAS left the buffer whole: the next holder of
+    /// the ring lock frees it, in `repair`.)
+    pub(super) fn buffer_taken(
+        &self,
+        _lock: &LockGuard<'_>,
+        address: u64,
+        owner: WriterId,
+    ) -> Result<bool> {
+        // Acquire: pairs with the sweep's SeqCst mark (one that died holding the lock too).
+        let word = self.writer_slot(owner.slot, slot::CARVE)?;
+        Ok(word.load(Ordering::Acquire) == address | slot::TAKEN)
+    }
+
+    /// Free `owner`'s allocation buffer at `address` if a sweep marked it taken (the dead
+    /// holder's, between its mark and its CAS, [`Shared::take_back_buffer`]), for `repair`:
+    /// whether it did. Its owner never carves from it after the mark, so it is nobody's; freed
+    /// here, before any other sweep can mark another buffer of the owner's, the owner's one
+    /// carve word names at most one buffer of its, the one it may still carve from.
+    fn free_marked_buffer(
+        &self,
+        lock: &LockGuard<'_>,
+        address: u64,
+        owner: WriterId,
+    ) -> Result<bool> {
+        Ok(self.buffer_taken(lock, address, owner)?
+            && self.take_buffer(address, owner, BlockState::FREE.pack())?)
+    }
+
+    /// Free `owner`'s allocation buffer at `address` (given back by its owner, once it knows
+    /// no sweep took it back, or taken back by a sweep): whether it was still the buffer (not
+    /// carved from, nor taken back, since).
     pub(super) fn free_buffer(
         &self,
         lock: &LockGuard<'_>,
@@ -718,6 +805,8 @@ impl Shared {
                     self.set_kind(block.address, BlockKind::Live)?;
                     in_use += block.size;
                 }
+                BlockKind::Reserved { owner }
+                    if block.buffer && self.free_marked_buffer(lock, block.address, owner)? => {}
                 _ => in_use += block.size,
             }
         }

@@ -33,7 +33,7 @@ fn a_put_that_needs_the_ring_lock_completes_while_stats_is_between_two_slices() 
     let mut b = Some(join(&a));
     let watcher = join(&a);
     let (tell, told) = mpsc::channel();
-    hook::set(move || {
+    hook::set(hook::STATS_SLICE, move || {
         tell.send(lock_words(&watcher)).unwrap();
         // At the first pause, another writer puts an object too large for its allocation
         // buffer: it needs the ring lock, which the walk (on this thread) must not hold.
@@ -181,7 +181,7 @@ fn a_slice_holds_fewer_blocks_where_each_block_has_more_words() {
         w.put(&format!("small{i}"), &[&payload(i, 1000)]).unwrap();
     }
     let (tell, told) = mpsc::channel();
-    hook::set(move || tell.send(()).unwrap());
+    hook::set(hook::STATS_SLICE, move || tell.send(()).unwrap());
     let chunks = stats_of(&w)["chunks"];
     hook::clear();
     assert_eq!(chunks, 400);
@@ -506,7 +506,7 @@ fn stats_counts_a_ring_that_changes_between_its_slices_and_then_counts_it_exactl
         let most = walker.shared.layout.capacity / walker.shared.layout.chunk_header_size;
         let pauses = std::rc::Rc::new(std::cell::Cell::new(0));
         let counted = pauses.clone();
-        hook::set(move || {
+        hook::set(hook::STATS_SLICE, move || {
             counted.set(counted.get() + 1);
             meddlers.meddle();
         });
@@ -602,7 +602,7 @@ fn with_nothing_changing_stats_counts_what_one_walk_under_the_lock_counts() {
             .expect("room")
     };
     let (tell, told) = mpsc::channel();
-    hook::set(move || tell.send(()).unwrap());
+    hook::set(hook::STATS_SLICE, move || tell.send(()).unwrap());
     let stats = stats_of(&a);
     hook::clear();
     assert!(told.try_iter().count() >= 4, "counted in slices");

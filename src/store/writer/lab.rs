@@ -3,16 +3,19 @@
 //! then takes one lock (the index lock, to publish) instead of two, and reserving for many
 //! objects evicts their room in one go — what lets several writers put at once.
 //!
-//! The buffer is a reservation of this writer marked as a buffer (`BlockState::buffer_word`):
-//! a sweep that meets it reclaims it if this writer died, and takes it back (frees it) if
-//! not, so an idle writer's buffer never holds the ring or the chunks just before it. The
-//! owner carves with a CAS on the buffer's word, the sweep frees it with one: one of the two
-//! fails, and an owner that finds its buffer gone reserves anew. Each carve keeps the ring
-//! tiled at every store (`Shared::carve_buffer`), so a writer killed in the middle leaves
-//! only reservations of a dead writer. What is left goes back to the ring when a refill
-//! replaces it, on this writer's `clear` and on its `close`; until then `bytes_in_use`
-//! counts it (not `chunks_reserved`). It holds at most 1/16 of the ring per writer slot (and
-//! 256 KiB), and only objects up to a quarter of it are carved, so a small ring, or a large
+//! The buffer is a reservation of this writer marked as a buffer
+//! (`BlockState::buffer_word`): a sweep that meets it reclaims it if this writer died, and
+//! takes it back (frees it) if not, so an idle writer's buffer never holds the ring or the
+//! chunks just before it. The owner carves with a CAS on the buffer's word, the sweep frees
+//! it with one: one of the two fails, and an owner that finds its buffer gone reserves
+//! anew. Before either CAS the two meet in this writer's carve word
+//! (`Shared::carve_buffer`), so the owner never CASes a word where its buffer was once a
+//! sweep took it back: another object's bytes may be there. Each carve keeps the ring tiled
+//! at every store (`Shared::carve_buffer`), so a writer killed in the middle leaves only
+//! reservations of a dead writer. What is left goes back to the ring when a refill replaces
+//! it, on this writer's `clear` and on its `close`; until then `bytes_in_use` counts it
+//! (not `chunks_reserved`). It holds at most 1/16 of the ring per writer slot (and 256
+//! KiB), and only objects up to a quarter of it are carved, so a small ring, or a large
 //! object, is reserved exactly as before. A refill looks only near the hand; when it finds
 //! no room there, the next [`BACK_OFF`] small puts are reserved on their own.
 
@@ -20,6 +23,8 @@ use std::ops::Range;
 use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
 
+#[cfg(test)]
+use super::super::crash;
 use super::super::lock::LockGuard;
 use super::Writer;
 use super::put::Reservation;
@@ -82,6 +87,8 @@ impl Writer {
             return Ok(None);
         }
         let address = buffer.rest;
+        #[cfg(test)]
+        crash::hook::run(crash::hook::LAB_CARVE);
         if !self.shared.carve_buffer(address, left, size, self.me)? {
             *lab = None; // a sweep took it back
             return Ok(None);
@@ -122,8 +129,11 @@ impl Writer {
     /// Give what is left of the buffer back to the ring (under the ring lock).
     pub(super) fn return_lab(&self, lock: &LockGuard<'_>, lab: &mut Option<Lab>) -> Result<()> {
         if let Some(buffer) = lab.take() {
-            // Unless a sweep took it back already.
-            self.shared.free_buffer(lock, buffer.rest, self.me)?;
+            // Unless a sweep took it back already: its room may be another object's since,
+            // and the bytes at `rest` that object's payload, which a CAS must not touch.
+            if !self.shared.buffer_taken(lock, buffer.rest, self.me)? {
+                self.shared.free_buffer(lock, buffer.rest, self.me)?;
+            }
         }
         Ok(())
     }

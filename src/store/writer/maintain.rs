@@ -180,7 +180,7 @@ impl Writer {
             }
             lock.give_way();
             #[cfg(test)]
-            crash::hook::run();
+            crash::hook::run(crash::hook::STATS_SLICE);
         }
         let draining = occupants
             .iter()
