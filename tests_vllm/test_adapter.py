@@ -349,6 +349,31 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
     p0.close()
 
 
+def test_a_max_object_size_of_0_falls_back_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # vLLM takes --mm-shm-cache-max-object-size-mb 0 (its own ring then serves every item
+    # uncached); a ring that lets no item in is not made: items travel with their data.
+    config = vllm_config("shm", 4 * MiB, max_object_mb=0)
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        p0 = processor_cache_from_config(config)
+    warnings = [
+        r for r in caplog.records if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
+    ]
+    assert len(warnings) == 1
+    assert "--mm-shm-cache-max-object-size-mb" in warnings[0].getMessage()
+    assert type(p0) is mv.MmcacheShmSenderCache and p0.ring is None
+    assert os.environ[mv.READER_HANDLE_ENV] == ""
+    worker = worker_receiver_cache_from_config(config, LOCK)
+    item = kwargs_item(1)
+    sent, _ = p0.get_and_update_item((item, []), "a")
+    assert sent is item  # data travels by IPC
+    features = [feature(sent, "a")]
+    worker.get_and_update_features(features)
+    assert features[0].data is item
+    p0.close()
+
+
 def test_workers_refuse_to_start_when_no_ring_was_published() -> None:
     with pytest.raises(RuntimeError, match=mv.READER_HANDLE_ENV):
         worker_receiver_cache_from_config(vllm_config("shm", MiB), LOCK)
