@@ -139,6 +139,33 @@ def test_defaults_passed_explicitly_and_specs_options_suit_every_mode(mode: str)
         assert downstream.n_readers == 2
 
 
+@pytest.mark.parametrize("mode", ["none", "processor_only", "lru", "shm"])
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        ("n_readers", 0, ValueError),
+        ("n_readers", -2, ValueError),
+        ("n_readers", "2", TypeError),
+        ("n_readers", 2.0, TypeError),
+        ("max_object_size_mb", 0, ValueError),
+        ("max_object_size_mb", -1, ValueError),
+        ("max_object_size_mb", float("nan"), ValueError),
+        ("max_object_size_mb", "128", TypeError),
+        ("capacity_gb", -1, ValueError),
+        ("capacity_gb", "4", TypeError),
+    ],
+)
+def test_specs_options_are_checked_in_every_mode(
+    mode: str, option: str, value: object, error: type[Exception]
+) -> None:
+    # Engine code passes them whatever the mode it runs: a bad value was taken without a
+    # word outside shm (and by mode none, capacity_gb too), to fail only once the engine
+    # switched to shm.
+    options: dict[str, Any] = {"capacity_gb": 0.01, option: value}
+    with pytest.raises(error, match=rf"^{option} must "):
+        make_caches(mode, **options)  # type: ignore[arg-type]
+
+
 def test_capacity_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         SenderCache(-1)

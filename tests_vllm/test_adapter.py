@@ -26,6 +26,7 @@ from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
 from vllm.platforms import current_platform
 from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from vllm.v1.worker import worker_base
 
 import mmcache.vllm as mv
 from mmcache import ReferencesSaturatedError, ShmHandle, pinning
@@ -347,6 +348,57 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
             mv.handle_as_item(ShmHandle(address=0, monotonic_id=0, signature=bytes(16))), "a"
         )
     p0.close()
+
+
+def test_a_max_object_size_of_0_falls_back_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # vLLM takes --mm-shm-cache-max-object-size-mb 0 (its own ring then serves every item
+    # uncached); a ring that lets no item in is not made: items travel with their data.
+    config = vllm_config("shm", 4 * MiB, max_object_mb=0)
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        p0 = processor_cache_from_config(config)
+    warnings = [
+        r for r in caplog.records if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
+    ]
+    assert len(warnings) == 1
+    assert "--mm-shm-cache-max-object-size-mb" in warnings[0].getMessage()
+    assert type(p0) is mv.MmcacheShmSenderCache and p0.ring is None
+    assert os.environ[mv.READER_HANDLE_ENV] == ""
+    worker = worker_receiver_cache_from_config(config, LOCK)
+    item = kwargs_item(1)
+    sent, _ = p0.get_and_update_item((item, []), "a")
+    assert sent is item  # data travels by IPC
+    features = [feature(sent, "a")]
+    worker.get_and_update_features(features)
+    assert features[0].data is item
+    p0.close()
+
+
+def test_a_worker_given_no_shared_lock_reads_the_ring() -> None:
+    # vLLM's Ray executor gives its workers no shared_worker_lock (only vLLM's own ring needs
+    # one), and vLLM's factory refused shm mode without it ("Missing `shared_worker_lock`"),
+    # so a worker under Ray stopped the engine at start-up.
+    config = vllm_config("shm", 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    try:
+        # Where vLLM's worker looks the factory up (it imported the name).
+        worker = worker_base.worker_receiver_cache_from_config(config, None)
+        try:
+            assert type(worker) is mv.MmcacheShmReceiverCache
+            item = kwargs_item(1)
+            p0.touch_sender_cache_item("a")
+            sent, _ = p0.get_and_update_item((item, []), "a")
+            p0.release_sender_touches()
+            features = [feature(sent, "a")]
+            worker.get_and_update_features(features)
+            assert same_item(item, features[0].data)
+        finally:
+            worker._shm_cache.close()
+    finally:
+        p0.close()
+    # The other modes are vLLM's: no worker cache.
+    assert worker_base.worker_receiver_cache_from_config(vllm_config("lru", MiB), None) is None
 
 
 def test_workers_refuse_to_start_when_no_ring_was_published() -> None:

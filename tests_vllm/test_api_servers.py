@@ -5,6 +5,7 @@ flight: an item one server is processing is waited for by the other."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -116,6 +117,41 @@ def test_without_the_launchers_ring_vllm_serves_processor_only() -> None:
     finally:
         close()
     assert mv.WRITER_HANDLE_ENV not in os.environ
+
+
+def test_more_api_servers_than_a_ring_has_writers_fall_back_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # vLLM takes --api-server-count 64; a ring has at most 64 writers, the launcher's
+    # included: vLLM's processor-only caches serve them, as without mmcache.
+    def config(rank: int) -> Any:
+        return vllm_config("shm", 4 * MiB, api_process_count=64, api_process_rank=rank)
+
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        close = launcher.open_ring(config(-1))
+    try:
+        warnings = [
+            r
+            for r in caplog.records
+            if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
+        ]
+        assert len(warnings) == 1 and "--api-server-count" in warnings[0].getMessage()
+        server = processor_cache_from_config(config(0))
+        worker = worker_receiver_cache_from_config(config(-1), LOCK)
+        assert type(server) is mv.MmcacheShmSenderCache and server.ring is None
+        item = kwargs_item(1)
+        sent, _ = server.get_and_update_item((item, []), "a")
+        assert sent is item  # data travels by IPC
+        features = [feature(sent, "a")]
+        worker.get_and_update_features(features)
+        assert features[0].data is item
+        server.close()
+    finally:
+        close()
+    # The launcher's bound is the core's.
+    mmcache.ShmSenderCache(0.001, max_writers=launcher.MAX_WRITERS).close()
+    with pytest.raises(ValueError, match="max_writers"):
+        mmcache.ShmSenderCache(0.001, max_writers=launcher.MAX_WRITERS + 1)
 
 
 def test_api_servers_hit_what_the_other_put_and_workers_read_it() -> None:

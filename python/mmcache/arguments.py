@@ -111,3 +111,27 @@ def capacity_bytes(capacity_gb: float) -> int:
         )
     # Exact: a float times a power of two is (so P0's and P1's lru bounds are the same bytes).
     return int(capacity_gb * GiB)
+
+
+def check_max_object_size_mb(max_object_size_mb: float) -> None:
+    """``ValueError`` unless ``max_object_size_mb`` is a positive number (``TypeError``
+    unless a number)."""
+    try:
+        positive = max_object_size_mb > 0
+    except TypeError:
+        raise TypeError(
+            f"max_object_size_mb must be a number of MiB, not {type(max_object_size_mb).__name__}"
+        ) from None
+    if not positive:
+        raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
+
+
+def check_n_readers(n_readers: int) -> None:
+    """``ValueError`` unless ``n_readers`` (a number of workers) is at least 1 (``TypeError``
+    unless an int).  A ring's own bound (its reader slots) is the core's to check."""
+    if not isinstance(n_readers, int):
+        raise TypeError(
+            f"n_readers must be an int (the number of workers), not {type(n_readers).__name__}"
+        )
+    if n_readers < 1:
+        raise ValueError(f"n_readers must be at least 1 (the number of workers), not {n_readers!r}")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from mmcache._core import ReaderHandle
+from mmcache.arguments import capacity_bytes, check_max_object_size_mb, check_n_readers
 from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, ReceiverCache, SenderCache
 from mmcache.items import Item, item_size
 from mmcache.prompt_updates import PromptUpdatesCodecSpec
@@ -67,7 +68,10 @@ def make_caches(
     mode, and for an option given a value other than its default in a mode it does not
     apply to (``make_caches("lru", ..., max_writers=2)`` shares nothing: an lru pair has no
     ring); ``n_readers`` and ``max_object_size_mb`` (the factory's first options) suit
-    every mode (engine code passes them whatever the mode it runs).
+    every mode (engine code passes them whatever the mode it runs), and are checked in every
+    mode, as is ``capacity_gb``: ``TypeError`` for one that is no number (``n_readers``: no
+    int), ``ValueError`` for one out of range (``n_readers`` below 1, ``max_object_size_mb``
+    not positive), each naming its argument.
 
     Safe to call from several threads, and every cache it returns may be shared by threads
     (see "Threads" in :mod:`mmcache.caches`; the
@@ -90,6 +94,13 @@ def make_caches(
             raise ValueError(
                 f"{option}={value!r} applies to mode {' and '.join(modes)} only, not {mode}"
             )
+    if mode != "shm":
+        # SPEC's options suit every mode (engine code passes them whatever the mode it runs),
+        # so a bad value is refused in every mode, not first when the engine switches to shm
+        # (whose ring checks them itself); mode none builds nothing that would check any.
+        capacity_bytes(capacity_gb)
+        check_n_readers(n_readers)
+        check_max_object_size_mb(max_object_size_mb)
     if remote is not None and mode == "none":
         raise ValueError("a remote tier needs a P0 cache: use mode processor_only, lru or shm")
     sender: BaseSenderCache | None

@@ -52,6 +52,7 @@ from mmcache.arguments import (
     capacity_bytes,
     check_hash_list,
     check_list,
+    check_max_object_size_mb,
     check_mm_hash,
     check_mm_hash_type,
 )
@@ -141,15 +142,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         prompt_updates_codec: PromptUpdatesCodecSpec = "plain",
     ) -> None:
         super().__init__()
-        try:
-            positive = max_object_size_mb > 0
-        except TypeError:
-            raise TypeError(
-                f"max_object_size_mb must be a number of MiB, not "
-                f"{type(max_object_size_mb).__name__}"
-            ) from None
-        if not positive:
-            raise ValueError(f"max_object_size_mb must be positive, not {max_object_size_mb!r}")
+        check_max_object_size_mb(max_object_size_mb)
         codec = PromptUpdatesCodec(prompt_updates_codec)
         # The core clamps the limit to what the ring can hold (a small ring with the default
         # limit is no error).

@@ -8,6 +8,11 @@ vLLM.  vLLM's own classes stay importable from their modules.
 The factories also look up ``_get_cache_type``, which decides the mode of every process's
 cache: :func:`cache_type` answers ``shm`` where several API servers share one ring
 (:mod:`mmcache.vllm.launcher`), and vLLM's answer everywhere else.
+
+vLLM's worker factory insists, in ``shm`` mode, on the lock its own ring shares between the
+workers, which vLLM's Ray executor does not give them; mmcache's ring needs none, so
+:func:`worker_receiver_cache_from_config` builds the worker's cache without it (rebound
+where vLLM's worker imported the factory, too).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from vllm.multimodal import cache as vllm_cache
 from vllm.multimodal.cache import factories as vllm_factories
+from vllm.v1.worker import worker_base as vllm_worker_base
 
 from mmcache.vllm.publish import WRITER_HANDLE_ENV
 from mmcache.vllm.receiver import MmcacheLruReceiverCache, MmcacheShmReceiverCache
@@ -27,7 +33,7 @@ from mmcache.vllm.sender import (
     shares_one_ring,
 )
 
-__all__ = ["REPLACEMENTS", "cache_type", "rebind"]
+__all__ = ["REPLACEMENTS", "cache_type", "rebind", "worker_receiver_cache_from_config"]
 
 REPLACEMENTS: dict[str, type[Any]] = {
     "MultiModalProcessorOnlyCache": MmcacheProcessorOnlyCache,
@@ -50,11 +56,27 @@ def cache_type(vllm_config: Any) -> Any:
     return _vllm_cache_type(vllm_config)
 
 
+_vllm_worker_receiver_cache = vllm_factories.worker_receiver_cache_from_config
+
+
+def worker_receiver_cache_from_config(vllm_config: Any, shared_worker_lock: Any) -> Any:
+    """vLLM's ``worker_receiver_cache_from_config``, but in ``shm`` mode a
+    :class:`MmcacheShmReceiverCache` whether or not the executor gave the worker a
+    ``shared_worker_lock`` (vLLM's Ray executor gives none; mmcache's ring needs none)."""
+    if cache_type(vllm_config) == "shm":
+        return MmcacheShmReceiverCache(vllm_config, shared_worker_lock)
+    return _vllm_worker_receiver_cache(vllm_config, shared_worker_lock)
+
+
 def rebind() -> None:
     """Bind :data:`REPLACEMENTS` in ``vllm.multimodal.cache.factories`` (where the factories
     look them up) and in ``vllm.multimodal.cache`` (for code that imports them from there
-    afterwards), and :func:`cache_type` as the factories' ``_get_cache_type``.  Idempotent."""
+    afterwards), :func:`cache_type` as the factories' ``_get_cache_type``, and
+    :func:`worker_receiver_cache_from_config` where vLLM's worker looks it up and where it is
+    imported from.  Idempotent."""
     for module in (vllm_factories, vllm_cache):
         for name, cls in REPLACEMENTS.items():
             setattr(module, name, cls)
     vllm_factories._get_cache_type = cache_type
+    for module in (vllm_factories, vllm_cache, vllm_worker_base):
+        module.worker_receiver_cache_from_config = worker_receiver_cache_from_config

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 import weakref
@@ -48,17 +49,39 @@ from mmcache.vllm.publish import (
 )
 from mmcache.vllm.sender import make_ring, shares_one_ring
 
-__all__ = ["open_ring", "wrap"]
+__all__ = ["MAX_WRITERS", "open_ring", "wrap"]
+
+logger = logging.getLogger(__name__)
 
 _ORIGINAL = "__mmcache_original__"
 _RING_CLOSER = "_mmcache_ring_closer"
 
 
+MAX_WRITERS = 64
+"""The most writers a ring takes (the core's limit on ``max_writers``): at most
+``MAX_WRITERS - 1`` API servers share one, beside their launcher."""
+
+
 def open_ring(vllm_config: VllmConfig) -> Callable[[], None]:
     """Make the ring of the API servers about to start and publish its handles (a ring of
     ``mm_processor_cache_gb`` with one reader slot per worker and a writer slot per API
-    server plus the caller's); the function that closes it and withdraws them."""
-    ring = make_ring(vllm_config, max_writers=vllm_config.parallel_config._api_process_count + 1)
+    server plus the caller's); the function that closes it and withdraws them.  With more
+    API servers than a ring takes, one warning, and "no ring" is published: each API server
+    then runs processor-only, as vLLM does without mmcache."""
+    servers = vllm_config.parallel_config._api_process_count
+    ring = None
+    if servers < MAX_WRITERS:
+        ring = make_ring(vllm_config, max_writers=servers + 1)
+    else:
+        logger.warning(
+            "mmcache: %d API servers cannot share one shared-memory ring (it takes at most %d "
+            "writers, the launcher's included); serving multi-modal items through IPC with a "
+            "processor-only cache in each API server instead. Use --api-server-count %d or "
+            "fewer to share one ring.",
+            servers,
+            MAX_WRITERS,
+            MAX_WRITERS - 1,
+        )
     published = publish(None if ring is None else ring.handle())
     published_writer = publish_writer(None if ring is None else ring.writer_handle())
 

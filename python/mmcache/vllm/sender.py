@@ -402,9 +402,19 @@ def shares_one_ring(vllm_config: VllmConfig) -> bool:
 def make_ring(vllm_config: VllmConfig, *, max_writers: int = 1) -> ShmSenderCache | None:
     """A ring of ``mm_processor_cache_gb`` with one reader slot per worker and
     ``max_writers`` writer slots, this one included; ``None``, with one warning, when
-    ``/dev/shm`` cannot hold it."""
+    ``/dev/shm`` cannot hold it, or when ``mm_shm_cache_max_object_size_mb`` is 0."""
     mm_config = vllm_config.model_config.get_multimodal_config()
     size_gb = capacity_gb(vllm_config.model_config)
+    if mm_config.mm_shm_cache_max_object_size_mb <= 0:
+        # vLLM takes 0 (its own ring then serves every item uncached, through IPC): the
+        # fallback does the same without a ring no item could enter.
+        logger.warning(
+            "mmcache: --mm-shm-cache-max-object-size-mb=%s lets no item into the shared-memory "
+            "ring; serving multi-modal items through IPC with a processor-only cache instead. "
+            "Set it above 0 to use the shared-memory cache.",
+            mm_config.mm_shm_cache_max_object_size_mb,
+        )
+        return None
     try:
         return ShmSenderCache(
             size_gb,
@@ -459,9 +469,10 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
     (see :mod:`mmcache.vllm.launcher`); their items and prompt updates are every server's,
     and their lookups take single-flight claims: an item another API server is processing
     is waited for (at most :data:`CLAIM_WAIT_ENV` seconds) instead of processed again.
-    When ``/dev/shm`` cannot hold the ring it logs one warning and runs as a
-    :class:`ProcessorOnlyCache` instead (items then always travel with their data and the
-    workers pass them through): a small container never stops the frontend.
+    When ``/dev/shm`` cannot hold the ring, or ``mm_shm_cache_max_object_size_mb`` is 0 (no
+    item fits it), it logs one warning and runs as a :class:`ProcessorOnlyCache` instead
+    (items then always travel with their data and the workers pass them through): a small
+    container never stops the frontend.
     """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
