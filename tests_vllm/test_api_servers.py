@@ -31,6 +31,7 @@ from vllm.multimodal.processing.processor import (
 
 import mmcache
 import mmcache.vllm as mv
+from mmcache._core import MAX_WRITERS
 from mmcache.vllm import launcher, prompt_codec, sender
 from mmcache.vllm.publish import published_handle
 from mmcache.vllm.sender import rendering
@@ -148,10 +149,10 @@ def test_more_api_servers_than_a_ring_has_writers_fall_back_with_one_warning(
         server.close()
     finally:
         close()
-    # The launcher's bound is the core's.
-    mmcache.ShmSenderCache(0.001, max_writers=launcher.MAX_WRITERS).close()
+    # The launcher's bound is the ring's.
+    mmcache.ShmSenderCache(0.001, max_writers=MAX_WRITERS).close()
     with pytest.raises(ValueError, match="max_writers"):
-        mmcache.ShmSenderCache(0.001, max_writers=launcher.MAX_WRITERS + 1)
+        mmcache.ShmSenderCache(0.001, max_writers=MAX_WRITERS + 1)
 
 
 def test_api_servers_hit_what_the_other_put_and_workers_read_it() -> None:

@@ -10,6 +10,8 @@ __version__: str
 LAYOUT_VERSION: int
 PART_ALIGNMENT: int
 """Every part of a multi-part ``put`` starts at a multiple of this many bytes of the payload."""
+MAX_WRITERS: int
+"""The most writers one store takes (``max_writers``' bound)."""
 OUT_OF_BAND_BYTES: int
 """``bytes`` values at least this long travel as their own part instead of in the header."""
 PAYLOAD_FORMAT_VERSION: int

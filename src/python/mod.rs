@@ -38,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("LAYOUT_VERSION", crate::layout::LAYOUT_VERSION)?;
     m.add("PART_ALIGNMENT", crate::layout::ALIGN)?;
+    m.add("MAX_WRITERS", crate::layout::MAX_WRITERS)?;
     m.add("OUT_OF_BAND_BYTES", crate::codec::OUT_OF_BAND_BYTES)?;
     m.add("PAYLOAD_FORMAT_VERSION", crate::codec::FORMAT_VERSION)?;
     m.add(

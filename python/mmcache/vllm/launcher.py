@@ -39,7 +39,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.v1.engine.utils import CoreEngineProcManager
 
-from mmcache._core import MmcacheError
+from mmcache._core import MAX_WRITERS, MmcacheError
 from mmcache.maintenance import inspect as inspect_ring
 from mmcache.vllm.publish import (
     WRITER_HANDLE_ENV,
@@ -49,17 +49,12 @@ from mmcache.vllm.publish import (
 )
 from mmcache.vllm.sender import make_ring, shares_one_ring
 
-__all__ = ["MAX_WRITERS", "open_ring", "wrap"]
+__all__ = ["open_ring", "wrap"]
 
 logger = logging.getLogger(__name__)
 
 _ORIGINAL = "__mmcache_original__"
 _RING_CLOSER = "_mmcache_ring_closer"
-
-
-MAX_WRITERS = 64
-"""The most writers a ring takes (the core's limit on ``max_writers``): at most
-``MAX_WRITERS - 1`` API servers share one, beside their launcher."""
 
 
 def open_ring(vllm_config: VllmConfig) -> Callable[[], None]:
