@@ -22,6 +22,7 @@ from mmcache import (
     ReaderHandle,
     ReceiverCache,
     SenderCache,
+    ShmHandle,
     ShmReceiverCache,
     ShmSenderCache,
     make_caches,
@@ -898,6 +899,17 @@ def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> No
                 TypeError, match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str"
             ):
                 receiver.get_and_update_item("a", item)
+            # A handle with a hash that is no str: named as the senders name it (shm's was
+            # "'bytes' object is not an instance of 'str'"), and nothing consumed.
+            handle, _ = p0.get_and_update_item(None, "a")
+            if isinstance(handle, ShmHandle):
+                for bad in (b"a", ("a",), None):
+                    with pytest.raises(
+                        TypeError,
+                        match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str, not",
+                    ):
+                        receiver.get_and_update_item(handle, bad)  # type: ignore[arg-type]
+                assert torch.equal(receiver.get_and_update_item(handle, "a")["x"], item["x"])
 
 
 def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
