@@ -868,6 +868,14 @@ def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: 
             receiver.get_and_update_features(one)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one"):
             receiver.get_and_update(data if data is not None else item, ["h"])
+        # A list of data (not of features) was "'ShmHandle' object has no attribute
+        # 'mm_hash'", an AttributeError.
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features \(with data, mm_hash "
+            r"and identifier\), not of (ShmHandle|dict)",
+        ):
+            receiver.get_and_update_features([one, data])
         [resolved] = receiver.get_and_update_features([one])  # nothing was consumed
         assert torch.equal(resolved.data["x"], item["x"])
 

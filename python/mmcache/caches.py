@@ -51,6 +51,7 @@ from mmcache.arguments import (
     check_list,
     check_mm_hash,
     check_mm_hash_type,
+    not_features,
     receiver_type_error,
 )
 from mmcache.closing import ClosesOnExit
@@ -343,7 +344,10 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (:class:`~mmcache.shm_receiver.ShmReceiverCache`, whose threads resolve in parallel).
         """
         check_feature_list(features)
-        keys = [f.mm_hash or f.identifier for f in features]
+        try:
+            keys = [f.mm_hash or f.identifier for f in features]
+        except AttributeError as exc:  # before anything is read: no reference is consumed
+            raise not_features(features, exc) from None
 
         def deliver(i: int, data: Any) -> None:
             features[i].data = data
