@@ -840,6 +840,20 @@ def cache_pair(mode: str) -> Iterator[tuple[BaseSenderCache, BaseReceiverCache |
         p0.close()
 
 
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_features_from_a_generator_are_resolved(mode: str) -> None:
+    # An iterable of features that is not a sequence was read twice (keys, then data): the
+    # second pass found it empty, "zip() argument 2 is longer than argument 1".
+    item = {"x": torch.arange(3)}
+    with cache_pair(mode) as (p0, receiver):
+        assert receiver is not None
+        (data, _), *_ = p0.get_and_update([(item, None)], ["h"])
+        features = [Feature(data, mm_hash="h", identifier="h")]
+        resolved = receiver.get_and_update_features(f for f in features)
+        assert list(resolved) == features
+        assert torch.equal(features[0].data["x"], item["x"])
+
+
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: str) -> None:
     # get_and_update_features(feature) was "'Feature' object is not iterable" from deep
