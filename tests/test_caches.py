@@ -22,6 +22,7 @@ from mmcache import (
     ReaderHandle,
     ReceiverCache,
     SenderCache,
+    ShmHandle,
     ShmReceiverCache,
     ShmSenderCache,
     make_caches,
@@ -866,6 +867,20 @@ def cache_pair(mode: str) -> Iterator[tuple[BaseSenderCache, BaseReceiverCache |
         p0.close()
 
 
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_features_from_a_generator_are_resolved(mode: str) -> None:
+    # An iterable of features that is not a sequence was read twice (keys, then data): the
+    # second pass found it empty, "zip() argument 2 is longer than argument 1".
+    item = {"x": torch.arange(3)}
+    with cache_pair(mode) as (p0, receiver):
+        assert receiver is not None
+        (data, _), *_ = p0.get_and_update([(item, None)], ["h"])
+        features = [Feature(data, mm_hash="h", identifier="h")]
+        resolved = receiver.get_and_update_features(f for f in features)
+        assert list(resolved) == features
+        assert torch.equal(features[0].data["x"], item["x"])
+
+
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: str) -> None:
     # get_and_update_features(feature) was "'Feature' object is not iterable" from deep
@@ -894,6 +909,14 @@ def test_one_feature_or_item_where_a_request_takes_a_list_is_a_type_error(mode: 
             receiver.get_and_update_features(one)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one"):
             receiver.get_and_update(data if data is not None else item, ["h"])
+        # A list of data (not of features) was "'ShmHandle' object has no attribute
+        # 'mm_hash'", an AttributeError.
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features \(with data, mm_hash "
+            r"and identifier\), not of (ShmHandle|dict)",
+        ):
+            receiver.get_and_update_features([one, data])
         [resolved] = receiver.get_and_update_features([one])  # nothing was consumed
         assert torch.equal(resolved.data["x"], item["x"])
 
@@ -925,6 +948,17 @@ def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> No
                 TypeError, match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str"
             ):
                 receiver.get_and_update_item("a", item)
+            # A handle with a hash that is no str: named as the senders name it (shm's was
+            # "'bytes' object is not an instance of 'str'"), and nothing consumed.
+            handle, _ = p0.get_and_update_item(None, "a")
+            if isinstance(handle, ShmHandle):
+                for bad in (b"a", ("a",), None):
+                    with pytest.raises(
+                        TypeError,
+                        match=r"get_and_update_item\(item, mm_hash\): mm_hash must be a str, not",
+                    ):
+                        receiver.get_and_update_item(handle, bad)  # type: ignore[arg-type]
+                assert torch.equal(receiver.get_and_update_item(handle, "a")["x"], item["x"])
 
 
 def test_a_cache_miss_of_one_str_is_a_type_error() -> None:

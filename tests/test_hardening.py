@@ -421,6 +421,40 @@ def test_a_closed_reader_keeps_its_views_and_stops_receiving_references() -> Non
         other.close()
 
 
+@pytest.mark.parametrize("reader", ["ShmReceiverCache", "ShmReader"])
+def test_a_reader_dropped_without_close_drains_as_a_closed_one(reader: str) -> None:
+    """A worker that lets go of its cache (or core reader) without ``close()`` while its
+    tensors live on: the slot drains as after ``close()``, instead of collecting one unread
+    reference per new object until the ring is full of them."""
+    item = {"x": torch.arange(4096, dtype=torch.int32)}
+    ring = 6 * (16 * KiB + 4 * KiB)
+    with ShmSenderCache(ring / GiB, max_object_size_mb=1, n_readers=1) as p0:
+        # Attached before the put: the handle carries a reference for it (a view, not a copy).
+        if reader == "ShmReceiverCache":
+            cache = ShmReceiverCache(p0.handle(), copy=False)
+            h, _ = p0.get_and_update_item((item, None), "kept")
+            view = cache.get_and_update_item(h, "kept")["x"]
+            del cache
+        else:
+            store = ShmObjectStore.attach(p0.handle())
+            h, _ = p0.get_and_update_item((item, None), "kept")
+            view = store.get_item(h, "kept", copy=False)["x"]
+            del store
+        gc.collect()
+        assert p0.stats()["store_readers_draining"] == 1
+        for n in range(40):
+            data, _ = p0.get_and_update_item(({"x": torch.full((4096,), n)}, None), f"n{n}")
+            assert isinstance(data, ShmHandle), "the ring filled up for a dropped reader"
+        assert p0.stats()["uncached_full"] == 0
+        assert torch.equal(view, item["x"])
+        del view
+        gc.collect()
+        assert p0.stats()["store_readers_draining"] == 0
+        with ShmReceiverCache(p0.handle()) as newcomer:  # the slot is free again
+            h2, _ = p0.get_and_update_item(None, "n39")
+            assert newcomer.get_and_update_item(h2, "n39")["x"][0] == 39
+
+
 # -- 7. PID namespaces -----------------------------------------------------------------------------
 
 

@@ -110,6 +110,24 @@ def test_feature_free_form_fields_are_mutable_and_picklable() -> None:
     assert clone != Feature(None, mm_hash="h", identifier="h", modality="audio", position=(4, 8))
 
 
+def test_features_holding_tensors_compare_by_value_without_raising() -> None:
+    # Resolved features hold tensors: comparing two ("f in features", features.index(f))
+    # compared their items' tensors with ==, and the tensor's truth value raised
+    # "Boolean value of Tensor with more than one value is ambiguous".
+    def item(x: float) -> dict[str, Any]:
+        return {"t": torch.full((2, 3), x), "a": np.arange(4), "meta": [b"x", {"n": 1}]}
+
+    a, b = (Feature(item(1.0), mm_hash=h, identifier=h) for h in "ab")
+    assert Feature(item(1.0), mm_hash="a", identifier="a") == a
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert b not in [a] and [a, b].index(b) == 1
+    assert Feature(item(2.0), mm_hash="a", identifier="a") != a
+    other_dtype = {**item(1.0), "t": torch.full((2, 3), 1.0, dtype=torch.float64)}
+    assert Feature(other_dtype, mm_hash="a", identifier="a") != a
+    other_array = {**item(1.0), "a": np.arange(4, dtype=np.int8)}
+    assert Feature(other_array, mm_hash="a", identifier="a") != a
+
+
 def test_feature_refuses_fields_that_shadow_its_own() -> None:
     with pytest.raises(TypeError):
         Feature(None, mm_hash="h", cache_key="x")

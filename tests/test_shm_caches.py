@@ -648,6 +648,24 @@ def test_a_forged_handle_does_not_leave_the_rest_of_its_request_unread(
     assert sender.stats()["store_outstanding_refs"] == 1  # only the genuine handle of a
 
 
+def test_a_forged_handle_given_to_release_handles_does_not_keep_the_rest_pinned(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    """An aborted request's handles are all given back even when one of them is forged or
+    truncated: its error comes once the rest are released (as a request's resolve does)."""
+    ha, hb = put(sender, "a"), put(sender, "b")
+    truncated = ShmHandle(address=ha.address, monotonic_id=ha.monotonic_id, signature=b"x")
+    forged = ShmHandle(
+        address=ha.address, monotonic_id=ha.monotonic_id, signature=bytes(16) + ha.signature[16:]
+    )
+    for bad, good in ((truncated, ha), (forged, hb)):
+        with pytest.raises(InvalidHandleError):
+            sender.release_handles([bad, good])
+    assert sender.stats()["store_outstanding_refs"] == 0
+    # Both given back: a ring of three objects takes three new ones without serving uncached.
+    assert all(isinstance(put(sender, k), ShmHandle) for k in "cde")
+
+
 def test_a_reader_handle_of_another_secret_is_refused_at_attach() -> None:
     """A stale handle (its name since taken by a new ring) fails at once, taking no slot,
     rather than failing every handle it would read."""

@@ -59,6 +59,20 @@ def check_feature_list(features: object) -> None:
     )
 
 
+def not_features(features: Sequence[object], error: AttributeError) -> TypeError:
+    """The error for a list of ``features`` that holds something else (the data itself, say),
+    which has no ``mm_hash`` or ``identifier`` to key it by (``error``: what reading them
+    raised)."""
+    other = next(
+        (f for f in features if not (hasattr(f, "mm_hash") and hasattr(f, "identifier"))), None
+    )
+    what = f"not of {type(other).__qualname__}" if other is not None else f"({error})"
+    return TypeError(
+        "get_and_update_features takes a list of features (with data, mm_hash and "
+        f"identifier), {what}: pass data to get_and_update"
+    )
+
+
 def unstorable_hash(mm_hash: str) -> ValueError:
     """The error for an ``mm_hash`` that is not valid Unicode text (it holds a lone
     surrogate): the shared-memory ring keys objects by UTF-8, so every mode refuses it alike."""

@@ -51,6 +51,7 @@ from mmcache.arguments import (
     check_list,
     check_mm_hash,
     check_mm_hash_type,
+    not_features,
     receiver_type_error,
 )
 from mmcache.closing import ClosesOnExit
@@ -329,7 +330,8 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         """Called for every feature of a request before any is resolved."""
 
     def get_and_update_features(self, features: Sequence[FeatureLike]) -> Sequence[FeatureLike]:
-        """Resolve every feature's ``data`` in place and return ``features``.
+        """Resolve every feature's ``data`` in place and return ``features`` (an iterable that
+        is no sequence, a generator say, as a list).
 
         Touches every key first, then resolves each feature; a miss does not stop the others
         (healthy items are still ingested).  Raises one :class:`CacheMissError` listing every
@@ -343,7 +345,12 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (:class:`~mmcache.shm_receiver.ShmReceiverCache`, whose threads resolve in parallel).
         """
         check_feature_list(features)
-        keys = [f.mm_hash or f.identifier for f in features]
+        if not isinstance(features, Sequence):  # read twice below (keys, then data)
+            features = list(features)
+        try:
+            keys = [f.mm_hash or f.identifier for f in features]
+        except AttributeError as exc:  # before anything is read: no reference is consumed
+            raise not_features(features, exc) from None
 
         def deliver(i: int, data: Any) -> None:
             features[i].data = data

@@ -89,9 +89,28 @@ class Feature:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Feature):
             return NotImplemented
-        return vars(self) == vars(other)
+        # Not `vars(self) == vars(other)`: a tensor's == is a tensor, whose truth value raises.
+        return _same_value(vars(self), vars(other))
 
     __hash__ = None  # type: ignore[assignment]  # mutable
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two values hold the same data: containers field by field, tensors and arrays
+    by dtype, shape and elements, anything else by ``==``."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if is_tensor(a):
+        return bool(a.dtype == b.dtype and a.device == b.device and a.equal(b))
+    return bool(a == b)
 
 
 @dataclass(slots=True)

@@ -59,6 +59,7 @@ from mmcache.arguments import (
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput, logger, split_sender_input
 from mmcache.errors import (
     CacheMissError,
+    InvalidHandleError,
     ObjectTooLargeError,
     ReferencesSaturatedError,
     RingFullError,
@@ -565,12 +566,20 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
     def release_handles(self, handles: Iterable[object]) -> None:
         """Give back the references of handles that will never reach the readers (their
         request was aborted or rejected).  Anything that is not a handle is skipped, so the
-        data of a request's features can be passed as is."""
+        data of a request's features can be passed as is.  A handle the core refuses (forged,
+        truncated) does not stop the others: stopping there would leave their references
+        pinning the ring; the first such error is raised once all are given back."""
         check_list(handles, "release_handles", "handles", "release_handles([handle])")
+        failure: Exception | None = None
         with self._lock:  # as in is_cached_item: wait here, not on the core's mutex
             for handle in handles:
                 if isinstance(handle, ShmHandle):
-                    self._store.release(handle)
+                    try:
+                        self._store.release(handle)
+                    except InvalidHandleError as exc:
+                        failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def invalidate(self, mm_hash: str) -> None:
         """Drop ``mm_hash`` from the ring, for every writer.  Handles to it that are already

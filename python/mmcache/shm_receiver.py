@@ -111,6 +111,9 @@ class ShmReceiverCache(BaseReceiverCache):
             )
         except StaleHandleError:
             raise CacheMissError([mm_hash]) from None
+        except TypeError:  # the core's, for a key that is not a str (nothing was read)
+            check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
+            raise
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Nothing to do: references are taken by P0 and given back by reading."""

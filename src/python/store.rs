@@ -454,6 +454,19 @@ impl ShmReader {
     }
 }
 
+impl Drop for ShmReader {
+    /// Dropped without `close()` (garbage-collected with zero-copy views still alive, which
+    /// keep the core reader itself alive): detach as `close()` does, so the slot drains
+    /// instead of being handed one reference per new object that nobody will ever read.
+    /// (A writer closes itself when dropped: `Writer`'s `Drop`.) Python drops objects with
+    /// the GIL held, as `Open::take` needs.
+    fn drop(&mut self) {
+        if let Some(reader) = self.reader.take() {
+            reader.close();
+        }
+    }
+}
+
 /// Add the store classes to `mmcache._core`.
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ShmView>()?;
