@@ -11,13 +11,16 @@ cache: :func:`cache_type` answers ``shm`` where several API servers share one ri
 
 vLLM's worker factory insists, in ``shm`` mode, on the lock its own ring shares between the
 workers, which vLLM's Ray executor does not give them; mmcache's ring needs none, so
-:func:`worker_receiver_cache_from_config` builds the worker's cache without it (rebound
-where vLLM's worker imported the factory, too).
+the factory is wrapped (:func:`lock_optional`) to give it a lock of its own when the worker
+has none (where vLLM's worker imported the factory, too).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from vllm.multimodal import cache as vllm_cache
@@ -33,7 +36,7 @@ from mmcache.vllm.sender import (
     shares_one_ring,
 )
 
-__all__ = ["REPLACEMENTS", "cache_type", "rebind", "worker_receiver_cache_from_config"]
+__all__ = ["NO_LOCK", "REPLACEMENTS", "cache_type", "lock_optional", "rebind"]
 
 REPLACEMENTS: dict[str, type[Any]] = {
     "MultiModalProcessorOnlyCache": MmcacheProcessorOnlyCache,
@@ -56,27 +59,40 @@ def cache_type(vllm_config: Any) -> Any:
     return _vllm_cache_type(vllm_config)
 
 
-_vllm_worker_receiver_cache = vllm_factories.worker_receiver_cache_from_config
+NO_LOCK = threading.Lock()
+"""What a worker given no ``shared_worker_lock`` passes vLLM's factory in ``shm`` mode: the
+factory insists on one (for vLLM's own ring), and mmcache's ring, which it builds there
+(:data:`REPLACEMENTS`), takes none."""
 
 
-def worker_receiver_cache_from_config(vllm_config: Any, shared_worker_lock: Any) -> Any:
-    """vLLM's ``worker_receiver_cache_from_config``, but in ``shm`` mode a
-    :class:`MmcacheShmReceiverCache` whether or not the executor gave the worker a
-    ``shared_worker_lock`` (vLLM's Ray executor gives none; mmcache's ring needs none)."""
-    if cache_type(vllm_config) == "shm":
-        return MmcacheShmReceiverCache(vllm_config, shared_worker_lock)
-    return _vllm_worker_receiver_cache(vllm_config, shared_worker_lock)
+def lock_optional(factory: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """vLLM's worker factory ``factory`` (or whatever wraps it already), called with
+    :data:`NO_LOCK` in ``shm`` mode when the executor gave the worker no lock (vLLM's Ray
+    executor gives none).  A wrapper, not a replacement: another plugin's wrapper of the
+    factory stays in the chain, before or after this one."""
+    if getattr(factory, "_mmcache_lock_optional", False):
+        return factory
+
+    @functools.wraps(factory)
+    def worker_receiver_cache_from_config(vllm_config: Any, shared_worker_lock: Any) -> Any:
+        if shared_worker_lock is None and cache_type(vllm_config) == "shm":
+            shared_worker_lock = NO_LOCK
+        return factory(vllm_config, shared_worker_lock)
+
+    worker_receiver_cache_from_config._mmcache_lock_optional = True  # type: ignore[attr-defined]
+    return worker_receiver_cache_from_config
 
 
 def rebind() -> None:
     """Bind :data:`REPLACEMENTS` in ``vllm.multimodal.cache.factories`` (where the factories
     look them up) and in ``vllm.multimodal.cache`` (for code that imports them from there
-    afterwards), :func:`cache_type` as the factories' ``_get_cache_type``, and
-    :func:`worker_receiver_cache_from_config` where vLLM's worker looks it up and where it is
+    afterwards), :func:`cache_type` as the factories' ``_get_cache_type``, and the worker
+    factory wrapped by :func:`lock_optional` where vLLM's worker looks it up and where it is
     imported from.  Idempotent."""
     for module in (vllm_factories, vllm_cache):
         for name, cls in REPLACEMENTS.items():
             setattr(module, name, cls)
     vllm_factories._get_cache_type = cache_type
     for module in (vllm_factories, vllm_cache, vllm_worker_base):
-        module.worker_receiver_cache_from_config = worker_receiver_cache_from_config
+        factory = module.worker_receiver_cache_from_config
+        module.worker_receiver_cache_from_config = lock_optional(factory)
