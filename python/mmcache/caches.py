@@ -109,7 +109,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
     def __init__(self) -> None:
         self._lock: AbstractContextManager[Any] = threading.RLock()
         self._request = RequestState()  # the calling thread's request
-        self._uncached = {"oversize": 0, "full": 0, "saturated": 0}
+        self._uncached = {"oversize": 0, "full": 0, "saturated": 0, "no_space": 0}
         self._warned: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -222,9 +222,10 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         """Release the resources the cache holds (nothing, unless it uses shared memory)."""
 
     def stats(self) -> dict[str, int]:
-        """Counters; ``uncached_oversize`` / ``uncached_full`` / ``uncached_saturated`` count
-        items served uncached (too large; no room beside protected items; a reader holding
-        the most unread references to it that the ring can count)."""
+        """Counters; ``uncached_oversize`` / ``uncached_full`` / ``uncached_saturated`` /
+        ``uncached_no_space`` count items served uncached (too large; no room beside
+        protected items; a reader holding the most unread references to it that the ring can
+        count; a ``/dev/shm`` others filled, with no page left for the ring's)."""
         with self._lock:
             return {f"uncached_{reason}": n for reason, n in self._uncached.items()}
 

@@ -63,6 +63,7 @@ from mmcache.errors import (
     ObjectTooLargeError,
     ReferencesSaturatedError,
     RingFullError,
+    ShmTooSmallError,
 )
 from mmcache.items import Item, ShmHandle
 from mmcache.lru import CacheInfo, HitCounter
@@ -103,7 +104,8 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
     item into the ring and returns its handle.  An item larger than ``max_object_size_mb``,
     or one that finds the ring full of protected objects (unread, pinned or viewed), is
     served uncached: the item itself is returned (tell it from a handle by type), counted in
-    :meth:`stats` and logged once.
+    :meth:`stats` and logged once.  So is one for which ``/dev/shm``, filled by other
+    processes after the ring was made, has no page left for the part of the ring it needs.
 
     A request that raises leaves no reference behind: :meth:`get_and_update` checks that
     every ``None`` item is cached (:class:`CacheMissError` listing every missing hash) and
@@ -401,6 +403,15 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                     f"no room for item {mm_hash}: every object in the shared-memory ring is "
                     "still unread, pinned or viewed (raise capacity_gb, or check that every "
                     "reader keeps up and aborted requests call release_handles)",
+                )
+                return data, prompt_updates
+            except ShmTooSmallError:
+                self._serve_uncached(
+                    "no_space",
+                    f"no room for item {mm_hash}: /dev/shm is full (other processes used the "
+                    "space the ring had not taken yet, which it takes as it fills); free "
+                    "/dev/shm or give it room beyond the ring (docker run --shm-size), and "
+                    "the ring takes it again",
                 )
                 return data, prompt_updates
             except TypeError:
