@@ -482,7 +482,8 @@ class _Frontend:
             "evictions": self._evictions(stats),
             # The store's counter, the same for every frontend sharing it (not theirs to add).
             "evictions_shared": "store_evictions" in stats,
-            "served_uncached": stats.get("uncached_oversize", 0) + stats.get("uncached_full", 0),
+            # Every reason (too large, no room, references saturated, /dev/shm used up).
+            "served_uncached": sum(n for k, n in stats.items() if k.startswith("uncached_")),
             "dropped": counts.dropped,
             "retries": counts.retries,
             "unrecovered": counts.unrecovered,
