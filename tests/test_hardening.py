@@ -413,12 +413,18 @@ def test_a_closed_reader_keeps_its_views_and_stops_receiving_references() -> Non
         with pytest.raises(ClosedError):
             closing.get_and_update_item(h, "kept")
         del view
-        gc.collect()
-        assert p0.stats()["store_readers_draining"] == 0
-        with ShmReceiverCache(p0.handle()) as newcomer:  # the slot is free again
-            h2, _ = p0.get_and_update_item(None, "n39")
-            assert newcomer.get_and_update_item(h2, "n39")["x"][0] == 39
+        assert_slot_freed_and_reused(p0)
         other.close()
+
+
+def assert_slot_freed_and_reused(p0: ShmSenderCache) -> None:
+    """Once the draining reader's last view is gone (collected now), its slot is free, and a
+    newcomer attaches and reads ``n39``."""
+    gc.collect()
+    assert p0.stats()["store_readers_draining"] == 0
+    with ShmReceiverCache(p0.handle()) as newcomer:
+        h, _ = p0.get_and_update_item(None, "n39")
+        assert newcomer.get_and_update_item(h, "n39")["x"][0] == 39
 
 
 @pytest.mark.parametrize("reader", ["ShmReceiverCache", "ShmReader"])
@@ -448,11 +454,7 @@ def test_a_reader_dropped_without_close_drains_as_a_closed_one(reader: str) -> N
         assert p0.stats()["uncached_full"] == 0
         assert torch.equal(view, item["x"])
         del view
-        gc.collect()
-        assert p0.stats()["store_readers_draining"] == 0
-        with ShmReceiverCache(p0.handle()) as newcomer:  # the slot is free again
-            h2, _ = p0.get_and_update_item(None, "n39")
-            assert newcomer.get_and_update_item(h2, "n39")["x"][0] == 39
+        assert_slot_freed_and_reused(p0)
 
 
 # -- 7. PID namespaces -----------------------------------------------------------------------------

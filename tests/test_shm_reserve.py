@@ -116,20 +116,27 @@ def test_a_joined_writer_reserves_what_it_touches(monkeypatch):
 
 # A private tmpfs of 32 MiB holds a ring of 24 MiB, which creation accepts; a file then takes
 # what is left, so the ring's pages nobody reserved yet cannot be allocated any more.
-FULL_TMPFS = textwrap.dedent(
+FILL_DEV_SHM = textwrap.dedent(
+    """
+    def fill_dev_shm():
+        # A file takes what is left of /dev/shm.
+        with open("/dev/shm/filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"x" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+    """
+)
+FULL_TMPFS = FILL_DEV_SHM + textwrap.dedent(
     """
     import os, sys
     from mmcache._core import ShmObjectStore, ShmTooSmallError
     MiB = 1 << 20
     writer = ShmObjectStore.create(24 * MiB, n_readers=1)
     reader = ShmObjectStore.attach(writer.handle())
-    with open("/dev/shm/filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"x" * MiB)
-                f.flush()
-        except OSError:
-            pass
+    fill_dev_shm()
     stored = refused = 0
     for i in range(60):
         data = bytes([i % 251]) * (MiB + i)
@@ -178,7 +185,7 @@ def test_a_tmpfs_filled_after_creation_gives_shm_too_small_at_a_put_never_sigbus
 # The same at the cache level: what P0 (vLLM's frontend among them) calls for each request.
 # `sys.argv[1]` items go in before another process fills /dev/shm (none: no store lock was
 # ever taken); every call after that must answer.
-FULL_TMPFS_CACHE = textwrap.dedent(
+FULL_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
     """
     import sys
     import numpy as np
@@ -192,13 +199,7 @@ FULL_TMPFS_CACHE = textwrap.dedent(
     for i, h in enumerate(before):
         handle, _ = p0.get_and_update_item((item(i), None), h)
         p1.get_and_update([handle], [h])
-    with open("/dev/shm/filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"x" * MiB)
-                f.flush()
-        except OSError:
-            pass
+    fill_dev_shm()
     raised, uncached = [], 0
     for i in range(20):
         h = f"k{i}"

@@ -31,7 +31,16 @@ from vllm.v1.worker import worker_base
 import mmcache.vllm as mv
 from mmcache import ReferencesSaturatedError, ShmHandle, pinning
 from mmcache.vllm import publish
-from vllm_helpers import MiB, feature, kwargs_item, outstanding, same_item, vllm_config
+from vllm_helpers import (
+    MiB,
+    feature,
+    items_travel_with_their_data,
+    kwargs_item,
+    mmcache_warnings,
+    outstanding,
+    same_item,
+    vllm_config,
+)
 
 LOCK = object()  # vLLM's worker factory insists on a lock; mmcache ignores it
 Pair = tuple[Any, Any]  # P0's cache and a worker's
@@ -329,10 +338,8 @@ def test_a_ring_too_big_for_dev_shm_falls_back_with_one_warning(
     config = vllm_config("shm", too_big)
     with caplog.at_level(logging.WARNING, logger="mmcache"):
         p0 = processor_cache_from_config(config)
-    warnings = [
-        r for r in caplog.records if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
-    ]
-    assert len(warnings) == 1 and "processor-only" in warnings[0].getMessage()
+    warnings = mmcache_warnings(caplog.records)
+    assert len(warnings) == 1 and "processor-only" in warnings[0]
     assert type(p0) is mv.MmcacheShmSenderCache and p0.ring is None
     assert os.environ[mv.READER_HANDLE_ENV] == ""
     worker = worker_receiver_cache_from_config(config, LOCK)
@@ -358,20 +365,11 @@ def test_a_max_object_size_of_0_falls_back_with_one_warning(
     config = vllm_config("shm", 4 * MiB, max_object_mb=0)
     with caplog.at_level(logging.WARNING, logger="mmcache"):
         p0 = processor_cache_from_config(config)
-    warnings = [
-        r for r in caplog.records if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
-    ]
-    assert len(warnings) == 1
-    assert "--mm-shm-cache-max-object-size-mb" in warnings[0].getMessage()
+    warnings = mmcache_warnings(caplog.records)
+    assert len(warnings) == 1 and "--mm-shm-cache-max-object-size-mb" in warnings[0]
     assert type(p0) is mv.MmcacheShmSenderCache and p0.ring is None
     assert os.environ[mv.READER_HANDLE_ENV] == ""
-    worker = worker_receiver_cache_from_config(config, LOCK)
-    item = kwargs_item(1)
-    sent, _ = p0.get_and_update_item((item, []), "a")
-    assert sent is item  # data travels by IPC
-    features = [feature(sent, "a")]
-    worker.get_and_update_features(features)
-    assert features[0].data is item
+    items_travel_with_their_data(p0, worker_receiver_cache_from_config(config, LOCK))
     p0.close()
 
 

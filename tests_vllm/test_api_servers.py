@@ -35,7 +35,15 @@ from mmcache._core import MAX_WRITERS
 from mmcache.vllm import launcher, prompt_codec, sender
 from mmcache.vllm.publish import published_handle
 from mmcache.vllm.sender import rendering
-from vllm_helpers import MiB, feature, kwargs_item, same_item, vllm_config
+from vllm_helpers import (
+    MiB,
+    feature,
+    items_travel_with_their_data,
+    kwargs_item,
+    mmcache_warnings,
+    same_item,
+    vllm_config,
+)
 
 LOCK = object()
 IMAGE, START, END = 7, 1, 2
@@ -131,21 +139,11 @@ def test_more_api_servers_than_a_ring_has_writers_fall_back_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="mmcache"):
         close = launcher.open_ring(config(-1))
     try:
-        warnings = [
-            r
-            for r in caplog.records
-            if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
-        ]
-        assert len(warnings) == 1 and "--api-server-count" in warnings[0].getMessage()
+        warnings = mmcache_warnings(caplog.records)
+        assert len(warnings) == 1 and "--api-server-count" in warnings[0]
         server = processor_cache_from_config(config(0))
-        worker = worker_receiver_cache_from_config(config(-1), LOCK)
         assert type(server) is mv.MmcacheShmSenderCache and server.ring is None
-        item = kwargs_item(1)
-        sent, _ = server.get_and_update_item((item, []), "a")
-        assert sent is item  # data travels by IPC
-        features = [feature(sent, "a")]
-        worker.get_and_update_features(features)
-        assert features[0].data is item
+        items_travel_with_their_data(server, worker_receiver_cache_from_config(config(-1), LOCK))
         server.close()
     finally:
         close()

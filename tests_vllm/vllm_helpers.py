@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -110,6 +111,26 @@ def feature(data: Any, mm_hash: str, offset: int = 0) -> Any:
         mm_position=PlaceholderRange(offset=offset, length=4),
         mm_hash=mm_hash,
     )
+
+
+def mmcache_warnings(records: list[logging.LogRecord]) -> list[str]:
+    """The messages of mmcache's warnings (and worse) among ``records`` (caplog's)."""
+    return [
+        r.getMessage()
+        for r in records
+        if r.name.startswith("mmcache") and r.levelno >= logging.WARNING
+    ]
+
+
+def items_travel_with_their_data(p0: Any, worker: Any) -> None:
+    """Assert that ``p0`` (a frontend's cache with no ring: the processor-only fallback)
+    sends a new item itself, and that ``worker`` passes it through."""
+    item = kwargs_item(1)
+    sent, _ = p0.get_and_update_item((item, []), "a")
+    assert sent is item  # data travels by IPC
+    features = [feature(sent, "a")]
+    worker.get_and_update_features(features)
+    assert features[0].data is item
 
 
 def outstanding(p0: Any) -> int:
