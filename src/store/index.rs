@@ -226,7 +226,11 @@ impl Shared {
     fn probe_for(&self, query: &Query<'_>) -> Result<Seen> {
         for bucket in self.probe(query.hash) {
             let [head_word, version_word] =
-                self.seg.atomics::<2>(self.layout.bucket_offset(bucket))?;
+                match self.seg.atomics::<2>(self.layout.bucket_offset(bucket)) {
+                    Ok(words) => words,
+                    Err(Error::ShmTooSmall { .. }) => return Ok(Seen::Absent), // see `filed`
+                    Err(e) => return Err(e),
+                };
             let mut spins = 0;
             loop {
                 // Acquire pairs with I1: the head and key slot of that version are visible.
@@ -458,10 +462,20 @@ impl Shared {
 
     /// Every bucket that holds an entry or a claim (a snapshot per bucket; without the lock
     /// it may be out of date by the time it returns).
+    ///
+    /// A bucket tmpfs cannot hold (`ShmTooSmall` reserving it) means nothing was ever filed:
+    /// every lock's taker reserves the whole index before it takes the lock, and a reserved
+    /// page stays allocated, so no writer ever held a lock, and every lock-free read of the
+    /// index answers that nothing is filed (a put refused for want of space is the caller's
+    /// to serve uncached).
     pub(super) fn filed(&self) -> Result<Vec<Filed>> {
         let mut out = Vec::new();
         for bucket in 0..self.layout.index_buckets {
-            let version = self.bucket_version(bucket)?.load(Ordering::Acquire);
+            let version = match self.bucket_version(bucket) {
+                Ok(word) => word.load(Ordering::Acquire),
+                Err(Error::ShmTooSmall { .. }) => return Ok(Vec::new()),
+                Err(e) => return Err(e),
+            };
             let head = Bucket::unpack(self.bucket_head(bucket)?.load(Ordering::Relaxed));
             if matches!(head, Bucket::Live { .. } | Bucket::Claim { .. }) {
                 out.push(Filed {

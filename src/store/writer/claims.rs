@@ -28,7 +28,8 @@ impl Writer {
     /// already, it took over a dead writer's, or the key was neither stored nor claimed);
     /// `false` if the key is stored, or claimed by another live writer. When the index has
     /// no room even after evicting, the claim is not recorded and the answer is `true` (the
-    /// caller computes the item, as it would without single flight).
+    /// caller computes the item, as it would without single flight), and so it is when tmpfs
+    /// cannot hold the key index (nothing was ever stored: see `Shared::filed`).
     pub fn claim(&self, key: &str) -> Result<bool> {
         let _busy = self.enter()?;
         let query = self.query(key);
@@ -42,7 +43,7 @@ impl Writer {
         let mut census = Census::new(self.me);
         let (_ring, index, found) = match self.find_with_room(&query) {
             Ok(found) => found,
-            Err(Error::IndexFull(_)) => return Ok(true),
+            Err(Error::IndexFull(_) | Error::ShmTooSmall { .. }) => return Ok(true),
             Err(e) => return Err(e),
         };
         let bucket = match found {

@@ -8,7 +8,7 @@ use super::super::index::{Found, Seen};
 use super::super::ring::{Census, Walk};
 use super::super::{Stats, crash, update_word};
 use super::Writer;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layout::{
     BlockKind, BlockState, Counter, PinWord, SlotState, SlotWord, WriterId, chunk,
 };
@@ -50,10 +50,15 @@ impl Writer {
     /// requests abandoned without `release` stop pinning the ring), and reclaim at once every
     /// chunk that no live view (and no writer's operation in progress) holds. A handle issued
     /// before still reads its own bytes (the reader verifies them) or is stale; ids keep
-    /// counting, so it can never match anything stored after. Claims stay.
+    /// counting, so it can never match anything stored after. Claims stay. A no-op when tmpfs
+    /// cannot hold the key index (nothing was ever stored: see `Shared::filed`).
     pub fn clear(&self) -> Result<()> {
         let _busy = self.enter()?;
-        let lock = self.lock()?;
+        let lock = match self.lock() {
+            Ok(lock) => lock,
+            Err(Error::ShmTooSmall { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
         self.return_lab(&lock, &mut self.lab())?;
         let index = self.lock_index()?;
         let sh = &self.shared;
@@ -135,7 +140,14 @@ impl Writer {
         let words = BLOCK_WORDS + sh.layout.max_writers as usize + occupants.len();
         let slice_blocks = (STATS_SLICE_WORDS / words).max(1);
         loop {
-            let lock = self.lock()?;
+            let lock = match self.lock() {
+                Ok(lock) => lock,
+                // tmpfs cannot hold the key index, so no lock was ever taken and no block
+                // ever placed (see `Shared::filed`). Only ever at the first slice: a lock
+                // taken once has reserved the index in this mapping for good.
+                Err(Error::ShmTooSmall { .. }) => break,
+                Err(e) => return Err(e),
+            };
             // Under the ring lock: no block of the slice is evicted meanwhile, so its words are
             // its own.
             let slice = sh.walk_slice(&lock, &mut walk, slice_blocks)?;
