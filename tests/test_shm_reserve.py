@@ -191,7 +191,7 @@ FULL_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
     import numpy as np
     from mmcache import ShmHandle, ShmReceiverCache, ShmSenderCache
     MiB = 1 << 20
-    p0 = ShmSenderCache(24 / 1024, max_object_size_mb=4)
+    p0 = ShmSenderCache(24 / 1024, max_object_size_mb=4, max_writers=2, n_readers=2)
     p1 = ShmReceiverCache(p0.handle())
     def item(i):
         return {"x": np.full(MiB + i, i % 251, dtype=np.uint8)}
@@ -200,35 +200,44 @@ FULL_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
         handle, _ = p0.get_and_update_item((item(i), None), h)
         p1.get_and_update([handle], [h])
     fill_dev_shm()
+    # A second frontend and a second worker that start only now (a process of their own
+    # maps the segment afresh: it reserves the pages it touches, by the granule).
+    writers = [p0, ShmSenderCache.join(p0.writer_handle())]
+    readers = [p1, ShmReceiverCache(p0.handle())]
     raised, uncached = [], 0
     for i in range(20):
         h = f"k{i}"
-        p0.begin_request()
+        p, worker = writers[i % 2], readers[i % 2]
+        p.begin_request()
         try:
-            assert p0.is_cached([h, *before], claim=True) == [False] + [True] * len(before)
+            assert p.is_cached([h, *before], claim=True) == [False] + [True] * len(before)
             for key in (h, *before):
-                p0.touch_sender_cache_item(key)
-            out, _ = p0.get_and_update_item((item(i), None), h)
+                p.touch_sender_cache_item(key)
+            out, _ = p.get_and_update_item((item(i), None), h)
             uncached += isinstance(out, dict)
             assert isinstance(out, ShmHandle) or np.array_equal(out["x"], item(i)["x"]), i
+            (got,) = worker.get_and_update([out], [h])
+            assert np.array_equal(got["x"], item(i)["x"]), h
             for j, key in enumerate(before):  # still hits, and read back whole
-                handle, _ = p0.get_and_update_item((None, None), key)
+                handle, _ = p.get_and_update_item((None, None), key)
                 assert isinstance(handle, ShmHandle), type(handle)
-                (got,) = p1.get_and_update([handle], [key])
+                (got,) = worker.get_and_update([handle], [key])
                 assert np.array_equal(got["x"], item(j)["x"]), key
         except MemoryError as exc:
             raised.append(type(exc).__name__)
         finally:
-            p0.end_request()
+            p.end_request()
     p0.release_handles([p0.get_and_update_item((None, None), h)[0] for h in before])
     p0.invalidate((*before, "k0")[0])
     stats = p0.stats()
     assert stats["store_objects"] == max(len(before) - 1, 0), stats
+    assert stats["store_writers_attached"] == 2, stats
     p0.clear_cache()
-    assert p0.is_cached([*before, "k1"]) == [False] * (len(before) + 1)
-    p0.close()
-    print("raised", len(raised), sorted(set(raised)), "uncached", uncached,
-          "counted", stats["uncached_no_space"])
+    assert writers[1].is_cached([*before, "k1"]) == [False] * (len(before) + 1)
+    counted = stats["uncached_no_space"] + writers[1].stats()["uncached_no_space"]
+    for cache in (*readers, *reversed(writers)):
+        cache.close()
+    print("raised", len(raised), sorted(set(raised)), "uncached", uncached, "counted", counted)
     """
 )
 
@@ -238,7 +247,8 @@ FULL_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
     "before",
     [
         # Before any store lock was taken the key index is unreserved, and tmpfs cannot
-        # hold it: lookups, touches, claims, invalidate, stats and clear must still answer.
+        # hold it: lookups, touches, claims, invalidate, stats and clear must still answer,
+        # and a writer can still join.
         pytest.param("0", id="nothing-before"),
         pytest.param("2", id="two-items-before"),
     ],

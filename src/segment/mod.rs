@@ -70,7 +70,7 @@ pub use os::{
     unlink,
 };
 use os::{flock, locks_unsupported, ofd_fcntl, open_error, open_regular};
-use reserve::{Background, Reserved, Unpopulated};
+use reserve::{Background, GRANULE, Reserved, Unpopulated};
 
 /// How a segment is mapped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,10 +271,13 @@ impl Segment {
     /// populate without a signal (before Linux 5.14), reserve the whole file now, as
     /// `posix_fallocate` does.
     fn reserve_at_creation(&mut self, eager: usize) -> Result<()> {
+        // Whole granules: a process that opens the segment later reserves by the granule
+        // (`Reserved`), and must find the first ones allocated already, whatever tmpfs has
+        // left by then.
         let eager = eager
             .min(self.len)
-            .div_ceil(4096)
-            .saturating_mul(4096)
+            .div_ceil(GRANULE)
+            .saturating_mul(GRANULE)
             .min(self.len);
         // SAFETY: `base..base + eager` lies inside our read-write mapping of `len` bytes.
         match unsafe { reserve::populate(self.base.as_ptr(), eager, self.len) } {

@@ -150,10 +150,15 @@ impl Writer {
         Ok(false)
     }
 
-    /// Drop every claim whose writer is gone (taking the index lock).
+    /// Drop every claim whose writer is gone (taking the index lock). None to drop when
+    /// tmpfs cannot hold the key index: nothing was ever filed (see `Shared::filed`).
     pub(super) fn reap_dead_claims(&self) -> Result<()> {
         let _busy = self.enter()?;
-        let lock = self.lock_index()?;
+        let lock = match self.lock_index() {
+            Ok(lock) => lock,
+            Err(Error::ShmTooSmall { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
         let mut census = Census::new(self.me);
         self.reap_claims(&lock, &mut census)
     }
