@@ -19,6 +19,11 @@
 //!   been yet, which returns an error, never a signal, when tmpfs cannot hold it), then
 //!   recorded. A failure is [`Error::ShmTooSmall`], at that access.
 //!
+//! Every reservation populates whole granules, the creator's first bytes included, so a
+//! granule that any mapping reserved is allocated whole: another mapping reserving it later
+//! needs no room (a writer that joins once tmpfs is full still reads the header, and the
+//! objects others put).
+//!
 //! Invariant: a byte this mapping records as reserved has its page allocated in the file,
 //! and allocated pages of a tmpfs file stay allocated until it is truncated or deleted (which
 //! nobody does while it is mapped: a truncation by another process is the one SIGBUS left,
