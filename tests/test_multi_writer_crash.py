@@ -1,5 +1,6 @@
 """A writer SIGKILLed at every crash point of the core (``_core.CRASH_POINTS``): in the
-middle of allocating while it holds the ring lock (and the index lock), between reserving
+middle of allocating while it holds the ring lock (and the index lock; between marking
+another writer's allocation buffer taken and freeing it, too), between reserving
 and filling a block, in the middle of a copy, while publishing, right after a hit took its
 protection, right after filing a claim, part-way through a clear. For each, with real
 processes:
@@ -112,15 +113,25 @@ def check_readable(store: ShmWriter, reader: ShmReader, key: str) -> None:
     assert store.read_meta(key) == meta(key), key
 
 
-@pytest.mark.parametrize("point", _core.CRASH_POINTS)
-def test_a_writer_killed_at_a_crash_point_wedges_nobody(point: str) -> None:
-    action, after = SCENARIOS[point]  # every crash point has a scenario here
+def put_and_read(store: ShmWriter, reader: ShmReader, key: str) -> None:
+    """Put ``key`` and have the reader read it back, bit for bit (so nothing stays owed)."""
+    assert reader.resolve(store.put(key, parts(key), meta=meta(key)), key) == payload(key)
+
+
+def a_full_store() -> tuple[ShmWriter, ShmReader, list[str]]:
+    """A store for two writers and one reader, its ring filled with objects the reader has
+    read (the victim's puts evict some), and their keys."""
     store = ShmObjectStore.create(RING, n_readers=1, max_writers=2)
     reader: ShmReader = ShmObjectStore.attach(store.handle())
-    # Fill the ring with objects the reader has read: the victim's puts evict some.
     ours = [f"a{i}" for i in range(RING // (2 * PART + 256))]
     for key in ours:
-        assert reader.resolve(store.put(key, parts(key), meta=meta(key)), key) == payload(key)
+        put_and_read(store, reader, key)
+    return store, reader, ours
+
+
+def kill_victim_at(store: ShmWriter, point: str, after: int, action: str) -> None:
+    """Have a writer joined in slot 1 do ``action`` armed with ``point``; it must die there
+    (SIGKILL, at its ``after``-th pass), never get past it."""
     mine, theirs = ctx.Pipe()
     victim = ctx.Process(target=_victim, args=(store.writer_handle(), point, after, action, theirs))
     victim.start()
@@ -133,6 +144,27 @@ def test_a_writer_killed_at_a_crash_point_wedges_nobody(point: str) -> None:
         if victim.is_alive():
             victim.kill()
             victim.join(TIMEOUT)
+
+
+def check_slot_joined_again(store: ShmWriter, reader: ShmReader) -> None:
+    """The dead victim's writer slot is joined again, and its new occupant puts."""
+    with ShmObjectStore.join(store.writer_handle()) as again:
+        assert again.writer_slot == 1
+        assert again.stats()["writers_reclaimed"] == 1
+        put_and_read(again, reader, "after")
+        assert store.read_meta("after") == meta("after")
+
+
+#: The point with a test of its own (below): the victim reaches it only over a buffer that
+#: the store's creator carved from first, and dies after a lap of puts, not at its second.
+BUFFER_MARKED = "alloc.buffer_marked"
+
+
+@pytest.mark.parametrize("point", [p for p in _core.CRASH_POINTS if p != BUFFER_MARKED])
+def test_a_writer_killed_at_a_crash_point_wedges_nobody(point: str) -> None:
+    action, after = SCENARIOS[point]  # every crash point has a scenario here
+    store, reader, ours = a_full_store()
+    kill_victim_at(store, point, after, action)
 
     # The survivors carry on; what the victim completed is whole, nothing else readable.
     if action.startswith("put"):
@@ -152,8 +184,7 @@ def test_a_writer_killed_at_a_crash_point_wedges_nobody(point: str) -> None:
         store.unclaim("claimed")
     # The victim's space comes back: fill the ring three times over.
     for i in range(3 * len(ours)):
-        key = f"b{i}"
-        assert reader.resolve(store.put(key, parts(key), meta=meta(key)), key) == payload(key)
+        put_and_read(store, reader, f"b{i}")
     stats = store.stats()
     assert stats["chunks_reserved"] == 0, "a dead writer's reservation was reclaimed"
     assert 0 < stats["bytes_in_use"] <= stats["capacity"]
@@ -167,11 +198,51 @@ def test_a_writer_killed_at_a_crash_point_wedges_nobody(point: str) -> None:
     for key in store.keys():
         check_readable(store, reader, key)
     # Its writer slot can be joined again.
-    with ShmObjectStore.join(store.writer_handle()) as again:
-        assert again.writer_slot == 1
-        assert again.stats()["writers_reclaimed"] == 1
-        key = "after"
-        assert reader.resolve(again.put(key, parts(key), meta=meta(key)), key) == payload(key)
-        assert store.read_meta(key) == meta(key)
+    check_slot_joined_again(store, reader)
     reader.close()
     store.close()
+
+
+def test_a_sweep_killed_between_its_mark_and_its_cas_leaves_the_buffer_to_the_repair() -> None:
+    # The store's creator (the owner) carves small objects from its allocation buffer, the
+    # only one in the ring; the victim (large objects: no buffer of its own) puts until its
+    # sweep reaches that buffer, marks it taken in the owner's carve word, and dies holding
+    # the ring lock before the CAS that frees it: the buffer is left whole and marked.
+    store, reader, ours = a_full_store()
+    smalls = [f"s{i}" for i in range(4)]
+    for key in smalls:
+        put_and_read(store, reader, key)
+    kill_victim_at(store, BUFFER_MARKED, 1, "put")
+
+    # What anyone completed is whole: the owner's objects (a hit on one the dead sweep left
+    # EVICTING takes the ring lock over, and its repair makes it live again), and the
+    # victim's puts before the one it died in (it evicts forward from the hand, never its
+    # own earlier puts).
+    keys = store.keys()
+    victims = sorted((k for k in keys if k.startswith("v")), key=lambda k: int(k[1:]))
+    assert victims == [f"v{i}" for i in range(len(victims))], victims
+    assert victims, "the victim put before its sweep reached the owner's buffer"
+    for key in keys:
+        check_readable(store, reader, key)
+    # No sweep has run since the kill (none passed the marked buffer, to take it back): the
+    # ring lock's first taker froze it by the mark, in its repair, and the owner's clear
+    # gives back everything else. Left in place, the buffer would stay in use, reserved by a
+    # writer that never carves from it again (its carve word names it taken), and the
+    # owner's close would wait for it.
+    store.clear()
+    stats = store.stats()
+    assert (stats["bytes_in_use"], stats["chunks"]) == (0, 0), stats
+    # The owner carries on, small objects (from a new buffer) and large ones, filling the
+    # ring three times over, each read back bit for bit.
+    for i in range(3 * len(ours)):
+        put_and_read(store, reader, f"s{len(smalls) + i}")
+        put_and_read(store, reader, f"b{i}")
+    stats = store.stats()
+    assert stats["chunks_reserved"] == 0, "no reservation left behind"
+    assert 0 < stats["bytes_in_use"] <= stats["capacity"]
+    assert stats["objects"] == len(store.keys())
+    for key in store.keys():
+        check_readable(store, reader, key)
+    check_slot_joined_again(store, reader)
+    reader.close()
+    store.close()  # waits for the owner's reservations: none is left

@@ -18,6 +18,7 @@ use crate::segment;
 /// Every crash point, in the order a put meets them (and then the others).
 pub const POINTS: &[&str] = &[
     "alloc.locked",
+    "alloc.buffer_marked",
     "alloc.marked",
     "alloc.unindexed",
     "alloc.evicted",

@@ -122,6 +122,8 @@ impl Shared {
         if marked.is_err() {
             return Ok(false);
         }
+        // Dead here, the buffer is left whole and marked: `repair` frees it by the mark.
+        crash::point("alloc.buffer_marked");
         // `false`: the owner carved from it before the mark, which names a block start that
         // is its reservation now, never its buffer again.
         self.free_buffer(lock, address, owner)
