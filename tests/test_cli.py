@@ -326,6 +326,21 @@ def test_a_plot_file_name_without_an_extension_gets_a_png(tmp_path: Path) -> Non
     assert list(tmp_path.iterdir()) == [out]
 
 
+def test_json_and_plot_into_one_file_are_refused_before_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    # The chart was written over the figures: a run that ended with status 0 and no JSON.
+    out = tmp_path / "figures"
+    same = tmp_path / ".." / tmp_path.name / "figures"  # the same file, named otherwise
+    result = mmcache("simulate", "--requests", "1", "--json", str(out), "--plot", str(same))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"mmcache simulate: error: --json {out} and --plot {same} name the same file "
+        "(give each its own)"
+    ]
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def _children(pid: int) -> list[int]:
     """The pids of ``pid``'s child processes."""
     found = []

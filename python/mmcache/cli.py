@@ -391,6 +391,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
     _check_output(args.json, "--json")
     _check_output(args.plot, "--plot")
+    if args.json and args.plot and args.json.resolve() == args.plot.resolve():
+        # The chart would be written over the figures.
+        raise _UsageError(
+            f"--json {args.json} and --plot {args.plot} name the same file (give each its own)"
+        )
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib: pip install 'mmcache[plot]'")
     if args.plot is not None:
