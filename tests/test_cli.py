@@ -53,6 +53,8 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--capacity-gb", "inf"], "--capacity-gb must be a finite number"),
         (["simulate", "--capacity-gb", "nan"], "--capacity-gb must be a finite number"),
         (["simulate", "--capacity-gb", "-1"], "--capacity-gb must be a finite number"),
+        (["simulate", "--mode", "none", "--capacity-gb", "-1"], "--capacity-gb must be a finite"),
+        (["simulate", "--mode", "lru", "--capacity-gb", "1e9"], "--capacity-gb must be at most"),
         (["simulate", "--inflight", "100000"], "--inflight must be between 1 and"),
         (["simulate", "--workers", "100000"], "--workers must be between 1 and"),
         (["simulate", "--workers", "0"], "--workers must be between 1 and"),

@@ -200,6 +200,11 @@ def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
         ({"claim_wait_s": -1.0}, "--claim-wait-s"),
         ({"mode": "shm", "capacity_gb": float("inf")}, "--capacity-gb must be a finite number"),
         ({"mode": "lru", "capacity_gb": float("nan")}, "--capacity-gb must be a finite number"),
+        # Found by a P0 once every process had started, naming the API's capacity_gb.
+        ({"mode": "none", "capacity_gb": float("nan")}, "--capacity-gb must be a finite number"),
+        ({"mode": "none", "capacity_gb": -1.0}, "--capacity-gb must be a finite number"),
+        ({"mode": "lru", "capacity_gb": 20000.0}, "--capacity-gb must be at most 16384 GiB"),
+        ({"mode": "none", "capacity_gb": 1e300}, "--capacity-gb must be at most 16384 GiB"),
         ({"inflight": 10**6}, "--inflight"),
         ({"remote": "redis://"}, "no host"),
     ],
