@@ -378,6 +378,10 @@ def _ring_of(driver: int, deadline: float) -> tuple[str, int]:
     pytest.fail("the simulation never created its ring")
 
 
+#: Enough work to be interrupted at leisure.
+WORK = ["--requests", "5000", "--catalogue", "20", "--capacity-gb", "0.05"]
+
+
 def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
     proc = subprocess.Popen(
         [
@@ -385,12 +389,7 @@ def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
             "-m",
             "mmcache",
             "simulate",
-            "--requests",
-            "5000",
-            "--catalogue",
-            "20",
-            "--capacity-gb",
-            "0.05",
+            *WORK,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -409,6 +408,49 @@ def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert not any(_running(child) for child in children)
     assert ring not in _core.list_segments()
+
+
+def _children_of(pid: int) -> set[int]:
+    """The child processes of ``pid`` (the pipeline's, and a server started for the run) but
+    multiprocessing's resource tracker, which exits by itself once its parent is gone."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            tracker = b"resource_tracker" in (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == pid and not tracker:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_stops_the_run_as_ctrl_c_does(tmp_path: Path) -> None:
+    # SIGTERM (`timeout`, `kill`, a CI job cancelled) killed the driver on the spot: the
+    # children went by themselves, but the directory of the Valkey started for the run
+    # (its log) stayed in $TMPDIR after every such run.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "simulate", "--remote", "redis://auto", *WORK],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        ring, _ = _ring_of(proc.pid, time.monotonic() + 60)
+        time.sleep(1.0)  # let requests flow
+        children = _children_of(proc.pid)
+        assert len(children) == 5  # P0, P1, two workers and the server
+        assert [p.name[:15] for p in tmp_path.iterdir()] == ["mmcache-valkey-"]
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert stderr.strip().splitlines() == ["mmcache simulate: terminated"]
+    assert not any(_running(child) for child in children)
+    assert ring not in _core.list_segments()
+    assert list(tmp_path.iterdir()) == []
 
 
 def _request(
