@@ -780,6 +780,18 @@ def test_a_remote_url_of_an_unknown_scheme_is_refused_without_its_credentials(
     assert "hunter2" not in str(refused.value)
 
 
+def test_a_remote_urls_scheme_is_read_in_any_case_as_the_remote_tier_reads_it() -> None:
+    # RemoteStore takes REDIS://... (a URL's scheme has no case); simulate refused it, saying
+    # "--remote redis://cache:6379: expected redis://HOST:PORT ...".
+    config = SimulationConfig(mode="lru", remote="REDIS://cache:6379")
+    config.validate()
+    assert config.remote == "redis://cache:6379" and config.label == "lru + redis"
+    # What names a server to start for the run is found in any case too.
+    assert SimulationConfig(remote="Valkey://auto").remote == "valkey://auto"
+    with pytest.raises(ConfigError, match="no port"):
+        SimulationConfig(remote="MoonCake://master").validate()
+
+
 def test_the_remote_urls_credentials_reach_no_output_of_a_run(tmp_path: Path) -> None:
     """The report (its text and ``--json``) names the tier without its password."""
     out = tmp_path / "figures.json"

@@ -86,6 +86,14 @@ class SimulationConfig:
     #: another one claimed (is processing) before processing it itself.
     claim_wait_s: float = CLAIM_WAIT_S
 
+    def __post_init__(self) -> None:
+        # A URL's scheme has no case, and the remote tier reads it so: the checks, the label
+        # and which server ``*://auto`` starts read it in lower case too.
+        if self.remote is not None:
+            scheme, sep, rest = self.remote.partition("://")
+            if sep:
+                object.__setattr__(self, "remote", f"{scheme.lower()}{sep}{rest}")
+
     def with_mode(self, mode: str) -> SimulationConfig:
         """The same run in another cache mode."""
         return replace(self, mode=mode)
