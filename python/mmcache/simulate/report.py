@@ -227,10 +227,12 @@ def _frontend_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
 
 def _remote_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
     """With a remote tier: each image processed about once across the hosts, and (with the
-    run without the tier beside it) how much processing that saved."""
-    tiered = next((r for r in runs if r.remote is not None), None)
-    if tiered is None:
+    same run without the tier beside it, as many frontends) how much processing that saved."""
+    tiered_runs = [r for r in runs if r.remote is not None]
+    if not tiered_runs:
         return []
+    # The run asked for: with several frontends, --compare puts the same run with one before it.
+    tiered = max(tiered_runs, key=lambda r: r.frontends)
     per_image = tiered.processed_per_image
     found = [
         {
@@ -240,7 +242,7 @@ def _remote_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
             "met": per_image <= TARGET_PROCESSED_PER_IMAGE,
         }
     ]
-    alone = next((r for r in runs if r.remote is None and r.mode == tiered.mode), None)
+    alone = _local(runs, tiered.mode, tiered.frontends)
     if alone is not None and alone.items_processed:
         floor = tiered.distinct_images / alone.items_processed
         found.append(
