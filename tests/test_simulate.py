@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 import mmcache.simulate as simulate_package
 from mmcache import Feature, _core, content_hash, make_caches
@@ -30,6 +31,7 @@ from mmcache.cli import main
 from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, run_configs, wire
 from mmcache.simulate.engine import _serve, worker_main
 from mmcache.simulate.frontend import _Frontend, _Inbox, _Pending
+from mmcache.simulate.report import render
 from mmcache.simulate.workload import (
     TARGET_SIDE,
     Catalogue,
@@ -79,6 +81,17 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 def figures(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def run_metrics(**changes: Any) -> RunMetrics:
+    """The figures of a run that never ran: 1 for each one a run must report, ``changes``
+    over them."""
+    required = {
+        name: 1
+        for name, spec in RunMetrics.__dataclass_fields__.items()
+        if spec.default is spec.default_factory  # the required fields (both MISSING)
+    }
+    return RunMetrics(**{**required, **changes})
 
 
 def segments_by_creator() -> dict[str, int]:
@@ -525,14 +538,7 @@ def test_wrong_tensors_make_the_command_fail(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def one_bad_run(configs: list[SimulationConfig], on_progress: Any) -> list[RunMetrics]:
-        fields = {
-            name: 1
-            for name, spec in RunMetrics.__dataclass_fields__.items()
-            if spec.default is spec.default_factory  # the required fields (both MISSING)
-        }
-        return [
-            RunMetrics(**{**fields, "mode": configs[0].mode, "unrecovered": 0, "evictions": None})
-        ]
+        return [run_metrics(mode=configs[0].mode, unrecovered=0, evictions=None)]
 
     monkeypatch.setattr(simulate_package, "run_configs", one_bad_run)
     out = tmp_path / "figures.json"
@@ -769,6 +775,26 @@ def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Pat
     assert shared["remote_claim_wait_hits"] <= shared["remote_claim_waits"]
     assert "cross-host hits" in result.stdout and "per host" in result.stdout
     assert "remote claims (single flight)" in result.stdout
+
+
+@pytest.mark.parametrize("remote", [None, "redis://auto"])
+def test_the_per_host_table_shows_the_remote_tiers_columns_only_with_one(
+    remote: str | None,
+) -> None:
+    # Without a tier the main table shows its rows as "-", but each host's row said 0 remote
+    # hits, 0 cross-host hits and 0 errors, as if a tier had been there and done nothing.
+    config = SimulationConfig(hosts=2, remote=remote)
+    host = {"requests": 1, "requests_per_s": 1.0, "hit_ratio": 0.5, "items_processed": 1}
+    host |= {"remote_hits": 0, "cross_host_hits": 0, "remote_errors": 0, "wrong_tensors": 0}
+    run = run_metrics(
+        mode="shm", hosts=2, remote=remote, per_host=[{**host, "host": h} for h in (0, 1)]
+    )
+    console = Console(record=True, width=200)
+    render(config, [run], console)
+    per_host = console.export_text().split(f"{run.label}: per host")[1]
+    header = per_host.splitlines()[2]
+    assert ("cross-host" in header and "errors" in header) == (remote is not None)
+    assert "processed" in header and "wrong" in header
 
 
 @pytest.mark.parametrize("scheme", ["reddis", "redis+sentinel"])

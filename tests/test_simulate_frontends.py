@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from mmcache import Feature, ShmHandle, ShmSenderCache, content_hash
-from mmcache.simulate import RunMetrics, SimulationConfig, wire
+from mmcache.simulate import SimulationConfig, wire
 from mmcache.simulate.engine import _serve
 from mmcache.simulate.frontend import _Frontend, _Pending
 from mmcache.simulate.processes import _combine, _wrong_unverified_tensors
 from mmcache.simulate.report import targets
 from mmcache.simulate.workload import TARGET_SIDE, Catalogue, process, tensor_digests
-from tests.test_simulate import TINY, figures, simulate
+from tests.test_simulate import TINY, figures, run_metrics, simulate
 
 
 def test_two_frontends_serve_the_stream_between_them_and_every_tensor_verifies(
@@ -116,24 +116,16 @@ def test_the_remote_tiers_targets_judge_the_run_asked_for_against_its_like() -> 
     # `--remote URL --frontends 2 --compare` runs the mode with 2 frontends without the tier,
     # then with it with 1 and with 2 frontends. The tier's targets took the first run with the
     # tier (1 frontend) and held it against the one without (2 frontends).
-    required = {
-        name: 1
-        for name, spec in RunMetrics.__dataclass_fields__.items()
-        if spec.default is spec.default_factory  # the required fields (both MISSING)
-    }
     config = SimulationConfig(remote="redis://auto", frontends=2)
     processed = {(None, 2): 100, ("redis://auto", 1): 90, ("redis://auto", 2): 60}
     runs = [
-        RunMetrics(
-            **{
-                **required,
-                "mode": c.mode,
-                "label": c.label,
-                "remote": c.remote,
-                "frontends": c.frontends,
-                "items_processed": processed[c.remote, c.frontends],
-                "distinct_images": 50,
-            }
+        run_metrics(
+            mode=c.mode,
+            label=c.label,
+            remote=c.remote,
+            frontends=c.frontends,
+            items_processed=processed[c.remote, c.frontends],
+            distinct_images=50,
         )
         for c in config.compared()
     ]

@@ -311,11 +311,14 @@ def _render_hosts(run: RunMetrics, console: Console) -> None:
         ("requests_per_s", "req/s", "{:,.1f}"),
         ("hit_ratio", "hits", "{:.1%}"),
         ("items_processed", "processed", "{:,}"),
-        ("remote_hits", "remote", "{:,}"),
-        ("cross_host_hits", "cross-host", "{:,}"),
-        ("remote_errors", "errors", "{:,}"),
-        ("wrong_tensors", "wrong", "{:,}"),
     ]
+    if run.remote is not None:  # without a tier there is no figure of one (the rows say "-")
+        columns += [
+            ("remote_hits", "remote", "{:,}"),
+            ("cross_host_hits", "cross-host", "{:,}"),
+            ("remote_errors", "errors", "{:,}"),
+        ]
+    columns.append(("wrong_tensors", "wrong", "{:,}"))
     for _, title, _ in columns:
         table.add_column(title, justify="right")
     for host in run.per_host:
