@@ -53,6 +53,8 @@ def test_top_level_help_lists_the_commands() -> None:
         (["simulate", "--capacity-gb", "inf"], "--capacity-gb must be a finite number"),
         (["simulate", "--capacity-gb", "nan"], "--capacity-gb must be a finite number"),
         (["simulate", "--capacity-gb", "-1"], "--capacity-gb must be a finite number"),
+        (["simulate", "--mode", "none", "--capacity-gb", "-1"], "--capacity-gb must be a finite"),
+        (["simulate", "--mode", "lru", "--capacity-gb", "1e9"], "--capacity-gb must be at most"),
         (["simulate", "--inflight", "100000"], "--inflight must be between 1 and"),
         (["simulate", "--workers", "100000"], "--workers must be between 1 and"),
         (["simulate", "--workers", "0"], "--workers must be between 1 and"),
@@ -178,7 +180,9 @@ def test_bench_quick_reports_every_operation_and_size(tmp_path: Path) -> None:
     assert {row["readers"] for row in rows if row["op"].startswith("cache get")} == {1}
     assert all(row["seconds"] > 0 and row["vs_memcpy"] > 0 for row in rows)
     assert all(row["vs_memcpy"] == 1.0 for row in rows if row["op"] == "memcpy (numpy)")
-    no_bytes = {"lookup", "cache lookup", "cache hit"}
+    # A put into a ring its stalled reader keeps full fails: no bytes go anywhere (it showed
+    # thousands of GiB/s, the payload's size over the time the refusal took).
+    no_bytes = {"lookup", "cache lookup", "cache hit", "put (stalled reader)"}
     assert all((row["bytes_per_s"] is None) == (row["op"] in no_bytes) for row in rows)
     # Each size's rows: every cache row right after its core rows (1 and 2 readers).
     assert [row["op"] for row in rows if row["size"] == 4 << 10] == [
@@ -324,6 +328,21 @@ def test_a_plot_file_name_without_an_extension_gets_a_png(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert list(tmp_path.iterdir()) == [out]
+
+
+def test_json_and_plot_into_one_file_are_refused_before_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    # The chart was written over the figures: a run that ended with status 0 and no JSON.
+    out = tmp_path / "figures"
+    same = tmp_path / ".." / tmp_path.name / "figures"  # the same file, named otherwise
+    result = mmcache("simulate", "--requests", "1", "--json", str(out), "--plot", str(same))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"mmcache simulate: error: --json {out} and --plot {same} name the same file "
+        "(give each its own)"
+    ]
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
 
 
 def _children(pid: int) -> list[int]:

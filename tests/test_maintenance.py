@@ -372,6 +372,27 @@ def test_another_programs_file_under_a_chosen_name_is_never_removed(content: byt
         path.unlink(missing_ok=True)
 
 
+def test_inspect_of_another_programs_file_says_whose_it_is() -> None:
+    """`mmcache inspect` of a file another program keeps in /dev/shm (Python's ``psm_...``,
+    say) called it a segment that "failed validation ... — recreate the cache": advice to
+    delete someone else's file. It says it is another program's file, as the listing's
+    status does, and leaves it alone."""
+    name = f"foreign_{os.getpid()}_{time.monotonic_ns()}"
+    path = Path(SHM) / name
+    path.write_bytes(b"another program's data")
+    try:
+        result = mmcache("inspect", name)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"mmcache inspect: error: {name}: {SHM}/{name} ")
+        assert "another program's file" in line and "recreate" not in line
+        with pytest.raises(SegmentCorruptError, match="not a shared-memory segment of mmcache"):
+            inspect(name)
+        assert path.read_bytes() == b"another program's data"
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_a_half_made_segment_under_a_chosen_name_is_still_replaced() -> None:
     """A creator killed between sizing its file and writing its header leaves zeros: the
     next creation under that name replaces it (what a restarted engine does)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 import mmcache.simulate as simulate_package
 from mmcache import Feature, _core, content_hash, make_caches
@@ -30,6 +31,7 @@ from mmcache.cli import main
 from mmcache.simulate import ConfigError, RunMetrics, SimulationConfig, run_configs, wire
 from mmcache.simulate.engine import _serve, worker_main
 from mmcache.simulate.frontend import _Frontend, _Inbox, _Pending
+from mmcache.simulate.report import render
 from mmcache.simulate.workload import (
     TARGET_SIDE,
     Catalogue,
@@ -79,6 +81,17 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 def figures(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def run_metrics(**changes: Any) -> RunMetrics:
+    """The figures of a run that never ran: 1 for each one a run must report, ``changes``
+    over them."""
+    required = {
+        name: 1
+        for name, spec in RunMetrics.__dataclass_fields__.items()
+        if spec.default is spec.default_factory  # the required fields (both MISSING)
+    }
+    return RunMetrics(**{**required, **changes})
 
 
 def segments_by_creator() -> dict[str, int]:
@@ -200,6 +213,11 @@ def test_wire_round_trips_items_handles_and_counts_traffic() -> None:
         ({"claim_wait_s": -1.0}, "--claim-wait-s"),
         ({"mode": "shm", "capacity_gb": float("inf")}, "--capacity-gb must be a finite number"),
         ({"mode": "lru", "capacity_gb": float("nan")}, "--capacity-gb must be a finite number"),
+        # Found by a P0 once every process had started, naming the API's capacity_gb.
+        ({"mode": "none", "capacity_gb": float("nan")}, "--capacity-gb must be a finite number"),
+        ({"mode": "none", "capacity_gb": -1.0}, "--capacity-gb must be a finite number"),
+        ({"mode": "lru", "capacity_gb": 20000.0}, "--capacity-gb must be at most 16384 GiB"),
+        ({"mode": "none", "capacity_gb": 1e300}, "--capacity-gb must be at most 16384 GiB"),
         ({"inflight": 10**6}, "--inflight"),
         ({"remote": "redis://"}, "no host"),
     ],
@@ -373,6 +391,10 @@ def _ring_of(driver: int, deadline: float) -> tuple[str, int]:
     pytest.fail("the simulation never created its ring")
 
 
+#: Enough work to be interrupted at leisure.
+WORK = ["--requests", "5000", "--catalogue", "20", "--capacity-gb", "0.05"]
+
+
 def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
     proc = subprocess.Popen(
         [
@@ -380,12 +402,7 @@ def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
             "-m",
             "mmcache",
             "simulate",
-            "--requests",
-            "5000",
-            "--catalogue",
-            "20",
-            "--capacity-gb",
-            "0.05",
+            *WORK,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -404,6 +421,49 @@ def test_ctrl_c_stops_every_process_and_leaves_no_segment() -> None:
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert not any(_running(child) for child in children)
     assert ring not in _core.list_segments()
+
+
+def _children_of(pid: int) -> set[int]:
+    """The child processes of ``pid`` (the pipeline's, and a server started for the run) but
+    multiprocessing's resource tracker, which exits by itself once its parent is gone."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            tracker = b"resource_tracker" in (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == pid and not tracker:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_stops_the_run_as_ctrl_c_does(tmp_path: Path) -> None:
+    # SIGTERM (`timeout`, `kill`, a CI job cancelled) killed the driver on the spot: the
+    # children went by themselves, but the directory of the Valkey started for the run
+    # (its log) stayed in $TMPDIR after every such run.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "simulate", "--remote", "redis://auto", *WORK],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        ring, _ = _ring_of(proc.pid, time.monotonic() + 60)
+        time.sleep(1.0)  # let requests flow
+        children = _children_of(proc.pid)
+        assert len(children) == 5  # P0, P1, two workers and the server
+        assert [p.name[:15] for p in tmp_path.iterdir()] == ["mmcache-valkey-"]
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert stderr.strip().splitlines() == ["mmcache simulate: terminated"]
+    assert not any(_running(child) for child in children)
+    assert ring not in _core.list_segments()
+    assert list(tmp_path.iterdir()) == []
 
 
 def _request(
@@ -478,14 +538,7 @@ def test_wrong_tensors_make_the_command_fail(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def one_bad_run(configs: list[SimulationConfig], on_progress: Any) -> list[RunMetrics]:
-        fields = {
-            name: 1
-            for name, spec in RunMetrics.__dataclass_fields__.items()
-            if spec.default is spec.default_factory  # the required fields (both MISSING)
-        }
-        return [
-            RunMetrics(**{**fields, "mode": configs[0].mode, "unrecovered": 0, "evictions": None})
-        ]
+        return [run_metrics(mode=configs[0].mode, unrecovered=0, evictions=None)]
 
     monkeypatch.setattr(simulate_package, "run_configs", one_bad_run)
     out = tmp_path / "figures.json"
@@ -724,6 +777,26 @@ def test_two_hosts_share_a_real_valkey_and_process_less_than_alone(tmp_path: Pat
     assert "remote claims (single flight)" in result.stdout
 
 
+@pytest.mark.parametrize("remote", [None, "redis://auto"])
+def test_the_per_host_table_shows_the_remote_tiers_columns_only_with_one(
+    remote: str | None,
+) -> None:
+    # Without a tier the main table shows its rows as "-", but each host's row said 0 remote
+    # hits, 0 cross-host hits and 0 errors, as if a tier had been there and done nothing.
+    config = SimulationConfig(hosts=2, remote=remote)
+    host = {"requests": 1, "requests_per_s": 1.0, "hit_ratio": 0.5, "items_processed": 1}
+    host |= {"remote_hits": 0, "cross_host_hits": 0, "remote_errors": 0, "wrong_tensors": 0}
+    run = run_metrics(
+        mode="shm", hosts=2, remote=remote, per_host=[{**host, "host": h} for h in (0, 1)]
+    )
+    console = Console(record=True, width=200)
+    render(config, [run], console)
+    per_host = console.export_text().split(f"{run.label}: per host")[1]
+    header = per_host.splitlines()[2]
+    assert ("cross-host" in header and "errors" in header) == (remote is not None)
+    assert "processed" in header and "wrong" in header
+
+
 @pytest.mark.parametrize("scheme", ["reddis", "redis+sentinel"])
 def test_a_remote_url_of_an_unknown_scheme_is_refused_without_its_credentials(
     scheme: str,
@@ -731,6 +804,18 @@ def test_a_remote_url_of_an_unknown_scheme_is_refused_without_its_credentials(
     with pytest.raises(ConfigError, match="expected redis://") as refused:
         SimulationConfig(remote=f"{scheme}://admin:hunter2@cache:6379").validate()
     assert "hunter2" not in str(refused.value)
+
+
+def test_a_remote_urls_scheme_is_read_in_any_case_as_the_remote_tier_reads_it() -> None:
+    # RemoteStore takes REDIS://... (a URL's scheme has no case); simulate refused it, saying
+    # "--remote redis://cache:6379: expected redis://HOST:PORT ...".
+    config = SimulationConfig(mode="lru", remote="REDIS://cache:6379")
+    config.validate()
+    assert config.remote == "redis://cache:6379" and config.label == "lru + redis"
+    # What names a server to start for the run is found in any case too.
+    assert SimulationConfig(remote="Valkey://auto").remote == "valkey://auto"
+    with pytest.raises(ConfigError, match="no port"):
+        SimulationConfig(remote="MoonCake://master").validate()
 
 
 def test_the_remote_urls_credentials_reach_no_output_of_a_run(tmp_path: Path) -> None:

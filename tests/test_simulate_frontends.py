@@ -19,8 +19,9 @@ from mmcache.simulate import SimulationConfig, wire
 from mmcache.simulate.engine import _serve
 from mmcache.simulate.frontend import _Frontend, _Pending
 from mmcache.simulate.processes import _combine, _wrong_unverified_tensors
+from mmcache.simulate.report import targets
 from mmcache.simulate.workload import TARGET_SIDE, Catalogue, process, tensor_digests
-from tests.test_simulate import TINY, figures, simulate
+from tests.test_simulate import TINY, figures, run_metrics, simulate
 
 
 def test_two_frontends_serve_the_stream_between_them_and_every_tensor_verifies(
@@ -108,6 +109,30 @@ def test_compare_keeps_its_runs_with_one_frontend() -> None:
         "shm, 3 frontends",
         "shm + redis",
         "shm + redis, 3 frontends",
+    ]
+
+
+def test_the_remote_tiers_targets_judge_the_run_asked_for_against_its_like() -> None:
+    # `--remote URL --frontends 2 --compare` runs the mode with 2 frontends without the tier,
+    # then with it with 1 and with 2 frontends. The tier's targets took the first run with the
+    # tier (1 frontend) and held it against the one without (2 frontends).
+    config = SimulationConfig(remote="redis://auto", frontends=2)
+    processed = {(None, 2): 100, ("redis://auto", 1): 90, ("redis://auto", 2): 60}
+    runs = [
+        run_metrics(
+            mode=c.mode,
+            label=c.label,
+            remote=c.remote,
+            frontends=c.frontends,
+            items_processed=processed[c.remote, c.frontends],
+            distinct_images=50,
+        )
+        for c in config.compared()
+    ]
+    remote = [t for t in targets(runs) if "remote tier" in t["target"]]
+    assert [t["value"] for t in remote] == [
+        "1.20",  # 60 items processed for 50 images with 2 frontends
+        "0.60 (floor 0.50: each distinct image once)",  # 60 with the tier, 100 without
     ]
 
 

@@ -74,8 +74,8 @@ class BenchResult:
     readers: int
     #: Median seconds per operation.
     seconds: float
-    #: Bytes per second through the operation, all readers together (``None`` for a lookup,
-    #: which moves no bytes).
+    #: Bytes per second through the operation, all readers together (``None`` for one that
+    #: moves no bytes: a lookup, a hit, a put that fails).
     bytes_per_s: float | None
     #: Median seconds of a numpy memcpy of ``size`` bytes, measured in the same run.
     memcpy_seconds: float
@@ -186,7 +186,8 @@ def _in_process(size: int, budget_s: float, memcpy_s: float) -> list[BenchResult
     return results
 
 
-_NO_BYTES = ("lookup", "cache lookup", "cache hit")
+#: Operations that move no bytes: lookups, a hit (a handle to what is there), a put that fails.
+_NO_BYTES = ("lookup", "cache lookup", "cache hit", "put (stalled reader)")
 #: Bytes of ring per object in a key index of the default size, and the ring of the rows
 #: ``put (full index)`` and ``put (stalled reader)`` (what a sweep or scan walks grows with it).
 _INDEX_SPAN, _BIG_RING = 16 * KiB, 1 << 30

@@ -7,9 +7,10 @@ Exit status: 0 on success; 1 when a run failed (wrong tensors, an unrecovered dr
 process that died, a segment that cannot be read) or its ``--json``/``--plot`` file could not
 be written after it (the table is still shown); 2 for invalid flags (an output file that cannot
 be created among them, found before the run), a configuration that cannot run or a missing
-``cli`` extra, with one line on stderr saying why; 130 after
-Ctrl-C; 141 (128 + SIGPIPE), quietly, when stdout was closed before the output was written
-(``| head -1``; the files of ``--json`` and ``--plot`` are written before the table).
+``cli`` extra, with one line on stderr saying why; 130 after Ctrl-C; 143 after SIGTERM, which
+stops a run as Ctrl-C does; 141 (128 + SIGPIPE), quietly, when stdout was closed before the
+output was written (``| head -1``; the files of ``--json`` and ``--plot`` are written before
+the table).
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ from pathlib import Path
 from textwrap import fill
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from mmcache.signals import Terminated, sigterm_raises
+
 if TYPE_CHECKING:
     from rich.console import Console
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+#: What the shell reports for a command that SIGTERM killed.
+EXIT_TERMINATED = 128 + 15
 #: What the shell reports for a command that SIGPIPE killed.
 EXIT_BROKEN_PIPE = 128 + 13
 
@@ -284,8 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prog = f"mmcache {args.command}"
     try:
-        status = int(args.run(args))
-        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        with sigterm_raises():
+            status = int(args.run(args))
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
         return status
     except _UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -293,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except BrokenPipeError:
         # Whoever read stdout has gone (`| head -1`): stop quietly, as a tool killed by
         # SIGPIPE. What is still buffered goes to /dev/null, or the flush at exit fails
@@ -391,6 +400,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
     _check_output(args.json, "--json")
     _check_output(args.plot, "--plot")
+    if args.json and args.plot and args.json.resolve() == args.plot.resolve():
+        # The chart would be written over the figures.
+        raise _UsageError(
+            f"--json {args.json} and --plot {args.plot} name the same file (give each its own)"
+        )
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib: pip install 'mmcache[plot]'")
     if args.plot is not None:

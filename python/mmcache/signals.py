@@ -1,4 +1,4 @@
-"""Signals around starting child processes."""
+"""Signals around starting child processes, and SIGTERM as an exception."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
-__all__ = ["sigint_ignored"]
+__all__ = ["Terminated", "sigint_ignored", "sigterm_raises"]
 
 
 @contextlib.contextmanager
@@ -23,3 +24,28 @@ def sigint_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (see :func:`sigterm_raises`). A ``BaseException``, as
+    ``KeyboardInterrupt`` is, so that no ``except Exception`` takes it for a failure."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in the main thread meanwhile, so that ``kill``,
+    ``timeout`` or a cancelled job unwinds as Ctrl-C does (the ``finally`` blocks stop the
+    children, remove the segments and a server's files) instead of killing the process on
+    the spot. Only the main thread may change a handler; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -66,6 +66,14 @@ pub fn inspect(name: &str) -> Result<SegmentInfo> {
     if len == 0 {
         return Err(empty_file(name));
     }
+    if let Some(word) = foreign_first_word(name, len, &bytes) {
+        // Not a damaged segment to recreate (what validation would say): someone else's file.
+        return Err(Error::NotASegment(format!(
+            "{}/{name} is another program's file (it starts with {word:#018x}, not as a \
+             segment does)",
+            segment::SHM_DIR
+        )));
+    }
     let (layout, _) = Layout::read_bytes(len, &bytes)?;
     let tables = usize::try_from(layout.bucket_offset(0))
         .map_err(|_| Error::Corrupt("slot tables larger than this host's memory".into()))?;
@@ -248,14 +256,9 @@ pub fn status(name: &str) -> Result<Status> {
             )));
         }
     }
-    // Under a name its creator chose (no prefix of ours), a file whose first word is neither
-    // the magic nor the zeros a creator killed before writing it leaves is no segment at all
-    // but another program's file: never ours to remove (a creation under that name finds it
-    // taken). Under our prefix, garbage is a damaged segment of ours.
-    let first_word = read.map(|(len, bytes)| (len, word_at(&bytes, header::MAGIC)));
-    if !name.starts_with(segment::NAME_PREFIX)
-        && first_word.is_some_and(|(len, word)| len > 0 && word != 0 && word != layout::MAGIC)
-    {
+    // Another program's file is never ours to remove (a creation under that name finds it
+    // taken).
+    if read.is_some_and(|(len, bytes)| foreign_first_word(name, len, &bytes).is_some()) {
         return Ok(Status::Undecided(format!(
             "{err}; not an mmcache segment (another program's file?), never removed"
         )));
@@ -265,6 +268,16 @@ pub fn status(name: &str) -> Result<Status> {
         return Ok(Status::Undecided("new: it may be being created".into()));
     }
     Ok(Status::Orphaned(format!("{err}; no writer holds it")))
+}
+
+/// The first word of the file `name` (`len` bytes, starting with `bytes`) if it shows that
+/// the file is no segment at all but another program's: under a name its creator chose (no
+/// prefix of ours), a first word that is neither the magic nor the zeros a creator killed
+/// before writing it leaves. Under our prefix, garbage is a damaged segment of ours.
+fn foreign_first_word(name: &str, len: usize, bytes: &[u8]) -> Option<u64> {
+    let word = word_at(bytes, header::MAGIC);
+    (!name.starts_with(segment::NAME_PREFIX) && len > 0 && word != 0 && word != layout::MAGIC)
+        .then_some(word)
 }
 
 /// Whether a file no writer lock holds may still be being created (see

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from mmcache.arguments import MAX_CAPACITY_GB
 from mmcache.factory import MODES
 from mmcache.simulate.workload import TARGET_SIDE
 
@@ -84,6 +85,14 @@ class SimulationConfig:
     #: With several frontends (or a remote tier): how long a frontend waits for an item
     #: another one claimed (is processing) before processing it itself.
     claim_wait_s: float = CLAIM_WAIT_S
+
+    def __post_init__(self) -> None:
+        # A URL's scheme has no case, and the remote tier reads it so: the checks, the label
+        # and which server ``*://auto`` starts read it in lower case too.
+        if self.remote is not None:
+            scheme, sep, rest = self.remote.partition("://")
+            if sep:
+                object.__setattr__(self, "remote", f"{scheme.lower()}{sep}{rest}")
 
     def with_mode(self, mode: str) -> SimulationConfig:
         """The same run in another cache mode."""
@@ -176,19 +185,22 @@ class SimulationConfig:
         self._validate_frontends()
         if self.remote is not None:
             self._validate_remote()
-        if self.mode == "none":
-            return
+        self._validate_capacity()
+
+    def _validate_capacity(self) -> None:
+        # Every mode's P0 makes a cache of this capacity (``none``'s holds nothing).
         if not (math.isfinite(self.capacity_gb) and self.capacity_gb >= 0):
             raise ConfigError(
                 f"--capacity-gb must be a finite number of GiB >= 0, not {self.capacity_gb}"
             )
-        needed = self.max_items * ITEM_BYTES
-        if self.capacity_gb * 2**30 < needed:
-            raise ConfigError(
-                f"--capacity-gb {self.capacity_gb:g} cannot hold one request's {self.max_items} "
-                f"items of {ITEM_BYTES / 2**20:.1f} MiB in mode {self.mode}; use at least "
-                f"{math.ceil(needed / 2**30 * 1000) / 1000:g}"
-            )
+        if self.mode != "none":
+            needed = self.max_items * ITEM_BYTES
+            if self.capacity_gb * 2**30 < needed:
+                raise ConfigError(
+                    f"--capacity-gb {self.capacity_gb:g} cannot hold one request's "
+                    f"{self.max_items} items of {ITEM_BYTES / 2**20:.1f} MiB in mode {self.mode}; "
+                    f"use at least {math.ceil(needed / 2**30 * 1000) / 1000:g}"
+                )
         if self.mode == "shm":
             free = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
             if self.hosts * self.capacity_gb * 2**30 > free:
@@ -198,6 +210,11 @@ class SimulationConfig:
                     f"{free / 2**30:.2f} GiB free in /dev/shm; lower it or enlarge /dev/shm "
                     "(docker: --shm-size)"
                 )
+        if self.capacity_gb > MAX_CAPACITY_GB:
+            raise ConfigError(
+                f"--capacity-gb must be at most {MAX_CAPACITY_GB} GiB (16 TiB, the most a cache "
+                f"holds), not {self.capacity_gb:g}"
+            )
 
     def _validate_frontends(self) -> None:
         if not 1 <= self.frontends <= MAX_FRONTENDS:

@@ -227,10 +227,12 @@ def _frontend_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
 
 def _remote_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
     """With a remote tier: each image processed about once across the hosts, and (with the
-    run without the tier beside it) how much processing that saved."""
-    tiered = next((r for r in runs if r.remote is not None), None)
-    if tiered is None:
+    same run without the tier beside it, as many frontends) how much processing that saved."""
+    tiered_runs = [r for r in runs if r.remote is not None]
+    if not tiered_runs:
         return []
+    # The run asked for: with several frontends, --compare puts the same run with one before it.
+    tiered = max(tiered_runs, key=lambda r: r.frontends)
     per_image = tiered.processed_per_image
     found = [
         {
@@ -240,7 +242,7 @@ def _remote_targets(runs: Sequence[RunMetrics]) -> list[dict[str, Any]]:
             "met": per_image <= TARGET_PROCESSED_PER_IMAGE,
         }
     ]
-    alone = next((r for r in runs if r.remote is None and r.mode == tiered.mode), None)
+    alone = _local(runs, tiered.mode, tiered.frontends)
     if alone is not None and alone.items_processed:
         floor = tiered.distinct_images / alone.items_processed
         found.append(
@@ -309,11 +311,14 @@ def _render_hosts(run: RunMetrics, console: Console) -> None:
         ("requests_per_s", "req/s", "{:,.1f}"),
         ("hit_ratio", "hits", "{:.1%}"),
         ("items_processed", "processed", "{:,}"),
-        ("remote_hits", "remote", "{:,}"),
-        ("cross_host_hits", "cross-host", "{:,}"),
-        ("remote_errors", "errors", "{:,}"),
-        ("wrong_tensors", "wrong", "{:,}"),
     ]
+    if run.remote is not None:  # without a tier there is no figure of one (the rows say "-")
+        columns += [
+            ("remote_hits", "remote", "{:,}"),
+            ("cross_host_hits", "cross-host", "{:,}"),
+            ("remote_errors", "errors", "{:,}"),
+        ]
+    columns.append(("wrong_tensors", "wrong", "{:,}"))
     for _, title, _ in columns:
         table.add_column(title, justify="right")
     for host in run.per_host:
