@@ -271,3 +271,56 @@ def test_a_tmpfs_filled_after_creation_serves_items_uncached_and_never_raises(be
     uncached, counted = int(words[4]), int(words[6])
     assert uncached == counted > 0, done.stdout
     assert "/dev/shm is full" in done.stderr, done.stderr
+
+
+# Small objects are carved from a writer's allocation buffer (up to 256 KiB, reserved in one
+# go); with less than that left in /dev/shm, the buffer cannot be reserved, but each object on
+# its own still fits (the pages the failed attempt allocated are the ring's, and stay so).
+SMALL_ITEMS_IN_WHAT_IS_LEFT = textwrap.dedent(
+    """
+    import os
+    from mmcache._core import ShmObjectStore, ShmTooSmallError
+    MiB, KiB = 1 << 20, 1 << 10
+    writer = ShmObjectStore.create(24 * MiB, n_readers=1)
+    reader = ShmObjectStore.attach(writer.handle())
+    first = bytes(range(256)) * 4096  # 1 MiB: put on its own, it starts the (delayed) thread
+    assert bytes(reader.resolve(writer.put("first", first), "first")) == first
+    st = os.statvfs("/dev/shm")
+    with open("/dev/shm/filler", "wb") as f:  # leaves 192 KiB of /dev/shm
+        f.write(b"x" * (st.f_bavail * st.f_frsize - 192 * KiB))
+    stored = refused = 0
+    for i in range(40):
+        data = bytes([i]) * 4000
+        try:
+            handle = writer.put(f"s{i}", data)
+        except ShmTooSmallError:
+            refused += 1
+            continue
+        assert bytes(reader.resolve(handle, f"s{i}")) == data, i
+        stored += 1
+    stats = writer.stats()
+    assert stats["objects"] == stats["chunks"] == stored + 1, stats
+    assert stats["chunks_reserved"] == 0, stats
+    reader.close()
+    writer.close()
+    print(f"stored {stored} refused {refused}")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_small_items_that_fit_in_what_is_left_of_dev_shm_are_stored():
+    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, SMALL_ITEMS_IN_WHAT_IS_LEFT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": "60"},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    stored, refused = (int(w) for w in done.stdout.split()[1::2])
+    assert stored + refused == 40
+    # 192 KiB hold about 40 blocks of 4 KiB: what the buffer could not have, the objects can.
+    assert stored >= 20, done.stdout
