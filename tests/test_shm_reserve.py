@@ -462,3 +462,51 @@ def test_a_large_put_into_a_full_tmpfs_is_refused_whole_and_changes_nothing():
     )
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["ok"], done.stdout
+
+
+# A tmpfs mounted without a size limit (`size=0`) reports no blocks at all (statvfs: 0 total,
+# 0 free): it is not full, it has no limit, and a ring must be made in it.
+UNLIMITED_TMPFS = textwrap.dedent(
+    """
+    import os
+    import numpy as np
+    from mmcache import ShmHandle, ShmReceiverCache, ShmSenderCache
+    from mmcache._core import ShmObjectStore
+    from mmcache.simulate.config import SimulationConfig
+    MiB = 1 << 20
+    st = os.statvfs("/dev/shm")
+    assert st.f_blocks == st.f_bavail == 0, st
+    writer = ShmObjectStore.create(64 * MiB, n_readers=1)
+    reader = ShmObjectStore.attach(writer.handle())
+    data = os.urandom(3 * MiB)
+    assert bytes(reader.resolve(writer.put("k", data), "k")) == data
+    reader.close()
+    writer.close()
+    p0 = ShmSenderCache(1 / 16)
+    p1 = ShmReceiverCache(p0.handle())
+    item = {"x": np.arange(MiB, dtype=np.uint8)}
+    handle, _ = p0.get_and_update_item((item, None), "h")
+    assert isinstance(handle, ShmHandle), type(handle)
+    (got,) = p1.get_and_update([handle], ["h"])
+    assert np.array_equal(got["x"], item["x"])
+    p1.close()
+    p0.close()
+    SimulationConfig(mode="shm", capacity_gb=0.25).validate()
+    assert os.listdir("/dev/shm") == [], os.listdir("/dev/shm")
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_a_dev_shm_without_a_size_limit_holds_a_ring():
+    script = f'mount -t tmpfs -o size=0 tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, UNLIMITED_TMPFS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["ok"], done.stdout
