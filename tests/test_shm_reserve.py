@@ -271,3 +271,242 @@ def test_a_tmpfs_filled_after_creation_serves_items_uncached_and_never_raises(be
     uncached, counted = int(words[4]), int(words[6])
     assert uncached == counted > 0, done.stdout
     assert "/dev/shm is full" in done.stderr, done.stderr
+
+
+# Small objects are carved from a writer's allocation buffer (up to 256 KiB, reserved in one
+# go); with less than that left in /dev/shm, the buffer cannot be reserved, but each object on
+# its own still fits (the pages the failed attempt allocated are the ring's, and stay so).
+SMALL_ITEMS_IN_WHAT_IS_LEFT = textwrap.dedent(
+    """
+    import os
+    from mmcache._core import ShmObjectStore, ShmTooSmallError
+    MiB, KiB = 1 << 20, 1 << 10
+    writer = ShmObjectStore.create(24 * MiB, n_readers=1)
+    reader = ShmObjectStore.attach(writer.handle())
+    first = bytes(range(256)) * 4096  # 1 MiB: put on its own, it starts the (delayed) thread
+    assert bytes(reader.resolve(writer.put("first", first), "first")) == first
+    st = os.statvfs("/dev/shm")
+    with open("/dev/shm/filler", "wb") as f:  # leaves 192 KiB of /dev/shm
+        f.write(b"x" * (st.f_bavail * st.f_frsize - 192 * KiB))
+    stored = refused = 0
+    for i in range(40):
+        data = bytes([i]) * 4000
+        try:
+            handle = writer.put(f"s{i}", data)
+        except ShmTooSmallError:
+            refused += 1
+            continue
+        assert bytes(reader.resolve(handle, f"s{i}")) == data, i
+        stored += 1
+    stats = writer.stats()
+    assert stats["objects"] == stats["chunks"] == stored + 1, stats
+    assert stats["chunks_reserved"] == 0, stats
+    reader.close()
+    writer.close()
+    print(f"stored {stored} refused {refused}")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_small_items_that_fit_in_what_is_left_of_dev_shm_are_stored():
+    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, SMALL_ITEMS_IN_WHAT_IS_LEFT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": "60"},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    stored, refused = (int(w) for w in done.stdout.split()[1::2])
+    assert stored + refused == 40
+    # 192 KiB hold about 40 blocks of 4 KiB: what the buffer could not have, the objects can.
+    assert stored >= 20, done.stdout
+
+
+# Room freed again: the ring takes it again (README "Small /dev/shm"), whether or not a lock
+# (which reserves the key index) was taken before the fill, and whether or not the background
+# reservation ran into the filler (it stops at its first failure; nothing relies on it).
+FREED_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    from mmcache import ShmHandle, ShmReceiverCache, ShmSenderCache
+    MiB = 1 << 20
+    p0 = ShmSenderCache(24 / 1024, max_object_size_mb=8, max_writers=2, n_readers=2)
+    p1 = ShmReceiverCache(p0.handle())
+    def item(i, size=MiB):
+        return {"x": np.full(size + i, i % 251, dtype=np.uint8)}
+    before = [f"before{i}" for i in range(int(sys.argv[1]))]
+    for i, h in enumerate(before):
+        handle, _ = p0.get_and_update_item((item(i), None), h)
+        p1.get_and_update([handle], [h])
+    fill_dev_shm()
+    writers = [p0, ShmSenderCache.join(p0.writer_handle())]
+    readers = [p1, ShmReceiverCache(p0.handle())]
+    def put(i, h):
+        p = writers[i % 2]
+        p.begin_request()
+        try:
+            out, _ = p.get_and_update_item((item(i), None), h)
+            for worker in readers:
+                (got,) = worker.get_and_update([out], [h])
+                assert np.array_equal(got["x"], item(i)["x"]), h
+        finally:
+            p.end_request()
+        return isinstance(out, ShmHandle)
+    full = [put(i, f"full{i}") for i in range(8)]
+    os.unlink("/dev/shm/filler")
+    for j, h in enumerate(before):  # still hits
+        handle, _ = p0.get_and_update_item((None, None), h)
+        assert isinstance(handle, ShmHandle), h
+        for worker in readers:
+            (got,) = worker.get_and_update([handle], [h])
+            assert np.array_equal(got["x"], item(j)["x"]), h
+    uncached = [w.stats()["uncached_no_space"] for w in writers]
+    # Two laps of the ring: every new item is cached again, by either writer.
+    freed = [put(i, f"freed{i}") for i in range(40)]
+    assert all(freed), freed
+    assert [w.stats()["uncached_no_space"] for w in writers] == uncached
+    assert writers[1].is_cached(["freed39", "freed38"], claim=True) == [True, True]
+    stats = p0.stats()
+    assert stats["store_objects"] > 0 and stats["store_claims"] == 0, stats
+    for cache in (*readers, *reversed(writers)):
+        cache.close()
+    assert os.listdir("/dev/shm") == [], os.listdir("/dev/shm")
+    print("cached while full", sum(full), "of", len(full), "no_space", sum(uncached))
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+@pytest.mark.parametrize("delay", ["60", "0"], ids=["puts-reserve", "background-reserves"])
+@pytest.mark.parametrize("before", ["0", "2"], ids=["nothing-before", "two-items-before"])
+def test_a_tmpfs_that_frees_up_again_lets_the_ring_cache_new_items_again(delay, before):
+    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0" "$1"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, FREED_TMPFS_CACHE, before],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": delay},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    words = done.stdout.split()
+    cached, no_space = int(words[3]), int(words[-1])
+    assert cached + no_space == 8, done.stdout
+    if delay != "0":
+        # Nothing reserved the ring ahead of the filler: while full, new items were served
+        # uncached and counted so (the background reservation may have finished first).
+        assert no_space > 0, done.stdout
+
+
+# A put of an object larger than what /dev/shm has left is refused before anything changes:
+# nothing of it is visible, the ring's counts are as before, and what does fit still goes in.
+LARGE_PUT_INTO_A_FULL_TMPFS = textwrap.dedent(
+    """
+    import os
+    from mmcache._core import ShmObjectStore, ShmTooSmallError
+    MiB = 1 << 20
+    writer = ShmObjectStore.create(24 * MiB, n_readers=1, max_writers=2)
+    other = ShmObjectStore.join(writer.writer_handle())
+    reader = ShmObjectStore.attach(writer.handle())
+    first = os.urandom(MiB)
+    assert bytes(reader.resolve(writer.put("first", first), "first")) == first
+    st = os.statvfs("/dev/shm")
+    with open("/dev/shm/filler", "wb") as f:  # leaves 3 MiB of /dev/shm
+        f.write(b"x" * (st.f_bavail * st.f_frsize - 3 * MiB))
+    counts = ("bytes_in_use", "objects", "chunks", "chunks_reserved", "outstanding_refs")
+    def ring():
+        stats = writer.stats()
+        return {k: stats[k] for k in counts}
+    was = ring()
+    large = os.urandom(8 * MiB)
+    try:
+        writer.put("large", large)
+        raise AssertionError("an 8 MiB put into 3 MiB of /dev/shm was not refused")
+    except ShmTooSmallError:
+        pass
+    assert ring() == was, (ring(), was)
+    for w in (writer, other):
+        assert w.is_cached("large") is False and w.keys() == ["first"]
+        assert w.try_get_cached("large") is None
+    assert bytes(reader.resolve(other.get_cached("first"), "first")) == first
+    smaller = os.urandom(2 * MiB)
+    assert bytes(reader.resolve(other.put("smaller", smaller), "smaller")) == smaller
+    os.unlink("/dev/shm/filler")
+    assert bytes(reader.resolve(writer.put("large", large), "large")) == large
+    stats = writer.stats()
+    assert stats["objects"] == stats["chunks"] == 3 and stats["chunks_reserved"] == 0, stats
+    reader.close()
+    other.close()
+    writer.close()
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_a_large_put_into_a_full_tmpfs_is_refused_whole_and_changes_nothing():
+    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, LARGE_PUT_INTO_A_FULL_TMPFS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": "60"},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["ok"], done.stdout
+
+
+# A tmpfs mounted without a size limit (`size=0`) reports no blocks at all (statvfs: 0 total,
+# 0 free): it is not full, it has no limit, and a ring must be made in it.
+UNLIMITED_TMPFS = textwrap.dedent(
+    """
+    import os
+    import numpy as np
+    from mmcache import ShmHandle, ShmReceiverCache, ShmSenderCache
+    from mmcache._core import ShmObjectStore
+    from mmcache.simulate.config import SimulationConfig
+    MiB = 1 << 20
+    st = os.statvfs("/dev/shm")
+    assert st.f_blocks == st.f_bavail == 0, st
+    writer = ShmObjectStore.create(64 * MiB, n_readers=1)
+    reader = ShmObjectStore.attach(writer.handle())
+    data = os.urandom(3 * MiB)
+    assert bytes(reader.resolve(writer.put("k", data), "k")) == data
+    reader.close()
+    writer.close()
+    p0 = ShmSenderCache(1 / 16)
+    p1 = ShmReceiverCache(p0.handle())
+    item = {"x": np.arange(MiB, dtype=np.uint8)}
+    handle, _ = p0.get_and_update_item((item, None), "h")
+    assert isinstance(handle, ShmHandle), type(handle)
+    (got,) = p1.get_and_update([handle], ["h"])
+    assert np.array_equal(got["x"], item["x"])
+    p1.close()
+    p0.close()
+    SimulationConfig(mode="shm", capacity_gb=0.25).validate()
+    assert os.listdir("/dev/shm") == [], os.listdir("/dev/shm")
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_a_dev_shm_without_a_size_limit_holds_a_ring():
+    script = f'mount -t tmpfs -o size=0 tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, UNLIMITED_TMPFS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["ok"], done.stdout

@@ -553,7 +553,10 @@ mod tests {
         let name = unique("e");
         let _seg = create(&name, 4096).unwrap();
         assert!(matches!(create(&name, 4096), Err(Error::Exists(_))));
-        let huge = shm_free_bytes().unwrap() as usize + (1 << 30);
+        let Some(free) = shm_free_bytes() else {
+            return; // a /dev/shm without a size limit: no size is too large for it
+        };
+        let huge = free as usize + (1 << 30);
         let name2 = unique("big");
         assert!(matches!(
             create(&name2, huge),

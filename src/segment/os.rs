@@ -219,7 +219,9 @@ pub fn unlink(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Bytes free in `/dev/shm` for an unprivileged user, if it can be asked.
+/// Bytes free in `/dev/shm` for an unprivileged user, if it can be asked; `None` also for a
+/// tmpfs without a size limit (`size=0`), which reports no blocks at all (0 total, 0 free):
+/// it is not full, and only memory bounds what it holds.
 pub fn shm_free_bytes() -> Option<u64> {
     let path = CString::new(SHM_DIR).ok()?;
     let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
@@ -231,6 +233,9 @@ pub fn shm_free_bytes() -> Option<u64> {
     }
     // SAFETY: statvfs returned 0, so it initialised `st`.
     let st = unsafe { st.assume_init() };
+    if st.f_blocks == 0 {
+        return None;
+    }
     // fsblkcnt_t and c_ulong are not u64 on every platform.
     #[allow(clippy::unnecessary_cast)]
     Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))

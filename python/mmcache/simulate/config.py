@@ -202,8 +202,11 @@ class SimulationConfig:
                     f"use at least {math.ceil(needed / 2**30 * 1000) / 1000:g}"
                 )
         if self.mode == "shm":
-            free = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
-            if self.hosts * self.capacity_gb * 2**30 > free:
+            usage = shutil.disk_usage("/dev/shm") if Path("/dev/shm").is_dir() else None
+            free = 0 if usage is None else usage.free
+            # A tmpfs without a size limit (size=0) reports no blocks at all: nothing to check.
+            limited = usage is None or usage.total > 0
+            if limited and self.hosts * self.capacity_gb * 2**30 > free:
                 each = f" for each of {self.hosts} hosts" if self.hosts > 1 else ""
                 raise ConfigError(
                     f"--capacity-gb {self.capacity_gb:g}{each} is more than the "

@@ -17,7 +17,8 @@
 //! (not `chunks_reserved`). It holds at most 1/16 of the ring per writer slot (and 256
 //! KiB), and only objects up to a quarter of it are carved, so a small ring, or a large
 //! object, is reserved exactly as before. A refill looks only near the hand; when it finds
-//! no room there, the next [`BACK_OFF`] small puts are reserved on their own.
+//! no room there, or `/dev/shm` cannot hold a whole buffer, the object and the next
+//! [`BACK_OFF`] small puts are reserved on their own.
 
 use std::ops::Range;
 use std::sync::MutexGuard;

@@ -241,12 +241,11 @@ impl Writer {
             }
             self.return_lab(&lock, &mut lab)?;
             // A short look only: where no buffer's room is free near the hand, the object
-            // is reserved on its own below, as if there were no buffer.
-            match self
-                .shared
-                .allocate(&lock, len, &mut census, Some(4 * len))?
-            {
-                Some(address) => {
+            // is reserved on its own below, as if there were no buffer; so it is where
+            // tmpfs cannot hold a whole buffer (`allocate` fails before it changes anything),
+            // for the object alone may still fit in what is left.
+            match self.shared.allocate(&lock, len, &mut census, Some(4 * len)) {
+                Ok(Some(address)) => {
                     self.start_lab(&lock, &mut lab, address, len)?;
                     if let Some(carved) = self.carve(&mut lab, size)? {
                         return Ok(Reservation {
@@ -255,7 +254,8 @@ impl Writer {
                         });
                     }
                 }
-                None => self.back_off_lab(),
+                Ok(None) | Err(Error::ShmTooSmall { .. }) => self.back_off_lab(),
+                Err(e) => return Err(e),
             }
         }
         let full = || Error::Full {
