@@ -17,6 +17,9 @@ pub enum Error {
     Full { needed: u64, capacity: u64 },
     /// The host's shared-memory filesystem cannot hold the segment.
     ShmTooSmall { needed: u64, available: u64 },
+    /// The host's shared-memory filesystem has no file left to give (its inodes are used up),
+    /// whatever its free bytes: segment `name` could not be created.
+    ShmNoFiles(String),
     /// `issue` / `pin` of an absent key.
     KeyNotFound(String),
     /// A segment with this name exists already.
@@ -90,6 +93,13 @@ impl fmt::Display for Error {
                  {available} bytes free; lower the cache capacity or enlarge /dev/shm (Docker: \
                  --shm-size=<size> or --ipc=host; Kubernetes: an emptyDir volume with \
                  medium: Memory mounted at /dev/shm)"
+            ),
+            Error::ShmNoFiles(name) => write!(
+                f,
+                "shared memory has no room for one more file: /dev/shm's inodes are used up \
+                 (by other processes' files), so segment {name:?} could not be created; \
+                 remove what is left there (`mmcache prune` removes this package's orphans) or \
+                 give /dev/shm more inodes (mount option nr_inodes)"
             ),
             Error::KeyNotFound(key) => write!(f, "{key:?}"),
             Error::Exists(name) => write!(

@@ -510,3 +510,49 @@ def test_a_dev_shm_without_a_size_limit_holds_a_ring():
     )
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["ok"], done.stdout
+
+
+# /dev/shm with bytes to spare but no file left to give (its inodes used up by other
+# processes' files): a ring cannot be created, and says so as a too-small /dev/shm does (the
+# MemoryError vLLM's frontend falls back on), until a file goes.
+NO_FILES_LEFT = textwrap.dedent(
+    """
+    import os
+    from mmcache import ShmSenderCache, ShmTooSmallError
+    taken = []
+    try:
+        while True:
+            name = f"/dev/shm/other{len(taken)}"
+            open(name, "x").close()
+            taken.append(name)
+    except OSError:
+        pass
+    assert taken and os.statvfs("/dev/shm").f_bavail > 0
+    try:
+        ShmSenderCache(1 / 1024).close()
+    except ShmTooSmallError as exc:
+        assert "inodes are used up" in str(exc), exc
+        print("refused")
+    os.remove(taken.pop())
+    p0 = ShmSenderCache(1 / 1024)
+    assert p0.get_and_update_item(({"x": b"abc"}, None), "h")[0] is not None
+    p0.close()
+    assert sorted(os.listdir("/dev/shm")) == sorted(os.path.basename(n) for n in taken)
+    print("created")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_a_dev_shm_out_of_files_refuses_a_ring_as_a_too_small_one_does():
+    mount = "mount -t tmpfs -o size=32m,nr_inodes=16 tmpfs /dev/shm"
+    script = f'{mount} && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, NO_FILES_LEFT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["refused", "created"], done.stdout

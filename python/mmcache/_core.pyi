@@ -68,7 +68,8 @@ class ReferencesSaturatedError(MemoryError):
     unread references to the object it can count (nothing changed)."""
 
 class ShmTooSmallError(MemoryError):
-    """The host's ``/dev/shm`` cannot hold the segment (the message says how to enlarge it)."""
+    """The host's ``/dev/shm`` cannot hold the segment, for want of bytes or of files (the
+    message says how to make room)."""
 
 @final
 class ShmHandle:

@@ -102,8 +102,8 @@ create_exception!(
     mmcache._core,
     ShmTooSmallError,
     PyMemoryError,
-    "The host's /dev/shm cannot hold the segment (a MemoryError; the message says how to \
-     enlarge it)."
+    "The host's /dev/shm cannot hold the segment, for want of bytes or of files (a \
+     MemoryError; the message says how to make room)."
 );
 
 impl From<Error> for PyErr {
@@ -115,7 +115,7 @@ impl From<Error> for PyErr {
             Error::TooLarge { .. } => ObjectTooLargeError::new_err(msg),
             Error::Full { .. } | Error::IndexFull(_) => RingFullError::new_err(msg),
             Error::Saturated { .. } => ReferencesSaturatedError::new_err(msg),
-            Error::ShmTooSmall { .. } => ShmTooSmallError::new_err(msg),
+            Error::ShmTooSmall { .. } | Error::ShmNoFiles(_) => ShmTooSmallError::new_err(msg),
             Error::KeyNotFound(key) => PyKeyError::new_err(key),
             Error::Exists(_) => PyFileExistsError::new_err(msg),
             Error::NotFound(_) => PyFileNotFoundError::new_err(msg),

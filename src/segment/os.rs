@@ -22,6 +22,8 @@ pub const SHM_DIR: &str = "/dev/shm";
 pub(super) fn open_error(name: &str, err: io::Error) -> Error {
     match err.raw_os_error() {
         Some(libc::EEXIST) => Error::Exists(name.to_owned()),
+        // Only a creation meets it: tmpfs has no inode left (its bytes are checked apart).
+        Some(libc::ENOSPC) => Error::ShmNoFiles(name.to_owned()),
         Some(libc::ENOENT) => Error::NotFound(name.to_owned()),
         Some(libc::EACCES) | Some(libc::EPERM) => Error::Permission(name.to_owned()),
         Some(libc::ENAMETOOLONG) | Some(libc::EINVAL) => {
