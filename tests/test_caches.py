@@ -961,6 +961,82 @@ def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> No
                 assert torch.equal(receiver.get_and_update_item(handle, "a")["x"], item["x"])
 
 
+# Hashable, but no mm_hash (SPEC: a str): the LRU modes keyed items by them.
+NOT_STR_HASHES = [5, ("a",), b"a", 1.5]
+
+
+def _hash_type_error(call: str, bad: object, name: str = "mm_hash") -> Any:
+    """``pytest.raises`` for ``call``'s error naming ``name``, ``bad``, that is not a str."""
+    return pytest.raises(
+        TypeError,
+        match=rf"^{re.escape(f'{call}: {name} must be a str, not {type(bad).__qualname__}')}$",
+    )
+
+
+@pytest.mark.parametrize("bad", NOT_STR_HASHES, ids=repr)
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ShmSenderCache])
+def test_a_sender_refuses_a_hashable_mm_hash_that_is_no_str(cache_type: type, bad: object) -> None:
+    # The LRU senders keyed items by any hashable (an int, a tuple, bytes): cached, found,
+    # touched and invalidated under it without a word, while the ring refused it; P1's
+    # ReceiverCache took the same, so both sides agreed on a key SPEC never allows.
+    item = {"x": torch.ones(2)}
+    with cache_type(0.01) as p0:
+        p0.get_and_update_item((item, None), "a")
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            p0.get_and_update_item((item, None), bad)
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            p0.get_and_update_item(None, bad)
+        with _hash_type_error("get_and_update(items, mm_hashes)", bad, "mm_hashes[0]"):
+            p0.get_and_update([(item, None), (item, None)], [bad, "b"])
+        with _hash_type_error("is_cached_item(mm_hash)", bad):
+            p0.is_cached_item(bad)
+        with _hash_type_error("is_cached(mm_hashes)", bad, "mm_hashes[0]"):
+            p0.is_cached([bad, "a"])
+        with _hash_type_error("touch_sender_cache_item(mm_hash)", bad):
+            p0.touch_sender_cache_item(bad)
+        with _hash_type_error("invalidate(mm_hash)", bad):
+            p0.invalidate(bad)
+        if cache_type is not ShmSenderCache:
+            with _hash_type_error("settle_recency(mm_hashes)", bad, "mm_hashes[0]"):
+                p0.settle_recency([bad, "a"])
+        if cache_type is SenderCache:
+            with _hash_type_error("undo_recency(mm_hashes)", bad, "mm_hashes[0]"):
+                p0.undo_recency([bad])
+        assert p0.is_cached(["a", "b"]) == [True, False]  # nothing stored under "b" either
+
+
+@pytest.mark.parametrize("bad", NOT_STR_HASHES, ids=repr)
+@pytest.mark.parametrize("mode", ["lru"])
+def test_a_receiver_refuses_a_hashable_mm_hash_that_is_no_str(mode: str, bad: object) -> None:
+    # ReceiverCache stored, touched and resolved items under any hashable; ShmReceiverCache
+    # refused one only with a handle, and returned a plain item or None under it.
+    item = {"x": torch.ones(2)}
+    with cache_pair(mode) as (p0, receiver):
+        assert receiver is not None
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            receiver.get_and_update_item(item, bad)
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            receiver.get_and_update_item(None, bad)
+        with _hash_type_error("touch_receiver_cache_item(mm_hash)", bad):
+            receiver.touch_receiver_cache_item(bad)
+        with _hash_type_error("get_and_update(items, mm_hashes)", bad, "mm_hashes[0]"):
+            receiver.get_and_update([item, item], [bad, "b"])
+        data, _ = p0.get_and_update_item((item, None), "a")
+        feature = Feature(data, mm_hash="a", identifier="a")
+        key = "features[1]'s key (its mm_hash, else its identifier)"
+        with _hash_type_error("get_and_update_features(features)", bad, key):
+            receiver.get_and_update_features([feature, Feature(item, mm_hash=bad, identifier="i")])
+        with _hash_type_error("get_and_update_features(features)", bad, key):
+            receiver.get_and_update_features([feature, Feature(item, mm_hash=None, identifier=bad)])
+        if isinstance(receiver, ReceiverCache):
+            with _hash_type_error("settle_recency(mm_hashes)", bad, "mm_hashes[0]"):
+                receiver.settle_recency([bad])
+            assert receiver.keys() == []  # nothing stored under bad, nor under "b"
+        # Refused before anything was read: the handle's reference is still there to read.
+        [resolved] = receiver.get_and_update_features([feature])
+        assert torch.equal(resolved.data["x"], item["x"])
+
+
 def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
     # CacheMissError(h) (one hash, not a list) listed h's characters as the missing hashes:
     # a sender invalidating those forgot nothing, so its retry missed again.

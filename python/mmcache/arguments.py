@@ -5,7 +5,8 @@ that is no item, a capacity in bytes), and ``capacity_gb`` as bytes."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 GiB = 1 << 30
 MAX_CAPACITY_GB = 1 << 14
@@ -42,14 +43,34 @@ def check_item_list(items: object, method: str) -> None:
     check_list(items, method, "items", one)
 
 
-def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
-    """:func:`check_list` for the ``mm_hashes`` of ``method``."""
-    one = (
-        "is_cached([mm_hash]) or is_cached_item(mm_hash)"
-        if method == "is_cached"
-        else _one_item_call(method)
-    )
+_HASH_LIST_CALLS = {
+    # method: (its arguments, the call meant by one hash)
+    "is_cached": ("mm_hashes", "is_cached([mm_hash]) or is_cached_item(mm_hash)"),
+    "get_and_update": ("items, mm_hashes", _one_item_call("get_and_update")),
+    "settle_recency": ("mm_hashes", "settle_recency([mm_hash])"),
+    "undo_recency": ("mm_hashes", "undo_recency([mm_hash])"),
+}
+
+
+def check_hash_list(mm_hashes: Iterable[str], method: str = "is_cached") -> Sequence[str]:
+    """:func:`check_list` for the ``mm_hashes`` of ``method`` (one of ``_HASH_LIST_CALLS``),
+    then :func:`check_hash_types`; returns them as a sequence (an iterator read into a list,
+    as the check reads them)."""
+    arguments, one = _HASH_LIST_CALLS[method]
     check_list(mm_hashes, method, "mm_hashes", one)
+    if not isinstance(mm_hashes, Sequence):
+        mm_hashes = list(mm_hashes)
+    check_hash_types(mm_hashes, f"{method}({arguments})")
+    return mm_hashes
+
+
+def check_hash_types(keys: Sequence[object], call: str, name: str = "mm_hashes[{}]") -> None:
+    """``TypeError`` naming ``call`` and the first of ``keys`` that is not a str (``name``,
+    formatted with its index, says what it is): an int, a tuple or bytes is hashable, so an
+    LRU would key items by it, where the ring (and SPEC) takes only a str."""
+    for i, key in enumerate(keys):
+        if type(key) is not str and not isinstance(key, str):
+            raise TypeError(f"{call}: {name.format(i)} must be a str, not {type(key).__qualname__}")
 
 
 def check_feature_list(features: object) -> None:
@@ -73,15 +94,34 @@ def not_features(features: Sequence[object], error: AttributeError) -> TypeError
     )
 
 
+def feature_keys(features: Sequence[Any]) -> list[str]:
+    """The cache key of each of ``features`` (its ``mm_hash``, else its ``identifier``), read
+    before anything is resolved: :func:`not_features`' error for a list that holds something
+    else, :func:`check_hash_types`' for a key that is not a str."""
+    try:
+        keys = [f.mm_hash or f.identifier for f in features]
+    except AttributeError as exc:
+        raise not_features(features, exc) from None
+    check_hash_types(
+        keys,
+        "get_and_update_features(features)",
+        "features[{}]'s key (its mm_hash, else its identifier)",
+    )
+    return keys
+
+
 def unstorable_hash(mm_hash: str) -> ValueError:
     """The error for an ``mm_hash`` that is not valid Unicode text (it holds a lone
     surrogate): the shared-memory ring keys objects by UTF-8, so every mode refuses it alike."""
     return ValueError(f"mm_hash {mm_hash!r} holds a lone surrogate (it is no valid UTF-8)")
 
 
-def check_mm_hash(mm_hash: str) -> None:
-    """:func:`unstorable_hash`'s error for such an ``mm_hash``."""
-    if type(mm_hash) is str and not mm_hash.isascii():
+def check_mm_hash(mm_hash: str, call: str) -> None:
+    """:func:`check_mm_hash_type`'s error for an ``mm_hash`` of ``call`` that is not a str,
+    :func:`unstorable_hash`'s for one that is no valid UTF-8."""
+    if type(mm_hash) is not str:
+        check_mm_hash_type(call, mm_hash)  # a subclass of str passes
+    if not mm_hash.isascii():
         try:
             mm_hash.encode()
         except UnicodeEncodeError:

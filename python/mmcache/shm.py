@@ -270,7 +270,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         every claim it holds, its earlier calls' included (they are claimed again after the
         wait if still missing and nobody else claimed them meanwhile), so
         two requests that claimed each other's items in turns never wait for each other."""
-        check_hash_list(mm_hashes)
+        mm_hashes = check_hash_list(mm_hashes)
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
         is_cached_item = self.is_cached_item  # (looked up once)
@@ -361,7 +361,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         except UnicodeEncodeError:
             # The core's for a key that is no UTF-8 (checked here, not on every call), or
             # the codec's for the prompt updates.
-            check_mm_hash(mm_hash)
+            check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")
             raise
         finally:
             try:
@@ -531,16 +531,12 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # No lock: the pins are this thread's, and a pin is one atomic core call (which waits
         # on the core's lock only for an object being evicted, held by a writer that needs
         # no GIL to finish).
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "touch_sender_cache_item(mm_hash)")
         pins = self._request.pins
-        try:
-            if mm_hash not in pins:
-                pinned = self._store.pin_object(mm_hash)
-                if pinned is not None:
-                    pins[mm_hash] = pinned
-        except TypeError:  # unhashable, or the core's for a key that is not a str
-            check_mm_hash_type("touch_sender_cache_item(mm_hash)", mm_hash)
-            raise
+        if mm_hash not in pins:
+            pinned = self._store.pin_object(mm_hash)
+            if pinned is not None:
+                pins[mm_hash] = pinned
 
     def release_sender_touches(self) -> None:
         """Unpin every item this thread touched, and give up every claim it took, whose
@@ -597,13 +593,9 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         in flight either still read their own data (their unread references protect it) or
         are a miss, never another item's data; the next update of ``mm_hash`` writes it
         anew."""
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "invalidate(mm_hash)")
         with self._lock:
-            try:
-                self._store.invalidate(mm_hash)  # drops its pins too
-            except TypeError:  # the core's, for a key that is not a str
-                check_mm_hash_type("invalidate(mm_hash)", mm_hash)
-                raise
+            self._store.invalidate(mm_hash)  # drops its pins too
             self._prompt_updates.pop(mm_hash, None)
 
     def clear_cache(self, *, keep_in_flight: bool = False) -> None:
