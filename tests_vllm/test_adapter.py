@@ -600,3 +600,34 @@ def test_one_feature_or_item_where_vllm_passes_a_list_is_a_type_error(mode: str)
         if mode == "shm":
             p1._shm_cache.close()
         p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) -> None:
+    # get_and_update_features([data]), the request's items where its features go, was
+    # "'MultiModalKwargsItem' object has no attribute 'mm_hash'" (lru: from the settling
+    # after the core's TypeError, which it replaced) or "... no attribute 'data'" (shm), an
+    # AttributeError, where mmcache's own receivers name the call and what to pass.
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = (
+        engine_receiver_cache_from_config(config)
+        if mode == "lru"
+        else worker_receiver_cache_from_config(config, LOCK)
+    )
+    item = kwargs_item(1)
+    try:
+        [(data, _)] = p0.get_and_update([(item, [])], ["h"])
+        one = feature(data if data is not None else item, "h")
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features \(with data, mm_hash "
+            r"and identifier\), not of MultiModalKwargsItem: pass data to get_and_update$",
+        ):
+            p1.get_and_update_features([one, item])
+        [resolved] = p1.get_and_update_features([one])  # nothing was consumed
+        assert same_item(item, resolved.data)
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()

@@ -27,7 +27,7 @@ from vllm.utils.platform_utils import is_pin_memory_available
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle
-from mmcache.arguments import check_feature_list, check_hash_list, check_item_list
+from mmcache.arguments import check_feature_list, check_hash_list, check_item_list, feature_keys
 from mmcache.caches import ReceiverCache
 from mmcache.errors import StaleHandleError
 from mmcache.items import Feature, ShmHandle, item_size
@@ -62,14 +62,19 @@ class MmcacheLruReceiverCache(LruKeyReplicatedReceiverCache):  # type: ignore[mi
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
         """Resolve the request's features (in prompt order), then settle the recency of its
         items as P0 settled it (P0 updated them modality by modality): the mirror holds."""
-        check_feature_list(mm_features)  # before the settling below iterates them
+        check_feature_list(mm_features)
+        if not isinstance(mm_features, Sequence):  # read more than once below
+            mm_features = list(mm_features)
+        # Read (and checked) before anything is resolved: the settling below runs whatever
+        # resolving raised.
+        keys = feature_keys(mm_features)
         # One step for the cache: no other thread's request between the two.
         with self._receiver._lock:
             try:
                 with vllm_errors():
                     self._receiver.get_and_update_features(mm_features)
             finally:
-                self._receiver.settle_recency(f.mm_hash or f.identifier for f in mm_features)
+                self._receiver.settle_recency(keys)
         return mm_features
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -194,14 +199,15 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         """Resolve every feature that carries data, in place (``None``: a payload the
         scheduler stripped, nothing to read)."""
         check_feature_list(mm_features)
-        with_data = [f for f in mm_features if f.data is not None]
+        if not isinstance(mm_features, Sequence):  # read more than once below
+            mm_features = list(mm_features)
+        keys = feature_keys(mm_features)  # before any handle is read
+        with_data = [
+            (f, key) for f, key in zip(mm_features, keys, strict=True) if f.data is not None
+        ]
         resolving = [
-            Feature(
-                data=self._incoming(f.data, f.mm_hash or f.identifier),
-                mm_hash=f.mm_hash,
-                identifier=f.identifier,
-            )
-            for f in with_data
+            Feature(data=self._incoming(f.data, key), mm_hash=f.mm_hash, identifier=f.identifier)
+            for f, key in with_data
         ]
         with vllm_errors(StaleShmHandleError):
             if self._reader is None:
@@ -210,7 +216,7 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
                         raise feature.data.error
             else:
                 self._reader.get_and_update_features(resolving)
-        for feature, resolved in zip(with_data, resolving, strict=True):
+        for (feature, _), resolved in zip(with_data, resolving, strict=True):
             feature.data = resolved.data
         return mm_features
 
