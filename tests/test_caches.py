@@ -1006,7 +1006,7 @@ def test_a_sender_refuses_a_hashable_mm_hash_that_is_no_str(cache_type: type, ba
 
 
 @pytest.mark.parametrize("bad", NOT_STR_HASHES, ids=repr)
-@pytest.mark.parametrize("mode", ["lru"])
+@pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_receiver_refuses_a_hashable_mm_hash_that_is_no_str(mode: str, bad: object) -> None:
     # ReceiverCache stored, touched and resolved items under any hashable; ShmReceiverCache
     # refused one only with a handle, and returned a plain item or None under it.

@@ -14,7 +14,7 @@ import numpy as np
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.arguments import check_mm_hash_type, receiver_type_error
+from mmcache.arguments import check_mm_hash, check_mm_hash_type, receiver_type_error
 from mmcache.caches import BaseReceiverCache
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
@@ -97,9 +97,10 @@ class ShmReceiverCache(BaseReceiverCache):
         # Handles first: an isinstance check against the Mapping ABC costs more than the
         # rest of the call's Python together.
         if type(item) is not ShmHandle:
+            # Checked although unused here: the other receivers and the senders refuse it.
+            check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")
             if item is None or isinstance(item, Mapping):
                 return item
-            check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
             raise receiver_type_error("ShmReceiverCache", item, mm_hash)
         try:
             if self._plain_copies:
@@ -116,7 +117,9 @@ class ShmReceiverCache(BaseReceiverCache):
             raise
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
-        """Nothing to do: references are taken by P0 and given back by reading."""
+        """Nothing to do but check ``mm_hash`` (as :class:`~mmcache.caches.ReceiverCache`
+        does): references are taken by P0 and given back by reading."""
+        check_mm_hash(mm_hash, "touch_receiver_cache_item(mm_hash)")
 
     def clear_cache(self) -> None:
         """Nothing to do: a reader does not own the ring (P0 clears it)."""
