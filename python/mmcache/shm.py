@@ -520,6 +520,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         :class:`ShmHandle` signed for ``mm_hash`` by this cache and naming the object stored
         under it now.  Side-effect free (no hit counted, no reference issued, no recency
         change), for validating a handle a client sent back."""
+        check_mm_hash(mm_hash, "verify(handle, mm_hash)")
         if not isinstance(handle, ShmHandle):
             return False
         with self._lock:  # as in is_cached_item: wait here, not on the core's mutex
