@@ -33,7 +33,10 @@ class CacheInfo(NamedTuple):
         """``hits / total``, or 0.0 before the first lookup."""
         return self.hits / self.total if self.total else 0.0
 
-    def __sub__(self, other: CacheInfo) -> CacheInfo:
+    def __sub__(self, other: object) -> CacheInfo:
+        if not isinstance(other, CacheInfo):
+            # Python's TypeError for the operands (a tuple's fields have no names to read).
+            return NotImplemented
         return CacheInfo(self.hits - other.hits, self.total - other.total)
 
 
