@@ -1059,6 +1059,25 @@ def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> N
         assert torch.equal(feature.data["x"], torch.ones(2))
 
 
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_receiver_given_data_that_is_no_item_says_what_it_takes(mode: str) -> None:
+    # An int, a str or a list as a feature's data was "ReceiverCache got a int for a": what
+    # the receiver takes instead, nowhere (and "a int").
+    takes = {
+        "lru": "an item (a mapping of field names) or None",
+        "shm": "an item (a mapping of field names), a handle or None",
+    }[mode]
+    with cache_pair(mode) as (_, receiver):
+        assert receiver is not None
+        name = type(receiver).__name__
+        for data in (5, "pixels", [torch.ones(2)]):
+            message = f"{name} takes {takes} as the data of a, not {type(data).__name__}"
+            with pytest.raises(TypeError, match=rf"^{re.escape(message)}$"):
+                receiver.get_and_update_item(data, "a")
+            with pytest.raises(TypeError, match=rf"^{re.escape(message)}$"):
+                receiver.get_and_update_features([Feature(data=data, mm_hash="a")])
+
+
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
 def test_a_hash_with_a_lone_surrogate_is_one_value_error_in_every_mode(mode: str) -> None:
     # The ring keys by UTF-8, so shm raised the codec's bare UnicodeEncodeError, after the

@@ -137,12 +137,14 @@ def check_mm_hash_type(call: str, mm_hash: object) -> None:
         raise TypeError(message) from None
 
 
-def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
-    """What receiver ``cache`` raises for data that is no item, handle or ``None``."""
+def receiver_type_error(cache: str, takes: str, item: object, mm_hash: str) -> TypeError:
+    """What receiver ``cache`` raises for data that is not what it ``takes``."""
     # A pair is most likely P0's whole output for the item, sent as its data.
     pair = isinstance(item, tuple) and len(item) == 2
     hint = ": P0's output is (data, prompt_updates); send its data" if pair else ""
-    return TypeError(f"{cache} got a {type(item).__qualname__} for {mm_hash}{hint}")
+    return TypeError(
+        f"{cache} takes {takes} as the data of {mm_hash}, not {type(item).__qualname__}{hint}"
+    )
 
 
 def capacity_bytes(capacity_gb: float) -> int:

@@ -680,7 +680,9 @@ class ReceiverCache(BaseReceiverCache):
                 self._protection.updated(mm_hash)
                 return cached
             if not isinstance(item, Mapping):
-                raise receiver_type_error("ReceiverCache", item, mm_hash)
+                raise receiver_type_error(
+                    "ReceiverCache", "an item (a mapping of field names) or None", item, mm_hash
+                )
             self._cache_if_fits(self._protection, mm_hash, item)
             self._protection.updated(mm_hash)
             if self._request.open:

@@ -101,7 +101,12 @@ class ShmReceiverCache(BaseReceiverCache):
             check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")
             if item is None or isinstance(item, Mapping):
                 return item
-            raise receiver_type_error("ShmReceiverCache", item, mm_hash)
+            raise receiver_type_error(
+                "ShmReceiverCache",
+                "an item (a mapping of field names), a handle or None",
+                item,
+                mm_hash,
+            )
         try:
             if self._plain_copies:
                 # The core's defaults, passed as none: PyO3 parses keywords at ~0.25 µs a
