@@ -1060,6 +1060,25 @@ def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> N
 
 
 @pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_none_among_features_is_named_as_what_is_no_feature(mode: str) -> None:
+    # [feature, None] was refused as a list of features "('NoneType' object has no attribute
+    # 'mm_hash')": the None found was taken for "none found", so the message quoted the
+    # AttributeError instead of naming what the list held.
+    with cache_pair(mode) as (p0, receiver):
+        assert receiver is not None
+        data, _ = p0.get_and_update_item(({"x": torch.ones(2)}, None), "a")
+        feature = Feature(data, mm_hash="a")
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features \(with data, mm_hash and "
+            r"identifier\), not of NoneType: pass data to get_and_update$",
+        ):
+            receiver.get_and_update_features([feature, None])
+        [resolved] = receiver.get_and_update_features([feature])  # nothing was consumed
+        assert torch.equal(resolved.data["x"], torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_receiver_given_data_that_is_no_item_says_what_it_takes(mode: str) -> None:
     # An int, a str or a list as a feature's data was "ReceiverCache got a int for a": what
     # the receiver takes instead, nowhere (and "a int").

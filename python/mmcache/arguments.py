@@ -84,10 +84,9 @@ def not_features(features: Sequence[object], error: AttributeError) -> TypeError
     """The error for a list of ``features`` that holds something else (the data itself, say),
     which has no ``mm_hash`` or ``identifier`` to key it by (``error``: what reading them
     raised)."""
-    other = next(
-        (f for f in features if not (hasattr(f, "mm_hash") and hasattr(f, "identifier"))), None
-    )
-    what = f"not of {type(other).__qualname__}" if other is not None else f"({error})"
+    # A list, not next(..., None): what it finds may be None itself.
+    others = [f for f in features if not (hasattr(f, "mm_hash") and hasattr(f, "identifier"))]
+    what = f"not of {type(others[0]).__qualname__}" if others else f"({error})"
     return TypeError(
         "get_and_update_features takes a list of features (with data, mm_hash and "
         f"identifier), {what}: pass data to get_and_update"
