@@ -7,6 +7,7 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace as Namespace
 from typing import Any
 
 import pytest
@@ -1023,11 +1024,16 @@ def test_a_receiver_refuses_a_hashable_mm_hash_that_is_no_str(mode: str, bad: ob
             receiver.get_and_update([item, item], [bad, "b"])
         data, _ = p0.get_and_update_item((item, None), "a")
         feature = Feature(data, mm_hash="a", identifier="a")
+        # An engine's own feature objects (Feature itself refuses such keys).
         key = "features[1]'s key (its mm_hash, else its identifier)"
         with _hash_type_error("get_and_update_features(features)", bad, key):
-            receiver.get_and_update_features([feature, Feature(item, mm_hash=bad, identifier="i")])
+            receiver.get_and_update_features(
+                [feature, Namespace(data=item, mm_hash=bad, identifier="i")]
+            )
         with _hash_type_error("get_and_update_features(features)", bad, key):
-            receiver.get_and_update_features([feature, Feature(item, mm_hash=None, identifier=bad)])
+            receiver.get_and_update_features(
+                [feature, Namespace(data=item, mm_hash=None, identifier=bad)]
+            )
         if isinstance(receiver, ReceiverCache):
             with _hash_type_error("settle_recency(mm_hashes)", bad, "mm_hashes[0]"):
                 receiver.settle_recency([bad])
