@@ -602,6 +602,39 @@ def test_one_feature_or_item_where_vllm_passes_a_list_is_a_type_error(mode: str)
         p0.close()
 
 
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_an_item_without_its_prompt_updates_is_a_type_error_saying_what_p0_takes(
+    mode: str,
+) -> None:
+    # In shm mode, an item passed without its prompt updates (or an int) was unpacked by the
+    # adapter's conversion: "too many values to unpack (expected 2)", a ValueError, or
+    # "cannot unpack non-iterable int object"; a pair holding no item was "'int' object has
+    # no attribute 'items'" (or 'field', for a mapping of no elements), AttributeErrors,
+    # where the other modes say what P0 takes.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    item = kwargs_item(1)
+    try:
+        for bad in (item, 5, (item,)):
+            what = type(bad).__name__
+            takes = rf"^P0 input for new must be \(item, prompt_updates\) or None, not {what}$"
+            with pytest.raises(TypeError, match=takes):
+                p0.get_and_update_item(bad, "new")
+            with pytest.raises(TypeError, match=takes):
+                p0.get_and_update([bad], ["new"])
+        mapping = r"^an item must be a mapping of field names, not int$"
+        with pytest.raises(TypeError, match=mapping):
+            p0.get_and_update_item((5, []), "new")
+        with pytest.raises(TypeError, match=mapping):
+            p0.get_and_update([(5, [])], ["new"])
+        if mode == "shm":  # the ring holds vLLM's items converted, element by element
+            elements = r"^field 'a': int, not the MultiModalFieldElem a vLLM item"
+            with pytest.raises(TypeError, match=elements):
+                p0.get_and_update_item(({"a": 1}, []), "new")
+        assert p0.is_cached(["new"]) == [False]
+    finally:
+        p0.close()
+
+
 @pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) -> None:
     # get_and_update_features([data]), the request's items where its features go, was

@@ -36,7 +36,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from typing import Any
 
@@ -502,8 +502,12 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         return self._sender.is_cached(mm_hashes)
 
     def _to_mmcache(self, mm_item: Any) -> Any:
-        if self._ring is None or mm_item is None:
-            return mm_item
+        if self._ring is None or not (
+            isinstance(mm_item, tuple | list)
+            and len(mm_item) == 2
+            and isinstance(mm_item[0], Mapping)
+        ):
+            return mm_item  # None, or no (item, prompt_updates): the sender's to refuse
         item, prompt_updates = mm_item
         return item_to_mmcache(item), prompt_updates
 

@@ -117,9 +117,14 @@ def _slices_in(value: Any) -> Any:
 def item_to_mmcache(item: Mapping[str, Any]) -> dict[str, Any]:
     """A ``MultiModalKwargsItem`` as an mmcache item: for every key its element's data
     (tensors, lists, numbers) and its field (class name and attributes).  ``TypeError`` for
-    a field class vLLM 0.33 does not define."""
+    a value that is no element, or a field class vLLM 0.33 does not define."""
     out: dict[str, Any] = {}
     for key, elem in item.items():
+        if not isinstance(elem, MultiModalFieldElem):
+            raise TypeError(
+                f"field {key!r}: {type(elem).__qualname__}, not the MultiModalFieldElem a "
+                "vLLM item (MultiModalKwargsItem) holds"
+            )
         field = elem.field
         name = type(field).__name__
         if _FIELD_CLASSES.get(name) is not type(field):
