@@ -636,6 +636,35 @@ def test_an_item_without_its_prompt_updates_is_a_type_error_saying_what_p0_takes
 
 
 @pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_data_that_is_no_item_is_a_type_error_saying_what_the_receiver_takes(mode: str) -> None:
+    # A worker's data that is no mapping (an int, a list) was "argument of type 'int' is not
+    # iterable" in shm mode: the adapter looked for a handle's "address" key in it first.
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = (
+        engine_receiver_cache_from_config(config)
+        if mode == "lru"
+        else worker_receiver_cache_from_config(config, LOCK)
+    )
+    takes = (
+        r"^ReceiverCache takes an item \(a mapping of field names\) or None"
+        if mode == "lru"
+        else r"^ShmReceiverCache takes an item \(a mapping of field names\), a handle or None"
+    )
+    try:
+        for bad in (5, [1, 2]):
+            message = rf"{takes} as the data of h, not {type(bad).__name__}$"
+            with pytest.raises(TypeError, match=message):
+                p1.get_and_update_item(bad, "h")
+            with pytest.raises(TypeError, match=message):
+                p1.get_and_update_features([feature(bad, "h")])
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) -> None:
     # get_and_update_features([data]), the request's items where its features go, was
     # "'MultiModalKwargsItem' object has no attribute 'mm_hash'" (lru: from the settling

@@ -74,8 +74,9 @@ def _u64(item: Mapping[str, Any], key: str) -> int:
 
 def handle_from_item(item: Mapping[str, Any], mm_hash: str) -> ShmHandle | None:
     """The :class:`ShmHandle` an item carries, ``None`` for an item without ``address`` (plain
-    data), or :class:`InvalidShmHandleError` when its fields do not make a handle."""
-    if "address" not in item:
+    data) or what is no item (for the receiver to refuse, naming what it takes), or
+    :class:`InvalidShmHandleError` when its fields do not make a handle."""
+    if not isinstance(item, Mapping) or "address" not in item:
         return None
     try:
         words = item["signature"].data
