@@ -1052,6 +1052,26 @@ def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
     assert CacheMissError(("a", "b")).mm_hashes == ["a", "b"]
 
 
+def test_a_cache_miss_of_what_is_no_list_of_str_is_a_type_error() -> None:
+    # CacheMissError(None) was "'NoneType' object is not iterable", naming neither the call
+    # nor mm_hashes; CacheMissError([1]) was made, and the sender's invalidate(1) after it
+    # raised far from the code that built it.
+    with pytest.raises(
+        TypeError,
+        match=r"^CacheMissError takes a list of mm_hashes, not one NoneType: "
+        r"CacheMissError\(\[mm_hash\]\)$",
+    ):
+        CacheMissError(None)  # type: ignore[arg-type]
+    for bad in NOT_STR_HASHES:
+        with pytest.raises(
+            TypeError,
+            match=rf"^CacheMissError\(mm_hashes\): mm_hashes\[1\] must be a str, not "
+            rf"{type(bad).__name__}$",
+        ):
+            CacheMissError(["a", bad])  # type: ignore[list-item]
+    assert CacheMissError(h for h in "ab").mm_hashes == ["a", "b"]
+
+
 @pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> None:
     # P0 returns (data, prompt_updates) per item; a Feature built with the whole pair was
