@@ -619,6 +619,35 @@ def test_a_size_function_sets_what_an_item_counts_for(cache_type: type) -> None:
     assert sender.stats()["used_bytes"] == 3
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        ProcessorOnlyCache,
+        SenderCache,
+        ReceiverCache,
+        lambda capacity_gb, getsizeof: LRUCache(GiB * capacity_gb, getsizeof=getsizeof),
+        lambda capacity_gb, getsizeof: make_caches(
+            "lru", capacity_gb=capacity_gb, getsizeof=getsizeof
+        ),
+    ],
+    ids=["ProcessorOnlyCache", "SenderCache", "ReceiverCache", "LRUCache", "make_caches"],
+)
+@pytest.mark.parametrize("bad", [None, 5, "item_size"], ids=repr)
+def test_a_size_function_that_is_no_function_is_a_type_error_naming_getsizeof(
+    make: Any, bad: object
+) -> None:
+    # getsizeof=5 was taken, and the first put raised "'int' object is not callable";
+    # getsizeof=None made ReceiverCache (and LRUCache) count every item as 1 byte, without a
+    # word (cachetools' default), while SenderCache failed at its first put: P1's LRU never
+    # evicted, and the two sides could not mirror.
+    with pytest.raises(
+        TypeError,
+        match=rf"^getsizeof must be a function of an item returning its size in bytes, not "
+        rf"{type(bad).__name__}$",
+    ):
+        make(0.01, getsizeof=bad)
+
+
 def test_make_caches_passes_the_size_function_to_both_sides() -> None:
     def one(item: Any) -> int:
         return 1

@@ -146,6 +146,16 @@ def receiver_type_error(cache: str, takes: str, item: object, mm_hash: str) -> T
     )
 
 
+def check_getsizeof(getsizeof: object) -> None:
+    """``TypeError`` unless ``getsizeof`` is callable: anything else failed at the first put
+    (an int), or, ``None``, made the LRU count each item as 1 byte (cachetools' default)."""
+    if not callable(getsizeof):
+        raise TypeError(
+            "getsizeof must be a function of an item returning its size in bytes, not "
+            f"{type(getsizeof).__name__}"
+        )
+
+
 def capacity_bytes(capacity_gb: float) -> int:
     """``capacity_gb`` GiB as whole bytes (``ValueError`` unless a finite, non-negative
     number of at most :data:`MAX_CAPACITY_GB`; ``TypeError`` unless a number)."""

@@ -46,6 +46,7 @@ from mmcache.arguments import (
     GiB,
     capacity_bytes,
     check_feature_list,
+    check_getsizeof,
     check_hash_list,
     check_item_list,
     check_mm_hash,
@@ -427,6 +428,7 @@ class _LruSenderCache(BaseSenderCache):
 
     def __init__(self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size) -> None:
         super().__init__()
+        check_getsizeof(getsizeof)  # (the LRU is given the entries' size function)
         self._item_size = getsizeof
         # Only ever used under the cache's lock.
         self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=self._entry_size)

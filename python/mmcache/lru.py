@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import cachetools
 
+from mmcache.arguments import check_getsizeof
 from mmcache.items import item_size
 
 __all__ = ["CacheInfo", "HitCounter", "LRUCache", "UnsynchronizedLRUCache"]
@@ -90,6 +91,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
                 f"capacity_bytes must be a number of bytes >= 0 (inf: unbounded), not "
                 f"{capacity_bytes!r}"
             )
+        check_getsizeof(getsizeof)
         super().__init__(capacity_bytes, getsizeof)
         # Every entry has a recency stamp (:meth:`recency`), larger when more recent, so a
         # key's earlier recency can be given back (:meth:`restore_recency`). The recency
