@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace as Namespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -1070,6 +1071,29 @@ def test_a_receiver_refuses_a_hashable_mm_hash_that_is_no_str(mode: str, bad: ob
         # Refused before anything was read: the handle's reference is still there to read.
         [resolved] = receiver.get_and_update_features([feature])
         assert torch.equal(resolved.data["x"], item["x"])
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ShmSenderCache])
+def test_a_flag_that_is_no_bool_is_a_type_error_naming_it(cache_type: type) -> None:
+    # A flag's truthiness was taken: is_cached(hashes, claim="no") claimed every miss (other
+    # writers then waited on claims this one never meant to take), clear_cache(
+    # keep_in_flight="no") kept the handles in flight, make_stats(delta="no") gave a delta.
+    with cache_type(0.01) as p0:
+        p0.get_and_update_item(({"x": torch.ones(2)}, None), "a")
+        calls = [("delta", lambda bad: p0.make_stats(delta=bad))]
+        if cache_type is ShmSenderCache:
+            calls += [
+                ("claim", lambda bad: p0.is_cached(["b"], claim=bad)),
+                ("keep_in_flight", lambda bad: p0.clear_cache(keep_in_flight=bad)),
+            ]
+        for name, call in calls:
+            for bad in ("no", 1, None):
+                with pytest.raises(TypeError, match=rf"^{name} must be True or False, not "):
+                    call(bad)
+        assert p0.make_stats(delta=np.bool_(True)) == CacheInfo(0, 1)  # numpy's bool is one
+        assert p0.is_cached(["a", "b"]) == [True, False]
+        if cache_type is ShmSenderCache:
+            assert p0.give_up_claims() == []  # nothing was claimed
 
 
 def test_a_cache_miss_of_one_str_is_a_type_error() -> None:

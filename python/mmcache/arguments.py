@@ -8,6 +8,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 GiB = 1 << 30
 MAX_CAPACITY_GB = 1 << 14
 """The most ``capacity_gb`` any cache takes: 16 TiB, the ring's limit (the core's), more
@@ -154,6 +156,14 @@ def check_getsizeof(getsizeof: object) -> None:
             "getsizeof must be a function of an item returning its size in bytes, not "
             f"{type(getsizeof).__name__}"
         )
+
+
+def flag(name: str, value: object) -> bool:
+    """``value`` as a bool (``numpy.bool_`` too), or a ``TypeError`` naming ``name``: a
+    truthy string ("no") or number would silently turn the option on."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {value!r}")
 
 
 def capacity_bytes(capacity_gb: float) -> int:

@@ -51,6 +51,7 @@ from mmcache.arguments import (
     check_item_list,
     check_mm_hash,
     feature_keys,
+    flag,
     receiver_type_error,
 )
 from mmcache.closing import ClosesOnExit
@@ -504,6 +505,7 @@ class _LruSenderCache(BaseSenderCache):
             self._protection.clear()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        delta = flag("delta", delta)
         with self._lock:
             return self._lru.stat(delta)
 

@@ -55,6 +55,7 @@ from mmcache.arguments import (
     check_max_object_size_mb,
     check_mm_hash,
     check_mm_hash_type,
+    flag,
 )
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput, logger, split_sender_input
 from mmcache.errors import (
@@ -270,7 +271,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         every claim it holds, its earlier calls' included (they are claimed again after the
         wait if still missing and nobody else claimed them meanwhile), so
         two requests that claimed each other's items in turns never wait for each other."""
-        mm_hashes = check_hash_list(mm_hashes)
+        mm_hashes, claim = check_hash_list(mm_hashes), flag("claim", claim)
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
         is_cached_item = self.is_cached_item  # (looked up once)
@@ -611,6 +612,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         a handle in flight still reads its own data, and each object is reclaimed once it
         has been read (an abandoned reference keeps pinning its object).
         """
+        keep_in_flight = flag("keep_in_flight", keep_in_flight)
         with self._lock:
             if keep_in_flight:
                 for key in self._store.keys():
@@ -630,6 +632,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                 self._store.close()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        delta = flag("delta", delta)
         with self._lock:
             return self._lookups.info(delta=delta)
 

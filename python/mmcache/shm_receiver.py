@@ -10,11 +10,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.arguments import check_mm_hash, check_mm_hash_type, receiver_type_error
+from mmcache.arguments import check_mm_hash, check_mm_hash_type, flag, receiver_type_error
 from mmcache.caches import BaseReceiverCache
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
@@ -49,7 +47,7 @@ class ShmReceiverCache(BaseReceiverCache):
     ) -> None:
         # Checked before a reader slot is taken: the core takes only a bool at every
         # resolve, and a truthy string would silently mean copies.
-        copy, pin_memory = _flag("copy", copy), _flag("pin_memory", pin_memory)
+        copy, pin_memory = flag("copy", copy), flag("pin_memory", pin_memory)
         if not isinstance(handle, ReaderHandle):  # the sender itself, say
             raise TypeError(
                 "ShmReceiverCache takes a ReaderHandle (from the P0 cache's handle(), or "
@@ -139,10 +137,3 @@ class ShmReceiverCache(BaseReceiverCache):
             # Detached even if CUDA fails to unregister: the slot would stay taken for good.
             if not self._store.closed:
                 self._store.close()
-
-
-def _flag(name: str, value: object) -> bool:
-    """``value`` as a bool (``numpy.bool_`` too), or a ``TypeError`` naming ``name``."""
-    if isinstance(value, bool | np.bool_):
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, not {value!r}")
