@@ -1,6 +1,7 @@
 """What callers pass the caches, checked: the errors that name the argument and the call that
-was meant (one value where a list goes, a hash of the wrong type or no valid UTF-8, data
-that is no item, a capacity in bytes), and ``capacity_gb`` as bytes."""
+was meant (one value where a list goes, a hash, in a list or a feature's key too, of the
+wrong type or no valid UTF-8, data that is no item, a flag that is no bool, a size function
+that is none, a capacity in bytes), and ``capacity_gb`` as bytes."""
 
 from __future__ import annotations
 
