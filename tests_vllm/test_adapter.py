@@ -665,6 +665,34 @@ def test_data_that_is_no_item_is_a_type_error_saying_what_the_receiver_takes(mod
 
 
 @pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_receivers_mm_hash_that_is_no_str_is_a_type_error_naming_it(mode: str) -> None:
+    # The shm worker's adapter returned None for get_and_update_item(None, 5) and took
+    # touch_receiver_cache_item(5), where the lru one (and mmcache's receivers) refuse them.
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = (
+        engine_receiver_cache_from_config(config)
+        if mode == "lru"
+        else worker_receiver_cache_from_config(config, LOCK)
+    )
+    try:
+        for bad in (5, b"h"):
+            not_str = rf"mm_hash must be a str, not {type(bad).__name__}$"
+            with pytest.raises(
+                TypeError, match=rf"^get_and_update_item\(item, mm_hash\): {not_str}"
+            ):
+                p1.get_and_update_item(None, bad)
+            with pytest.raises(
+                TypeError, match=rf"^touch_receiver_cache_item\(mm_hash\): {not_str}"
+            ):
+                p1.touch_receiver_cache_item(bad)
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) -> None:
     # get_and_update_features([data]), the request's items where its features go, was
     # "'MultiModalKwargsItem' object has no attribute 'mm_hash'" (lru: from the settling

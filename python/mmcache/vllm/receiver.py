@@ -27,7 +27,13 @@ from vllm.utils.platform_utils import is_pin_memory_available
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle
-from mmcache.arguments import check_feature_list, check_hash_list, check_item_list, feature_keys
+from mmcache.arguments import (
+    check_feature_list,
+    check_hash_list,
+    check_item_list,
+    check_mm_hash,
+    feature_keys,
+)
 from mmcache.caches import ReceiverCache
 from mmcache.errors import StaleHandleError
 from mmcache.items import Feature, ShmHandle, item_size
@@ -237,6 +243,7 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         return [feature.data for feature in features]
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")  # as the reader does
         if mm_item is None:
             return None
         incoming = self._incoming(mm_item, mm_hash)
@@ -270,7 +277,9 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         self._delivered.difference_update(finished)
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Nothing to do: P0 took the references, reading gives them back."""
+        """Nothing to do but check ``mm_hash``, as the reader does: P0 took the references,
+        reading gives them back."""
+        check_mm_hash(mm_hash, "touch_receiver_cache_item(mm_hash)")
 
     def clear_cache(self) -> None:
         """Let the objects kept for replays go (a reader does not own the ring)."""
