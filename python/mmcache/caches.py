@@ -51,7 +51,6 @@ from mmcache.arguments import (
     check_item_list,
     check_mm_hash,
     feature_keys,
-    flag,
     receiver_type_error,
 )
 from mmcache.closing import ClosesOnExit
@@ -505,9 +504,8 @@ class _LruSenderCache(BaseSenderCache):
             self._protection.clear()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        delta = flag("delta", delta)
         with self._lock:
-            return self._lru.stat(delta)
+            return self._lru.stat(delta)  # (which checks delta)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import cachetools
 
-from mmcache.arguments import check_getsizeof
+from mmcache.arguments import check_getsizeof, flag
 from mmcache.items import item_size
 
 __all__ = ["CacheInfo", "HitCounter", "LRUCache", "UnsynchronizedLRUCache"]
@@ -323,7 +323,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
     def stat(self, delta: bool = False) -> CacheInfo:
         """Cumulative statistics, or with ``delta=True`` the change since the previous
         delta call."""
-        return self._lookups.info(delta=delta)
+        return self._lookups.info(delta=flag("delta", delta))
 
     def recency_order(self) -> list[Hashable]:
         """Keys from least to most recently used (the order eviction follows); O(n)."""
