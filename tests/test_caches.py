@@ -898,6 +898,20 @@ def cache_pair(mode: str) -> Iterator[tuple[BaseSenderCache, BaseReceiverCache |
         p0.close()
 
 
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_requests_items_from_a_generator_are_updated(mode: str) -> None:
+    # get_and_update(generator, hashes) was "object of type 'generator' has no len()", naming
+    # neither the call nor items, where its hashes (and a receiver's features) may come from
+    # one.
+    item = {"x": torch.ones(2)}
+    with cache_pair(mode) as (p0, receiver):
+        [(data, _)] = p0.get_and_update(((item, None) for _ in "a"), (h for h in "a"))
+        assert p0.is_cached(["a"]) == [True]
+        if receiver is not None:
+            [resolved] = receiver.get_and_update((d for d in [data]), (h for h in "a"))
+            assert torch.equal(resolved["x"], item["x"])
+
+
 @pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_features_from_a_generator_are_resolved(mode: str) -> None:
     # An iterable of features that is not a sequence was read twice (keys, then data): the

@@ -692,6 +692,31 @@ def test_a_receivers_mm_hash_that_is_no_str_is_a_type_error_naming_it(mode: str)
         p0.close()
 
 
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_requests_items_and_hashes_from_generators_are_updated(mode: str) -> None:
+    # P0's get_and_update((item, [])...) from a generator converted the items (reading it),
+    # then zipped the outputs with the spent generator: "zip() argument 2 is shorter than
+    # argument 1"; the workers' said "object of type 'generator' has no len()".
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = None
+    if mode == "lru":
+        p1 = engine_receiver_cache_from_config(config)
+    elif mode == "shm":
+        p1 = worker_receiver_cache_from_config(config, LOCK)
+    item = kwargs_item(1)
+    try:
+        [(data, _)] = p0.get_and_update(((item, []) for _ in "h"), (h for h in ["h"]))
+        assert p0.is_cached(["h"]) == [True]
+        if p1 is not None:
+            [resolved] = p1.get_and_update((d for d in [data or item]), (h for h in ["h"]))
+            assert same_item(item, resolved)
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()
+
+
 @pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) -> None:
     # get_and_update_features([data]), the request's items where its features go, was

@@ -37,13 +37,15 @@ def _one_item_call(method: str) -> str:
     return f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
 
 
-def check_item_list(items: object, method: str) -> None:
+def check_item_list(items: Iterable[Any], method: str) -> Sequence[Any]:
     """:func:`check_list` for the ``items`` of ``method``, where one item (a mapping) is
-    refused too: it is iterable, over its field names."""
+    refused too: it is iterable, over its field names.  Returns them as a sequence (an
+    iterator read into a list: the call reads them more than once)."""
     one = _one_item_call(method)
     if isinstance(items, Mapping):
         raise TypeError(f"{method} takes a list of items, not one {type(items).__name__}: {one}")
     check_list(items, method, "items", one)
+    return items if isinstance(items, Sequence) else list(items)
 
 
 _HASH_LIST_CALLS = {

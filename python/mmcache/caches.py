@@ -133,7 +133,7 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         order.  What the request touched stays protected until it is done (until
         :meth:`end_request` when called inside an open request); if it raises, whatever its
         earlier outputs hold is given back first."""
-        check_item_list(items, "get_and_update")
+        items = check_item_list(items, "get_and_update")
         mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
@@ -360,7 +360,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (every item, every miss in one :class:`CacheMissError`): stopping at the first miss,
         as the senders' batched call does, would leave the rest of the request unapplied
         here (and, in ``shm``, its handles unread, pinning their objects)."""
-        check_item_list(items, "get_and_update")
+        items = check_item_list(items, "get_and_update")
         mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")

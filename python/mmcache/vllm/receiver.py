@@ -226,13 +226,13 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
             feature.data = resolved.data
         return mm_features
 
-    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
+    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: Sequence[str]) -> list[Any]:
         """The resolved items of one request, resolved as :meth:`get_and_update_features`
         resolves features: every handle is read (vLLM's base class stopped at the first
         miss, leaving the handles after it unread, pinning their objects in the ring) and a
         miss lists every missing hash.  ``ValueError`` when the lengths differ."""
-        check_item_list(mm_items, "get_and_update")
-        check_hash_list(mm_hashes, "get_and_update")
+        mm_items = check_item_list(mm_items, "get_and_update")
+        mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         if len(mm_items) != len(mm_hashes):
             raise ValueError(f"{len(mm_items)} items but {len(mm_hashes)} mm_hashes")
         features = [
