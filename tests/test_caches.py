@@ -7,8 +7,10 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace as Namespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -618,6 +620,35 @@ def test_a_size_function_sets_what_an_item_counts_for(cache_type: type) -> None:
     assert sender.stats()["used_bytes"] == 3
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        ProcessorOnlyCache,
+        SenderCache,
+        ReceiverCache,
+        lambda capacity_gb, getsizeof: LRUCache(GiB * capacity_gb, getsizeof=getsizeof),
+        lambda capacity_gb, getsizeof: make_caches(
+            "lru", capacity_gb=capacity_gb, getsizeof=getsizeof
+        ),
+    ],
+    ids=["ProcessorOnlyCache", "SenderCache", "ReceiverCache", "LRUCache", "make_caches"],
+)
+@pytest.mark.parametrize("bad", [None, 5, "item_size"], ids=repr)
+def test_a_size_function_that_is_no_function_is_a_type_error_naming_getsizeof(
+    make: Any, bad: object
+) -> None:
+    # getsizeof=5 was taken, and the first put raised "'int' object is not callable";
+    # getsizeof=None made ReceiverCache (and LRUCache) count every item as 1 byte, without a
+    # word (cachetools' default), while SenderCache failed at its first put: P1's LRU never
+    # evicted, and the two sides could not mirror.
+    with pytest.raises(
+        TypeError,
+        match=rf"^getsizeof must be a function of an item returning its size in bytes, not "
+        rf"{type(bad).__name__}$",
+    ):
+        make(0.01, getsizeof=bad)
+
+
 def test_make_caches_passes_the_size_function_to_both_sides() -> None:
     def one(item: Any) -> int:
         return 1
@@ -867,6 +898,20 @@ def cache_pair(mode: str) -> Iterator[tuple[BaseSenderCache, BaseReceiverCache |
         p0.close()
 
 
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_requests_items_from_a_generator_are_updated(mode: str) -> None:
+    # get_and_update(generator, hashes) was "object of type 'generator' has no len()", naming
+    # neither the call nor items, where its hashes (and a receiver's features) may come from
+    # one.
+    item = {"x": torch.ones(2)}
+    with cache_pair(mode) as (p0, receiver):
+        [(data, _)] = p0.get_and_update(((item, None) for _ in "a"), (h for h in "a"))
+        assert p0.is_cached(["a"]) == [True]
+        if receiver is not None:
+            [resolved] = receiver.get_and_update((d for d in [data]), (h for h in "a"))
+            assert torch.equal(resolved["x"], item["x"])
+
+
 @pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_features_from_a_generator_are_resolved(mode: str) -> None:
     # An iterable of features that is not a sequence was read twice (keys, then data): the
@@ -961,6 +1006,110 @@ def test_an_mm_hash_that_is_not_a_str_is_a_type_error_naming_it(mode: str) -> No
                 assert torch.equal(receiver.get_and_update_item(handle, "a")["x"], item["x"])
 
 
+# Hashable, but no mm_hash (SPEC: a str): the LRU modes keyed items by them.
+NOT_STR_HASHES = [5, ("a",), b"a", 1.5]
+
+
+def _hash_type_error(call: str, bad: object, name: str = "mm_hash") -> Any:
+    """``pytest.raises`` for ``call``'s error naming ``name``, ``bad``, that is not a str."""
+    return pytest.raises(
+        TypeError,
+        match=rf"^{re.escape(f'{call}: {name} must be a str, not {type(bad).__qualname__}')}$",
+    )
+
+
+@pytest.mark.parametrize("bad", NOT_STR_HASHES, ids=repr)
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ShmSenderCache])
+def test_a_sender_refuses_a_hashable_mm_hash_that_is_no_str(cache_type: type, bad: object) -> None:
+    # The LRU senders keyed items by any hashable (an int, a tuple, bytes): cached, found,
+    # touched and invalidated under it without a word, while the ring refused it; P1's
+    # ReceiverCache took the same, so both sides agreed on a key SPEC never allows.
+    item = {"x": torch.ones(2)}
+    with cache_type(0.01) as p0:
+        p0.get_and_update_item((item, None), "a")
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            p0.get_and_update_item((item, None), bad)
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            p0.get_and_update_item(None, bad)
+        with _hash_type_error("get_and_update(items, mm_hashes)", bad, "mm_hashes[0]"):
+            p0.get_and_update([(item, None), (item, None)], [bad, "b"])
+        with _hash_type_error("is_cached_item(mm_hash)", bad):
+            p0.is_cached_item(bad)
+        with _hash_type_error("is_cached(mm_hashes)", bad, "mm_hashes[0]"):
+            p0.is_cached([bad, "a"])
+        with _hash_type_error("touch_sender_cache_item(mm_hash)", bad):
+            p0.touch_sender_cache_item(bad)
+        with _hash_type_error("invalidate(mm_hash)", bad):
+            p0.invalidate(bad)
+        if cache_type is not ShmSenderCache:
+            with _hash_type_error("settle_recency(mm_hashes)", bad, "mm_hashes[0]"):
+                p0.settle_recency([bad, "a"])
+        if cache_type is SenderCache:
+            with _hash_type_error("undo_recency(mm_hashes)", bad, "mm_hashes[0]"):
+                p0.undo_recency([bad])
+        assert p0.is_cached(["a", "b"]) == [True, False]  # nothing stored under "b" either
+
+
+@pytest.mark.parametrize("bad", NOT_STR_HASHES, ids=repr)
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_receiver_refuses_a_hashable_mm_hash_that_is_no_str(mode: str, bad: object) -> None:
+    # ReceiverCache stored, touched and resolved items under any hashable; ShmReceiverCache
+    # refused one only with a handle, and returned a plain item or None under it.
+    item = {"x": torch.ones(2)}
+    with cache_pair(mode) as (p0, receiver):
+        assert receiver is not None
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            receiver.get_and_update_item(item, bad)
+        with _hash_type_error("get_and_update_item(item, mm_hash)", bad):
+            receiver.get_and_update_item(None, bad)
+        with _hash_type_error("touch_receiver_cache_item(mm_hash)", bad):
+            receiver.touch_receiver_cache_item(bad)
+        with _hash_type_error("get_and_update(items, mm_hashes)", bad, "mm_hashes[0]"):
+            receiver.get_and_update([item, item], [bad, "b"])
+        data, _ = p0.get_and_update_item((item, None), "a")
+        feature = Feature(data, mm_hash="a", identifier="a")
+        # An engine's own feature objects (Feature itself refuses such keys).
+        key = "features[1]'s key (its mm_hash, else its identifier)"
+        with _hash_type_error("get_and_update_features(features)", bad, key):
+            receiver.get_and_update_features(
+                [feature, Namespace(data=item, mm_hash=bad, identifier="i")]
+            )
+        with _hash_type_error("get_and_update_features(features)", bad, key):
+            receiver.get_and_update_features(
+                [feature, Namespace(data=item, mm_hash=None, identifier=bad)]
+            )
+        if isinstance(receiver, ReceiverCache):
+            with _hash_type_error("settle_recency(mm_hashes)", bad, "mm_hashes[0]"):
+                receiver.settle_recency([bad])
+            assert receiver.keys() == []  # nothing stored under bad, nor under "b"
+        # Refused before anything was read: the handle's reference is still there to read.
+        [resolved] = receiver.get_and_update_features([feature])
+        assert torch.equal(resolved.data["x"], item["x"])
+
+
+@pytest.mark.parametrize("cache_type", [ProcessorOnlyCache, SenderCache, ShmSenderCache])
+def test_a_flag_that_is_no_bool_is_a_type_error_naming_it(cache_type: type) -> None:
+    # A flag's truthiness was taken: is_cached(hashes, claim="no") claimed every miss (other
+    # writers then waited on claims this one never meant to take), clear_cache(
+    # keep_in_flight="no") kept the handles in flight, make_stats(delta="no") gave a delta.
+    with cache_type(0.01) as p0:
+        p0.get_and_update_item(({"x": torch.ones(2)}, None), "a")
+        calls = [("delta", lambda bad: p0.make_stats(delta=bad))]
+        if cache_type is ShmSenderCache:
+            calls += [
+                ("claim", lambda bad: p0.is_cached(["b"], claim=bad)),
+                ("keep_in_flight", lambda bad: p0.clear_cache(keep_in_flight=bad)),
+            ]
+        for name, call in calls:
+            for bad in ("no", 1, None):
+                with pytest.raises(TypeError, match=rf"^{name} must be True or False, not "):
+                    call(bad)
+        assert p0.make_stats(delta=np.bool_(True)) == CacheInfo(0, 1)  # numpy's bool is one
+        assert p0.is_cached(["a", "b"]) == [True, False]
+        if cache_type is ShmSenderCache:
+            assert p0.give_up_claims() == []  # nothing was claimed
+
+
 def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
     # CacheMissError(h) (one hash, not a list) listed h's characters as the missing hashes:
     # a sender invalidating those forgot nothing, so its retry missed again.
@@ -968,6 +1117,26 @@ def test_a_cache_miss_of_one_str_is_a_type_error() -> None:
         with pytest.raises(TypeError, match=r"CacheMissError takes a list of mm_hashes"):
             CacheMissError(one)  # type: ignore[arg-type]
     assert CacheMissError(("a", "b")).mm_hashes == ["a", "b"]
+
+
+def test_a_cache_miss_of_what_is_no_list_of_str_is_a_type_error() -> None:
+    # CacheMissError(None) was "'NoneType' object is not iterable", naming neither the call
+    # nor mm_hashes; CacheMissError([1]) was made, and the sender's invalidate(1) after it
+    # raised far from the code that built it.
+    with pytest.raises(
+        TypeError,
+        match=r"^CacheMissError takes a list of mm_hashes, not one NoneType: "
+        r"CacheMissError\(\[mm_hash\]\)$",
+    ):
+        CacheMissError(None)  # type: ignore[arg-type]
+    for bad in NOT_STR_HASHES:
+        with pytest.raises(
+            TypeError,
+            match=rf"^CacheMissError\(mm_hashes\): mm_hashes\[1\] must be a str, not "
+            rf"{type(bad).__name__}$",
+        ):
+            CacheMissError(["a", bad])  # type: ignore[list-item]
+    assert CacheMissError(h for h in "ab").mm_hashes == ["a", "b"]
 
 
 @pytest.mark.parametrize("mode", ["lru", "shm"])
@@ -981,6 +1150,44 @@ def test_a_receiver_given_p0s_whole_output_says_to_pass_its_data(mode: str) -> N
             receiver.get_and_update_features([Feature(data=output, mm_hash="a")])
         [feature] = receiver.get_and_update_features([Feature(data=output[0], mm_hash="a")])
         assert torch.equal(feature.data["x"], torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_none_among_features_is_named_as_what_is_no_feature(mode: str) -> None:
+    # [feature, None] was refused as a list of features "('NoneType' object has no attribute
+    # 'mm_hash')": the None found was taken for "none found", so the message quoted the
+    # AttributeError instead of naming what the list held.
+    with cache_pair(mode) as (p0, receiver):
+        assert receiver is not None
+        data, _ = p0.get_and_update_item(({"x": torch.ones(2)}, None), "a")
+        feature = Feature(data, mm_hash="a")
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features \(with data, mm_hash and "
+            r"identifier\), not of NoneType: pass data to get_and_update$",
+        ):
+            receiver.get_and_update_features([feature, None])
+        [resolved] = receiver.get_and_update_features([feature])  # nothing was consumed
+        assert torch.equal(resolved.data["x"], torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_receiver_given_data_that_is_no_item_says_what_it_takes(mode: str) -> None:
+    # An int, a str or a list as a feature's data was "ReceiverCache got a int for a": what
+    # the receiver takes instead, nowhere (and "a int").
+    takes = {
+        "lru": "an item (a mapping of field names) or None",
+        "shm": "an item (a mapping of field names), a handle or None",
+    }[mode]
+    with cache_pair(mode) as (_, receiver):
+        assert receiver is not None
+        name = type(receiver).__name__
+        for data in (5, "pixels", [torch.ones(2)]):
+            message = f"{name} takes {takes} as the data of a, not {type(data).__name__}"
+            with pytest.raises(TypeError, match=rf"^{re.escape(message)}$"):
+                receiver.get_and_update_item(data, "a")
+            with pytest.raises(TypeError, match=rf"^{re.escape(message)}$"):
+                receiver.get_and_update_features([Feature(data=data, mm_hash="a")])
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])

@@ -128,6 +128,18 @@ def test_features_holding_tensors_compare_by_value_without_raising() -> None:
     assert Feature(other_array, mm_hash="a", identifier="a") != a
 
 
+@pytest.mark.parametrize("bad", [5, ("a",), b"a"], ids=repr)
+def test_feature_refuses_a_key_that_is_no_str(bad: object) -> None:
+    # Feature(mm_hash=5) or Feature(identifier=b"a") was built without a word (its cache key
+    # then an int or bytes), where it refuses a missing key at once: the error came only
+    # from a receiver, if ever, far from the code that built it.
+    with pytest.raises(TypeError, match=r"^Feature: mm_hash must be a str or None, not "):
+        Feature(None, mm_hash=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^Feature: identifier must be a str, not "):
+        Feature(None, mm_hash="h", identifier=bad)  # type: ignore[arg-type]
+    assert Feature(None, mm_hash=None, identifier="id").cache_key == "id"
+
+
 def test_feature_refuses_fields_that_shadow_its_own() -> None:
     with pytest.raises(TypeError):
         Feature(None, mm_hash="h", cache_key="x")

@@ -32,6 +32,24 @@ def test_cache_info() -> None:
     assert isinstance(CacheInfo(5, 9) - CacheInfo(2, 4), CacheInfo)
 
 
+def test_stat_of_a_delta_that_is_no_bool_is_a_type_error() -> None:
+    # stat(delta="no") gave a delta (and moved the delta mark), as the caches' make_stats did.
+    cache = LRUCache(10)
+    cache.get("a")
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match=r"^delta must be True or False, not "):
+            cache.stat(bad)  # type: ignore[arg-type]
+    assert cache.stat(delta=True) == CacheInfo(0, 1)  # the mark had not moved
+
+
+def test_cache_info_minus_what_is_no_cache_info_is_a_type_error() -> None:
+    # CacheInfo(5, 9) - 1 (or - a plain pair) was "'int' object has no attribute 'hits'", an
+    # AttributeError from inside __sub__, where Python's operators raise a TypeError.
+    for other in (1, (2, 4), None):
+        with pytest.raises(TypeError, match=r"unsupported operand type\(s\) for -: 'CacheInfo'"):
+            CacheInfo(5, 9) - other  # type: ignore[operator]
+
+
 def test_evicts_least_recently_used_and_counts_lookups() -> None:
     cache = unit_cache(3)
     cache.put(1, "a")

@@ -381,6 +381,75 @@ def test_a_dtype_whose_descriptor_numpy_cannot_read_is_refused_by_name() -> None
         encode({"scale": values})
 
 
+def _refused_dtypes() -> list[tuple[str, Any, str]]:
+    """(case, value, what its refusal must say) for each numpy dtype items cannot hold."""
+    import ml_dtypes
+
+    aligned = np.zeros(3, dtype=np.dtype([("a", "u1"), ("b", "<f8")], align=True))
+    fields = (
+        r"which is a structured dtype \(records of the fields 'a', 'b'\), a layout items do "
+        r"not carry: pass each field as an array of its own \(x\['a'\]\)"
+    )
+    return [
+        ("aligned structured", aligned, fields),
+        ("aligned record scalar", aligned[0], r"numpy scalar of dtype .*" + fields),
+        ("structured", np.zeros(3, dtype=[("a", "u1"), ("b", "<f8")]), fields),
+        ("record array", np.rec.array(np.zeros(2, dtype=[("a", "<f8")])), r"the field 'a'\)"),
+        (
+            "object",
+            np.array([None, 1], dtype=object),
+            r"an array of dtype object, which holds references to Python objects \(no other "
+            r"process can read them\): pass the values themselves",
+        ),
+        (
+            "object field",
+            np.zeros(2, dtype=[("a", "O")]),
+            r"holds references to Python objects",
+        ),
+        (
+            "variable-width str",
+            np.array(["a", "bc"], dtype=np.dtypes.StringDType()),
+            r"StringDType\(\), which keeps its strings outside the array.*astype\('U'\)",
+        ),
+        (
+            "user-defined",
+            np.zeros(2, dtype=ml_dtypes.bfloat16),
+            r"bfloat16, which is not one of numpy's own \(a user-defined dtype\): its descriptor "
+            r"'<V2' names another dtype \(\|V2\).*one of numpy's dtypes, or pass a torch tensor",
+        ),
+        (
+            "unreadable descriptor",
+            np.zeros(2, dtype=ml_dtypes.float8_e5m2),
+            r"float8_e5m2, which is not one of numpy's own \(a user-defined dtype\): its "
+            r"descriptor '<f1' names no dtype numpy reads",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [case[1:] for case in _refused_dtypes()],
+    ids=[case[0] for case in _refused_dtypes()],
+)
+def test_a_refused_numpy_dtype_is_named_with_what_is_wrong_and_what_to_pass(
+    value: Any, says: str
+) -> None:
+    """Each numpy dtype the codec cannot carry is refused saying what the dtype is, why it
+    cannot travel, and what to pass instead: the refusals said only "is a structured dtype"
+    (an aligned one printed as a dict), StringDType's "holds Python objects" (it holds
+    none), a user-defined dtype "is not the one its descriptor names"."""
+    from mmcache import ShmSenderCache
+    from mmcache.errors import ItemNotEncodableError
+
+    with pytest.raises(ItemNotEncodableError, match=r"item\['x'\]: .*" + says):
+        encode({"x": value})
+    with (
+        ShmSenderCache(0.01) as sender,
+        pytest.raises(ItemNotEncodableError, match=r"item\['x'\]: .*" + says),
+    ):
+        sender.get_and_update_item(({"x": value}, None), "h")
+
+
 # -- tensors whose memory the encoder must not trust ----------------------------------------
 
 

@@ -223,6 +223,21 @@ def test_verify_is_side_effect_free_and_tracks_the_current_entry(
     assert sender.verify(fresh, "a") and not sender.verify(handle, "a")
 
 
+def test_verify_refuses_an_mm_hash_that_is_no_str_naming_it(sender: ShmSenderCache) -> None:
+    # verify(handle, 5) was the core's "'int' object is not an instance of 'str'", naming
+    # neither the call nor mm_hash; a lone surrogate was a UnicodeEncodeError about a codec.
+    handle = put(sender, "a")
+    for bad in (5, b"a", ("a",), None):
+        with pytest.raises(
+            TypeError,
+            match=rf"^verify\(handle, mm_hash\): mm_hash must be a str, not {type(bad).__name__}$",
+        ):
+            sender.verify(handle, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"mm_hash '\\ud800' holds a lone surrogate"):
+        sender.verify(handle, "\ud800")
+    assert sender.verify(handle, "a")
+
+
 def test_hit_returns_a_handle_and_the_prompt_updates(sender: ShmSenderCache) -> None:
     handle = put(sender, "a")
     assert isinstance(handle, ShmHandle)
@@ -275,7 +290,7 @@ def test_is_cached_item_answers_every_argument_as_the_full_check_does() -> None:
     with pytest.raises(ValueError, match=r"mm_hash '\\ud800' holds a lone surrogate"):
         cache.is_cached_item("\ud800")
     for bad in (None, 1, b"a"):
-        with pytest.raises(TypeError, match="takes a str"):
+        with pytest.raises(TypeError, match=r"^is_cached_item\(mm_hash\): mm_hash must be a str"):
             cache.is_cached_item(bad)  # type: ignore[arg-type]
     check = cache.is_cached_item
     cache.close()

@@ -600,3 +600,149 @@ def test_one_feature_or_item_where_vllm_passes_a_list_is_a_type_error(mode: str)
         if mode == "shm":
             p1._shm_cache.close()
         p0.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_an_item_without_its_prompt_updates_is_a_type_error_saying_what_p0_takes(
+    mode: str,
+) -> None:
+    # In shm mode, an item passed without its prompt updates (or an int) was unpacked by the
+    # adapter's conversion: "too many values to unpack (expected 2)", a ValueError, or
+    # "cannot unpack non-iterable int object"; a pair holding no item was "'int' object has
+    # no attribute 'items'" (or 'field', for a mapping of no elements), AttributeErrors,
+    # where the other modes say what P0 takes.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    item = kwargs_item(1)
+    try:
+        for bad in (item, 5, (item,)):
+            what = type(bad).__name__
+            takes = rf"^P0 input for new must be \(item, prompt_updates\) or None, not {what}$"
+            with pytest.raises(TypeError, match=takes):
+                p0.get_and_update_item(bad, "new")
+            with pytest.raises(TypeError, match=takes):
+                p0.get_and_update([bad], ["new"])
+        mapping = r"^an item must be a mapping of field names, not int$"
+        with pytest.raises(TypeError, match=mapping):
+            p0.get_and_update_item((5, []), "new")
+        with pytest.raises(TypeError, match=mapping):
+            p0.get_and_update([(5, [])], ["new"])
+        if mode == "shm":  # the ring holds vLLM's items converted, element by element
+            elements = r"^field 'a': int, not the MultiModalFieldElem a vLLM item"
+            with pytest.raises(TypeError, match=elements):
+                p0.get_and_update_item(({"a": 1}, []), "new")
+        assert p0.is_cached(["new"]) == [False]
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_data_that_is_no_item_is_a_type_error_saying_what_the_receiver_takes(mode: str) -> None:
+    # A worker's data that is no mapping (an int, a list) was "argument of type 'int' is not
+    # iterable" in shm mode: the adapter looked for a handle's "address" key in it first.
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = (
+        engine_receiver_cache_from_config(config)
+        if mode == "lru"
+        else worker_receiver_cache_from_config(config, LOCK)
+    )
+    takes = (
+        r"^ReceiverCache takes an item \(a mapping of field names\) or None"
+        if mode == "lru"
+        else r"^ShmReceiverCache takes an item \(a mapping of field names\), a handle or None"
+    )
+    try:
+        for bad in (5, [1, 2]):
+            message = rf"{takes} as the data of h, not {type(bad).__name__}$"
+            with pytest.raises(TypeError, match=message):
+                p1.get_and_update_item(bad, "h")
+            with pytest.raises(TypeError, match=message):
+                p1.get_and_update_features([feature(bad, "h")])
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_receivers_mm_hash_that_is_no_str_is_a_type_error_naming_it(mode: str) -> None:
+    # The shm worker's adapter returned None for get_and_update_item(None, 5) and took
+    # touch_receiver_cache_item(5), where the lru one (and mmcache's receivers) refuse them.
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = (
+        engine_receiver_cache_from_config(config)
+        if mode == "lru"
+        else worker_receiver_cache_from_config(config, LOCK)
+    )
+    try:
+        for bad in (5, b"h"):
+            not_str = rf"mm_hash must be a str, not {type(bad).__name__}$"
+            with pytest.raises(
+                TypeError, match=rf"^get_and_update_item\(item, mm_hash\): {not_str}"
+            ):
+                p1.get_and_update_item(None, bad)
+            with pytest.raises(
+                TypeError, match=rf"^touch_receiver_cache_item\(mm_hash\): {not_str}"
+            ):
+                p1.touch_receiver_cache_item(bad)
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_requests_items_and_hashes_from_generators_are_updated(mode: str) -> None:
+    # P0's get_and_update((item, [])...) from a generator converted the items (reading it),
+    # then zipped the outputs with the spent generator: "zip() argument 2 is shorter than
+    # argument 1"; the workers' said "object of type 'generator' has no len()".
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = None
+    if mode == "lru":
+        p1 = engine_receiver_cache_from_config(config)
+    elif mode == "shm":
+        p1 = worker_receiver_cache_from_config(config, LOCK)
+    item = kwargs_item(1)
+    try:
+        [(data, _)] = p0.get_and_update(((item, []) for _ in "h"), (h for h in ["h"]))
+        assert p0.is_cached(["h"]) == [True]
+        if p1 is not None:
+            [resolved] = p1.get_and_update((d for d in [data or item]), (h for h in ["h"]))
+            assert same_item(item, resolved)
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) -> None:
+    # get_and_update_features([data]), the request's items where its features go, was
+    # "'MultiModalKwargsItem' object has no attribute 'mm_hash'" (lru: from the settling
+    # after the core's TypeError, which it replaced) or "... no attribute 'data'" (shm), an
+    # AttributeError, where mmcache's own receivers name the call and what to pass.
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = (
+        engine_receiver_cache_from_config(config)
+        if mode == "lru"
+        else worker_receiver_cache_from_config(config, LOCK)
+    )
+    item = kwargs_item(1)
+    try:
+        [(data, _)] = p0.get_and_update([(item, [])], ["h"])
+        one = feature(data if data is not None else item, "h")
+        with pytest.raises(
+            TypeError,
+            match=r"^get_and_update_features takes a list of features \(with data, mm_hash "
+            r"and identifier\), not of MultiModalKwargsItem: pass data to get_and_update$",
+        ):
+            p1.get_and_update_features([one, item])
+        [resolved] = p1.get_and_update_features([one])  # nothing was consumed
+        assert same_item(item, resolved.data)
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()

@@ -1,11 +1,15 @@
 """What callers pass the caches, checked: the errors that name the argument and the call that
-was meant (one value where a list goes, a hash of the wrong type or no valid UTF-8, data
-that is no item, a capacity in bytes), and ``capacity_gb`` as bytes."""
+was meant (one value where a list goes, a hash, in a list or a feature's key too, of the
+wrong type or no valid UTF-8, data that is no item, a flag that is no bool, a size function
+that is none, a capacity in bytes), and ``capacity_gb`` as bytes."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 GiB = 1 << 30
 MAX_CAPACITY_GB = 1 << 14
@@ -33,23 +37,45 @@ def _one_item_call(method: str) -> str:
     return f"{method}([item], [mm_hash]) or {method}_item(item, mm_hash)"
 
 
-def check_item_list(items: object, method: str) -> None:
+def check_item_list(items: Iterable[Any], method: str) -> Sequence[Any]:
     """:func:`check_list` for the ``items`` of ``method``, where one item (a mapping) is
-    refused too: it is iterable, over its field names."""
+    refused too: it is iterable, over its field names.  Returns them as a sequence (an
+    iterator read into a list: the call reads them more than once)."""
     one = _one_item_call(method)
     if isinstance(items, Mapping):
         raise TypeError(f"{method} takes a list of items, not one {type(items).__name__}: {one}")
     check_list(items, method, "items", one)
+    return items if isinstance(items, Sequence) else list(items)
 
 
-def check_hash_list(mm_hashes: Sequence[str], method: str = "is_cached") -> None:
-    """:func:`check_list` for the ``mm_hashes`` of ``method``."""
-    one = (
-        "is_cached([mm_hash]) or is_cached_item(mm_hash)"
-        if method == "is_cached"
-        else _one_item_call(method)
-    )
+_HASH_LIST_CALLS = {
+    # method: (its arguments, the call meant by one hash)
+    "is_cached": ("mm_hashes", "is_cached([mm_hash]) or is_cached_item(mm_hash)"),
+    "get_and_update": ("items, mm_hashes", _one_item_call("get_and_update")),
+    "settle_recency": ("mm_hashes", "settle_recency([mm_hash])"),
+    "undo_recency": ("mm_hashes", "undo_recency([mm_hash])"),
+}
+
+
+def check_hash_list(mm_hashes: Iterable[str], method: str = "is_cached") -> Sequence[str]:
+    """:func:`check_list` for the ``mm_hashes`` of ``method`` (one of ``_HASH_LIST_CALLS``),
+    then :func:`check_hash_types`; returns them as a sequence (an iterator read into a list,
+    as the check reads them)."""
+    arguments, one = _HASH_LIST_CALLS[method]
     check_list(mm_hashes, method, "mm_hashes", one)
+    if not isinstance(mm_hashes, Sequence):
+        mm_hashes = list(mm_hashes)
+    check_hash_types(mm_hashes, f"{method}({arguments})")
+    return mm_hashes
+
+
+def check_hash_types(keys: Sequence[object], call: str, name: str = "mm_hashes[{}]") -> None:
+    """``TypeError`` naming ``call`` and the first of ``keys`` that is not a str (``name``,
+    formatted with its index, says what it is): an int, a tuple or bytes is hashable, so an
+    LRU would key items by it, where the ring (and SPEC) takes only a str."""
+    for i, key in enumerate(keys):
+        if type(key) is not str and not isinstance(key, str):
+            raise TypeError(f"{call}: {name.format(i)} must be a str, not {type(key).__qualname__}")
 
 
 def check_feature_list(features: object) -> None:
@@ -63,14 +89,29 @@ def not_features(features: Sequence[object], error: AttributeError) -> TypeError
     """The error for a list of ``features`` that holds something else (the data itself, say),
     which has no ``mm_hash`` or ``identifier`` to key it by (``error``: what reading them
     raised)."""
-    other = next(
-        (f for f in features if not (hasattr(f, "mm_hash") and hasattr(f, "identifier"))), None
-    )
-    what = f"not of {type(other).__qualname__}" if other is not None else f"({error})"
+    # A list, not next(..., None): what it finds may be None itself.
+    others = [f for f in features if not (hasattr(f, "mm_hash") and hasattr(f, "identifier"))]
+    what = f"not of {type(others[0]).__qualname__}" if others else f"({error})"
     return TypeError(
         "get_and_update_features takes a list of features (with data, mm_hash and "
         f"identifier), {what}: pass data to get_and_update"
     )
+
+
+def feature_keys(features: Sequence[Any]) -> list[str]:
+    """The cache key of each of ``features`` (its ``mm_hash``, else its ``identifier``), read
+    before anything is resolved: :func:`not_features`' error for a list that holds something
+    else, :func:`check_hash_types`' for a key that is not a str."""
+    try:
+        keys = [f.mm_hash or f.identifier for f in features]
+    except AttributeError as exc:
+        raise not_features(features, exc) from None
+    check_hash_types(
+        keys,
+        "get_and_update_features(features)",
+        "features[{}]'s key (its mm_hash, else its identifier)",
+    )
+    return keys
 
 
 def unstorable_hash(mm_hash: str) -> ValueError:
@@ -79,9 +120,12 @@ def unstorable_hash(mm_hash: str) -> ValueError:
     return ValueError(f"mm_hash {mm_hash!r} holds a lone surrogate (it is no valid UTF-8)")
 
 
-def check_mm_hash(mm_hash: str) -> None:
-    """:func:`unstorable_hash`'s error for such an ``mm_hash``."""
-    if type(mm_hash) is str and not mm_hash.isascii():
+def check_mm_hash(mm_hash: str, call: str) -> None:
+    """:func:`check_mm_hash_type`'s error for an ``mm_hash`` of ``call`` that is not a str,
+    :func:`unstorable_hash`'s for one that is no valid UTF-8."""
+    if type(mm_hash) is not str:
+        check_mm_hash_type(call, mm_hash)  # a subclass of str passes
+    if not mm_hash.isascii():
         try:
             mm_hash.encode()
         except UnicodeEncodeError:
@@ -97,12 +141,32 @@ def check_mm_hash_type(call: str, mm_hash: object) -> None:
         raise TypeError(message) from None
 
 
-def receiver_type_error(cache: str, item: object, mm_hash: str) -> TypeError:
-    """What receiver ``cache`` raises for data that is no item, handle or ``None``."""
+def receiver_type_error(cache: str, takes: str, item: object, mm_hash: str) -> TypeError:
+    """What receiver ``cache`` raises for data that is not what it ``takes``."""
     # A pair is most likely P0's whole output for the item, sent as its data.
     pair = isinstance(item, tuple) and len(item) == 2
     hint = ": P0's output is (data, prompt_updates); send its data" if pair else ""
-    return TypeError(f"{cache} got a {type(item).__qualname__} for {mm_hash}{hint}")
+    return TypeError(
+        f"{cache} takes {takes} as the data of {mm_hash}, not {type(item).__qualname__}{hint}"
+    )
+
+
+def check_getsizeof(getsizeof: object) -> None:
+    """``TypeError`` unless ``getsizeof`` is callable: anything else failed at the first put
+    (an int), or, ``None``, made the LRU count each item as 1 byte (cachetools' default)."""
+    if not callable(getsizeof):
+        raise TypeError(
+            "getsizeof must be a function of an item returning its size in bytes, not "
+            f"{type(getsizeof).__name__}"
+        )
+
+
+def flag(name: str, value: object) -> bool:
+    """``value`` as a bool (``numpy.bool_`` too), or a ``TypeError`` naming ``name``: a
+    truthy string ("no") or number would silently turn the option on."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {value!r}")
 
 
 def capacity_bytes(capacity_gb: float) -> int:

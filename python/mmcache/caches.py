@@ -46,12 +46,11 @@ from mmcache.arguments import (
     GiB,
     capacity_bytes,
     check_feature_list,
+    check_getsizeof,
     check_hash_list,
     check_item_list,
-    check_list,
     check_mm_hash,
-    check_mm_hash_type,
-    not_features,
+    feature_keys,
     receiver_type_error,
 )
 from mmcache.closing import ClosesOnExit
@@ -134,8 +133,8 @@ class BaseCache(ClosesOnExit, ABC, Generic[InT, OutT]):
         order.  What the request touched stays protected until it is done (until
         :meth:`end_request` when called inside an open request); if it raises, whatever its
         earlier outputs hold is given back first."""
-        check_item_list(items, "get_and_update")
-        check_hash_list(mm_hashes, "get_and_update")
+        items = check_item_list(items, "get_and_update")
+        mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         outputs: list[OutT] = []
@@ -282,7 +281,7 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
 
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
         """:meth:`is_cached_item` for each hash."""
-        check_hash_list(mm_hashes)
+        mm_hashes = check_hash_list(mm_hashes)
         return [self.is_cached_item(h) for h in mm_hashes]
 
     @abstractmethod
@@ -306,7 +305,7 @@ class BaseSenderCache(BaseCache[SenderInput, SenderOutput]):
         hashes and resends the request with their data)."""
         missing = []
         for item, h in zip(items, mm_hashes, strict=True):
-            check_mm_hash(h)
+            check_mm_hash(h, "get_and_update(items, mm_hashes)")
             if item is not None:
                 split_sender_input(item, h)
             elif not self.is_cached_item(h):
@@ -348,10 +347,7 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         check_feature_list(features)
         if not isinstance(features, Sequence):  # read twice below (keys, then data)
             features = list(features)
-        try:
-            keys = [f.mm_hash or f.identifier for f in features]
-        except AttributeError as exc:  # before anything is read: no reference is consumed
-            raise not_features(features, exc) from None
+        keys = feature_keys(features)  # before anything is read: no reference is consumed
 
         def deliver(i: int, data: Any) -> None:
             features[i].data = data
@@ -364,8 +360,8 @@ class BaseReceiverCache(BaseCache[Any, Any]):
         (every item, every miss in one :class:`CacheMissError`): stopping at the first miss,
         as the senders' batched call does, would leave the rest of the request unapplied
         here (and, in ``shm``, its handles unread, pinning their objects)."""
-        check_item_list(items, "get_and_update")
-        check_hash_list(mm_hashes, "get_and_update")
+        items = check_item_list(items, "get_and_update")
+        mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         outputs = list(items)
@@ -406,8 +402,8 @@ class BaseReceiverCache(BaseCache[Any, Any]):
 def split_sender_input(item: SenderInput, mm_hash: str) -> tuple[Item, Any]:
     """``(item, prompt_updates)`` of a P0 input; ``CacheMissError`` for ``None``,
     ``TypeError`` unless a pair whose item is a mapping (as the ring and P1's
-    :class:`ReceiverCache` require: an item P1 refuses would be a drift)."""
-    check_mm_hash(mm_hash)
+    :class:`ReceiverCache` require: an item P1 refuses would be a drift).  ``mm_hash`` is
+    the caller's to check."""
     if item is None:
         raise CacheMissError([mm_hash])
     # A tuple of types, not `tuple | list`: that union is built anew at each call (P0's put).
@@ -432,6 +428,7 @@ class _LruSenderCache(BaseSenderCache):
 
     def __init__(self, capacity_gb: float, *, getsizeof: Callable[[Item], int] = item_size) -> None:
         super().__init__()
+        check_getsizeof(getsizeof)  # (the LRU is given the entries' size function)
         self._item_size = getsizeof
         # Only ever used under the cache's lock.
         self._lru = UnsynchronizedLRUCache(capacity_bytes(capacity_gb), getsizeof=self._entry_size)
@@ -453,12 +450,9 @@ class _LruSenderCache(BaseSenderCache):
         """A hit returns the stored entry's output; a miss stores the item if it fits (see
         the module's docstring) and returns it as given.  ``CacheMissError`` for a miss
         without data."""
+        check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")
         with self._lock:
-            try:
-                entry = self._lru.get(mm_hash)
-            except TypeError:  # unhashable
-                check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
-                raise
+            entry = self._lru.get(mm_hash)
             if entry is not None:
                 self._protection.updated(mm_hash)
                 return self._hit(entry)
@@ -468,24 +462,16 @@ class _LruSenderCache(BaseSenderCache):
             return data, prompt_updates
 
     def is_cached_item(self, mm_hash: str) -> bool:
-        check_mm_hash(mm_hash)  # as the ring's lookup does
+        check_mm_hash(mm_hash, "is_cached_item(mm_hash)")  # as the ring's lookup does
         # No lock: one lookup in the LRU's dict, atomic by itself.
-        try:
-            return mm_hash in self._lru
-        except TypeError:  # unhashable: is_cached's list, most likely
-            check_mm_hash_type("is_cached_item(mm_hash)", mm_hash)
-            raise
+        return mm_hash in self._lru
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the receiver's touch does."""
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "touch_sender_cache_item(mm_hash)")
         with self._lock:
-            try:
-                self._touch(mm_hash)
-            except TypeError:  # unhashable
-                check_mm_hash_type("touch_sender_cache_item(mm_hash)", mm_hash)
-                raise
+            self._touch(mm_hash)
 
     def _touch(self, mm_hash: str) -> None:
         """Make ``mm_hash`` most recent and protect it (lock held)."""
@@ -501,18 +487,14 @@ class _LruSenderCache(BaseSenderCache):
         self._protection.end(keys)
 
     def invalidate(self, mm_hash: str) -> None:
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "invalidate(mm_hash)")
         with self._lock:
-            try:
-                self._protection.pop(mm_hash)
-            except TypeError:  # unhashable
-                check_mm_hash_type("invalidate(mm_hash)", mm_hash)
-                raise
+            self._protection.pop(mm_hash)
 
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
         (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
-        check_list(keys, "settle_recency", "mm_hashes", "settle_recency([mm_hash])")
+        keys = check_hash_list(keys, "settle_recency")
         with self._lock:
             self._lru.settle(keys)
 
@@ -523,7 +505,7 @@ class _LruSenderCache(BaseSenderCache):
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         with self._lock:
-            return self._lru.stat(delta)
+            return self._lru.stat(delta)  # (which checks delta)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -624,8 +606,7 @@ class SenderCache(_LruSenderCache):
         An item a later request moved from where this one left it stays there, but should
         that request be undone too, it goes back to where it was before both (in either
         order)."""
-        check_list(mm_hashes, "undo_recency", "mm_hashes", "undo_recency([mm_hash])")
-        keys = set(mm_hashes)
+        keys = set(check_hash_list(mm_hashes, "undo_recency"))
         with self._lock:
             last = self._last_moves
             moves = next((m for k in keys if (m := last.get(k)) and m[0].keys() == keys), None)
@@ -689,7 +670,7 @@ class ReceiverCache(BaseReceiverCache):
         self._protection = ProtectedLRU(self._lru, self._request)
 
     def get_and_update_item(self, item: Item | None, mm_hash: str) -> Item:
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")
         with self._lock:
             if item is None:
                 cached: Item | None = self._lru.get(mm_hash)
@@ -701,8 +682,9 @@ class ReceiverCache(BaseReceiverCache):
                 self._protection.updated(mm_hash)
                 return cached
             if not isinstance(item, Mapping):
-                check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
-                raise receiver_type_error("ReceiverCache", item, mm_hash)
+                raise receiver_type_error(
+                    "ReceiverCache", "an item (a mapping of field names) or None", item, mm_hash
+                )
             self._cache_if_fits(self._protection, mm_hash, item)
             self._protection.updated(mm_hash)
             if self._request.open:
@@ -717,14 +699,14 @@ class ReceiverCache(BaseReceiverCache):
     def settle_recency(self, keys: Iterable[str]) -> None:
         """Make the cached keys among ``keys`` (one request's) the most recent
         (:meth:`~mmcache.lru.UnsynchronizedLRUCache.settle`), changing no statistics."""
-        check_list(keys, "settle_recency", "mm_hashes", "settle_recency([mm_hash])")
+        keys = check_hash_list(keys, "settle_recency")
         with self._lock:
             self._lru.settle(keys)
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
         """Make ``mm_hash`` most recent and protect it from the request's own insertions (a
         no-op when absent), exactly as the sender's touch does."""
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "touch_receiver_cache_item(mm_hash)")
         with self._lock:
             self._protection.touch(mm_hash)
 

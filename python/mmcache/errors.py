@@ -32,6 +32,7 @@ from mmcache._core import (
     WriterGoneError,
     WrongProcessError,
 )
+from mmcache.arguments import check_hash_types, check_list
 
 __all__ = [
     "CacheMissError",
@@ -64,12 +65,11 @@ class CacheMissError(MmcacheError, RuntimeError):
     mm_hashes: list[str]
 
     def __init__(self, mm_hashes: Iterable[str]) -> None:
-        if isinstance(mm_hashes, str | bytes):  # else listed as its characters
-            raise TypeError(
-                f"CacheMissError takes a list of mm_hashes, not one "
-                f"{type(mm_hashes).__name__}: CacheMissError([mm_hash])"
-            )
+        # One str would be listed as its characters.
+        check_list(mm_hashes, "CacheMissError", "mm_hashes", "CacheMissError([mm_hash])")
         self.mm_hashes = list(mm_hashes)
+        # The sender invalidates each: one that is no str would raise there, far from here.
+        check_hash_types(self.mm_hashes, "CacheMissError(mm_hashes)")
         super().__init__(
             f"multimodal cache miss for {self.mm_hashes}: the sender's view of the cache "
             "drifted from the receiver's; invalidate these hashes on the sender and retry "

@@ -62,6 +62,15 @@ class Feature:
         identifier: str = "",
         **extra: Any,
     ) -> None:
+        # Its cache key, checked here as the caches check it: the error names where it came from.
+        if not (mm_hash is None or isinstance(mm_hash, str)):
+            raise TypeError(
+                f"Feature: mm_hash must be a str or None, not {type(mm_hash).__qualname__}"
+            )
+        if not isinstance(identifier, str):
+            raise TypeError(
+                f"Feature: identifier must be a str, not {type(identifier).__qualname__}"
+            )
         if not (mm_hash or identifier):
             raise ValueError("a Feature needs an mm_hash or an identifier (its cache key)")
         for name in extra:

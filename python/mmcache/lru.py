@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import cachetools
 
+from mmcache.arguments import check_getsizeof, flag
 from mmcache.items import item_size
 
 __all__ = ["CacheInfo", "HitCounter", "LRUCache", "UnsynchronizedLRUCache"]
@@ -33,7 +34,10 @@ class CacheInfo(NamedTuple):
         """``hits / total``, or 0.0 before the first lookup."""
         return self.hits / self.total if self.total else 0.0
 
-    def __sub__(self, other: CacheInfo) -> CacheInfo:
+    def __sub__(self, other: object) -> CacheInfo:
+        if not isinstance(other, CacheInfo):
+            # Python's TypeError for the operands (a tuple's fields have no names to read).
+            return NotImplemented
         return CacheInfo(self.hits - other.hits, self.total - other.total)
 
 
@@ -87,6 +91,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
                 f"capacity_bytes must be a number of bytes >= 0 (inf: unbounded), not "
                 f"{capacity_bytes!r}"
             )
+        check_getsizeof(getsizeof)
         super().__init__(capacity_bytes, getsizeof)
         # Every entry has a recency stamp (:meth:`recency`), larger when more recent, so a
         # key's earlier recency can be given back (:meth:`restore_recency`). The recency
@@ -318,7 +323,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
     def stat(self, delta: bool = False) -> CacheInfo:
         """Cumulative statistics, or with ``delta=True`` the change since the previous
         delta call."""
-        return self._lookups.info(delta=delta)
+        return self._lookups.info(delta=flag("delta", delta))
 
     def recency_order(self) -> list[Hashable]:
         """Keys from least to most recently used (the order eviction follows); O(n)."""

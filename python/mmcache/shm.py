@@ -55,6 +55,7 @@ from mmcache.arguments import (
     check_max_object_size_mb,
     check_mm_hash,
     check_mm_hash_type,
+    flag,
 )
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput, logger, split_sender_input
 from mmcache.errors import (
@@ -270,7 +271,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         every claim it holds, its earlier calls' included (they are claimed again after the
         wait if still missing and nobody else claimed them meanwhile), so
         two requests that claimed each other's items in turns never wait for each other."""
-        check_hash_list(mm_hashes)
+        mm_hashes, claim = check_hash_list(mm_hashes), flag("claim", claim)
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
         is_cached_item = self.is_cached_item  # (looked up once)
@@ -361,7 +362,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         except UnicodeEncodeError:
             # The core's for a key that is no UTF-8 (checked here, not on every call), or
             # the codec's for the prompt updates.
-            check_mm_hash(mm_hash)
+            check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")
             raise
         finally:
             try:
@@ -520,6 +521,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         :class:`ShmHandle` signed for ``mm_hash`` by this cache and naming the object stored
         under it now.  Side-effect free (no hit counted, no reference issued, no recency
         change), for validating a handle a client sent back."""
+        check_mm_hash(mm_hash, "verify(handle, mm_hash)")
         if not isinstance(handle, ShmHandle):
             return False
         with self._lock:  # as in is_cached_item: wait here, not on the core's mutex
@@ -531,16 +533,12 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # No lock: the pins are this thread's, and a pin is one atomic core call (which waits
         # on the core's lock only for an object being evicted, held by a writer that needs
         # no GIL to finish).
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "touch_sender_cache_item(mm_hash)")
         pins = self._request.pins
-        try:
-            if mm_hash not in pins:
-                pinned = self._store.pin_object(mm_hash)
-                if pinned is not None:
-                    pins[mm_hash] = pinned
-        except TypeError:  # unhashable, or the core's for a key that is not a str
-            check_mm_hash_type("touch_sender_cache_item(mm_hash)", mm_hash)
-            raise
+        if mm_hash not in pins:
+            pinned = self._store.pin_object(mm_hash)
+            if pinned is not None:
+                pins[mm_hash] = pinned
 
     def release_sender_touches(self) -> None:
         """Unpin every item this thread touched, and give up every claim it took, whose
@@ -597,13 +595,9 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         in flight either still read their own data (their unread references protect it) or
         are a miss, never another item's data; the next update of ``mm_hash`` writes it
         anew."""
-        check_mm_hash(mm_hash)
+        check_mm_hash(mm_hash, "invalidate(mm_hash)")
         with self._lock:
-            try:
-                self._store.invalidate(mm_hash)  # drops its pins too
-            except TypeError:  # the core's, for a key that is not a str
-                check_mm_hash_type("invalidate(mm_hash)", mm_hash)
-                raise
+            self._store.invalidate(mm_hash)  # drops its pins too
             self._prompt_updates.pop(mm_hash, None)
 
     def clear_cache(self, *, keep_in_flight: bool = False) -> None:
@@ -618,6 +612,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         a handle in flight still reads its own data, and each object is reclaimed once it
         has been read (an abandoned reference keeps pinning its object).
         """
+        keep_in_flight = flag("keep_in_flight", keep_in_flight)
         with self._lock:
             if keep_in_flight:
                 for key in self._store.keys():
@@ -637,6 +632,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
                 self._store.close()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        delta = flag("delta", delta)
         with self._lock:
             return self._lookups.info(delta=delta)
 

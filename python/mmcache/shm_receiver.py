@@ -10,11 +10,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from mmcache import pinning
 from mmcache._core import ReaderHandle, ShmObjectStore, ShmReader, StaleHandleError
-from mmcache.arguments import check_mm_hash_type, receiver_type_error
+from mmcache.arguments import check_mm_hash, check_mm_hash_type, flag, receiver_type_error
 from mmcache.caches import BaseReceiverCache
 from mmcache.errors import CacheMissError
 from mmcache.items import Item, ShmHandle
@@ -49,7 +47,7 @@ class ShmReceiverCache(BaseReceiverCache):
     ) -> None:
         # Checked before a reader slot is taken: the core takes only a bool at every
         # resolve, and a truthy string would silently mean copies.
-        copy, pin_memory = _flag("copy", copy), _flag("pin_memory", pin_memory)
+        copy, pin_memory = flag("copy", copy), flag("pin_memory", pin_memory)
         if not isinstance(handle, ReaderHandle):  # the sender itself, say
             raise TypeError(
                 "ShmReceiverCache takes a ReaderHandle (from the P0 cache's handle(), or "
@@ -97,10 +95,16 @@ class ShmReceiverCache(BaseReceiverCache):
         # Handles first: an isinstance check against the Mapping ABC costs more than the
         # rest of the call's Python together.
         if type(item) is not ShmHandle:
+            # Checked although unused here: the other receivers and the senders refuse it.
+            check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")
             if item is None or isinstance(item, Mapping):
                 return item
-            check_mm_hash_type("get_and_update_item(item, mm_hash)", mm_hash)
-            raise receiver_type_error("ShmReceiverCache", item, mm_hash)
+            raise receiver_type_error(
+                "ShmReceiverCache",
+                "an item (a mapping of field names), a handle or None",
+                item,
+                mm_hash,
+            )
         try:
             if self._plain_copies:
                 # The core's defaults, passed as none: PyO3 parses keywords at ~0.25 µs a
@@ -116,7 +120,9 @@ class ShmReceiverCache(BaseReceiverCache):
             raise
 
     def touch_receiver_cache_item(self, mm_hash: str, item: Any = None) -> None:
-        """Nothing to do: references are taken by P0 and given back by reading."""
+        """Nothing to do but check ``mm_hash`` (as :class:`~mmcache.caches.ReceiverCache`
+        does): references are taken by P0 and given back by reading."""
+        check_mm_hash(mm_hash, "touch_receiver_cache_item(mm_hash)")
 
     def clear_cache(self) -> None:
         """Nothing to do: a reader does not own the ring (P0 clears it)."""
@@ -131,10 +137,3 @@ class ShmReceiverCache(BaseReceiverCache):
             # Detached even if CUDA fails to unregister: the slot would stay taken for good.
             if not self._store.closed:
                 self._store.close()
-
-
-def _flag(name: str, value: object) -> bool:
-    """``value`` as a bool (``numpy.bool_`` too), or a ``TypeError`` naming ``name``."""
-    if isinstance(value, bool | np.bool_):
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, not {value!r}")

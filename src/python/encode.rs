@@ -597,7 +597,7 @@ impl<'py> Encoder<'py> {
             }
         }
         let dtype = a.getattr(intern!(py, "dtype"))?;
-        let descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
+        let descr = array_descr(&dtype, "an array")?.map_err(EncodeError::refused)?;
         // PyBUF_SIMPLE asks for C-contiguous bytes: anything else is made contiguous first.
         let buffer = match SimpleBuffer::get(a, false) {
             Ok(b) => b,
@@ -623,7 +623,7 @@ impl<'py> Encoder<'py> {
     fn scalar(&mut self, v: &Bound<'py, PyAny>) -> EncodeResult<()> {
         let py = self.py;
         let dtype = v.getattr(intern!(py, "dtype"))?;
-        let descr = array_descr(&dtype)?.map_err(EncodeError::refused)?;
+        let descr = array_descr(&dtype, "a numpy scalar")?.map_err(EncodeError::refused)?;
         let raw = v.call_method0(intern!(py, "tobytes"))?;
         let mut raw = raw.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes();
         let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;

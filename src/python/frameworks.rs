@@ -58,22 +58,72 @@ static ARRAY_DESCRS: Mutex<Vec<(Py<PyAny>, String)>> = Mutex::new(Vec::new());
 static ARRAY_DTYPES: Mutex<Option<DtypesByDescr>> = Mutex::new(None);
 type DtypesByDescr = HashMap<String, (Py<PyAny>, u64)>;
 
-/// Why a numpy dtype cannot travel as raw bytes, if it cannot.
-fn array_dtype_problem(dtype: &Bound<'_, PyAny>) -> PyResult<Option<&'static str>> {
+/// Why a numpy dtype cannot travel as raw bytes, if it cannot: what it is, and what to pass
+/// instead (for the encoder's refusal; the decoder names only what a descriptor is).
+struct DtypeProblem {
+    what: String,
+    instead: String,
+}
+
+fn array_dtype_problem(dtype: &Bound<'_, PyAny>) -> PyResult<Option<DtypeProblem>> {
     let py = dtype.py();
-    Ok(if dtype.getattr(intern!(py, "hasobject"))?.is_truthy()? {
-        Some("holds Python objects")
+    let problem = |what: &str, instead: String| {
+        Some(DtypeProblem {
+            what: what.into(),
+            instead,
+        })
+    };
+    // StringDType says it holds objects (its strings need the Python API), but holds none:
+    // its strings lie in an arena outside the array's buffer.
+    Ok(if dtype.getattr(intern!(py, "kind"))?.eq("T")? {
+        problem(
+            "keeps its strings outside the array (numpy's variable-width strings: no other \
+             process can read them)",
+            "convert it to a fixed-width str dtype (.astype('U'))".into(),
+        )
+    } else if dtype.getattr(intern!(py, "hasobject"))?.is_truthy()? {
+        problem(
+            "holds references to Python objects (no other process can read them)",
+            "pass the values themselves (a list), or an array of a numeric or fixed-width \
+             str dtype"
+                .into(),
+        )
     } else if !dtype.getattr(intern!(py, "fields"))?.is_none() {
-        Some("is a structured dtype")
-    } else if !dtype.getattr(intern!(py, "subdtype"))?.is_none() {
-        Some("is a sub-array dtype")
+        let names = dtype.getattr(intern!(py, "names"))?;
+        let names = names
+            .try_iter()?
+            .map(|name| Ok(name?.repr()?.to_string()))
+            .collect::<PyResult<Vec<String>>>()?;
+        Some(DtypeProblem {
+            what: format!(
+                "is a structured dtype (records of the field{} {}), a layout items do not carry",
+                if names.len() == 1 { "" } else { "s" },
+                names.join(", ")
+            ),
+            instead: format!(
+                "pass each field as an array of its own (x[{}])",
+                names.first().map_or("name", String::as_str)
+            ),
+        })
+    } else if let Ok((_, shape)) = dtype
+        .getattr(intern!(py, "subdtype"))?
+        .extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()
+    {
+        Some(DtypeProblem {
+            what: format!("is a sub-array dtype (each element an array of shape {shape})"),
+            instead: "pass one array with the sub-array's shape as its last dimensions".into(),
+        })
     } else {
         None
     })
 }
 
-/// An array dtype's descriptor (`dtype.str`), or why it is refused.
-pub(super) fn array_descr(dtype: &Bound<'_, PyAny>) -> PyResult<Result<String, String>> {
+/// An array dtype's descriptor (`dtype.str`), or why it is refused (`what`: the value of
+/// that dtype, "an array" or "a numpy scalar").
+pub(super) fn array_descr(
+    dtype: &Bound<'_, PyAny>,
+    what: &str,
+) -> PyResult<Result<String, String>> {
     // Never call Python while holding a cache lock (the callee may release the GIL).
     let cached = lock(&ARRAY_DESCRS)
         .iter()
@@ -83,18 +133,28 @@ pub(super) fn array_descr(dtype: &Bound<'_, PyAny>) -> PyResult<Result<String, S
         return Ok(Ok(descr));
     }
     if let Some(problem) = array_dtype_problem(dtype)? {
-        return Ok(Err(format!("array dtype {dtype} {problem}")));
+        return Ok(Err(format!(
+            "{what} of dtype {dtype}, which {}: {}",
+            problem.what, problem.instead
+        )));
     }
     let py = dtype.py();
     let descr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
     // A user-defined dtype (ml_dtypes' bfloat16, numpy's test dtype `rational`) has a void
     // descriptor ("<V8"): it would decode as raw void records, another dtype; or one numpy
     // cannot read at all (ml_dtypes' float8_e5m2 says "<f1").
-    let named = numpy(py)?.dtype.bind(py).call1((&descr,));
-    if !named.is_ok_and(|named| named.eq(dtype).unwrap_or(false)) {
+    let named = match numpy(py)?.dtype.bind(py).call1((&descr,)) {
+        Ok(named) if named.eq(dtype).unwrap_or(false) => None,
+        Ok(named) => Some(format!(
+            "names another dtype ({named}), so it would come back as that"
+        )),
+        Err(_) => Some("names no dtype numpy reads, so it could not be read back".into()),
+    };
+    if let Some(named) = named {
         return Ok(Err(format!(
-            "array dtype {dtype} is not the one its descriptor {descr:?} names (a user-defined \
-             dtype?)"
+            "{what} of dtype {dtype}, which is not one of numpy's own (a user-defined dtype): \
+             its descriptor '{descr}' {named}; convert it to one of numpy's dtypes, or pass a \
+             torch tensor"
         )));
     }
     let mut cache = lock(&ARRAY_DESCRS);
@@ -116,7 +176,7 @@ pub(super) fn array_dtype<'py>(py: Python<'py>, descr: &str) -> PyResult<(Bound<
         .call1((descr,))
         .map_err(|e| corrupt(format!("is not a numpy dtype ({e})")))?;
     if let Some(problem) = array_dtype_problem(&dtype)? {
-        return Err(corrupt(problem.into()).into());
+        return Err(corrupt(problem.what).into());
     }
     let itemsize: u64 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
     // numpy makes an `S0` or `U0` array one byte or character wide: a hostile header could

@@ -342,7 +342,8 @@ impl CachedItemCheck {
     ) -> PyResult<bool> {
         let mm_hash = mm_hash.cast::<PyString>().map_err(|_| {
             PyTypeError::new_err(format!(
-                "is_cached_item takes a str (an mm_hash), not a {}",
+                // The message Python's `mmcache.arguments.check_mm_hash_type` gives.
+                "is_cached_item(mm_hash): mm_hash must be a str, not {}",
                 type_name(mm_hash)
             ))
         })?;
@@ -351,7 +352,7 @@ impl CachedItemCheck {
                 "is_cached_item of a cache that was never opened (made without __init__ or join)",
             ));
         };
-        // The message Python's `mmcache.caches.unstorable_hash` gives, for every mode alike.
+        // The message Python's `mmcache.arguments.unstorable_hash` gives, for every mode alike.
         let key = mm_hash.to_str().map_err(|_| {
             PyValueError::new_err(format!(
                 "mm_hash {} holds a lone surrogate (it is no valid UTF-8)",

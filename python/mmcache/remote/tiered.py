@@ -387,8 +387,8 @@ class TieredSenderCache(BaseSenderCache):
         self, items: Sequence[SenderInput], mm_hashes: Sequence[str]
     ) -> list[SenderOutput]:
         # Before the zips below, which would read one item's field names as items.
-        check_item_list(items, "get_and_update")
-        check_hash_list(mm_hashes, "get_and_update")
+        items = check_item_list(items, "get_and_update")
+        mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         if len(items) != len(mm_hashes):
             raise ValueError(f"{len(items)} items but {len(mm_hashes)} mm_hashes")
         return self._update(

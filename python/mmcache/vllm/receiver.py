@@ -27,7 +27,13 @@ from vllm.utils.platform_utils import is_pin_memory_available
 
 from mmcache import pinning
 from mmcache._core import ReaderHandle
-from mmcache.arguments import check_feature_list, check_hash_list, check_item_list
+from mmcache.arguments import (
+    check_feature_list,
+    check_hash_list,
+    check_item_list,
+    check_mm_hash,
+    feature_keys,
+)
 from mmcache.caches import ReceiverCache
 from mmcache.errors import StaleHandleError
 from mmcache.items import Feature, ShmHandle, item_size
@@ -62,14 +68,19 @@ class MmcacheLruReceiverCache(LruKeyReplicatedReceiverCache):  # type: ignore[mi
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
         """Resolve the request's features (in prompt order), then settle the recency of its
         items as P0 settled it (P0 updated them modality by modality): the mirror holds."""
-        check_feature_list(mm_features)  # before the settling below iterates them
+        check_feature_list(mm_features)
+        if not isinstance(mm_features, Sequence):  # read more than once below
+            mm_features = list(mm_features)
+        # Read (and checked) before anything is resolved: the settling below runs whatever
+        # resolving raised.
+        keys = feature_keys(mm_features)
         # One step for the cache: no other thread's request between the two.
         with self._receiver._lock:
             try:
                 with vllm_errors():
                     self._receiver.get_and_update_features(mm_features)
             finally:
-                self._receiver.settle_recency(f.mm_hash or f.identifier for f in mm_features)
+                self._receiver.settle_recency(keys)
         return mm_features
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -194,14 +205,15 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         """Resolve every feature that carries data, in place (``None``: a payload the
         scheduler stripped, nothing to read)."""
         check_feature_list(mm_features)
-        with_data = [f for f in mm_features if f.data is not None]
+        if not isinstance(mm_features, Sequence):  # read more than once below
+            mm_features = list(mm_features)
+        keys = feature_keys(mm_features)  # before any handle is read
+        with_data = [
+            (f, key) for f, key in zip(mm_features, keys, strict=True) if f.data is not None
+        ]
         resolving = [
-            Feature(
-                data=self._incoming(f.data, f.mm_hash or f.identifier),
-                mm_hash=f.mm_hash,
-                identifier=f.identifier,
-            )
-            for f in with_data
+            Feature(data=self._incoming(f.data, key), mm_hash=f.mm_hash, identifier=f.identifier)
+            for f, key in with_data
         ]
         with vllm_errors(StaleShmHandleError):
             if self._reader is None:
@@ -210,17 +222,17 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
                         raise feature.data.error
             else:
                 self._reader.get_and_update_features(resolving)
-        for feature, resolved in zip(with_data, resolving, strict=True):
+        for (feature, _), resolved in zip(with_data, resolving, strict=True):
             feature.data = resolved.data
         return mm_features
 
-    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
+    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: Sequence[str]) -> list[Any]:
         """The resolved items of one request, resolved as :meth:`get_and_update_features`
         resolves features: every handle is read (vLLM's base class stopped at the first
         miss, leaving the handles after it unread, pinning their objects in the ring) and a
         miss lists every missing hash.  ``ValueError`` when the lengths differ."""
-        check_item_list(mm_items, "get_and_update")
-        check_hash_list(mm_hashes, "get_and_update")
+        mm_items = check_item_list(mm_items, "get_and_update")
+        mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         if len(mm_items) != len(mm_hashes):
             raise ValueError(f"{len(mm_items)} items but {len(mm_hashes)} mm_hashes")
         features = [
@@ -231,6 +243,7 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         return [feature.data for feature in features]
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        check_mm_hash(mm_hash, "get_and_update_item(item, mm_hash)")  # as the reader does
         if mm_item is None:
             return None
         incoming = self._incoming(mm_item, mm_hash)
@@ -264,7 +277,9 @@ class MmcacheShmReceiverCache(ShmObjectStoreReceiverCache):  # type: ignore[misc
         self._delivered.difference_update(finished)
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Nothing to do: P0 took the references, reading gives them back."""
+        """Nothing to do but check ``mm_hash``, as the reader does: P0 took the references,
+        reading gives them back."""
+        check_mm_hash(mm_hash, "touch_receiver_cache_item(mm_hash)")
 
     def clear_cache(self) -> None:
         """Let the objects kept for replays go (a reader does not own the ring)."""

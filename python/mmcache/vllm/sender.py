@@ -36,7 +36,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,7 +47,7 @@ from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
 from vllm.utils.cache import CacheInfo as VllmCacheInfo
 
 from mmcache._core import WriterHandle
-from mmcache.arguments import check_item_list
+from mmcache.arguments import check_hash_list, check_item_list
 from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache
 from mmcache.errors import ShmTooSmallError
 from mmcache.items import ShmHandle
@@ -250,9 +250,11 @@ class _SenderAdapter:
                 bracket.sent.append(mm_hash)
         return self._to_vllm(data, mm_item), prompt_updates
 
-    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: list[str]) -> list[Any]:
+    def get_and_update(self, mm_items: Sequence[Any], mm_hashes: Sequence[str]) -> list[Any]:
         """One request: every item is updated or none (a miss lists every missing hash)."""
-        check_item_list(mm_items, "get_and_update")  # before the conversion iterates them
+        # Before the conversion iterates them (and read into lists: both are read again).
+        mm_items = check_item_list(mm_items, "get_and_update")
+        mm_hashes = check_hash_list(mm_hashes, "get_and_update")
         with vllm_errors():
             outputs = self._sender.get_and_update(
                 [self._to_mmcache(item) for item in mm_items], mm_hashes
@@ -502,8 +504,12 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         return self._sender.is_cached(mm_hashes)
 
     def _to_mmcache(self, mm_item: Any) -> Any:
-        if self._ring is None or mm_item is None:
-            return mm_item
+        if self._ring is None or not (
+            isinstance(mm_item, tuple | list)
+            and len(mm_item) == 2
+            and isinstance(mm_item[0], Mapping)
+        ):
+            return mm_item  # None, or no (item, prompt_updates): the sender's to refuse
         item, prompt_updates = mm_item
         return item_to_mmcache(item), prompt_updates
 

@@ -74,8 +74,9 @@ def _u64(item: Mapping[str, Any], key: str) -> int:
 
 def handle_from_item(item: Mapping[str, Any], mm_hash: str) -> ShmHandle | None:
     """The :class:`ShmHandle` an item carries, ``None`` for an item without ``address`` (plain
-    data), or :class:`InvalidShmHandleError` when its fields do not make a handle."""
-    if "address" not in item:
+    data) or what is no item (for the receiver to refuse, naming what it takes), or
+    :class:`InvalidShmHandleError` when its fields do not make a handle."""
+    if not isinstance(item, Mapping) or "address" not in item:
         return None
     try:
         words = item["signature"].data
@@ -117,9 +118,14 @@ def _slices_in(value: Any) -> Any:
 def item_to_mmcache(item: Mapping[str, Any]) -> dict[str, Any]:
     """A ``MultiModalKwargsItem`` as an mmcache item: for every key its element's data
     (tensors, lists, numbers) and its field (class name and attributes).  ``TypeError`` for
-    a field class vLLM 0.33 does not define."""
+    a value that is no element, or a field class vLLM 0.33 does not define."""
     out: dict[str, Any] = {}
     for key, elem in item.items():
+        if not isinstance(elem, MultiModalFieldElem):
+            raise TypeError(
+                f"field {key!r}: {type(elem).__qualname__}, not the MultiModalFieldElem a "
+                "vLLM item (MultiModalKwargsItem) holds"
+            )
         field = elem.field
         name = type(field).__name__
         if _FIELD_CLASSES.get(name) is not type(field):
