@@ -162,18 +162,33 @@ def private_tmpfs_works() -> bool:
     return subprocess.run(probe, capture_output=True, check=False).returncode == 0
 
 
-@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
-@pytest.mark.parametrize("delay", ["60", "0"], ids=["puts-reserve", "background-reserves"])
-def test_a_tmpfs_filled_after_creation_gives_shm_too_small_at_a_put_never_sigbus(delay):
-    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, FULL_TMPFS],
+def run_in_private_tmpfs(
+    program: str,
+    *args: str,
+    options: str = "size=32m",
+    reserve_delay_s: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the Python ``program`` (with ``args``) in a mount namespace of its own whose
+    /dev/shm is a fresh tmpfs mounted with ``options``; ``reserve_delay_s`` holds the ring's
+    background reservation back (``MMCACHE_TEST_RESERVE_DELAY_S``)."""
+    script = f'mount -t tmpfs -o {options} tmpfs /dev/shm && exec {sys.executable} -c "$@"'
+    env = dict(os.environ)
+    if reserve_delay_s is not None:
+        env["MMCACHE_TEST_RESERVE_DELAY_S"] = reserve_delay_s
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", program, *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
-        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": delay},
+        env=env,
     )
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+@pytest.mark.parametrize("delay", ["60", "0"], ids=["puts-reserve", "background-reserves"])
+def test_a_tmpfs_filled_after_creation_gives_shm_too_small_at_a_put_never_sigbus(delay):
+    done = run_in_private_tmpfs(FULL_TMPFS, reserve_delay_s=delay)
     assert done.returncode == 0, (done.returncode, done.stderr)
     stored, refused = (int(w) for w in done.stdout.split()[1::2])
     assert stored + refused == 60
@@ -254,15 +269,7 @@ FULL_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
     ],
 )
 def test_a_tmpfs_filled_after_creation_serves_items_uncached_and_never_raises(before) -> None:
-    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0" "$1"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, FULL_TMPFS_CACHE, before],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": "60"},
-    )
+    done = run_in_private_tmpfs(FULL_TMPFS_CACHE, before, reserve_delay_s="60")
     assert done.returncode == 0, (done.returncode, done.stderr)
     words = done.stdout.split()
     assert words[:3] == ["raised", "0", "[]"], done.stdout
@@ -310,15 +317,7 @@ SMALL_ITEMS_IN_WHAT_IS_LEFT = textwrap.dedent(
 
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_small_items_that_fit_in_what_is_left_of_dev_shm_are_stored():
-    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, SMALL_ITEMS_IN_WHAT_IS_LEFT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": "60"},
-    )
+    done = run_in_private_tmpfs(SMALL_ITEMS_IN_WHAT_IS_LEFT, reserve_delay_s="60")
     assert done.returncode == 0, (done.returncode, done.stderr)
     stored, refused = (int(w) for w in done.stdout.split()[1::2])
     assert stored + refused == 40
@@ -385,15 +384,7 @@ FREED_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
 @pytest.mark.parametrize("delay", ["60", "0"], ids=["puts-reserve", "background-reserves"])
 @pytest.mark.parametrize("before", ["0", "2"], ids=["nothing-before", "two-items-before"])
 def test_a_tmpfs_that_frees_up_again_lets_the_ring_cache_new_items_again(delay, before):
-    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0" "$1"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, FREED_TMPFS_CACHE, before],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": delay},
-    )
+    done = run_in_private_tmpfs(FREED_TMPFS_CACHE, before, reserve_delay_s=delay)
     assert done.returncode == 0, (done.returncode, done.stderr)
     words = done.stdout.split()
     cached, no_space = int(words[3]), int(words[-1])
@@ -451,15 +442,7 @@ LARGE_PUT_INTO_A_FULL_TMPFS = textwrap.dedent(
 
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_a_large_put_into_a_full_tmpfs_is_refused_whole_and_changes_nothing():
-    script = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, LARGE_PUT_INTO_A_FULL_TMPFS],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "MMCACHE_TEST_RESERVE_DELAY_S": "60"},
-    )
+    done = run_in_private_tmpfs(LARGE_PUT_INTO_A_FULL_TMPFS, reserve_delay_s="60")
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["ok"], done.stdout
 
@@ -500,14 +483,7 @@ UNLIMITED_TMPFS = textwrap.dedent(
 
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_a_dev_shm_without_a_size_limit_holds_a_ring():
-    script = f'mount -t tmpfs -o size=0 tmpfs /dev/shm && exec {sys.executable} -c "$0"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, UNLIMITED_TMPFS],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_in_private_tmpfs(UNLIMITED_TMPFS, options="size=0")
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["ok"], done.stdout
 
@@ -545,14 +521,6 @@ NO_FILES_LEFT = textwrap.dedent(
 
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_a_dev_shm_out_of_files_refuses_a_ring_as_a_too_small_one_does():
-    mount = "mount -t tmpfs -o size=32m,nr_inodes=16 tmpfs /dev/shm"
-    script = f'{mount} && exec {sys.executable} -c "$0"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, NO_FILES_LEFT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_in_private_tmpfs(NO_FILES_LEFT, options="size=32m,nr_inodes=16")
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["refused", "created"], done.stdout
