@@ -8,6 +8,7 @@ import logging
 import os
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -232,6 +233,25 @@ def shm_pair() -> Iterator[Pair]:
     yield p0, worker
     worker._shm_cache.close()
     p0.close()
+
+
+@contextmanager
+def p0_and_receiver(mode: str) -> Iterator[tuple[Any, Any]]:
+    """P0's cache of ``mode`` (4 MiB) and the receiver vLLM pairs with it (the engine core's
+    in lru mode, a worker's in shm mode, none otherwise), closed after."""
+    config = vllm_config(mode, 4 * MiB)
+    p0 = processor_cache_from_config(config)
+    p1 = None
+    if mode == "lru":
+        p1 = engine_receiver_cache_from_config(config)
+    elif mode == "shm":
+        p1 = worker_receiver_cache_from_config(config, LOCK)
+    try:
+        yield p0, p1
+    finally:
+        if mode == "shm":
+            p1._shm_cache.close()
+        p0.close()
 
 
 def test_a_clear_while_requests_are_in_flight_never_hands_out_other_data(
@@ -570,15 +590,8 @@ def test_one_feature_or_item_where_vllm_passes_a_list_is_a_type_error(mode: str)
     # get_and_update_features(feature), one MultiModalFeatureSpec for the request's list,
     # was "'MultiModalFeatureSpec' object is not iterable" from deep inside; one item for
     # get_and_update's list was "5 items but 1 mm_hashes" (its field names taken for items).
-    config = vllm_config(mode, 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    p1 = (
-        engine_receiver_cache_from_config(config)
-        if mode == "lru"
-        else worker_receiver_cache_from_config(config, LOCK)
-    )
     item = kwargs_item(1)
-    try:
+    with p0_and_receiver(mode) as (p0, p1):
         with pytest.raises(TypeError, match=r"^get_and_update takes a list of items, not one"):
             p0.get_and_update(item, ["h"])
         assert p0.is_cached(["h"]) == [False]
@@ -596,10 +609,6 @@ def test_one_feature_or_item_where_vllm_passes_a_list_is_a_type_error(mode: str)
             p1.get_and_update(one.data, ["h"])
         [resolved] = p1.get_and_update_features([one])  # nothing was consumed
         assert same_item(item, resolved.data)
-    finally:
-        if mode == "shm":
-            p1._shm_cache.close()
-        p0.close()
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
@@ -639,43 +648,25 @@ def test_an_item_without_its_prompt_updates_is_a_type_error_saying_what_p0_takes
 def test_data_that_is_no_item_is_a_type_error_saying_what_the_receiver_takes(mode: str) -> None:
     # A worker's data that is no mapping (an int, a list) was "argument of type 'int' is not
     # iterable" in shm mode: the adapter looked for a handle's "address" key in it first.
-    config = vllm_config(mode, 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    p1 = (
-        engine_receiver_cache_from_config(config)
-        if mode == "lru"
-        else worker_receiver_cache_from_config(config, LOCK)
-    )
     takes = (
         r"^ReceiverCache takes an item \(a mapping of field names\) or None"
         if mode == "lru"
         else r"^ShmReceiverCache takes an item \(a mapping of field names\), a handle or None"
     )
-    try:
+    with p0_and_receiver(mode) as (_, p1):
         for bad in (5, [1, 2]):
             message = rf"{takes} as the data of h, not {type(bad).__name__}$"
             with pytest.raises(TypeError, match=message):
                 p1.get_and_update_item(bad, "h")
             with pytest.raises(TypeError, match=message):
                 p1.get_and_update_features([feature(bad, "h")])
-    finally:
-        if mode == "shm":
-            p1._shm_cache.close()
-        p0.close()
 
 
 @pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_receivers_mm_hash_that_is_no_str_is_a_type_error_naming_it(mode: str) -> None:
     # The shm worker's adapter returned None for get_and_update_item(None, 5) and took
     # touch_receiver_cache_item(5), where the lru one (and mmcache's receivers) refuse them.
-    config = vllm_config(mode, 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    p1 = (
-        engine_receiver_cache_from_config(config)
-        if mode == "lru"
-        else worker_receiver_cache_from_config(config, LOCK)
-    )
-    try:
+    with p0_and_receiver(mode) as (_, p1):
         for bad in (5, b"h"):
             not_str = rf"mm_hash must be a str, not {type(bad).__name__}$"
             with pytest.raises(
@@ -686,10 +677,6 @@ def test_a_receivers_mm_hash_that_is_no_str_is_a_type_error_naming_it(mode: str)
                 TypeError, match=rf"^touch_receiver_cache_item\(mm_hash\): {not_str}"
             ):
                 p1.touch_receiver_cache_item(bad)
-    finally:
-        if mode == "shm":
-            p1._shm_cache.close()
-        p0.close()
 
 
 @pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
@@ -697,24 +684,13 @@ def test_a_requests_items_and_hashes_from_generators_are_updated(mode: str) -> N
     # P0's get_and_update((item, [])...) from a generator converted the items (reading it),
     # then zipped the outputs with the spent generator: "zip() argument 2 is shorter than
     # argument 1"; the workers' said "object of type 'generator' has no len()".
-    config = vllm_config(mode, 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    p1 = None
-    if mode == "lru":
-        p1 = engine_receiver_cache_from_config(config)
-    elif mode == "shm":
-        p1 = worker_receiver_cache_from_config(config, LOCK)
     item = kwargs_item(1)
-    try:
+    with p0_and_receiver(mode) as (p0, p1):
         [(data, _)] = p0.get_and_update(((item, []) for _ in "h"), (h for h in ["h"]))
         assert p0.is_cached(["h"]) == [True]
         if p1 is not None:
             [resolved] = p1.get_and_update((d for d in [data or item]), (h for h in ["h"]))
             assert same_item(item, resolved)
-    finally:
-        if mode == "shm":
-            p1._shm_cache.close()
-        p0.close()
 
 
 @pytest.mark.parametrize("mode", ["lru", "shm"])
@@ -723,15 +699,8 @@ def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) 
     # "'MultiModalKwargsItem' object has no attribute 'mm_hash'" (lru: from the settling
     # after the core's TypeError, which it replaced) or "... no attribute 'data'" (shm), an
     # AttributeError, where mmcache's own receivers name the call and what to pass.
-    config = vllm_config(mode, 4 * MiB)
-    p0 = processor_cache_from_config(config)
-    p1 = (
-        engine_receiver_cache_from_config(config)
-        if mode == "lru"
-        else worker_receiver_cache_from_config(config, LOCK)
-    )
     item = kwargs_item(1)
-    try:
+    with p0_and_receiver(mode) as (p0, p1):
         [(data, _)] = p0.get_and_update([(item, [])], ["h"])
         one = feature(data if data is not None else item, "h")
         with pytest.raises(
@@ -742,7 +711,3 @@ def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) 
             p1.get_and_update_features([one, item])
         [resolved] = p1.get_and_update_features([one])  # nothing was consumed
         assert same_item(item, resolved.data)
-    finally:
-        if mode == "shm":
-            p1._shm_cache.close()
-        p0.close()
