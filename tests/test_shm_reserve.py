@@ -170,12 +170,12 @@ def run_in_private_tmpfs(
 ) -> subprocess.CompletedProcess[str]:
     """Run the Python ``program`` (with ``args``) in a mount namespace of its own whose
     /dev/shm is a fresh tmpfs mounted with ``options``; ``reserve_delay_s`` holds the ring's
-    background reservation back (``MMCACHE_TEST_RESERVE_DELAY_S``)."""
+    background reservation back (``MMCACHE_TEST_RESERVE_DELAY_S``). It must exit with 0."""
     script = f'mount -t tmpfs -o {options} tmpfs /dev/shm && exec {sys.executable} -c "$@"'
     env = dict(os.environ)
     if reserve_delay_s is not None:
         env["MMCACHE_TEST_RESERVE_DELAY_S"] = reserve_delay_s
-    return subprocess.run(
+    done = subprocess.run(
         ["unshare", "-rm", "sh", "-c", script, "sh", program, *args],
         capture_output=True,
         text=True,
@@ -183,13 +183,14 @@ def run_in_private_tmpfs(
         check=False,
         env=env,
     )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    return done
 
 
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 @pytest.mark.parametrize("delay", ["60", "0"], ids=["puts-reserve", "background-reserves"])
 def test_a_tmpfs_filled_after_creation_gives_shm_too_small_at_a_put_never_sigbus(delay):
     done = run_in_private_tmpfs(FULL_TMPFS, reserve_delay_s=delay)
-    assert done.returncode == 0, (done.returncode, done.stderr)
     stored, refused = (int(w) for w in done.stdout.split()[1::2])
     assert stored + refused == 60
     if delay != "0":
@@ -270,7 +271,6 @@ FULL_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
 )
 def test_a_tmpfs_filled_after_creation_serves_items_uncached_and_never_raises(before) -> None:
     done = run_in_private_tmpfs(FULL_TMPFS_CACHE, before, reserve_delay_s="60")
-    assert done.returncode == 0, (done.returncode, done.stderr)
     words = done.stdout.split()
     assert words[:3] == ["raised", "0", "[]"], done.stdout
     # The background reservation waits, so nothing reserved the ring ahead of the filler: the
@@ -318,7 +318,6 @@ SMALL_ITEMS_IN_WHAT_IS_LEFT = textwrap.dedent(
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_small_items_that_fit_in_what_is_left_of_dev_shm_are_stored():
     done = run_in_private_tmpfs(SMALL_ITEMS_IN_WHAT_IS_LEFT, reserve_delay_s="60")
-    assert done.returncode == 0, (done.returncode, done.stderr)
     stored, refused = (int(w) for w in done.stdout.split()[1::2])
     assert stored + refused == 40
     # 192 KiB hold about 40 blocks of 4 KiB: what the buffer could not have, the objects can.
@@ -385,7 +384,6 @@ FREED_TMPFS_CACHE = FILL_DEV_SHM + textwrap.dedent(
 @pytest.mark.parametrize("before", ["0", "2"], ids=["nothing-before", "two-items-before"])
 def test_a_tmpfs_that_frees_up_again_lets_the_ring_cache_new_items_again(delay, before):
     done = run_in_private_tmpfs(FREED_TMPFS_CACHE, before, reserve_delay_s=delay)
-    assert done.returncode == 0, (done.returncode, done.stderr)
     words = done.stdout.split()
     cached, no_space = int(words[3]), int(words[-1])
     assert cached + no_space == 8, done.stdout
@@ -443,7 +441,6 @@ LARGE_PUT_INTO_A_FULL_TMPFS = textwrap.dedent(
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_a_large_put_into_a_full_tmpfs_is_refused_whole_and_changes_nothing():
     done = run_in_private_tmpfs(LARGE_PUT_INTO_A_FULL_TMPFS, reserve_delay_s="60")
-    assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["ok"], done.stdout
 
 
@@ -484,7 +481,6 @@ UNLIMITED_TMPFS = textwrap.dedent(
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_a_dev_shm_without_a_size_limit_holds_a_ring():
     done = run_in_private_tmpfs(UNLIMITED_TMPFS, options="size=0")
-    assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["ok"], done.stdout
 
 
@@ -522,5 +518,4 @@ NO_FILES_LEFT = textwrap.dedent(
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
 def test_a_dev_shm_out_of_files_refuses_a_ring_as_a_too_small_one_does():
     done = run_in_private_tmpfs(NO_FILES_LEFT, options="size=32m,nr_inodes=16")
-    assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["refused", "created"], done.stdout
