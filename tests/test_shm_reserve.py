@@ -519,3 +519,160 @@ NO_FILES_LEFT = textwrap.dedent(
 def test_a_dev_shm_out_of_files_refuses_a_ring_as_a_too_small_one_does():
     done = run_in_private_tmpfs(NO_FILES_LEFT, options="size=32m,nr_inodes=16")
     assert done.stdout.split() == ["refused", "created"], done.stdout
+
+
+# What was stored before /dev/shm filled up is found by a writer that joins after it, in a
+# mapping of its own (nothing in it reserved past the slot tables): its lock-free lookups,
+# `keys` and `stats` read a key index that the first lock's taker reserved whole, by the
+# granule, so reserving it again needs no room, and nothing is taken for a miss. Its claims
+# are recorded, its invalidate and clear are seen by the other writers.
+STORED_BEFORE_SEEN_BY_A_LATE_WRITER = FILL_DEV_SHM + textwrap.dedent(
+    """
+    import os
+    from mmcache._core import ShmObjectStore
+    MiB = 1 << 20
+    w = ShmObjectStore.create(24 * MiB, n_readers=1, max_writers=3)
+    r = ShmObjectStore.attach(w.handle())
+    data = {f"a{i}": os.urandom(MiB + i) for i in range(4)}
+    for k, d in data.items():
+        assert bytes(r.resolve(w.put(k, d), k)) == d
+    assert w.claim("c")
+    fill_dev_shm()
+    j = ShmObjectStore.join(w.writer_handle())
+    assert sorted(j.keys()) == sorted(data), j.keys()
+    assert [j.is_cached(k) for k in (*data, "zz")] == [True] * 4 + [False]
+    s = j.stats()
+    assert (s["objects"], s["chunks"], s["claims"]) == (4, 4, 1), s
+    assert j.claim("a0") is False and j.claim("c") is False and j.claim("new") is True
+    assert w.claim("new") is False  # recorded, not granted unrecorded
+    j.invalidate("a1")
+    assert not w.is_cached("a1") and sorted(w.keys()) == ["a0", "a2", "a3"]
+    assert bytes(r.resolve(j.get_cached("a2"), "a2")) == data["a2"]
+    k = ShmObjectStore.join(w.writer_handle())
+    k.clear()
+    assert w.keys() == [] and j.keys() == [] and w.stats()["objects"] == 0
+    assert w.stats()["bytes_in_use"] == 0, w.stats()
+    for x in (k, j, r, w):
+        x.close()
+    assert os.listdir("/dev/shm") == ["filler"], os.listdir("/dev/shm")
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_what_was_stored_before_dev_shm_filled_is_found_by_a_writer_joining_after():
+    done = run_in_private_tmpfs(STORED_BEFORE_SEEN_BY_A_LATE_WRITER, reserve_delay_s="60")
+    assert done.stdout.split() == ["ok"], done.stdout
+
+
+# The first lock's reservation of the key index fails part way (/dev/shm has less left than
+# the index): part of the index is allocated, no lock was taken, nothing was filed. Every
+# writer, the one whose reservation failed and one that joins, answers that nothing is stored
+# or claimed (lookups, keys, stats, claims granted unrecorded, invalidate, unclaim, clear,
+# wait_for) without an error; once room is freed the index is reserved and used as usual.
+INDEX_RESERVED_PART_WAY = textwrap.dedent(
+    """
+    import os
+    from mmcache._core import ShmObjectStore, ShmTooSmallError
+    MiB, KiB = 1 << 20, 1 << 10
+    w = ShmObjectStore.create(24 * MiB, n_readers=1, max_writers=2)
+    r = ShmObjectStore.attach(w.handle())
+    name = "/dev/shm/" + w.name
+    before = os.stat(name).st_blocks * 512
+    st = os.statvfs("/dev/shm")
+    with open("/dev/shm/filler", "wb") as f:  # leaves less than the key index (~700 KiB)
+        f.write(b"x" * (st.f_bavail * st.f_frsize - 200 * KiB))
+    d = os.urandom(MiB)
+    try:
+        w.put("k", d)
+        raise AssertionError("a put with no room for the key index was not refused")
+    except ShmTooSmallError:
+        pass
+    grew = os.stat(name).st_blocks * 512 - before
+    assert grew > 100 * KiB, grew  # part of the index is allocated
+    j = ShmObjectStore.join(w.writer_handle())
+    for x in (w, j):
+        assert x.is_cached("k") is False and x.keys() == [] and x.try_get_cached("k") is None
+        s = x.stats()
+        assert (s["objects"], s["chunks"], s["claims"], s["bytes_in_use"]) == (0, 0, 0, 0), s
+        assert x.claim("k") is True
+        x.invalidate("k")
+        x.unclaim("k")
+        x.clear()
+        assert x.wait_for(["k"], 0.01) == [False]
+    os.unlink("/dev/shm/filler")
+    assert bytes(r.resolve(j.put("k", d), "k")) == d
+    assert w.is_cached("k") and w.keys() == ["k"] and j.claim("x") and not w.claim("x")
+    assert (w.stats()["claims"], w.stats()["objects"]) == (1, 1), w.stats()
+    for x in (j, r, w):
+        x.close()
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_a_key_index_reserved_part_way_answers_that_nothing_is_stored():
+    done = run_in_private_tmpfs(INDEX_RESERVED_PART_WAY, reserve_delay_s="60")
+    assert done.stdout.split() == ["ok"], done.stdout
+
+
+# A refill of the allocation buffer whose bounded sweep first keeps a window (a pinned chunk
+# K at the hand) and only then finds no tmpfs room for the next one (the never-reserved tail
+# of the ring, after K): its ShmTooSmall comes after the sweep judged K. The object is then
+# reserved on its own (in what /dev/shm has left), and the ring stays consistent: no block
+# left judged or reserved, the gauges exact (a clear leaves 0 bytes in use).
+REFILL_FAILS_AFTER_A_KEPT_WINDOW = textwrap.dedent(
+    """
+    import os
+    from mmcache._core import ShmObjectStore, ShmTooSmallError
+    MiB, KiB = 1 << 20, 1 << 10
+    w = ShmObjectStore.create(24 * MiB, n_readers=1, max_object_size=12 * MiB)
+    r = ShmObjectStore.attach(w.handle())
+    big = 12 * MiB - 64 * KiB
+    def put(key, data):
+        assert bytes(r.resolve(w.put(key, data), key)) == data
+    put("P", b"p" * big)  # [0, S)
+    put("K", os.urandom(504 * KiB))  # [S, S + ~512 KiB), then a tail nobody reserved
+    w.pin("K")
+    put("Q", b"q" * big)  # does not fit in the tail: wraps, evicts P, leaves the hand at K
+    assert not w.is_cached("P") and w.is_cached("K")
+    st = os.statvfs("/dev/shm")
+    with open("/dev/shm/filler", "wb") as f:  # less than a buffer is left
+        f.write(b"x" * (st.f_bavail * st.f_frsize - 128 * KiB))
+    data = {f"s{i}": bytes([i]) * 4000 for i in range(20)}
+    refused = []
+    for key, d in data.items():
+        try:
+            put(key, d)
+        except ShmTooSmallError:
+            refused.append(key)
+    assert refused == [], refused
+    s = w.stats()
+    assert s["objects"] == s["chunks"] == 22 and s["chunks_reserved"] == 0, s
+    assert sorted(w.keys()) == sorted(["K", "Q", *data]), w.keys()
+    for key, d in data.items():
+        assert bytes(r.resolve(w.get_cached(key), key)) == d
+    os.unlink("/dev/shm/filler")
+    w.unpin("K")
+    for i in range(60):  # laps of the ring over what the failed refill judged
+        put(f"b{i}", os.urandom(MiB + i))
+    s = w.stats()
+    assert s["objects"] == s["chunks"] and s["chunks_reserved"] == 0, s
+    w.clear()
+    s = w.stats()
+    assert (s["bytes_in_use"], s["objects"], s["chunks"]) == (0, 0, 0), s
+    r.close()
+    w.close()
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and a tmpfs mount")
+def test_a_refill_that_finds_no_tmpfs_room_after_keeping_a_window_leaves_the_ring_whole():
+    done = run_in_private_tmpfs(
+        REFILL_FAILS_AFTER_A_KEPT_WINDOW, options="size=40m", reserve_delay_s="60"
+    )
+    assert done.stdout.split() == ["ok"], done.stdout
