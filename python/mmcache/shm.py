@@ -209,6 +209,9 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # id, so never of a later object stored under the same key.
         # One core claim per miss claimed by any request in flight, until the last one lets go.
         self._claims = Holds(store.claim, store.unclaim)
+        # Whether any request ever claimed (set once, under the lock): until then an update
+        # has no claim to end, and skips looking for one (a writer alone never claims).
+        self._claiming = False
         self._lookups = HitCounter()
         self._unshared = 0  # puts whose prompt updates no other writer can read
 
@@ -307,6 +310,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         stored or claimed by another writer meanwhile."""
         contested = []
         with self._lock:
+            self._claiming = True
             claims = self._request.claims
             for mm_hash in mm_hashes:
                 # Asked of the core every time: a claim another request of this writer took
@@ -368,7 +372,7 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             try:
                 if pinned is not None and not self._store.closed:
                     self._store.unpin_object(mm_hash, pinned)
-                if request.claims:
+                if self._claiming and request.claims:
                     self._claims.give(request.claims, mm_hash)
             finally:
                 lock.release()
@@ -533,12 +537,16 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         # No lock: the pins are this thread's, and a pin is one atomic core call (which waits
         # on the core's lock only for an object being evicted, held by a writer that needs
         # no GIL to finish).
-        check_mm_hash(mm_hash, "touch_sender_cache_item(mm_hash)")
         pins = self._request.pins
-        if mm_hash not in pins:
-            pinned = self._store.pin_object(mm_hash)
-            if pinned is not None:
-                pins[mm_hash] = pinned
+        try:
+            if mm_hash not in pins:
+                pinned = self._store.pin_object(mm_hash)
+                if pinned is not None:
+                    pins[mm_hash] = pinned
+        except (TypeError, UnicodeEncodeError):
+            # Unhashable, not a str (the core's), or no UTF-8: checked here, not on every call.
+            check_mm_hash(mm_hash, "touch_sender_cache_item(mm_hash)")
+            raise
 
     def release_sender_touches(self) -> None:
         """Unpin every item this thread touched, and give up every claim it took, whose
