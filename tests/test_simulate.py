@@ -314,6 +314,21 @@ def test_injected_drift_is_recovered_by_one_retry(mode: str, tmp_path: Path) -> 
         assert run["retries"] == 0 and run["served_uncached"] == 0
 
 
+def test_a_cache_that_holds_the_whole_catalogue_reports_no_evictions_after_retries(
+    tmp_path: Path,
+) -> None:
+    """0.2 GiB holds 87 items, more than the 40 images of the catalogue: nothing is ever
+    evicted, whatever the drift. A retry reprocesses items P0's cache already holds (to carry
+    their data to P1) without storing them again, which must not read as evictions."""
+    out = tmp_path / "figures.json"
+    tiny = [*TINY[:4], "--capacity-gb", "0.2", *TINY[6:]]
+    result = simulate("--mode", "lru", *tiny, "--inject-drift", "0.3", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["lru"]
+    assert run["retries"] > 0 and run["served_uncached"] == 0
+    assert run["evictions"] == 0
+
+
 def test_an_lru_retry_carries_every_items_data_to_p1() -> None:
     """After lost updates P1's LRU evicts in another order than P0's mirror, so with other
     requests in flight an item P0 still believes P1 holds may be gone by the time the retry

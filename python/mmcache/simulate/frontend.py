@@ -104,7 +104,6 @@ class _Counts:
     remote_hits: int = 0  # lookups the remote tier answered instead of processing
     cross_host_hits: int = 0  # ... for an item this host had not processed itself
     processed: int = 0  # items run through the processor
-    invalidated: int = 0  # cached hashes invalidated after a receiver missed them
     dropped: int = 0  # attempts lost on purpose (inject_drift)
     retries: int = 0  # attempts resent after a miss
     unrecovered: int = 0  # requests whose one retry missed again
@@ -426,7 +425,6 @@ class _Frontend:
         pending.retried = True
         self.counts.retries += 1
         for h in pending.missing:
-            self.counts.invalidated += self.cache.is_cached_item(h)
             self.cache.invalidate(h)
         self._send(rid, drift=False)
 
@@ -517,11 +515,10 @@ class _Frontend:
         """Items the cache dropped to make room (``None`` without a cache)."""
         if self.cache is None:
             return None
-        if "store_evictions" in stats:
-            return stats["store_evictions"]
-        # An LRU stores every item P0 processed or fetched, except those served uncached.
-        inserted = self.counts.processed + self.counts.remote_hits - stats["uncached_oversize"]
-        return inserted - stats["entries"] - self.counts.invalidated
+        # The caches' own counters: P0's processing is no count of insertions (a retry
+        # reprocesses items its cache holds, to carry their data; an item served uncached
+        # is processed and never stored).
+        return stats["store_evictions"] if "store_evictions" in stats else stats["evictions"]
 
 
 def frontend_main(
