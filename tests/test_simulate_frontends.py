@@ -182,7 +182,7 @@ def _report(frontend: int, **figures: Any) -> dict[str, Any]:
     """A frontend's report to the driver: one request of one image, and ``figures``."""
     counts = ("requests", "items", "lookups", "hits", "processed", "tensors_checked")
     zeros = (
-        "claim_waits", "remote_hits", "cross_host_hits", "processing_s", "bytes_moved",
+        "claim_waits", "remote_hits", "processing_s", "bytes_moved",
         "payload_bytes_moved", "baseline_bytes", "shm_bytes", "served_uncached", "dropped",
         "retries", "unrecovered", "wrong_tensors",
     )  # fmt: skip
@@ -199,6 +199,7 @@ def _report(frontend: int, **figures: Any) -> dict[str, Any]:
         "processed_truth": [],
         "remote_truth": [],
         "deferred_truth": [],
+        "fetched_unprocessed": [],
         "remote": None,
         **figures,
     }
@@ -236,3 +237,22 @@ def test_an_item_evicted_between_lookup_and_update_is_processed_after_all() -> N
         assert inputs[0] is not None and frontend.counts.processed == 1
         assert store.is_cached_item(mm_hash)
         store.release_handles([handle])
+
+
+def test_remote_hits_of_another_frontends_work_on_the_same_host_are_no_cross_host_hits(
+    tmp_path: Path,
+) -> None:
+    # processor_only: a cache per frontend, so frontend 1 fetches from the tier the images
+    # frontend 0 of the same host processed (and the other way round). With one host there
+    # is no other host whose work a hit could be.
+    out = tmp_path / "figures.json"
+    result = simulate(
+        "--mode", "processor_only", "--frontends", "2", "--remote", "redis://auto", *TINY,
+        "--json", str(out), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["processor_only + redis, 2 frontends"]
+    assert run["hosts"] == 1 and run["remote_hits"] > 0 and run["wrong_tensors"] == 0
+    assert run["cross_host_hits"] == 0
+    assert [host["cross_host_hits"] for host in run["per_host"]] == [0]
+    assert [f["cross_host_hits"] for f in run["per_frontend"]] == [0, 0]

@@ -102,7 +102,6 @@ class _Counts:
     hits: int = 0  # lookups P0 did not process: found locally, or after a claim wait
     claim_waits: int = 0  # ... that another frontend was processing: waited for, then found
     remote_hits: int = 0  # lookups the remote tier answered instead of processing
-    cross_host_hits: int = 0  # ... for an item this host had not processed itself
     processed: int = 0  # items run through the processor
     dropped: int = 0  # attempts lost on purpose (inject_drift)
     retries: int = 0  # attempts resent after a miss
@@ -208,6 +207,9 @@ class _Frontend:
         self.image_of: dict[str, int] = {}
         self.processed_truth: dict[str, dict[str, bytes]] = {}
         self.remote_truth: dict[str, dict[str, bytes]] = {}
+        # Remote hits of images this frontend had not processed, per image: the driver counts
+        # as cross-host those no other frontend of the host processed either.
+        self.fetched_unprocessed: dict[int, int] = {}
         self.seen = np.zeros(config.catalogue, dtype=bool)
         self.pending: dict[int, _Pending] = {}
         self.latencies = _LatencySample(LATENCY_SAMPLES, seed=host * MAX_FRONTENDS + frontend)
@@ -369,7 +371,9 @@ class _Frontend:
             if fetched is None:
                 continue
             self.counts.remote_hits += 1
-            self.counts.cross_host_hits += h not in self.processed_truth
+            if h not in self.processed_truth:
+                image = self.image_of[h]
+                self.fetched_unprocessed[image] = self.fetched_unprocessed.get(image, 0) + 1
             digests = tensor_digests(fetched[0])
             known = self.remote_truth.setdefault(h, digests)
             if known != digests:  # the tier supplied two different items for one hash
@@ -470,7 +474,7 @@ class _Frontend:
             "hits": counts.hits,
             "claim_waits": counts.claim_waits,
             "remote_hits": counts.remote_hits,
-            "cross_host_hits": counts.cross_host_hits,
+            "fetched_unprocessed": list(self.fetched_unprocessed.items()),
             "processed": counts.processed,
             "processing_s": self.processing_s,
             "bytes_moved": self.traffic.total + engine["bytes"] + sum(w["bytes"] for w in workers),

@@ -306,6 +306,8 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
     unverified = [_wrong_unverified_tensors(reports, of=r) for r in reports]
     for report, wrong in zip(reports, unverified, strict=True):
         report["wrong_tensors"] += wrong
+    for report in reports:
+        report["cross_host_hits"] = _cross_host_hits(reports, of=report)
     elapsed = max(r["elapsed_s"] for r in reports)
     requests, items, lookups, processed = (
         total(n) for n in ("requests", "items", "lookups", "processed")
@@ -380,6 +382,20 @@ def _evictions(reports: list[dict[str, Any]]) -> int | None:
     if len(known) < len(counts):
         return None
     return max(known) if reports[0]["evictions_shared"] else sum(known)
+
+
+def _cross_host_hits(reports: list[dict[str, Any]], *, of: dict[str, Any]) -> int:
+    """The remote hits of the frontend that reported ``of`` (one of ``reports``) that were
+    another host's work: of images it had not processed when it fetched them, and no other
+    frontend of its host processed (their items reach it through the tier too when they
+    keep a cache each, or when the shared store evicted them)."""
+    processed_here = {
+        image
+        for r in reports
+        if r["host"] == of["host"] and r is not of
+        for image, _ in r["processed_truth"]
+    }
+    return sum(n for image, n in of["fetched_unprocessed"] if image not in processed_here)
 
 
 def _wrong_unverified_tensors(reports: list[dict[str, Any]], *, of: dict[str, Any]) -> int:

@@ -37,7 +37,8 @@ With ``--remote``:
 - ``distinct_images``: images requested on any host; ``processed_per_image``: items processed
   (on all hosts) per distinct image - 1.0 means each image was processed once, anywhere;
 - ``remote_hits``: lookups the remote tier answered, so P0 did not process the item;
-  ``cross_host_hits``: those of items another host had processed;
+  ``cross_host_hits``: those of items another host had processed (none of this host's
+  frontends had: with several, each keeping a cache of its own, they fetch each other's);
   ``remote_processing_s_saved``: remote hits times the mean processing time;
 - ``remote_get_p50_ms`` ... ``remote_put_p99_ms``: latency of the calls that reached the store
   (a get is one request's batch); ``remote_puts``: items published; ``remote_errors``: failed
