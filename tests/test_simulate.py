@@ -247,6 +247,18 @@ def test_capacity_zero_is_fine_without_a_cache() -> None:
     SimulationConfig(mode="none", capacity_gb=0.0).validate()
 
 
+def test_a_catalogue_smaller_than_max_items_needs_room_for_its_images_only() -> None:
+    # A request holds distinct images, so a catalogue of 2 makes requests of 1 or 2 items
+    # whatever --max-items says (4 by default): a cache of 2 items serves them all.
+    workload = ["--requests", "4", "--catalogue", "2", "--capacity-gb", "0.005"]
+    result = simulate("--mode", "lru", *workload, "--inflight", "1")
+    assert result.returncode == 0, result.stderr
+    assert "4 requests of 1-2 images" in result.stdout
+    # One image short of the largest request is still refused, naming its size.
+    with pytest.raises(ConfigError, match="one request's 2 items"):
+        SimulationConfig(mode="lru", catalogue=2, capacity_gb=0.004).validate()
+
+
 # --------------------------------------------------------------------------------------------
 # The real command
 

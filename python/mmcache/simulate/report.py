@@ -263,7 +263,7 @@ def render(config: SimulationConfig, runs: Sequence[RunMetrics], console: Consol
     hosts = f", {config.hosts} hosts" if config.hosts > 1 else ""
     hosts += f", {config.frontends} frontends" if config.frontends > 1 else ""
     title = (
-        f"mmcache simulate: {config.requests} requests of 1-{config.max_items} images"
+        f"mmcache simulate: {config.requests} requests of 1-{config.request_items} images"
         f"{' per host' if hosts else ''}, catalogue {config.catalogue} (zipf {config.zipf:g}), "
         f"{config.workers} workers, {config.capacity_gb:g} GiB cache, seed {config.seed}{hosts}"
     )
