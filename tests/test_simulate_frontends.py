@@ -183,7 +183,7 @@ def _report(frontend: int, **figures: Any) -> dict[str, Any]:
     counts = ("requests", "items", "lookups", "hits", "processed", "tensors_checked")
     zeros = (
         "claim_waits", "remote_hits", "processing_s", "bytes_moved",
-        "payload_bytes_moved", "baseline_bytes", "shm_bytes", "served_uncached", "dropped",
+        "payload_bytes_moved", "baseline_bytes", "store_puts", "served_uncached", "dropped",
         "retries", "unrecovered", "wrong_tensors",
     )  # fmt: skip
     return {
@@ -256,3 +256,17 @@ def test_remote_hits_of_another_frontends_work_on_the_same_host_are_no_cross_hos
     assert run["cross_host_hits"] == 0
     assert [host["cross_host_hits"] for host in run["per_host"]] == [0]
     assert [f["cross_host_hits"] for f in run["per_frontend"]] == [0, 0]
+
+
+def test_bytes_written_to_shared_memory_count_the_puts_the_store_made(tmp_path: Path) -> None:
+    # One image, a store that holds it and never evicts it, frontends that do not wait for
+    # each other's claims: both may process the image at once, but the store keeps the
+    # first put and answers the second with the object stored (a hit): one item written.
+    out = tmp_path / "figures.json"
+    workload = ["--requests", "4", "--catalogue", "1", "--inflight", "1", "--capacity-gb", "0.01"]
+    result = simulate("--frontends", "2", *workload, "--claim-wait-s", "0", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["shm, 2 frontends"]
+    assert run["evictions"] == 0 and run["served_uncached"] == 0 and run["wrong_tensors"] == 0
+    assert 1 <= run["items_processed"] <= 2
+    assert run["shm_bytes_written"] == 3 * TARGET_SIDE * TARGET_SIDE * 4 + 2 * 8

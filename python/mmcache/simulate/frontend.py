@@ -106,7 +106,6 @@ class _Counts:
     dropped: int = 0  # attempts lost on purpose (inject_drift)
     retries: int = 0  # attempts resent after a miss
     unrecovered: int = 0  # requests whose one retry missed again
-    shm_bytes: int = 0  # tensor bytes written into the ring
     baseline_bytes: int = 0  # tensor bytes mode none sends for the completed requests
 
 
@@ -300,11 +299,6 @@ class _Frontend:
             waited = [other and item is None for other, item in zip(waited, inputs, strict=True)]
             self.counts.hits += sum(local) + sum(waited)
             self.counts.claim_waits += sum(waited)
-            self.counts.shm_bytes += sum(
-                ITEM_BYTES
-                for was, other, out in zip(local, waited, outputs, strict=True)
-                if not (was or other) and isinstance(out[0], ShmHandle)
-            )
         buffers: list[memoryview] = []
         entries = [
             wire.encode_feature(
@@ -480,7 +474,10 @@ class _Frontend:
             "bytes_moved": self.traffic.total + engine["bytes"] + sum(w["bytes"] for w in workers),
             "payload_bytes_moved": self.traffic.payload_bytes + engine["payload_bytes"],
             "baseline_bytes": counts.baseline_bytes,
-            "shm_bytes": counts.shm_bytes,
+            # Items written into the ring: the store's counter, not a count of the handles
+            # P0 was given for items it processed (a put of a key another frontend stored
+            # meanwhile is a hit on that object). The same store for every frontend of a host.
+            "store_puts": stats.get("store_puts", 0),
             "evictions": self._evictions(stats),
             # The store's counter, the same for every frontend sharing it (not theirs to add).
             "evictions_shared": "store_evictions" in stats,

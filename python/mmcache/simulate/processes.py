@@ -41,6 +41,7 @@ from mmcache.signals import sigint_ignored
 from mmcache.simulate import wire
 from mmcache.simulate.config import (
     AUTO_REMOTES,
+    ITEM_BYTES,
     ConfigError,
     RunMetrics,
     SimulationConfig,
@@ -325,6 +326,8 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         for op in ("get", "put")
     }
     evictions = [_evictions(of_host) for of_host in hosts]
+    # Every frontend of a host read its store's counter; the last read is the highest.
+    puts = sum(max(r["store_puts"] for r in of_host) for of_host in hosts)
     return RunMetrics(
         mode=config.mode,
         label=config.label,
@@ -345,7 +348,7 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         bytes_moved=total("bytes_moved"),
         payload_bytes_moved=total("payload_bytes_moved"),
         bytes_saved=total("baseline_bytes") - total("payload_bytes_moved"),
-        shm_bytes_written=total("shm_bytes"),
+        shm_bytes_written=puts * ITEM_BYTES,
         evictions=None if None in evictions else sum(e for e in evictions if e is not None),
         served_uncached=total("served_uncached"),
         dropped_updates=total("dropped"),

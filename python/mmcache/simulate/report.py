@@ -11,7 +11,8 @@ Metrics (one :class:`~mmcache.simulate.processes.RunMetrics` per mode):
 - ``bytes_moved``: everything sent between processes over pipes (headers and tensors);
   ``bytes_saved``: tensor bytes the ``none`` mode would have sent for the same requests
   (P0 → P1 and P1 → each worker) minus the tensor bytes sent; ``shm_bytes_written``: tensor
-  bytes P0 wrote into the shared-memory ring instead;
+  bytes P0 wrote into the shared-memory ring instead (the items the store took: an item two
+  frontends processed at once is written once);
 - ``processing_s_saved``: items P0 did not process times the mean processing time;
 - ``evictions``, ``served_uncached``, ``dropped_updates`` (``--inject-drift``), ``retries``
   (requests resent after a cache miss), ``unrecovered`` (a retry that missed again),
