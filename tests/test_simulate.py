@@ -559,6 +559,10 @@ def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:
     assert _serve(*_request(tampered, truth), None, Counter())["wrong"] == 1
     missing_field = {"pixel_values": item["pixel_values"]}
     assert _serve(*_request(missing_field, truth), None, Counter())["wrong"] == 1
+    # A tensor P0 never produced is received, not verified: it is wrong too.
+    extra_field = dict(item, attention_mask=np.ones(4, np.int64))
+    reply = _serve(*_request(extra_field, truth), None, Counter())
+    assert (reply["checked"], reply["wrong"]) == (3, 1)
 
 
 def test_wrong_tensors_make_the_command_fail(
