@@ -413,14 +413,20 @@ def _wrong_unverified_tensors(reports: list[dict[str, Any]], *, of: dict[str, An
             if truth.setdefault(image, digests) != digests:
                 raise SimulationError(f"image {image} was processed into different tensors twice")
     remote: int = sum(
-        len(digests) for image, digests in of["remote_truth"] if truth.get(image) != digests
+        _differing(digests, truth.get(image, [])) for image, digests in of["remote_truth"]
     )
     shared: int = sum(
-        times * max(len(digests), len(truth.get(image, ())))
+        times * _differing(digests, truth.get(image, []))
         for image, digests, times in of["deferred_truth"]
-        if truth.get(image) != digests
     )
     return remote + shared
+
+
+def _differing(received: list[Any], truth: list[Any]) -> int:
+    """The tensors of ``received`` and ``truth`` (``[name, digest]`` pairs) that differ,
+    one missing on either side included: what a worker counts against its P0's truth."""
+    got, expected = dict(received), dict(truth)
+    return sum(got.get(name) != expected.get(name) for name in {**got, **expected})
 
 
 def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
