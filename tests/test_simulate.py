@@ -247,6 +247,18 @@ def test_capacity_zero_is_fine_without_a_cache() -> None:
     SimulationConfig(mode="none", capacity_gb=0.0).validate()
 
 
+def test_a_catalogue_smaller_than_max_items_needs_room_for_its_images_only() -> None:
+    # A request holds distinct images, so a catalogue of 2 makes requests of 1 or 2 items
+    # whatever --max-items says (4 by default): a cache of 2 items serves them all.
+    workload = ["--requests", "4", "--catalogue", "2", "--capacity-gb", "0.005"]
+    result = simulate("--mode", "lru", *workload, "--inflight", "1")
+    assert result.returncode == 0, result.stderr
+    assert "4 requests of 1-2 images" in result.stdout
+    # One image short of the largest request is still refused, naming its size.
+    with pytest.raises(ConfigError, match="one request's 2 items"):
+        SimulationConfig(mode="lru", catalogue=2, capacity_gb=0.004).validate()
+
+
 # --------------------------------------------------------------------------------------------
 # The real command
 
@@ -312,6 +324,21 @@ def test_injected_drift_is_recovered_by_one_retry(mode: str, tmp_path: Path) -> 
     else:
         # P0 owns the ring, so nothing drifts; the lost requests' handles were released.
         assert run["retries"] == 0 and run["served_uncached"] == 0
+
+
+def test_a_cache_that_holds_the_whole_catalogue_reports_no_evictions_after_retries(
+    tmp_path: Path,
+) -> None:
+    """0.2 GiB holds 87 items, more than the 40 images of the catalogue: nothing is ever
+    evicted, whatever the drift. A retry reprocesses items P0's cache already holds (to carry
+    their data to P1) without storing them again, which must not read as evictions."""
+    out = tmp_path / "figures.json"
+    tiny = [*TINY[:4], "--capacity-gb", "0.2", *TINY[6:]]
+    result = simulate("--mode", "lru", *tiny, "--inject-drift", "0.3", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["lru"]
+    assert run["retries"] > 0 and run["served_uncached"] == 0
+    assert run["evictions"] == 0
 
 
 def test_an_lru_retry_carries_every_items_data_to_p1() -> None:
@@ -532,6 +559,10 @@ def test_a_worker_counts_every_tensor_that_differs_from_the_truth() -> None:
     assert _serve(*_request(tampered, truth), None, Counter())["wrong"] == 1
     missing_field = {"pixel_values": item["pixel_values"]}
     assert _serve(*_request(missing_field, truth), None, Counter())["wrong"] == 1
+    # A tensor P0 never produced is received, not verified: it is wrong too.
+    extra_field = dict(item, attention_mask=np.ones(4, np.int64))
+    reply = _serve(*_request(extra_field, truth), None, Counter())
+    assert (reply["checked"], reply["wrong"]) == (3, 1)
 
 
 def test_wrong_tensors_make_the_command_fail(

@@ -173,7 +173,7 @@ def test_items_another_frontend_processed_are_checked_against_its_truth() -> Non
         return [_wrong_unverified_tensors(reports, of=report) for report in reports]
 
     truth_lists = [list(d) for d in truth]
-    assert wrong(reports([[7, truth_lists]])) == [2, 0]  # the consumer's tampered item
+    assert wrong(reports([[7, truth_lists]])) == [1, 0]  # the consumer's tampered tensor
     # An image no frontend processed has no truth: everything received for it is wrong.
     assert wrong(reports([])) == [3 * 2, 0]
 
@@ -182,8 +182,8 @@ def _report(frontend: int, **figures: Any) -> dict[str, Any]:
     """A frontend's report to the driver: one request of one image, and ``figures``."""
     counts = ("requests", "items", "lookups", "hits", "processed", "tensors_checked")
     zeros = (
-        "claim_waits", "remote_hits", "cross_host_hits", "processing_s", "bytes_moved",
-        "payload_bytes_moved", "baseline_bytes", "shm_bytes", "served_uncached", "dropped",
+        "claim_waits", "remote_hits", "processing_s", "bytes_moved",
+        "payload_bytes_moved", "baseline_bytes", "store_puts", "served_uncached", "dropped",
         "retries", "unrecovered", "wrong_tensors",
     )  # fmt: skip
     return {
@@ -199,14 +199,15 @@ def _report(frontend: int, **figures: Any) -> dict[str, Any]:
         "processed_truth": [],
         "remote_truth": [],
         "deferred_truth": [],
+        "fetched_unprocessed": [],
         "remote": None,
         **figures,
     }
 
 
 def test_per_frontend_wrong_tensors_add_up_to_the_run_s() -> None:
-    # Frontend 1 served image 0 from frontend 0's work, and its workers received other
-    # tensors than frontend 0 processed: frontend 1's wrong tensors, counted in its row too.
+    # Frontend 1 served image 0 from frontend 0's work, and its workers received another
+    # pixel_values than frontend 0 processed: frontend 1's wrong tensor, in its row too.
     truth = [["pixel_values", b"a"], ["image_sizes", b"b"]]
     received = [["pixel_values", b"x"], ["image_sizes", b"b"]]
     reports = [
@@ -214,9 +215,9 @@ def test_per_frontend_wrong_tensors_add_up_to_the_run_s() -> None:
         _report(1, deferred_truth=[[0, received, 1]]),
     ]
     run = _combine(SimulationConfig(frontends=2, catalogue=2), reports)
-    assert run.wrong_tensors == 2
-    assert [f["wrong_tensors"] for f in run.per_frontend] == [0, 2]
-    assert [h["wrong_tensors"] for h in run.per_host] == [2]
+    assert run.wrong_tensors == 1
+    assert [f["wrong_tensors"] for f in run.per_frontend] == [0, 1]
+    assert [h["wrong_tensors"] for h in run.per_host] == [1]
 
 
 def test_an_item_evicted_between_lookup_and_update_is_processed_after_all() -> None:
@@ -236,3 +237,49 @@ def test_an_item_evicted_between_lookup_and_update_is_processed_after_all() -> N
         assert inputs[0] is not None and frontend.counts.processed == 1
         assert store.is_cached_item(mm_hash)
         store.release_handles([handle])
+
+
+def test_remote_hits_of_another_frontends_work_on_the_same_host_are_no_cross_host_hits(
+    tmp_path: Path,
+) -> None:
+    # processor_only: a cache per frontend, so frontend 1 fetches from the tier the images
+    # frontend 0 of the same host processed (and the other way round). With one host there
+    # is no other host whose work a hit could be.
+    out = tmp_path / "figures.json"
+    result = simulate(
+        "--mode", "processor_only", "--frontends", "2", "--remote", "redis://auto", *TINY,
+        "--json", str(out), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["processor_only + redis, 2 frontends"]
+    assert run["hosts"] == 1 and run["remote_hits"] > 0 and run["wrong_tensors"] == 0
+    assert run["cross_host_hits"] == 0
+    assert [host["cross_host_hits"] for host in run["per_host"]] == [0]
+    assert [f["cross_host_hits"] for f in run["per_frontend"]] == [0, 0]
+
+
+def test_bytes_written_to_shared_memory_count_the_puts_the_store_made(tmp_path: Path) -> None:
+    # One image, a store that holds it and never evicts it, frontends that do not wait for
+    # each other's claims: both may process the image at once, but the store keeps the
+    # first put and answers the second with the object stored (a hit): one item written.
+    out = tmp_path / "figures.json"
+    workload = ["--requests", "4", "--catalogue", "1", "--inflight", "1", "--capacity-gb", "0.01"]
+    result = simulate("--frontends", "2", *workload, "--claim-wait-s", "0", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    run = figures(out)["runs"]["shm, 2 frontends"]
+    assert run["evictions"] == 0 and run["served_uncached"] == 0 and run["wrong_tensors"] == 0
+    assert 1 <= run["items_processed"] <= 2
+    assert run["shm_bytes_written"] == 3 * TARGET_SIDE * TARGET_SIDE * 4 + 2 * 8
+
+
+def test_an_unverified_item_counts_the_tensors_that_differ_not_all_of_them() -> None:
+    # One of an item's two tensors differs from what its producer processed: one wrong
+    # tensor per delivery, as a worker counts it against its own P0's truth; so for an item
+    # the remote tier supplied. An item nobody processed has no truth: all of it is wrong.
+    truth = [["image_sizes", b"b"], ["pixel_values", b"a"]]
+    one_off = [["image_sizes", b"b"], ["pixel_values", b"x"]]
+    producer = _report(0, processed_truth=[[0, truth]])
+    consumer = _report(1, deferred_truth=[[0, one_off, 3]], remote_truth=[[0, one_off]])
+    assert _wrong_unverified_tensors([producer, consumer], of=consumer) == 3 * 1 + 1
+    unknown = _report(1, deferred_truth=[[1, one_off, 1]], remote_truth=[[1, one_off]])
+    assert _wrong_unverified_tensors([producer, unknown], of=unknown) == 2 + 2

@@ -138,6 +138,12 @@ class SimulationConfig:
             compared.append(run)
         return compared
 
+    @property
+    def request_items(self) -> int:
+        """The most images one request holds: ``max_items``, or the whole catalogue when it
+        is smaller (a request's images are distinct)."""
+        return min(self.max_items, self.catalogue)
+
     def frontend_requests(self, frontend: int) -> int:
         """How many of a host's requests ``frontend`` serves: the stream is dealt out in
         turn (request ``i`` to frontend ``i % frontends``)."""
@@ -194,11 +200,12 @@ class SimulationConfig:
                 f"--capacity-gb must be a finite number of GiB >= 0, not {self.capacity_gb}"
             )
         if self.mode != "none":
-            needed = self.max_items * ITEM_BYTES
+            needed = self.request_items * ITEM_BYTES
             if self.capacity_gb * 2**30 < needed:
                 raise ConfigError(
                     f"--capacity-gb {self.capacity_gb:g} cannot hold one request's "
-                    f"{self.max_items} items of {ITEM_BYTES / 2**20:.1f} MiB in mode {self.mode}; "
+                    f"{self.request_items} items of {ITEM_BYTES / 2**20:.1f} MiB in mode "
+                    f"{self.mode}; "
                     f"use at least {math.ceil(needed / 2**30 * 1000) / 1000:g}"
                 )
         if self.mode == "shm":

@@ -200,10 +200,12 @@ def _serve(
             deferred[feature.extra["image"], tuple(sorted(received.items()))] += 1
             checked += len(received)
             continue
-        for name, expected in truth.items():
+        # Every tensor P0 produced and every tensor received: one missing on either side
+        # is wrong (a received tensor P0 never produced would otherwise pass unverified).
+        for name in {**truth, **data}:
             checked += 1
-            value = data.get(name)
-            if value is None or tensor_digests({name: value})[name] != expected:
+            value, expected = data.get(name), truth.get(name)
+            if value is None or expected is None or tensor_digests({name: value})[name] != expected:
                 wrong += 1
     return {
         "type": "done",

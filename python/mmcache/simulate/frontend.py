@@ -102,13 +102,10 @@ class _Counts:
     hits: int = 0  # lookups P0 did not process: found locally, or after a claim wait
     claim_waits: int = 0  # ... that another frontend was processing: waited for, then found
     remote_hits: int = 0  # lookups the remote tier answered instead of processing
-    cross_host_hits: int = 0  # ... for an item this host had not processed itself
     processed: int = 0  # items run through the processor
-    invalidated: int = 0  # cached hashes invalidated after a receiver missed them
     dropped: int = 0  # attempts lost on purpose (inject_drift)
     retries: int = 0  # attempts resent after a miss
     unrecovered: int = 0  # requests whose one retry missed again
-    shm_bytes: int = 0  # tensor bytes written into the ring
     baseline_bytes: int = 0  # tensor bytes mode none sends for the completed requests
 
 
@@ -209,6 +206,9 @@ class _Frontend:
         self.image_of: dict[str, int] = {}
         self.processed_truth: dict[str, dict[str, bytes]] = {}
         self.remote_truth: dict[str, dict[str, bytes]] = {}
+        # Remote hits of images this frontend had not processed, per image: the driver counts
+        # as cross-host those no other frontend of the host processed either.
+        self.fetched_unprocessed: dict[int, int] = {}
         self.seen = np.zeros(config.catalogue, dtype=bool)
         self.pending: dict[int, _Pending] = {}
         self.latencies = _LatencySample(LATENCY_SAMPLES, seed=host * MAX_FRONTENDS + frontend)
@@ -299,11 +299,6 @@ class _Frontend:
             waited = [other and item is None for other, item in zip(waited, inputs, strict=True)]
             self.counts.hits += sum(local) + sum(waited)
             self.counts.claim_waits += sum(waited)
-            self.counts.shm_bytes += sum(
-                ITEM_BYTES
-                for was, other, out in zip(local, waited, outputs, strict=True)
-                if not (was or other) and isinstance(out[0], ShmHandle)
-            )
         buffers: list[memoryview] = []
         entries = [
             wire.encode_feature(
@@ -370,7 +365,9 @@ class _Frontend:
             if fetched is None:
                 continue
             self.counts.remote_hits += 1
-            self.counts.cross_host_hits += h not in self.processed_truth
+            if h not in self.processed_truth:
+                image = self.image_of[h]
+                self.fetched_unprocessed[image] = self.fetched_unprocessed.get(image, 0) + 1
             digests = tensor_digests(fetched[0])
             known = self.remote_truth.setdefault(h, digests)
             if known != digests:  # the tier supplied two different items for one hash
@@ -426,7 +423,6 @@ class _Frontend:
         pending.retried = True
         self.counts.retries += 1
         for h in pending.missing:
-            self.counts.invalidated += self.cache.is_cached_item(h)
             self.cache.invalidate(h)
         self._send(rid, drift=False)
 
@@ -472,13 +468,16 @@ class _Frontend:
             "hits": counts.hits,
             "claim_waits": counts.claim_waits,
             "remote_hits": counts.remote_hits,
-            "cross_host_hits": counts.cross_host_hits,
+            "fetched_unprocessed": list(self.fetched_unprocessed.items()),
             "processed": counts.processed,
             "processing_s": self.processing_s,
             "bytes_moved": self.traffic.total + engine["bytes"] + sum(w["bytes"] for w in workers),
             "payload_bytes_moved": self.traffic.payload_bytes + engine["payload_bytes"],
             "baseline_bytes": counts.baseline_bytes,
-            "shm_bytes": counts.shm_bytes,
+            # Items written into the ring: the store's counter, not a count of the handles
+            # P0 was given for items it processed (a put of a key another frontend stored
+            # meanwhile is a hit on that object). The same store for every frontend of a host.
+            "store_puts": stats.get("store_puts", 0),
             "evictions": self._evictions(stats),
             # The store's counter, the same for every frontend sharing it (not theirs to add).
             "evictions_shared": "store_evictions" in stats,
@@ -517,11 +516,10 @@ class _Frontend:
         """Items the cache dropped to make room (``None`` without a cache)."""
         if self.cache is None:
             return None
-        if "store_evictions" in stats:
-            return stats["store_evictions"]
-        # An LRU stores every item P0 processed or fetched, except those served uncached.
-        inserted = self.counts.processed + self.counts.remote_hits - stats["uncached_oversize"]
-        return inserted - stats["entries"] - self.counts.invalidated
+        # The caches' own counters: P0's processing is no count of insertions (a retry
+        # reprocesses items its cache holds, to carry their data; an item served uncached
+        # is processed and never stored).
+        return stats["store_evictions"] if "store_evictions" in stats else stats["evictions"]
 
 
 def frontend_main(

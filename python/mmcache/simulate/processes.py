@@ -41,6 +41,7 @@ from mmcache.signals import sigint_ignored
 from mmcache.simulate import wire
 from mmcache.simulate.config import (
     AUTO_REMOTES,
+    ITEM_BYTES,
     ConfigError,
     RunMetrics,
     SimulationConfig,
@@ -306,6 +307,8 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
     unverified = [_wrong_unverified_tensors(reports, of=r) for r in reports]
     for report, wrong in zip(reports, unverified, strict=True):
         report["wrong_tensors"] += wrong
+    for report in reports:
+        report["cross_host_hits"] = _cross_host_hits(reports, of=report)
     elapsed = max(r["elapsed_s"] for r in reports)
     requests, items, lookups, processed = (
         total(n) for n in ("requests", "items", "lookups", "processed")
@@ -323,6 +326,8 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         for op in ("get", "put")
     }
     evictions = [_evictions(of_host) for of_host in hosts]
+    # Every frontend of a host read its store's counter; the last read is the highest.
+    puts = sum(max(r["store_puts"] for r in of_host) for of_host in hosts)
     return RunMetrics(
         mode=config.mode,
         label=config.label,
@@ -343,7 +348,7 @@ def _combine(config: SimulationConfig, reports: list[dict[str, Any]]) -> RunMetr
         bytes_moved=total("bytes_moved"),
         payload_bytes_moved=total("payload_bytes_moved"),
         bytes_saved=total("baseline_bytes") - total("payload_bytes_moved"),
-        shm_bytes_written=total("shm_bytes"),
+        shm_bytes_written=puts * ITEM_BYTES,
         evictions=None if None in evictions else sum(e for e in evictions if e is not None),
         served_uncached=total("served_uncached"),
         dropped_updates=total("dropped"),
@@ -382,6 +387,20 @@ def _evictions(reports: list[dict[str, Any]]) -> int | None:
     return max(known) if reports[0]["evictions_shared"] else sum(known)
 
 
+def _cross_host_hits(reports: list[dict[str, Any]], *, of: dict[str, Any]) -> int:
+    """The remote hits of the frontend that reported ``of`` (one of ``reports``) that were
+    another host's work: of images it had not processed when it fetched them, and no other
+    frontend of its host processed (their items reach it through the tier too when they
+    keep a cache each, or when the shared store evicted them)."""
+    processed_here = {
+        image
+        for r in reports
+        if r["host"] == of["host"] and r is not of
+        for image, _ in r["processed_truth"]
+    }
+    return sum(n for image, n in of["fetched_unprocessed"] if image not in processed_here)
+
+
 def _wrong_unverified_tensors(reports: list[dict[str, Any]], *, of: dict[str, Any]) -> int:
     """Tensors P0 could not give the workers a truth for, checked against what processing
     the same image gave on any host or frontend (or that none of them processed at all):
@@ -394,14 +413,20 @@ def _wrong_unverified_tensors(reports: list[dict[str, Any]], *, of: dict[str, An
             if truth.setdefault(image, digests) != digests:
                 raise SimulationError(f"image {image} was processed into different tensors twice")
     remote: int = sum(
-        len(digests) for image, digests in of["remote_truth"] if truth.get(image) != digests
+        _differing(digests, truth.get(image, [])) for image, digests in of["remote_truth"]
     )
     shared: int = sum(
-        times * max(len(digests), len(truth.get(image, ())))
+        times * _differing(digests, truth.get(image, []))
         for image, digests, times in of["deferred_truth"]
-        if truth.get(image) != digests
     )
     return remote + shared
+
+
+def _differing(received: list[Any], truth: list[Any]) -> int:
+    """The tensors of ``received`` and ``truth`` (``[name, digest]`` pairs) that differ,
+    one missing on either side included: what a worker counts against its P0's truth."""
+    got, expected = dict(received), dict(truth)
+    return sum(got.get(name) != expected.get(name) for name in {**got, **expected})
 
 
 def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,7 +11,8 @@ Metrics (one :class:`~mmcache.simulate.processes.RunMetrics` per mode):
 - ``bytes_moved``: everything sent between processes over pipes (headers and tensors);
   ``bytes_saved``: tensor bytes the ``none`` mode would have sent for the same requests
   (P0 → P1 and P1 → each worker) minus the tensor bytes sent; ``shm_bytes_written``: tensor
-  bytes P0 wrote into the shared-memory ring instead;
+  bytes P0 wrote into the shared-memory ring instead (the items the store took: an item two
+  frontends processed at once is written once);
 - ``processing_s_saved``: items P0 did not process times the mean processing time;
 - ``evictions``, ``served_uncached``, ``dropped_updates`` (``--inject-drift``), ``retries``
   (requests resent after a cache miss), ``unrecovered`` (a retry that missed again),
@@ -37,7 +38,8 @@ With ``--remote``:
 - ``distinct_images``: images requested on any host; ``processed_per_image``: items processed
   (on all hosts) per distinct image - 1.0 means each image was processed once, anywhere;
 - ``remote_hits``: lookups the remote tier answered, so P0 did not process the item;
-  ``cross_host_hits``: those of items another host had processed;
+  ``cross_host_hits``: those of items another host had processed (none of this host's
+  frontends had: with several, each keeping a cache of its own, they fetch each other's);
   ``remote_processing_s_saved``: remote hits times the mean processing time;
 - ``remote_get_p50_ms`` ... ``remote_put_p99_ms``: latency of the calls that reached the store
   (a get is one request's batch); ``remote_puts``: items published; ``remote_errors``: failed
@@ -262,7 +264,7 @@ def render(config: SimulationConfig, runs: Sequence[RunMetrics], console: Consol
     hosts = f", {config.hosts} hosts" if config.hosts > 1 else ""
     hosts += f", {config.frontends} frontends" if config.frontends > 1 else ""
     title = (
-        f"mmcache simulate: {config.requests} requests of 1-{config.max_items} images"
+        f"mmcache simulate: {config.requests} requests of 1-{config.request_items} images"
         f"{' per host' if hosts else ''}, catalogue {config.catalogue} (zipf {config.zipf:g}), "
         f"{config.workers} workers, {config.capacity_gb:g} GiB cache, seed {config.seed}{hosts}"
     )
