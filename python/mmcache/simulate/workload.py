@@ -99,7 +99,8 @@ class Catalogue:
 def request_stream(
     *, requests: int, catalogue: int, zipf: float, max_items: int, seed: int, host: int = 0
 ) -> Iterator[list[int]]:
-    """Yield ``requests`` requests, each a list of 1 to ``max_items`` distinct image indices.
+    """Yield ``requests`` requests, each a list of 1 to ``min(max_items, catalogue)`` distinct
+    image indices.
 
     Popularity follows Zipf's law with exponent ``zipf`` over a seeded random ranking of the
     catalogue (0 gives a uniform popularity; larger values concentrate on fewer images); the
