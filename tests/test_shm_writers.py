@@ -595,6 +595,62 @@ def test_a_wait_takes_back_the_claims_of_the_requests_earlier_lookups() -> None:
         assert a.stats()["store_claims"] == 0
 
 
+def _evicting_claimer(handle: WriterHandle, conn: Any) -> None:
+    """Claim "new"; told to, fill the ring until "old" is evicted, report it, put "new"."""
+    cache = ShmSenderCache.join(handle)
+    conn.send(cache.is_cached(["new"], claim=True))
+    recv(conn)
+    for i in range(1000):
+        if not cache.is_cached_item("old"):
+            break
+        key = f"filler-{i}"
+        cache.get_and_update_item((item(key, 1 << 18), updates(key, "claimer")), key)
+    conn.send(cache.is_cached_item("old"))
+    cache.get_and_update_item((item("new"), updates("new", "claimer")), "new")
+    cache.close()
+
+
+def test_a_hit_evicted_while_the_lookup_waits_is_reported_missing() -> None:
+    """A lookup that waits for another writer's item answers for every hash as things stand
+    after the wait: an item it found cached before the wait and that was evicted during it
+    is a miss (the engine processes it), never a hit whose update then misses."""
+    ctx = mp.get_context("fork")
+    with ShmSenderCache(0.02, max_writers=2) as p0:
+        p0.get_and_update_item((item("old"), updates("old", "p0")), "old")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_evicting_claimer, args=(p0.writer_handle(), child))
+        proc.start()
+        try:
+            assert recv(parent) == [False]
+            store = p0._store
+
+            class Waiting:
+                """``p0``'s writer, whose wait lets the claimer go on once it has begun."""
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(store, name)
+
+                def wait_for(self, keys: list[str], timeout_s: float) -> list[bool]:
+                    parent.send("go")
+                    return store.wait_for(keys, timeout_s)
+
+            p0._store = Waiting()  # type: ignore[assignment]
+            try:
+                looked_up = p0.is_cached(["old", "new"], claim=True, wait_s=NEVER)
+            finally:
+                p0._store = store
+            assert recv(parent) is False, "the claimer evicted old during the wait"
+            assert looked_up == [False, True]
+            # The engine processes what was reported missing; the rest is a hit.
+            outputs = p0.get_and_update([(item("old"), updates("old", "p0")), None], ["old", "new"])
+            assert [got for _, got in outputs] == [updates("old", "p0"), updates("new", "claimer")]
+        finally:
+            proc.join(TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+        assert proc.exitcode == 0
+
+
 # -- threads of several processes ------------------------------------------------------------
 
 KEYS = [f"img-{i}" for i in range(24)]
