@@ -589,6 +589,54 @@ def test_a_server_that_stalls_as_a_wait_begins_costs_it_one_deadline(
         in_time(b.close)
 
 
+def test_a_local_hit_evicted_while_the_lookup_waits_is_reported_missing(
+    server: LocalServer, namespace: str
+) -> None:
+    """A lookup that waits for another host's item answers for its local hits as they stand
+    after the wait: one evicted locally meanwhile (another thread's updates filled the local
+    cache) is a miss the engine processes, never a hit whose update then misses."""
+    host, claimer = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    old, new = key("old"), key("new")
+    try:
+        host.local.get_and_update_item(item(0), old)  # cached here only, never published
+        assert claimer.is_cached([new], claim=True) == [False]
+        remote = host.remote
+        evicted: list[bool] = []
+
+        class Waiting:
+            """The host's store, whose first look again during the wait has the host's other
+            requests evict ``old`` and the claimer publish ``new`` first."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(remote, name)
+
+            def fetch_or_claim(self, keys: list[str], owner: str, **kwargs: Any) -> Any:
+                if not kwargs["claim"] and not evicted:
+                    for i in range(1, 200):
+                        if not host.local.is_cached_item(old):
+                            break
+                        filler = (make_item(i, MiB), ["<image>", i])
+                        host.local.get_and_update_item(filler, key(f"filler-{i}"))
+                    evicted.append(not host.local.is_cached_item(old))
+                    claimer.get_and_update([item(9)], [new])
+                    assert claimer.flush()
+                return remote.fetch_or_claim(keys, owner, **kwargs)
+
+        host.remote = Waiting()  # type: ignore[assignment]
+        try:
+            looked_up = host.is_cached([old, new], claim=True, wait_s=HANG_S)
+        finally:
+            host.remote = remote
+        assert evicted == [True], "old was evicted locally during the wait"
+        assert looked_up == [False, True]
+        # The engine processes what was reported missing; the rest is the claimer's item.
+        outputs = host.get_and_update([item(0), None], [old, new])
+        assert [updates for _, updates in outputs] == [["<image>", 0], ["<image>", 9]]
+    finally:
+        host.close()
+        claimer.close()
+
+
 def test_a_local_cache_that_takes_claims_gets_them() -> None:
     class LocalWithClaims(SenderCache):
         asked: ClassVar[list[tuple[bool, float]]] = []

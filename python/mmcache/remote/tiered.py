@@ -21,12 +21,13 @@ expires by itself after ``claim_ttl_s`` (so a host that dies holding claims free
 miss another host claimed is waited for, up to ``T`` seconds for the whole call: the lookup
 is repeated with backoff (2 ms, doubling, at most 50 ms apart) until the item is there (a
 remote hit), the claim is gone without it (the claimer gave up or died: this host claims
-and processes it) or the time is up (this host processes it).  This host's own claims are
-never waited on.  A request never waits for another host holding claims: before such a
-wait it gives up every claim it holds, in the store and in the local cache, its earlier
-lookups' included (a wait inside the local cache, for another writer of this host's ring,
-keeps the store claims: a host waiting on those holds none itself), and
-after the wait it claims again those and the call's misses still missing (a miss another
+and processes it) or the time is up (this host processes it); the local hits of a call that
+waited are looked up again after the wait (one evicted meanwhile is a miss).  This host's
+own claims are never waited on.  A request never waits for another host holding claims:
+before such a wait it gives up every claim it holds, in the store and in the local cache,
+its earlier lookups' included (a wait inside the local cache, for another writer of this
+host's ring, keeps the store claims: a host waiting on those holds none itself), and after
+the wait it claims again those and the call's misses still missing (a miss another
 host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
 other's items (in turns: vLLM looks a request up once per modality) never wait for each
 other.  A claim ends when the claimer publishes the item (dropped by the writer
@@ -227,7 +228,13 @@ class TieredSenderCache(BaseSenderCache):
             self._counts["remote_lookups"] += len(wanted)
         if wanted:
             if (claim or wait_s > 0) and self.remote.supports_claims:
-                self._fetch_in_single_flight(wanted, claim, end)
+                if self._fetch_in_single_flight(wanted, claim, end):
+                    # A local hit of before the wait may have been evicted during it
+                    # (reported cached, its update would miss): looked up again.
+                    local = [
+                        hit and self.local.is_cached_item(h)
+                        for h, hit in zip(mm_hashes, local, strict=True)
+                    ]
             else:
                 records = self.remote.get_many(wanted)
                 with self._lock:
@@ -244,11 +251,11 @@ class TieredSenderCache(BaseSenderCache):
         self._waiting.take(self._request.holds, mm_hash)
         return mm_hash in self._prefetched
 
-    def _fetch_in_single_flight(self, wanted: list[str], claim: bool, end: float) -> None:
+    def _fetch_in_single_flight(self, wanted: list[str], claim: bool, end: float) -> bool:
         """Fetch ``wanted`` (claiming the misses nobody holds, with ``claim``); while another
         host holds some of them, until ``end``: give up the request's claims, wait until
         none of those is held elsewhere, claim again what is still missing (see the module's
-        docstring)."""
+        docstring).  Whether it waited."""
         now = time.monotonic()
         with self._lock:
             # Only once one may have lapsed: rebuilt at every lookup, the dict cost each one a
@@ -260,6 +267,7 @@ class TieredSenderCache(BaseSenderCache):
         missing = [h for h in wanted if h not in found]
         waited: set[str] = set()  # every miss found held by another host meanwhile
         hits = 0
+        did_wait = False
         while True:
             with self._lock:
                 self._counts["remote_claim_waits"] += len(set(elsewhere) - waited)
@@ -272,6 +280,7 @@ class TieredSenderCache(BaseSenderCache):
             # too, and what is still missing is claimed again after the wait.
             held = self._give_up_remote_claims()
             held_locally = self.local.give_up_claims()
+            did_wait = True
             arrived, elsewhere, failed = self._wait_for_others(elsewhere, end)
             hits += len(arrived)
             missing = [h for h in missing if h not in arrived]
@@ -291,6 +300,7 @@ class TieredSenderCache(BaseSenderCache):
             self._counts["remote_claim_wait_hits"] += hits
             self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
             self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
+        return did_wait
 
     def _wait_for_others(
         self, held_elsewhere: list[str], end: float
