@@ -725,6 +725,29 @@ def test_a_claim_lifetime_out_of_range_is_a_value_error(claim_ttl_s: Any) -> Non
         store.close()
 
 
+@pytest.mark.parametrize("claim", ["no", 1, None])
+def test_a_claim_that_is_no_bool_is_a_type_error_and_no_store_failure(
+    server: LocalServer, raw: redis.Redis, namespace: str, claim: Any
+) -> None:
+    """A truthy string ("no") or number would turn claims on, and reached the claim script as
+    its "take" argument: the lookup failed there, counted as the store failing, so that a few
+    such calls opened the breaker and cut every request of the host off the remote tier."""
+    p0 = open_p0(server.url, namespace)
+    try:
+        for _ in range(4):  # more than the breaker's failures in a row
+            with pytest.raises(TypeError, match="claim must be True or False"):
+                p0.remote.fetch_or_claim([key(1)], p0.host_id, claim=claim)
+            with pytest.raises(TypeError, match="claim must be True or False"):
+                p0.is_cached([key(1)], claim=claim)
+        stats = p0.remote.stats()
+        assert stats["errors"] == stats["breaker_opened"] == stats["skipped"] == 0, stats
+        assert claim_of(raw, namespace, 1) is None and p0.stats()["remote_claims"] == 0
+        assert p0.is_cached([key(1)], claim=True) == [False]
+        assert claim_of(raw, namespace, 1) == p0.host_id
+    finally:
+        p0.close()
+
+
 @pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1"])
 def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
     p0 = TieredSenderCache(

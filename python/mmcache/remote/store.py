@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from mmcache import serde
+from mmcache.arguments import flag
 from mmcache.closing import ClosesOnExit
 from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
@@ -313,6 +314,9 @@ class RemoteStore(ClosesOnExit):
         failed (the reply lost, the reads past the deadline), so they are the owner's to
         release (:meth:`release_claims` drops only those it holds)."""
         _check_owner(owner)
+        # Before the call: the claim script takes it as a number, and a value it refuses
+        # there would be counted as the store failing (toward the breaker).
+        claim = flag("claim", claim)
         # As TieredSenderCache's: a claim that lapses before anyone could wait on it (0 or
         # less would be cut to 1 ms) is no claim, and an infinite one no whole milliseconds.
         if not (_is_number(claim_ttl_s) and 0.001 <= claim_ttl_s <= 3600):

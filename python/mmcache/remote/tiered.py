@@ -78,7 +78,7 @@ from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from mmcache.arguments import check_hash_list, check_item_list
+from mmcache.arguments import check_hash_list, check_item_list, flag
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
@@ -209,6 +209,8 @@ class TieredSenderCache(BaseSenderCache):
         while it waits (here or in the local cache: it claims again after the wait what is
         still missing; see the module's docstring).  Both go to the local cache too where it
         takes them."""
+        # Checked here, whatever the local cache takes: a truthy non-bool would take claims.
+        claim = flag("claim", claim)
         if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
         end = time.monotonic() + wait_s
