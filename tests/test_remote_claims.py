@@ -748,7 +748,7 @@ def test_a_claim_that_is_no_bool_is_a_type_error_and_no_store_failure(
         p0.close()
 
 
-@pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1"])
+@pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1", True])
 def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
     p0 = TieredSenderCache(
         SenderCache(0.05), open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
@@ -760,6 +760,26 @@ def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
             TieredSenderCache(SenderCache(0.05), p0.remote, claim_ttl_s=0)
     finally:
         p0.close()
+
+
+def test_a_wait_too_long_for_a_float_waits_until_the_item_arrives(
+    server: LocalServer, namespace: str
+) -> None:
+    """A finite ``wait_s`` past the largest float (an int) is a wait with no practical end,
+    not an ``OverflowError``."""
+    host, claimer = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        assert claimer.is_cached([key(1)], claim=True) == [False]
+        waiter = ThreadPoolExecutor(1)
+        try:
+            looked_up = waiter.submit(host.is_cached, [key(1)], claim=True, wait_s=10**400)
+            claimer.get_and_update([item(1)], [key(1)])
+            assert looked_up.result(HANG_S) == [True]
+        finally:
+            waiter.shutdown(wait=False)
+    finally:
+        host.close()
+        claimer.close()
 
 
 def test_a_host_drops_its_lapsed_claims_and_looks_at_them_only_once_one_may_have_lapsed(

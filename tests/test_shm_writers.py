@@ -548,6 +548,50 @@ def test_a_writer_never_waits_on_its_own_claims() -> None:
             cache.is_cached(["k"], wait_s=-1)
 
 
+@pytest.mark.parametrize("wait_s", [-1, float("nan"), float("inf"), "1", True])
+def test_a_bad_wait_is_a_value_error_and_gives_up_no_claim(wait_s: Any) -> None:
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        assert a.is_cached(["mine"], claim=True) == [False]
+        assert b.is_cached(["theirs"], claim=True) == [False]
+        with pytest.raises(ValueError, match="wait_s must be a finite number"):
+            a.is_cached(["theirs"], claim=True, wait_s=wait_s)
+        assert b.is_cached(["mine"], claim=True) == [False] and b.stats()["store_claims"] == 2
+
+
+def test_a_wait_too_long_for_a_float_waits_until_the_claim_ends() -> None:
+    """A finite ``wait_s`` past the largest float (an int) is a wait with no practical end,
+    not an ``OverflowError`` raised once the request had given up its claims for the wait
+    (they were lost)."""
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        assert a.is_cached(["mine"], claim=True) == [False]
+        assert b.is_cached(["theirs"], claim=True) == [False]
+        store = a._store
+
+        class Waiting:
+            """``a``'s writer, whose wait has ``b`` put the item it waits for first."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def wait_for(self, keys: list[str], timeout_s: float) -> list[bool]:
+                b.get_and_update_item((item("theirs"), updates("theirs", "b")), "theirs")
+                return store.wait_for(keys, timeout_s)
+
+        a._store = Waiting()  # type: ignore[assignment]
+        try:
+            assert a.is_cached(["theirs"], claim=True, wait_s=10**400) == [True]
+        finally:
+            a._store = store
+        assert b.is_cached(["mine"], claim=True) == [False], "a holds its claim again"
+        assert a.stats()["store_claims"] == 1
+
+
 def test_two_requests_that_claimed_each_others_items_never_wait_for_each_other() -> None:
     # Two engines' requests for the same two images, each claiming one first: were they to
     # wait holding their claims, each would wait for the other for wait_s.

@@ -78,7 +78,7 @@ from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from mmcache.arguments import check_hash_list, check_item_list, flag
+from mmcache.arguments import check_hash_list, check_item_list, flag, wait_seconds
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
@@ -210,9 +210,7 @@ class TieredSenderCache(BaseSenderCache):
         still missing; see the module's docstring).  Both go to the local cache too where it
         takes them."""
         # Checked here, whatever the local cache takes: a truthy non-bool would take claims.
-        claim = flag("claim", claim)
-        if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
-            raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
+        claim, wait_s = flag("claim", claim), wait_seconds(wait_s)
         end = time.monotonic() + wait_s
         local = (
             self.local.is_cached(mm_hashes, claim=claim, wait_s=wait_s)  # type: ignore[call-arg]
