@@ -712,14 +712,17 @@ def test_a_local_cache_that_is_no_p0_cache_is_a_type_error_naming_local() -> Non
         store.close()
 
 
-@pytest.mark.parametrize("claim_ttl_s", [float("inf"), float("nan"), -1.0, 0, "5"])
+@pytest.mark.parametrize("claim_ttl_s", [float("inf"), float("nan"), -1.0, 0, "5", True, None])
 def test_a_claim_lifetime_out_of_range_is_a_value_error(claim_ttl_s: Any) -> None:
     """Not an ``OverflowError`` (infinity), nor a claim silently cut to 1 ms (0, negative)
-    that lapses before anyone could wait on it."""
+    that lapses before anyone could wait on it, nor a bool taken for a second; the tier
+    refuses alike what it would pass the store (not a ``TypeError`` from comparing a str)."""
     store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
     try:
         with pytest.raises(ValueError, match="claim_ttl_s"):
             store.fetch_or_claim([key(1)], "me", claim_ttl_s=claim_ttl_s)
+        with pytest.raises(ValueError, match="claim_ttl_s must be between"):
+            TieredSenderCache(SenderCache(0.05), store, claim_ttl_s=claim_ttl_s)
         assert store.stats()["skipped"] + store.stats()["unreachable"] == 0  # refused first
     finally:
         store.close()

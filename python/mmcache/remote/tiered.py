@@ -83,7 +83,7 @@ from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.protection import Holds, RequestState
-from mmcache.remote.store import RemoteStore, is_shareable_key
+from mmcache.remote.store import RemoteStore, check_claim_ttl_s, is_shareable_key
 from mmcache.remote.waiting import Fetched, Publisher
 
 __all__ = ["TieredSenderCache"]
@@ -170,8 +170,7 @@ class TieredSenderCache(BaseSenderCache):
             raise ValueError(
                 "publish_queue_mb and prefetch_limit_mb must be positive finite numbers of MiB"
             )
-        if not 0.001 <= claim_ttl_s <= 3600:  # also refuses nan
-            raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
+        check_claim_ttl_s(claim_ttl_s)  # the store's, checked here before any claim is taken
         self.local = local
         self.remote = remote
         self.claim_ttl_s = float(claim_ttl_s)
