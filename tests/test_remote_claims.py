@@ -728,6 +728,22 @@ def test_a_claim_lifetime_out_of_range_is_a_value_error(claim_ttl_s: Any) -> Non
         store.close()
 
 
+def test_hashes_given_as_an_iterator_are_looked_up(server: LocalServer, namespace: str) -> None:
+    """As every cache's ``is_cached`` reads an iterator into a list: the local cache's lookup
+    used it up, and the tier's zip of it with the local answers raised ``ValueError``."""
+    host, other = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        other.get_and_update([item(1)], [key(1)])
+        assert other.flush()
+        hashes = [key(1), key(2)]
+        assert host.is_cached(iter(hashes)) == [True, False]
+        assert host.is_cached((h for h in hashes), claim=True, wait_s=0.1) == [True, False]
+        assert host.stats()["remote_claims"] == 1
+    finally:
+        host.close()
+        other.close()
+
+
 @pytest.mark.parametrize("claim", ["no", 1, None])
 def test_a_claim_that_is_no_bool_is_a_type_error_and_no_store_failure(
     server: LocalServer, raw: redis.Redis, namespace: str, claim: Any

@@ -208,6 +208,8 @@ class TieredSenderCache(BaseSenderCache):
         while it waits (here or in the local cache: it claims again after the wait what is
         still missing; see the module's docstring).  Both go to the local cache too where it
         takes them."""
+        # Read into a list here: the local cache's lookup would use an iterator up.
+        mm_hashes = check_hash_list(mm_hashes)
         # Checked here, whatever the local cache takes: a truthy non-bool would take claims.
         claim, wait_s = flag("claim", claim), wait_seconds(wait_s)
         end = time.monotonic() + wait_s
