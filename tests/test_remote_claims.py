@@ -451,6 +451,37 @@ def test_no_claim_is_taken_on_a_present_item_or_without_claim(
         p0.close()
 
 
+@pytest.mark.parametrize("wait_s", [0.0, 0.05])
+def test_a_lookup_that_waits_no_more_claims_the_misses_behind_another_hosts_claim(
+    server: LocalServer, raw: redis.Redis, namespace: str, wait_s: float
+) -> None:
+    """The store claims a batch's misses in key order and none after one another host holds
+    (a host that would wait for it holds only keys before it). A lookup that will not wait
+    (no ``wait_s``, or its time is up) claims the misses after it too: else nobody held them
+    while this host processed them, and a third host processed them again."""
+    a, b, c = (open_p0(server.url, namespace) for _ in range(3))
+    first, second = sorted([1, 2], key=lambda i: f"mmc/{namespace}/{key(i)}")
+    try:
+        assert a.is_cached([key(first)], claim=True) == [False]  # a never publishes it
+        assert b.is_cached([key(first), key(second)], claim=True, wait_s=wait_s) == [False] * 2
+        assert claim_of(raw, namespace, first) == a.host_id
+        assert claim_of(raw, namespace, second) == b.host_id
+        assert b.stats()["remote_claims"] == 1
+
+        def publish_once_c_waits() -> None:
+            assert until(lambda: c.stats()["remote_claim_waits"] == 1)
+            b.get_and_update([item(first), item(second)], [key(first), key(second)])
+
+        publisher = threading.Thread(target=publish_once_c_waits, daemon=True)
+        publisher.start()
+        assert in_time(lambda: c.is_cached([key(second)], claim=True, wait_s=HANG_S)) == [True]
+        publisher.join(HANG_S)
+        assert c.stats()["remote_claims"] == 0, "c waited for b's item instead of processing it"
+    finally:
+        for host in (a, b, c):
+            host.close()
+
+
 def test_a_host_may_wait_for_others_claims_without_claiming(
     server: LocalServer, raw: redis.Redis, namespace: str
 ) -> None:

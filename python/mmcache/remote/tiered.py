@@ -269,6 +269,7 @@ class TieredSenderCache(BaseSenderCache):
         waited: set[str] = set()  # every miss found held by another host meanwhile
         hits = 0
         did_wait = False
+        retaken: set[str] = set()  # the earlier lookups' claims, given up for a wait
         while True:
             with self._lock:
                 self._counts["remote_claim_waits"] += len(set(elsewhere) - waited)
@@ -290,6 +291,7 @@ class TieredSenderCache(BaseSenderCache):
             if failed:  # a failing store costs the wait one deadline: nothing is claimed again
                 break
             again = missing if claim else []  # this call's misses, to claim again
+            retaken.update(held)
             if again or held:
                 asked = list(dict.fromkeys([*again, *held]))
                 found, contested = self._fetch_claiming(asked, True, set(again), set(held))
@@ -297,6 +299,16 @@ class TieredSenderCache(BaseSenderCache):
                 missing = [h for h in missing if h not in found]
                 if claim:  # else elsewhere stays what the wait left: its timeouts
                     elsewhere = contested
+        if elsewhere:
+            # No more waiting, with misses still held elsewhere: the store claimed nothing
+            # after such a key in its order (a host that would wait for one holds only keys
+            # before it). This host waits no more, so it claims the rest now, asked apart;
+            # else nobody held them while it processed them, and others did too.
+            with self._lock:
+                ours = [h for h in missing if claim and h not in elsewhere]
+                unclaimed = [h for h in dict.fromkeys([*ours, *retaken]) if h not in self._claims]
+            if unclaimed:
+                self._fetch_claiming(unclaimed, True, set(ours), retaken)
         with self._lock:
             self._counts["remote_claim_wait_hits"] += hits
             self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
