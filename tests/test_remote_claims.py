@@ -451,6 +451,37 @@ def test_no_claim_is_taken_on_a_present_item_or_without_claim(
         p0.close()
 
 
+@pytest.mark.parametrize("wait_s", [0.0, 0.05])
+def test_a_lookup_that_waits_no_more_claims_the_misses_behind_another_hosts_claim(
+    server: LocalServer, raw: redis.Redis, namespace: str, wait_s: float
+) -> None:
+    """The store claims a batch's misses in key order and none after one another host holds
+    (a host that would wait for it holds only keys before it). A lookup that will not wait
+    (no ``wait_s``, or its time is up) claims the misses after it too: else nobody held them
+    while this host processed them, and a third host processed them again."""
+    a, b, c = (open_p0(server.url, namespace) for _ in range(3))
+    first, second = sorted([1, 2], key=lambda i: f"mmc/{namespace}/{key(i)}")
+    try:
+        assert a.is_cached([key(first)], claim=True) == [False]  # a never publishes it
+        assert b.is_cached([key(first), key(second)], claim=True, wait_s=wait_s) == [False] * 2
+        assert claim_of(raw, namespace, first) == a.host_id
+        assert claim_of(raw, namespace, second) == b.host_id
+        assert b.stats()["remote_claims"] == 1
+
+        def publish_once_c_waits() -> None:
+            assert until(lambda: c.stats()["remote_claim_waits"] == 1)
+            b.get_and_update([item(first), item(second)], [key(first), key(second)])
+
+        publisher = threading.Thread(target=publish_once_c_waits, daemon=True)
+        publisher.start()
+        assert in_time(lambda: c.is_cached([key(second)], claim=True, wait_s=HANG_S)) == [True]
+        publisher.join(HANG_S)
+        assert c.stats()["remote_claims"] == 0, "c waited for b's item instead of processing it"
+    finally:
+        for host in (a, b, c):
+            host.close()
+
+
 def test_a_host_may_wait_for_others_claims_without_claiming(
     server: LocalServer, raw: redis.Redis, namespace: str
 ) -> None:
@@ -589,6 +620,54 @@ def test_a_server_that_stalls_as_a_wait_begins_costs_it_one_deadline(
         in_time(b.close)
 
 
+def test_a_local_hit_evicted_while_the_lookup_waits_is_reported_missing(
+    server: LocalServer, namespace: str
+) -> None:
+    """A lookup that waits for another host's item answers for its local hits as they stand
+    after the wait: one evicted locally meanwhile (another thread's updates filled the local
+    cache) is a miss the engine processes, never a hit whose update then misses."""
+    host, claimer = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    old, new = key("old"), key("new")
+    try:
+        host.local.get_and_update_item(item(0), old)  # cached here only, never published
+        assert claimer.is_cached([new], claim=True) == [False]
+        remote = host.remote
+        evicted: list[bool] = []
+
+        class Waiting:
+            """The host's store, whose first look again during the wait has the host's other
+            requests evict ``old`` and the claimer publish ``new`` first."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(remote, name)
+
+            def fetch_or_claim(self, keys: list[str], owner: str, **kwargs: Any) -> Any:
+                if not kwargs["claim"] and not evicted:
+                    for i in range(1, 200):
+                        if not host.local.is_cached_item(old):
+                            break
+                        filler = (make_item(i, MiB), ["<image>", i])
+                        host.local.get_and_update_item(filler, key(f"filler-{i}"))
+                    evicted.append(not host.local.is_cached_item(old))
+                    claimer.get_and_update([item(9)], [new])
+                    assert claimer.flush()
+                return remote.fetch_or_claim(keys, owner, **kwargs)
+
+        host.remote = Waiting()  # type: ignore[assignment]
+        try:
+            looked_up = host.is_cached([old, new], claim=True, wait_s=HANG_S)
+        finally:
+            host.remote = remote
+        assert evicted == [True], "old was evicted locally during the wait"
+        assert looked_up == [False, True]
+        # The engine processes what was reported missing; the rest is the claimer's item.
+        outputs = host.get_and_update([item(0), None], [old, new])
+        assert [updates for _, updates in outputs] == [["<image>", 0], ["<image>", 9]]
+    finally:
+        host.close()
+        claimer.close()
+
+
 def test_a_local_cache_that_takes_claims_gets_them() -> None:
     class LocalWithClaims(SenderCache):
         asked: ClassVar[list[tuple[bool, float]]] = []
@@ -664,20 +743,62 @@ def test_a_local_cache_that_is_no_p0_cache_is_a_type_error_naming_local() -> Non
         store.close()
 
 
-@pytest.mark.parametrize("claim_ttl_s", [float("inf"), float("nan"), -1.0, 0, "5"])
+@pytest.mark.parametrize("claim_ttl_s", [float("inf"), float("nan"), -1.0, 0, "5", True, None])
 def test_a_claim_lifetime_out_of_range_is_a_value_error(claim_ttl_s: Any) -> None:
     """Not an ``OverflowError`` (infinity), nor a claim silently cut to 1 ms (0, negative)
-    that lapses before anyone could wait on it."""
+    that lapses before anyone could wait on it, nor a bool taken for a second; the tier
+    refuses alike what it would pass the store (not a ``TypeError`` from comparing a str)."""
     store = open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
     try:
         with pytest.raises(ValueError, match="claim_ttl_s"):
             store.fetch_or_claim([key(1)], "me", claim_ttl_s=claim_ttl_s)
+        with pytest.raises(ValueError, match="claim_ttl_s must be between"):
+            TieredSenderCache(SenderCache(0.05), store, claim_ttl_s=claim_ttl_s)
         assert store.stats()["skipped"] + store.stats()["unreachable"] == 0  # refused first
     finally:
         store.close()
 
 
-@pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1"])
+def test_hashes_given_as_an_iterator_are_looked_up(server: LocalServer, namespace: str) -> None:
+    """As every cache's ``is_cached`` reads an iterator into a list: the local cache's lookup
+    used it up, and the tier's zip of it with the local answers raised ``ValueError``."""
+    host, other = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        other.get_and_update([item(1)], [key(1)])
+        assert other.flush()
+        hashes = [key(1), key(2)]
+        assert host.is_cached(iter(hashes)) == [True, False]
+        assert host.is_cached((h for h in hashes), claim=True, wait_s=0.1) == [True, False]
+        assert host.stats()["remote_claims"] == 1
+    finally:
+        host.close()
+        other.close()
+
+
+@pytest.mark.parametrize("claim", ["no", 1, None])
+def test_a_claim_that_is_no_bool_is_a_type_error_and_no_store_failure(
+    server: LocalServer, raw: redis.Redis, namespace: str, claim: Any
+) -> None:
+    """A truthy string ("no") or number would turn claims on, and reached the claim script as
+    its "take" argument: the lookup failed there, counted as the store failing, so that a few
+    such calls opened the breaker and cut every request of the host off the remote tier."""
+    p0 = open_p0(server.url, namespace)
+    try:
+        for _ in range(4):  # more than the breaker's failures in a row
+            with pytest.raises(TypeError, match="claim must be True or False"):
+                p0.remote.fetch_or_claim([key(1)], p0.host_id, claim=claim)
+            with pytest.raises(TypeError, match="claim must be True or False"):
+                p0.is_cached([key(1)], claim=claim)
+        stats = p0.remote.stats()
+        assert stats["errors"] == stats["breaker_opened"] == stats["skipped"] == 0, stats
+        assert claim_of(raw, namespace, 1) is None and p0.stats()["remote_claims"] == 0
+        assert p0.is_cached([key(1)], claim=True) == [False]
+        assert claim_of(raw, namespace, 1) == p0.host_id
+    finally:
+        p0.close()
+
+
+@pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), "1", True])
 def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
     p0 = TieredSenderCache(
         SenderCache(0.05), open_store("redis://127.0.0.1:1", "test/bad@1", timeout_s=0.2)
@@ -689,6 +810,26 @@ def test_a_bad_wait_is_a_value_error(wait_s: Any) -> None:
             TieredSenderCache(SenderCache(0.05), p0.remote, claim_ttl_s=0)
     finally:
         p0.close()
+
+
+def test_a_wait_too_long_for_a_float_waits_until_the_item_arrives(
+    server: LocalServer, namespace: str
+) -> None:
+    """A finite ``wait_s`` past the largest float (an int) is a wait with no practical end,
+    not an ``OverflowError``."""
+    host, claimer = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    try:
+        assert claimer.is_cached([key(1)], claim=True) == [False]
+        waiter = ThreadPoolExecutor(1)
+        try:
+            looked_up = waiter.submit(host.is_cached, [key(1)], claim=True, wait_s=10**400)
+            claimer.get_and_update([item(1)], [key(1)])
+            assert looked_up.result(HANG_S) == [True]
+        finally:
+            waiter.shutdown(wait=False)
+    finally:
+        host.close()
+        claimer.close()
 
 
 def test_a_host_drops_its_lapsed_claims_and_looks_at_them_only_once_one_may_have_lapsed(

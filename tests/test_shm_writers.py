@@ -548,6 +548,50 @@ def test_a_writer_never_waits_on_its_own_claims() -> None:
             cache.is_cached(["k"], wait_s=-1)
 
 
+@pytest.mark.parametrize("wait_s", [-1, float("nan"), float("inf"), "1", True])
+def test_a_bad_wait_is_a_value_error_and_gives_up_no_claim(wait_s: Any) -> None:
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        assert a.is_cached(["mine"], claim=True) == [False]
+        assert b.is_cached(["theirs"], claim=True) == [False]
+        with pytest.raises(ValueError, match="wait_s must be a finite number"):
+            a.is_cached(["theirs"], claim=True, wait_s=wait_s)
+        assert b.is_cached(["mine"], claim=True) == [False] and b.stats()["store_claims"] == 2
+
+
+def test_a_wait_too_long_for_a_float_waits_until_the_claim_ends() -> None:
+    """A finite ``wait_s`` past the largest float (an int) is a wait with no practical end,
+    not an ``OverflowError`` raised once the request had given up its claims for the wait
+    (they were lost)."""
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        assert a.is_cached(["mine"], claim=True) == [False]
+        assert b.is_cached(["theirs"], claim=True) == [False]
+        store = a._store
+
+        class Waiting:
+            """``a``'s writer, whose wait has ``b`` put the item it waits for first."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def wait_for(self, keys: list[str], timeout_s: float) -> list[bool]:
+                b.get_and_update_item((item("theirs"), updates("theirs", "b")), "theirs")
+                return store.wait_for(keys, timeout_s)
+
+        a._store = Waiting()  # type: ignore[assignment]
+        try:
+            assert a.is_cached(["theirs"], claim=True, wait_s=10**400) == [True]
+        finally:
+            a._store = store
+        assert b.is_cached(["mine"], claim=True) == [False], "a holds its claim again"
+        assert a.stats()["store_claims"] == 1
+
+
 def test_two_requests_that_claimed_each_others_items_never_wait_for_each_other() -> None:
     # Two engines' requests for the same two images, each claiming one first: were they to
     # wait holding their claims, each would wait for the other for wait_s.
@@ -593,6 +637,62 @@ def test_a_wait_takes_back_the_claims_of_the_requests_earlier_lookups() -> None:
         assert a.stats()["store_claims"] == 1, "a still holds the image's claim"
         a.release_sender_touches()
         assert a.stats()["store_claims"] == 0
+
+
+def _evicting_claimer(handle: WriterHandle, conn: Any) -> None:
+    """Claim "new"; told to, fill the ring until "old" is evicted, report it, put "new"."""
+    cache = ShmSenderCache.join(handle)
+    conn.send(cache.is_cached(["new"], claim=True))
+    recv(conn)
+    for i in range(1000):
+        if not cache.is_cached_item("old"):
+            break
+        key = f"filler-{i}"
+        cache.get_and_update_item((item(key, 1 << 18), updates(key, "claimer")), key)
+    conn.send(cache.is_cached_item("old"))
+    cache.get_and_update_item((item("new"), updates("new", "claimer")), "new")
+    cache.close()
+
+
+def test_a_hit_evicted_while_the_lookup_waits_is_reported_missing() -> None:
+    """A lookup that waits for another writer's item answers for every hash as things stand
+    after the wait: an item it found cached before the wait and that was evicted during it
+    is a miss (the engine processes it), never a hit whose update then misses."""
+    ctx = mp.get_context("fork")
+    with ShmSenderCache(0.02, max_writers=2) as p0:
+        p0.get_and_update_item((item("old"), updates("old", "p0")), "old")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_evicting_claimer, args=(p0.writer_handle(), child))
+        proc.start()
+        try:
+            assert recv(parent) == [False]
+            store = p0._store
+
+            class Waiting:
+                """``p0``'s writer, whose wait lets the claimer go on once it has begun."""
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(store, name)
+
+                def wait_for(self, keys: list[str], timeout_s: float) -> list[bool]:
+                    parent.send("go")
+                    return store.wait_for(keys, timeout_s)
+
+            p0._store = Waiting()  # type: ignore[assignment]
+            try:
+                looked_up = p0.is_cached(["old", "new"], claim=True, wait_s=NEVER)
+            finally:
+                p0._store = store
+            assert recv(parent) is False, "the claimer evicted old during the wait"
+            assert looked_up == [False, True]
+            # The engine processes what was reported missing; the rest is a hit.
+            outputs = p0.get_and_update([(item("old"), updates("old", "p0")), None], ["old", "new"])
+            assert [got for _, got in outputs] == [updates("old", "p0"), updates("new", "claimer")]
+        finally:
+            proc.join(TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+        assert proc.exitcode == 0
 
 
 # -- threads of several processes ------------------------------------------------------------

@@ -250,6 +250,81 @@ def test_an_api_server_waits_for_the_item_the_other_is_processing(
         close()
 
 
+def test_a_request_keeps_what_its_first_lookup_found_while_its_next_one_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM looks a request up once per modality and touches its items only after the last
+    lookup: an image the first lookup found cached must survive the video lookup's wait for
+    the other server (seconds), however much that server writes meanwhile, or the request's
+    update of the image misses."""
+    monkeypatch.setenv(sender.CLAIM_WAIT_ENV, "3600")  # only the claim's end ends a wait
+    close = launcher.open_ring(config(-1))
+    first, second = servers = [processor_cache_from_config(config(rank)) for rank in (0, 1)]
+    try:
+        first.touch_sender_cache_item("image")
+        first.get_and_update_item((kwargs_item(1), prompt_updates()["image"][0]), "image")
+        first.release_sender_touches()
+        assert second.is_cached(["video"]) == [False]  # second claims the video
+        store = first.ring._store
+        waiting = threading.Event()
+
+        class Waiting:
+            """``first``'s writer, which says when a wait begins."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def wait_for(self, keys: list[str], timeout_s: float) -> list[bool]:
+                waiting.set()
+                return store.wait_for(keys, timeout_s)
+
+        first.ring._store = Waiting()
+        outcome: list[Any] = []
+
+        def request() -> None:  # as vLLM's processor runs one request
+            try:
+                with rendering():
+                    looked_up = [first.is_cached(["image"]), first.is_cached(["video"])]
+                    for h in ("image", "video"):
+                        first.touch_sender_cache_item(h)
+                    outcome.append(looked_up)
+                    outcome.append([first.get_and_update_item(None, h) for h in ("image", "video")])
+                    first.release_sender_touches()
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=request, daemon=True)
+        thread.start()
+        assert waiting.wait(TIMEOUT), "the video lookup waits for second"
+        evictions = first.ring.stats()["store_evictions"]
+
+        def other_requests() -> None:  # second's other renderer thread: the ring turns over
+            for i in range(2, 40):
+                if not first.ring.is_cached_item("image"):
+                    break
+                second.touch_sender_cache_item(f"other-{i}")
+                second.get_and_update_item((kwargs_item(i, MiB // 2), []), f"other-{i}")
+                second.release_sender_touches()
+
+        other = threading.Thread(target=other_requests, daemon=True)
+        other.start()
+        other.join(TIMEOUT)
+        assert first.ring.stats()["store_evictions"] > evictions
+        second.touch_sender_cache_item("video")
+        second.get_and_update_item((kwargs_item(99), prompt_updates()["image"][1]), "video")
+        second.release_sender_touches()
+        thread.join(TIMEOUT)
+        first.ring._store = store
+        assert not isinstance(outcome[-1], BaseException), outcome[-1]
+        assert outcome[0] == [[True], [True]]
+        # Each item's own prompt updates (those resolved for item 0 and item 1).
+        assert [[u.item_idx for u in updates] for _, updates in outcome[1]] == [[0, 0], [1, 1]]
+    finally:
+        for server in servers:
+            server.close()
+        close()
+
+
 def test_the_claim_wait_is_set_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     close = launcher.open_ring(config(-1))
     try:

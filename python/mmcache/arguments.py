@@ -6,6 +6,7 @@ that is none, a capacity in bytes), and ``capacity_gb`` as bytes."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -174,6 +175,16 @@ def flag(name: str, value: object) -> bool:
     if isinstance(value, bool | np.bool_):
         return bool(value)
     raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
+def wait_seconds(wait_s: object) -> float:
+    """``wait_s`` (how long ``is_cached`` may wait for claims held elsewhere) as a float:
+    ``ValueError`` naming it unless an int or a float (not a bool: ``wait_s=True`` would
+    wait a second) that is finite and >= 0.  An int past the largest float is a wait with no
+    practical end: the largest float, not an ``OverflowError`` part-way through the call."""
+    if isinstance(wait_s, int | float) and not isinstance(wait_s, bool) and 0 <= wait_s < math.inf:
+        return sys.float_info.max if wait_s > sys.float_info.max else float(wait_s)
+    raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
 
 
 def capacity_bytes(capacity_gb: float) -> int:

@@ -34,7 +34,6 @@ resolve (and copy) in parallel.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -56,6 +55,7 @@ from mmcache.arguments import (
     check_mm_hash,
     check_mm_hash_type,
     flag,
+    wait_seconds,
 )
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput, logger, split_sender_input
 from mmcache.errors import (
@@ -265,18 +265,18 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         gives it up), :meth:`release_sender_touches`, the end of the request if it raised,
         :meth:`close`, or this process's death.  A miss another writer already claimed is not
         claimed.  With ``wait_s``, misses another live writer claimed are waited for, at most
-        ``wait_s`` seconds for the whole call, and reported cached if they were put in time;
-        claims of this writer (any of its threads) are never waited on, and a claim whose
-        writer gave up or died ends the wait for it at once (with ``claim``, this writer then
-        claims it).
+        ``wait_s`` seconds for the whole call, and reported cached if they were put in time
+        (after a wait every hash is answered as it stands then: a hit evicted meanwhile is a
+        miss); claims of this writer (any of its threads) are never waited on, and a claim
+        whose writer gave up or died ends the wait for it at once (with ``claim``, this
+        writer then claims it).
 
         A request never waits while it holds claims: before a wait, the request gives up
         every claim it holds, its earlier calls' included (they are claimed again after the
         wait if still missing and nobody else claimed them meanwhile), so
         two requests that claimed each other's items in turns never wait for each other."""
         mm_hashes, claim = check_hash_list(mm_hashes), flag("claim", claim)
-        if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
-            raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
+        wait_s = wait_seconds(wait_s)
         is_cached_item = self.is_cached_item  # (looked up once)
         cached = [is_cached_item(h) for h in mm_hashes]
         if not (claim or wait_s > 0) or all(cached):
@@ -289,10 +289,13 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             held = self.give_up_claims()
             # Without the lock: the other threads' calls go on meanwhile (the wait polls the
             # core lock-free, the GIL released).
-            self._store.wait_for(contested, float(wait_s))
+            self._store.wait_for(contested, wait_s)
             if claim or held:
                 wanted = dict.fromkeys([*held, *misses] if claim else held)
                 self._claim([h for h in wanted if not self._store.is_cached(h)])
+            # Every hash looked up again: a hit of before the wait may have been evicted
+            # during it (reported cached, its update would miss).
+            return [is_cached_item(h) for h in mm_hashes]
         found = {h for h in misses if self.is_cached_item(h)}
         return [hit or h in found for h, hit in zip(mm_hashes, cached, strict=True)]
 

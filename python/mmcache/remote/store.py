@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from mmcache import serde
+from mmcache.arguments import flag
 from mmcache.closing import ClosesOnExit
 from mmcache.errors import SegmentCorruptError
 from mmcache.items import Item
@@ -56,7 +57,7 @@ from mmcache.remote.envelope import (
     seal,
 )
 
-__all__ = ["CircuitBreaker", "RemoteStore", "is_shareable_key"]
+__all__ = ["CircuitBreaker", "RemoteStore", "check_claim_ttl_s", "is_shareable_key"]
 
 logger = logging.getLogger("mmcache")
 
@@ -81,6 +82,14 @@ def is_shareable_key(key: object) -> bool:
 def _is_number(value: object) -> bool:
     """A real number (numpy's too), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_claim_ttl_s(claim_ttl_s: object) -> None:
+    """``ValueError`` naming ``claim_ttl_s`` unless a number (not a bool) from 0.001 to 3600:
+    a claim that lapses before anyone could wait on it (0 or less would be cut to 1 ms) is
+    no claim, and an infinite one no whole milliseconds."""
+    if not (_is_number(claim_ttl_s) and 0.001 <= claim_ttl_s <= 3600):  # type: ignore[operator]
+        raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
 
 
 def _check_owner(owner: object) -> None:
@@ -313,10 +322,10 @@ class RemoteStore(ClosesOnExit):
         failed (the reply lost, the reads past the deadline), so they are the owner's to
         release (:meth:`release_claims` drops only those it holds)."""
         _check_owner(owner)
-        # As TieredSenderCache's: a claim that lapses before anyone could wait on it (0 or
-        # less would be cut to 1 ms) is no claim, and an infinite one no whole milliseconds.
-        if not (_is_number(claim_ttl_s) and 0.001 <= claim_ttl_s <= 3600):
-            raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
+        # Before the call: the claim script takes it as a number, and a value it refuses
+        # there would be counted as the store failing (toward the breaker).
+        claim = flag("claim", claim)
+        check_claim_ttl_s(claim_ttl_s)
         if not isinstance(self._backend, ClaimingBackend):
             return [(item, None) for item in self.get_many(keys)]
         backend = self._backend

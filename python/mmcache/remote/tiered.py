@@ -21,12 +21,13 @@ expires by itself after ``claim_ttl_s`` (so a host that dies holding claims free
 miss another host claimed is waited for, up to ``T`` seconds for the whole call: the lookup
 is repeated with backoff (2 ms, doubling, at most 50 ms apart) until the item is there (a
 remote hit), the claim is gone without it (the claimer gave up or died: this host claims
-and processes it) or the time is up (this host processes it).  This host's own claims are
-never waited on.  A request never waits for another host holding claims: before such a
-wait it gives up every claim it holds, in the store and in the local cache, its earlier
-lookups' included (a wait inside the local cache, for another writer of this host's ring,
-keeps the store claims: a host waiting on those holds none itself), and
-after the wait it claims again those and the call's misses still missing (a miss another
+and processes it) or the time is up (this host processes it); the local hits of a call that
+waited are looked up again after the wait (one evicted meanwhile is a miss).  This host's
+own claims are never waited on.  A request never waits for another host holding claims:
+before such a wait it gives up every claim it holds, in the store and in the local cache,
+its earlier lookups' included (a wait inside the local cache, for another writer of this
+host's ring, keeps the store claims: a host waiting on those holds none itself), and after
+the wait it claims again those and the call's misses still missing (a miss another
 host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
 other's items (in turns: vLLM looks a request up once per modality) never wait for each
 other.  A claim ends when the claimer publishes the item (dropped by the writer
@@ -77,12 +78,12 @@ from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from mmcache.arguments import check_hash_list, check_item_list
+from mmcache.arguments import check_hash_list, check_item_list, flag, wait_seconds
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
 from mmcache.protection import Holds, RequestState
-from mmcache.remote.store import RemoteStore, is_shareable_key
+from mmcache.remote.store import RemoteStore, check_claim_ttl_s, is_shareable_key
 from mmcache.remote.waiting import Fetched, Publisher
 
 __all__ = ["TieredSenderCache"]
@@ -169,8 +170,7 @@ class TieredSenderCache(BaseSenderCache):
             raise ValueError(
                 "publish_queue_mb and prefetch_limit_mb must be positive finite numbers of MiB"
             )
-        if not 0.001 <= claim_ttl_s <= 3600:  # also refuses nan
-            raise ValueError(f"claim_ttl_s must be between 0.001 and 3600 s, not {claim_ttl_s!r}")
+        check_claim_ttl_s(claim_ttl_s)  # the store's, checked here before any claim is taken
         self.local = local
         self.remote = remote
         self.claim_ttl_s = float(claim_ttl_s)
@@ -208,8 +208,10 @@ class TieredSenderCache(BaseSenderCache):
         while it waits (here or in the local cache: it claims again after the wait what is
         still missing; see the module's docstring).  Both go to the local cache too where it
         takes them."""
-        if not (isinstance(wait_s, int | float) and 0 <= wait_s < math.inf):
-            raise ValueError(f"wait_s must be a finite number of seconds >= 0, not {wait_s!r}")
+        # Read into a list here: the local cache's lookup would use an iterator up.
+        mm_hashes = check_hash_list(mm_hashes)
+        # Checked here, whatever the local cache takes: a truthy non-bool would take claims.
+        claim, wait_s = flag("claim", claim), wait_seconds(wait_s)
         end = time.monotonic() + wait_s
         local = (
             self.local.is_cached(mm_hashes, claim=claim, wait_s=wait_s)  # type: ignore[call-arg]
@@ -227,7 +229,13 @@ class TieredSenderCache(BaseSenderCache):
             self._counts["remote_lookups"] += len(wanted)
         if wanted:
             if (claim or wait_s > 0) and self.remote.supports_claims:
-                self._fetch_in_single_flight(wanted, claim, end)
+                if self._fetch_in_single_flight(wanted, claim, end):
+                    # A local hit of before the wait may have been evicted during it
+                    # (reported cached, its update would miss): looked up again.
+                    local = [
+                        hit and self.local.is_cached_item(h)
+                        for h, hit in zip(mm_hashes, local, strict=True)
+                    ]
             else:
                 records = self.remote.get_many(wanted)
                 with self._lock:
@@ -244,11 +252,11 @@ class TieredSenderCache(BaseSenderCache):
         self._waiting.take(self._request.holds, mm_hash)
         return mm_hash in self._prefetched
 
-    def _fetch_in_single_flight(self, wanted: list[str], claim: bool, end: float) -> None:
+    def _fetch_in_single_flight(self, wanted: list[str], claim: bool, end: float) -> bool:
         """Fetch ``wanted`` (claiming the misses nobody holds, with ``claim``); while another
         host holds some of them, until ``end``: give up the request's claims, wait until
         none of those is held elsewhere, claim again what is still missing (see the module's
-        docstring)."""
+        docstring).  Whether it waited."""
         now = time.monotonic()
         with self._lock:
             # Only once one may have lapsed: rebuilt at every lookup, the dict cost each one a
@@ -260,6 +268,8 @@ class TieredSenderCache(BaseSenderCache):
         missing = [h for h in wanted if h not in found]
         waited: set[str] = set()  # every miss found held by another host meanwhile
         hits = 0
+        did_wait = False
+        retaken: set[str] = set()  # the earlier lookups' claims, given up for a wait
         while True:
             with self._lock:
                 self._counts["remote_claim_waits"] += len(set(elsewhere) - waited)
@@ -272,6 +282,7 @@ class TieredSenderCache(BaseSenderCache):
             # too, and what is still missing is claimed again after the wait.
             held = self._give_up_remote_claims()
             held_locally = self.local.give_up_claims()
+            did_wait = True
             arrived, elsewhere, failed = self._wait_for_others(elsewhere, end)
             hits += len(arrived)
             missing = [h for h in missing if h not in arrived]
@@ -280,6 +291,7 @@ class TieredSenderCache(BaseSenderCache):
             if failed:  # a failing store costs the wait one deadline: nothing is claimed again
                 break
             again = missing if claim else []  # this call's misses, to claim again
+            retaken.update(held)
             if again or held:
                 asked = list(dict.fromkeys([*again, *held]))
                 found, contested = self._fetch_claiming(asked, True, set(again), set(held))
@@ -287,10 +299,21 @@ class TieredSenderCache(BaseSenderCache):
                 missing = [h for h in missing if h not in found]
                 if claim:  # else elsewhere stays what the wait left: its timeouts
                     elsewhere = contested
+        if elsewhere:
+            # No more waiting, with misses still held elsewhere: the store claimed nothing
+            # after such a key in its order (a host that would wait for one holds only keys
+            # before it). This host waits no more, so it claims the rest now, asked apart;
+            # else nobody held them while it processed them, and others did too.
+            with self._lock:
+                ours = [h for h in missing if claim and h not in elsewhere]
+                unclaimed = [h for h in dict.fromkeys([*ours, *retaken]) if h not in self._claims]
+            if unclaimed:
+                self._fetch_claiming(unclaimed, True, set(ours), retaken)
         with self._lock:
             self._counts["remote_claim_wait_hits"] += hits
             self._counts["remote_claim_wait_timeouts"] += len(elsewhere)
             self._counts["remote_claim_wait_abandoned"] += len(waited) - hits - len(elsewhere)
+        return did_wait
 
     def _wait_for_others(
         self, held_elsewhere: list[str], end: float

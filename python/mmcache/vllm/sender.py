@@ -178,6 +178,7 @@ class _SenderAdapter:
             if me not in self._looking_up or bracket.touches or bracket.updates:
                 self._looking_up[me] = set()
             found = self._looking_up[me]
+            found_before = list(found)  # what this request's earlier lookups found cached
             # What no other request holds back lands before this lookup (what this thread's
             # earlier request held back included); the rest waits, and so does what arrives
             # while the lookup runs (it may find any of these hashes cached)...
@@ -188,7 +189,7 @@ class _SenderAdapter:
             issued.append((self, [], [], frozenset()))  # so that the render closes this lookup
         cached: list[bool] = []
         try:
-            cached = self._look_up(mm_hashes)
+            cached = self._look_up(mm_hashes, found_before)
         finally:
             with self._invalidation_lock:
                 # ... and afterwards only those it found cached hold invalidations back.
@@ -198,8 +199,9 @@ class _SenderAdapter:
                 self._apply_pending_invalidations()
         return cached
 
-    def _look_up(self, mm_hashes: list[str]) -> list[bool]:
-        """The sender's lookup of a request's items."""
+    def _look_up(self, mm_hashes: list[str], found_before: Sequence[str]) -> list[bool]:
+        """The sender's lookup of a request's items (``found_before``: the hashes the
+        request's earlier lookups found cached)."""
         return self._sender.is_cached(mm_hashes)
 
     def _end_lookup(self) -> None:
@@ -498,8 +500,14 @@ class MmcacheShmSenderCache(_SenderAdapter, ShmObjectStoreSenderCache):  # type:
         """The shared-memory sender, or ``None`` when running without a ring."""
         return self._ring
 
-    def _look_up(self, mm_hashes: list[str]) -> list[bool]:
+    def _look_up(self, mm_hashes: list[str], found_before: Sequence[str]) -> list[bool]:
         if self._ring is not None and self._claim_wait_s > 0:
+            # This lookup may wait (seconds) for another server's items, and vLLM touches the
+            # request's items only after its last lookup: what its earlier lookups found
+            # cached is pinned now (the touch then finds it pinned), or the other servers'
+            # puts meanwhile could evict it and its update would miss.
+            for mm_hash in found_before:
+                self._ring.touch_sender_cache_item(mm_hash)
             return self._ring.is_cached(mm_hashes, claim=True, wait_s=self._claim_wait_s)
         return self._sender.is_cached(mm_hashes)
 
