@@ -468,6 +468,10 @@ class LRUCache(UnsynchronizedLRUCache):
         with self.lock:
             return super().touch(key)
 
+    def settle(self, keys: Iterable[str]) -> None:
+        with self.lock:  # one step: no other thread's keys among these
+            super().settle(keys)
+
     def protect(self, key: Hashable) -> bool:
         with self.lock:
             return super().protect(key)
