@@ -11,9 +11,9 @@ A request vLLM rejects after the cache issued its handles (a prompt replacement 
 a prompt too long) never reaches the workers: vLLM's frontend runs each render in
 :func:`rendering`, and the handles of the requests a render completed are given back when
 it raises (:mod:`mmcache.vllm.frontend` wraps vLLM's methods).  In ``lru`` mode P1 never
-sees such a request, nor one that raised part-way: P0 forgets the items it stored and gives
-the items it found cached the recency they had before it
-(:meth:`~mmcache.caches.SenderCache.undo_recency`), so the two LRUs stay alike.
+sees such a request, nor one that raised part-way: P0 forgets the items it stored (as it
+applies invalidations, below) and gives the items it found cached the recency they had
+before it (:meth:`~mmcache.caches.SenderCache.undo_recency`), so the two LRUs stay alike.
 
 Invalidations (a receiver reported items missing) never land inside a request that found
 the item cached: one that arrives from another thread while such a request is between its
@@ -377,11 +377,16 @@ class MmcacheLruSenderCache(_SenderAdapter, LruKeyReplicatedSenderCache):  # typ
         """The request never reaches P1: the items it stored are forgotten, so that P0
         sends them with their data next time (kept, the next request with one of them would
         miss at P1), and the items it found cached get the recency they had before it
-        (kept most recent, they made P0 evict other items than P1 next)."""
+        (kept most recent, they made P0 evict other items than P1 next).
+
+        Forgotten as invalidations are (:meth:`invalidate`): another thread's request that
+        found such an item cached since keeps it until its release (forgotten inside it,
+        its update of the item would raise at P0, failing it for good; kept, the request
+        misses at P1, and one retry recovers it)."""
         if found:
             self._mirror.undo_recency(found)
         for mm_hash in sent:
-            self._sender.invalidate(mm_hash)
+            self.invalidate(mm_hash)
 
 
 def shares_one_ring(vllm_config: VllmConfig) -> bool:
