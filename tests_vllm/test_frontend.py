@@ -457,3 +457,23 @@ def test_an_lru_request_rejected_while_another_thread_found_its_item_cached_fail
     finally:
         other.close()
         p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+@pytest.mark.parametrize("bad", [["a"], {"a": 1}], ids=["list", "dict"])
+def test_an_invalidation_of_no_hash_is_a_type_error_naming_it_while_a_request_looks_up(
+    mode: str, bad: Any
+) -> None:
+    # With another thread's request between its lookup and its release, invalidate(["a"])
+    # (a list where one hash goes) was "unhashable type: 'list'", from the check of whether
+    # that request holds the invalidation back; with none, the sender's error naming
+    # mm_hash. The error depended on what other threads were doing.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert look_up_in_another_thread(p0, ["a"]) == [True]
+        with pytest.raises(TypeError, match=r"^invalidate\(mm_hash\): mm_hash must be a str"):
+            p0.invalidate(bad)
+        assert p0.is_cached_item("a")
+    finally:
+        p0.close()

@@ -47,7 +47,7 @@ from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
 from vllm.utils.cache import CacheInfo as VllmCacheInfo
 
 from mmcache._core import WriterHandle
-from mmcache.arguments import check_hash_list, check_item_list
+from mmcache.arguments import check_hash_list, check_item_list, check_mm_hash
 from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache
 from mmcache.errors import ShmTooSmallError
 from mmcache.items import ShmHandle
@@ -315,6 +315,9 @@ class _SenderAdapter:
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` now, or, while another thread's request that found it cached
         is between its lookup and its release, once no such request is (see the module)."""
+        # Checked now, whatever other threads do: a hash held back is checked only when it
+        # lands (a list raised "unhashable type" from the check of whether it is held back).
+        check_mm_hash(mm_hash, "invalidate(mm_hash)")
         with self._invalidation_lock:
             if self._held_back(mm_hash, but=threading.get_ident()):
                 if mm_hash not in self._pending_invalidations:
