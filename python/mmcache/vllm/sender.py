@@ -169,6 +169,9 @@ class _SenderAdapter:
         """vLLM's lookup of a request's items: applies the invalidations queued so far that
         no other request holds back, then holds back those of the items it finds cached
         until this request is released (see the module)."""
+        if type(mm_hashes) is not list:
+            # Read once, here (a generator): the lookup's record below reads them first.
+            mm_hashes = list(check_hash_list(mm_hashes))
         me = threading.get_ident()
         bracket = self._bracket
         with self._invalidation_lock:
@@ -182,7 +185,11 @@ class _SenderAdapter:
             # earlier request held back included); the rest waits, and so does what arrives
             # while the lookup runs (it may find any of these hashes cached)...
             self._apply_pending_invalidations()
-            looking = [h for h in mm_hashes if h not in found]
+            try:
+                looking = [h for h in mm_hashes if h not in found]
+            except TypeError:  # an unhashable one: the sender's error names it
+                check_hash_list(mm_hashes)
+                raise
             found.update(looking)
         if (issued := getattr(_render, "issued", None)) is not None:
             issued.append((self, [], [], frozenset()))  # so that the render closes this lookup
