@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -1229,3 +1230,48 @@ def test_a_hash_with_a_lone_surrogate_is_one_value_error_in_every_mode(mode: str
         p0.close()
         if isinstance(downstream, ReceiverCache):
             downstream.close()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        ProcessorOnlyCache,
+        SenderCache,
+        ReceiverCache,
+        lambda capacity_gb, getsizeof: LRUCache(GiB * capacity_gb, getsizeof=getsizeof),
+    ],
+    ids=["ProcessorOnlyCache", "SenderCache", "ReceiverCache", "LRUCache"],
+)
+@pytest.mark.parametrize(
+    ("size", "error", "says"),
+    [
+        (-1, ValueError, "a number of bytes >= 0, not -1"),
+        (math.nan, ValueError, "a number of bytes >= 0, not nan"),
+        ("12", TypeError, "a number of bytes, not str"),
+        (None, TypeError, "a number of bytes, not NoneType"),
+    ],
+    ids=repr,
+)
+def test_a_size_function_that_returns_no_size_is_an_error_naming_getsizeof(
+    make: Any, size: object, error: type[Exception], says: str
+) -> None:
+    # A size below 0 or NaN fits no cache: every item was served uncached as "full" ("does
+    # not fit beside the 0 GiB of items the requests in flight still use"), a cache that
+    # never caches, with a warning that blamed the requests; a size that is no number was
+    # "'<=' not supported between instances of 'int' and 'str'".
+    cache = make(0.01, getsizeof=lambda item: size)
+    item = make_item("a", KiB)
+    if isinstance(cache, LRUCache):
+        put, args = cache.put_if_fits, ("a", item)
+    elif isinstance(cache, ReceiverCache):
+        put, args = cache.get_and_update_item, (item, "a")
+    else:
+        put, args = cache.get_and_update_item, ((item, []), "a")
+    with pytest.raises(error, match=rf"^getsizeof must return {says}$"):
+        put(*args)
+    if isinstance(cache, LRUCache):
+        with pytest.raises(error, match=rf"^getsizeof must return {says}$"):
+            cache.put("a", item)
+        assert "a" not in cache
+    else:
+        assert cache.keys() == [] and cache.stats()["uncached_full"] == 0

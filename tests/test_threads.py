@@ -18,7 +18,7 @@ import queue
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import cachetools
@@ -860,3 +860,34 @@ def test_an_lru_caches_items_and_values_are_a_snapshot_that_changes_no_recency()
         lru.pop(f"k{(i + 50) % 100}")
 
     hammer(change, lambda: (list(lru.items()), list(lru.values())), 3000)
+
+
+def test_an_lru_caches_settle_is_one_step_for_other_threads() -> None:
+    # settle() held the lock for each key, not for the whole call: another thread's settle
+    # ran between two of its keys, and neither request's keys ended most recent together.
+    class Pausing(LRUCache):
+        """Pauses the first settle() after its first key until the other thread's
+        settle() is done, or, when that one waits for the lock, a moment."""
+
+        def touch(self, key: Hashable) -> int | None:
+            stamp = super().touch(key)
+            if key == "a":
+                first_paused.set()
+                second_done.wait(0.5)
+            return stamp
+
+    first_paused, second_done = threading.Event(), threading.Event()
+    lru = Pausing(1 << 20)
+    for key in ("a", "b", "c", "x", "y", "z"):
+        lru.put(key, fill_item(8))
+
+    def second() -> None:
+        first_paused.wait(JOIN_DEADLINE_S)
+        lru.settle(["x", "y", "z"])
+        second_done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    lru.settle(["c", "b", "a"])
+    thread.join(JOIN_DEADLINE_S)
+    assert lru.recency_order() == ["a", "b", "c", "x", "y", "z"]

@@ -711,3 +711,29 @@ def test_a_list_of_data_for_features_is_a_type_error_naming_the_call(mode: str) 
             p1.get_and_update_features([one, item])
         [resolved] = p1.get_and_update_features([one])  # nothing was consumed
         assert same_item(item, resolved.data)
+
+
+@pytest.mark.parametrize("mode", ["processor_only", "lru", "shm"])
+def test_a_lookups_hashes_are_checked_as_the_senders_check_them(mode: str) -> None:
+    # The adapter's is_cached records what a lookup finds (for the invalidations it holds
+    # back) before the sender checks the hashes: [["a"]] was "unhashable type: 'list'",
+    # None "'NoneType' object is not iterable", where mmcache's senders name the call and
+    # the argument; and hashes from a generator were read by that record, leaving the
+    # sender an empty one: is_cached answered [] for two hashes.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        p0.get_and_update_item((kwargs_item(1), []), "a")
+        assert p0.is_cached(h for h in ["a", "b"]) == [True, False]
+        with pytest.raises(
+            TypeError, match=r"^is_cached\(mm_hashes\): mm_hashes\[1\] must be a str, not list$"
+        ):
+            p0.is_cached(["a", ["b"]])
+        for bad in (None, 5):
+            with pytest.raises(
+                TypeError,
+                match=rf"^is_cached takes a list of mm_hashes, not one {type(bad).__name__}",
+            ):
+                p0.is_cached(bad)
+        assert p0.is_cached(["a"]) == [True]
+    finally:
+        p0.close()

@@ -22,6 +22,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 from mmcache.vllm import frontend
 from mmcache.vllm.sender import rendering
+from tests.actors import Actor
 from vllm_helpers import MiB, feature, kwargs_item, outstanding, same_item, vllm_config
 
 TRUTH = {h: kwargs_item(i) for i, h in enumerate(["a", "b", "c"])}
@@ -420,3 +421,59 @@ def test_an_lru_request_that_fails_part_way_moves_no_recency_p1_does_not() -> No
         p0.release_sender_touches()
 
     mirrored_after(fails_part_way)
+
+
+def test_an_lru_request_rejected_while_another_thread_found_its_item_cached_fails_neither() -> None:
+    # A request vLLM rejects after its render forgets the items it stored (P1 never gets
+    # them), but that forgetting bypassed the invalidations' rule: it landed inside another
+    # renderer thread's request that had found the item cached, whose update of it (no data:
+    # a hit) then raised MultiModalCacheMissError at P0, failing that request for good
+    # instead of a miss at P1 that one retry recovers.
+    config = vllm_config("lru", 4 * MiB)
+    p0, p1 = processor_cache_from_config(config), engine_receiver_cache_from_config(config)
+    other = Actor()
+    try:
+        with rendering():
+            items = vllm_p0_request(p0, ["a"])  # stored at P0
+        assert other(p0.is_cached, ["a"]) == [True]  # the other thread's request finds it
+        other(p0.touch_sender_cache_item, "a")
+        rendered = {
+            "type": "multimodal",
+            "mm_kwargs": {"image": items},
+            "mm_hashes": {"image": ["a"]},
+        }
+        reject_too_long(p0, rendered)  # never reaches P1
+        sent, _ = other(p0.get_and_update_item, None, "a")
+        other(p0.release_sender_touches)
+        assert sent is None
+        assert not p0.is_cached_item("a"), "the rejected request's item outlived the request"
+        with pytest.raises(MultiModalCacheMissError) as miss:  # P1 never got "a"
+            p1.get_and_update_features([feature(sent, "a")])
+        for h in miss.value.mm_hashes:
+            p0.invalidate(h)
+        [retried] = vllm_p0_request(p0, ["a"])
+        [resolved] = p1.get_and_update_features([feature(retried, "a")])
+        assert same_item(TRUTH["a"], resolved.data)
+    finally:
+        other.close()
+        p0.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+@pytest.mark.parametrize("bad", [["a"], {"a": 1}], ids=["list", "dict"])
+def test_an_invalidation_of_no_hash_is_a_type_error_naming_it_while_a_request_looks_up(
+    mode: str, bad: Any
+) -> None:
+    # With another thread's request between its lookup and its release, invalidate(["a"])
+    # (a list where one hash goes) was "unhashable type: 'list'", from the check of whether
+    # that request holds the invalidation back; with none, the sender's error naming
+    # mm_hash. The error depended on what other threads were doing.
+    p0 = processor_cache_from_config(vllm_config(mode, 4 * MiB))
+    try:
+        vllm_p0_request(p0, ["a"])
+        assert look_up_in_another_thread(p0, ["a"]) == [True]
+        with pytest.raises(TypeError, match=r"^invalidate\(mm_hash\): mm_hash must be a str"):
+            p0.invalidate(bad)
+        assert p0.is_cached_item("a")
+    finally:
+        p0.close()

@@ -135,8 +135,23 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
         if self._parked.pop(key, None) is None:
             del self._order[key]
 
-    def __setitem__(self, key: Hashable, value: Any) -> None:
+    def _size_of(self, value: Any) -> float:
+        """``getsizeof(value)``; ``ValueError`` for a size below 0 or NaN (it fits no cache:
+        every item would be refused, as if the requests in flight held the room),
+        ``TypeError`` for one that is no number, each naming ``getsizeof``."""
         size = self.getsizeof(value)
+        try:
+            valid = size >= 0
+        except TypeError:
+            raise TypeError(
+                f"getsizeof must return a number of bytes, not {type(size).__name__}"
+            ) from None
+        if not valid:
+            raise ValueError(f"getsizeof must return a number of bytes >= 0, not {size!r}")
+        return size
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        size = self._size_of(value)
         if not self.fits(key, size):
             raise ValueError(
                 f"a value of {size} bytes cannot fit in a cache of {self.maxsize} bytes "
@@ -184,7 +199,7 @@ class UnsynchronizedLRUCache(cachetools.Cache):  # type: ignore[type-arg]
     def put_if_fits(self, key: Hashable, value: Any) -> bool:
         """Insert like :meth:`put` and return True, or return False (changing nothing) when
         the value exceeds the capacity, alone or beside the protected entries."""
-        if not self.fits(key, self.getsizeof(value)):
+        if not self.fits(key, self._size_of(value)):
             return False
         self[key] = value
         return True
@@ -467,6 +482,10 @@ class LRUCache(UnsynchronizedLRUCache):
     def touch(self, key: Hashable) -> int | None:
         with self.lock:
             return super().touch(key)
+
+    def settle(self, keys: Iterable[str]) -> None:
+        with self.lock:  # one step: no other thread's keys among these
+            super().settle(keys)
 
     def protect(self, key: Hashable) -> bool:
         with self.lock:

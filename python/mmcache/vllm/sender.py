@@ -11,9 +11,9 @@ A request vLLM rejects after the cache issued its handles (a prompt replacement 
 a prompt too long) never reaches the workers: vLLM's frontend runs each render in
 :func:`rendering`, and the handles of the requests a render completed are given back when
 it raises (:mod:`mmcache.vllm.frontend` wraps vLLM's methods).  In ``lru`` mode P1 never
-sees such a request, nor one that raised part-way: P0 forgets the items it stored and gives
-the items it found cached the recency they had before it
-(:meth:`~mmcache.caches.SenderCache.undo_recency`), so the two LRUs stay alike.
+sees such a request, nor one that raised part-way: P0 forgets the items it stored (as it
+applies invalidations, below) and gives the items it found cached the recency they had
+before it (:meth:`~mmcache.caches.SenderCache.undo_recency`), so the two LRUs stay alike.
 
 Invalidations (a receiver reported items missing) never land inside a request that found
 the item cached: one that arrives from another thread while such a request is between its
@@ -47,7 +47,7 @@ from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
 from vllm.utils.cache import CacheInfo as VllmCacheInfo
 
 from mmcache._core import WriterHandle
-from mmcache.arguments import check_hash_list, check_item_list
+from mmcache.arguments import check_hash_list, check_item_list, check_mm_hash
 from mmcache.caches import BaseSenderCache, ProcessorOnlyCache, SenderCache
 from mmcache.errors import ShmTooSmallError
 from mmcache.items import ShmHandle
@@ -169,6 +169,9 @@ class _SenderAdapter:
         """vLLM's lookup of a request's items: applies the invalidations queued so far that
         no other request holds back, then holds back those of the items it finds cached
         until this request is released (see the module)."""
+        if type(mm_hashes) is not list:
+            # Read once, here (a generator): the lookup's record below reads them first.
+            mm_hashes = list(check_hash_list(mm_hashes))
         me = threading.get_ident()
         bracket = self._bracket
         with self._invalidation_lock:
@@ -183,7 +186,11 @@ class _SenderAdapter:
             # earlier request held back included); the rest waits, and so does what arrives
             # while the lookup runs (it may find any of these hashes cached)...
             self._apply_pending_invalidations()
-            looking = [h for h in mm_hashes if h not in found]
+            try:
+                looking = [h for h in mm_hashes if h not in found]
+            except TypeError:  # an unhashable one: the sender's error names it
+                check_hash_list(mm_hashes)
+                raise
             found.update(looking)
         if (issued := getattr(_render, "issued", None)) is not None:
             issued.append((self, [], [], frozenset()))  # so that the render closes this lookup
@@ -317,6 +324,9 @@ class _SenderAdapter:
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` now, or, while another thread's request that found it cached
         is between its lookup and its release, once no such request is (see the module)."""
+        # Checked now, whatever other threads do: a hash held back is checked only when it
+        # lands (a list raised "unhashable type" from the check of whether it is held back).
+        check_mm_hash(mm_hash, "invalidate(mm_hash)")
         with self._invalidation_lock:
             if self._held_back(mm_hash, but=threading.get_ident()):
                 if mm_hash not in self._pending_invalidations:
@@ -379,11 +389,16 @@ class MmcacheLruSenderCache(_SenderAdapter, LruKeyReplicatedSenderCache):  # typ
         """The request never reaches P1: the items it stored are forgotten, so that P0
         sends them with their data next time (kept, the next request with one of them would
         miss at P1), and the items it found cached get the recency they had before it
-        (kept most recent, they made P0 evict other items than P1 next)."""
+        (kept most recent, they made P0 evict other items than P1 next).
+
+        Forgotten as invalidations are (:meth:`invalidate`): another thread's request that
+        found such an item cached since keeps it until its release (forgotten inside it,
+        its update of the item would raise at P0, failing it for good; kept, the request
+        misses at P1, and one retry recovers it)."""
         if found:
             self._mirror.undo_recency(found)
         for mm_hash in sent:
-            self._sender.invalidate(mm_hash)
+            self.invalidate(mm_hash)
 
 
 def shares_one_ring(vllm_config: VllmConfig) -> bool:
