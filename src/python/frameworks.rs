@@ -200,7 +200,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Every torch dtype an item may hold, by torch's name, with the DLPack type torch exports
 /// it as and imports back as the same dtype. Dtypes without one (sub-byte integers, bit
-/// types) travel as bytes and are re-viewed on decode. Names the running torch lacks are
+/// types, bcomplex32) travel as bytes and are re-viewed on decode. Names the running torch lacks are
 /// skipped; quantized dtypes are absent on purpose (their scale is not in the bytes).
 const TORCH_DTYPES: &[(&str, Option<DlType>)] = &[
     ("float32", Some(DlType::new(DL_FLOAT, 32, 1))),
@@ -219,6 +219,7 @@ const TORCH_DTYPES: &[(&str, Option<DlType>)] = &[
     ("complex32", Some(DlType::new(DL_COMPLEX, 32, 1))),
     ("complex64", Some(DlType::new(DL_COMPLEX, 64, 1))),
     ("complex128", Some(DlType::new(DL_COMPLEX, 128, 1))),
+    ("bcomplex32", None),
     ("float8_e4m3fn", Some(DlType::new(DL_FLOAT8_E4M3FN, 8, 1))),
     (
         "float8_e4m3fnuz",
