@@ -310,6 +310,25 @@ def test_numpy_scalars_keep_their_type() -> None:
         assert out[name] == value, name
 
 
+def test_numpy_integer_types_that_share_a_descriptor_keep_their_type() -> None:
+    """np.longlong and np.int64 are two types of one ``dtype.str`` ("<i8" on LP64, which reads
+    back as int64): a longlong scalar came back an int64, an array of them one of int64s."""
+    item = {
+        "q": np.longlong(-5),
+        "Q": np.ulonglong(2**64 - 1),
+        "q_array": np.array([1, -2], dtype=np.longlong),
+        "Q_big_endian": np.array([3, 4], dtype=np.dtype(np.ulonglong).newbyteorder(">")),
+        "l": np.int64(6),
+    }
+    for payload in (store_like_core(item), pack(item)):
+        out = decode(payload)
+        for name, value in item.items():
+            assert out[name].dtype.type is value.dtype.type, name
+            assert out[name].dtype == value.dtype, name
+            assert out[name].tobytes() == value.tobytes(), name
+        assert type(out["q"]) is np.longlong and type(out["Q"]) is np.ulonglong
+
+
 class DistinctStr(str):
     """A str subclass whose instances are distinct dict keys even when their text is equal."""
 
