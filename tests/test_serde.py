@@ -571,6 +571,22 @@ print(*refusals({"t": values.as_subclass(FarOffset)}), sep="\\n")
     assert_refused(code, 6, "item['t']", "storage of")
 
 
+def test_a_nested_tensor_is_refused_with_what_to_pass() -> None:
+    """A torch.nested tensor of the strided layout says it is a contiguous CPU tensor but has
+    no shape: it was refused with torch's own 'Internal error ... Please file an issue'."""
+    code = (
+        ENCODERS
+        + """
+import warnings
+warnings.simplefilter("ignore")  # torch's nested tensors are a prototype, and say so
+nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+assert nested.layout == torch.strided and nested.is_nested
+print(*refusals({"patches": [nested]}), sep="\\n")
+"""
+    )
+    assert_refused(code, 3, "item['patches'][0]", "nested tensor", "unbind()")
+
+
 def test_a_storage_off_the_cpu_is_refused() -> None:
     """The storage's own device decides, whatever the tensor says: one whose storage is on
     the meta device is refused; a tensor made on ``cpu:0`` is read like any other."""

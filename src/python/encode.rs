@@ -564,7 +564,19 @@ impl<'py> Encoder<'py> {
                 .call_method0(intern!(py, "resolve_neg"))?
                 .call_method0(intern!(py, "contiguous"))?
         };
-        let shape = dims(&t.getattr(intern!(py, "shape"))?)?;
+        let shape = match t.getattr(intern!(py, "shape")) {
+            Ok(shape) => dims(&shape)?,
+            // A nested tensor of the strided layout passes every check above but has no one
+            // shape (torch raises an "Internal error"): asked only once reading it failed.
+            Err(_) if t.getattr(intern!(py, "is_nested"))?.is_truthy()? => {
+                return Err(EncodeError::refused(
+                    "a nested tensor (torch.nested) has no one shape: pass its tensors as a \
+                     list (.unbind())"
+                        .into(),
+                ));
+            }
+            Err(err) => return Err(err.into()),
+        };
         // A tensor with a dimension of 0 holds no bytes, however large the others (torch
         // builds `torch.empty((2**63 - 1, 0))`): a product in order overflowed before the 0.
         let nbytes = if shape.contains(&0) {
