@@ -701,6 +701,38 @@ def test_a_dict_changed_while_its_values_are_walked_is_encoded_as_it_was() -> No
     assert serde.decode(serde.pack(item)) == {"a": {}, "b": 2}
 
 
+def test_a_list_changed_while_its_values_are_walked_is_encoded_as_it_was() -> None:
+    """A list walked by index met its fields again (or skipped them) once something shifted
+    it mid-walk: here a value's own code, as another thread could whenever the walk runs
+    Python code or releases the GIL (making a strided tensor contiguous does)."""
+
+    class Shifts(dict[str, Any]):
+        """A mapping (walked through ``items()``) that puts a value in front of the list
+        holding it, the first time it is walked."""
+
+        def __init__(self, outer: list[Any]) -> None:
+            super().__init__()
+            self.outer = outer
+
+        def items(self) -> Any:
+            if self.outer[0] != "early":
+                self.outer.insert(0, "early")
+            return iter(())
+
+    walked: list[Any] = []
+    shifts = Shifts(walked)
+    for encoder in (serde.pack, payload_of):
+        walked[:] = ["a", shifts, "b"]
+        assert serde.decode(encoder({"l": walked}))["l"] == ["a", {}, "b"], encoder
+
+    # And a list's elements are read by the list's own rules: a subclass's __iter__ decides.
+    class Reversed(list[int]):
+        def __iter__(self) -> Any:
+            return reversed(list(super().__iter__()))
+
+    assert serde.decode(serde.pack({"r": Reversed([1, 2, 3])}))["r"] == [3, 2, 1]
+
+
 def test_pack_copies_a_tensors_bytes_even_when_a_keys_finalizer_frees_its_storage() -> None:
     """The last reference to a field's key (here a fresh ``str`` subclass each ``items()``)
     goes only after the copy: its ``__del__`` runs Python code, which here frees the storage

@@ -22,7 +22,7 @@
 //! each storage's address and size last, once the walk is over (no Python code runs between
 //! those reads and the copy: the references the walk took, such as the keys on a tensor's
 //! path, whose `__del__` is Python code, are released only with the encoding, after the copy;
-//! a dict is walked as a copy, since its values' code may change it), and copies out of torch
+//! a dict or list is walked as a copy, since its values' code may change it), and copies out of torch
 //! storages keep the GIL
 //! ([`Encoded::copying`]); a refusal found then still names its field (each tensor's part
 //! keeps the path the walk took to it). A resize inside one of torch's own kernels, which run
@@ -37,7 +37,8 @@ use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{
-    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple, PyType,
+    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PySequence, PyString, PyTuple,
+    PyType,
 };
 
 use super::buffer::{Keeper, PartView, SimpleBuffer, copying, new_bytes};
@@ -523,15 +524,16 @@ impl<'py> Encoder<'py> {
     ) -> EncodeResult<()> {
         self.check_depth(depth)?;
         let open = self.header.begin(kind);
-        let mut n = 0;
-        for v in seq.try_iter()? {
-            let v = v?;
+        // A snapshot of it (a tuple is its own): walking its values may run Python code, or
+        // release the GIL, and a list shifted meanwhile would be walked into fields twice or
+        // none. A subclass's elements are what its iterator gives (`PySequence_Tuple`).
+        let values = seq.cast::<PySequence>().map_err(PyErr::from)?.to_tuple()?;
+        for (n, v) in values.iter().enumerate() {
             self.path.push(Step::Index(n));
             self.value(&v, depth)?;
             self.path.pop();
-            n += 1;
         }
-        Ok(self.header.end(open, n)?)
+        Ok(self.header.end(open, values.len())?)
     }
 
     fn tensor(&mut self, torch: &Torch, t: &Bound<'py, PyAny>) -> EncodeResult<()> {
