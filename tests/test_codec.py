@@ -4,6 +4,7 @@ its memory, and the store's hot-path helpers."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import struct
@@ -699,6 +700,13 @@ def test_a_dict_changed_while_its_values_are_walked_is_encoded_as_it_was() -> No
     item: dict[str, Any] = {"a": None, "b": 2}
     item["a"] = Grows(item)
     assert serde.decode(serde.pack(item)) == {"a": {}, "b": 2}
+    # A dict subclass (walked through its items()) alike: it raised "OrderedDict mutated
+    # during iteration" ("dictionary changed size" for a defaultdict) and was refused.
+    for subclass in (collections.OrderedDict(), collections.defaultdict(int)):
+        subclass.update(a=Grows(subclass), b=2)
+        assert serde.decode(serde.pack(subclass)) == {"a": {}, "b": 2}, type(subclass)
+        subclass.pop("late")
+        assert serde.decode(payload_of({"m": subclass}))["m"] == {"a": {}, "b": 2}
 
 
 def test_a_list_changed_while_its_values_are_walked_is_encoded_as_it_was() -> None:

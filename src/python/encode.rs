@@ -22,12 +22,11 @@
 //! each storage's address and size last, once the walk is over (no Python code runs between
 //! those reads and the copy: the references the walk took, such as the keys on a tensor's
 //! path, whose `__del__` is Python code, are released only with the encoding, after the copy;
-//! a dict or list is walked as a copy, since its values' code may change it), and copies out of torch
-//! storages keep the GIL
-//! ([`Encoded::copying`]); a refusal found then still names its field (each tensor's part
-//! keeps the path the walk took to it). A resize inside one of torch's own kernels, which run
-//! with the GIL released (`Tensor.resize_`), races with every reader of that tensor, torch's
-//! own included.
+//! a mapping or list is walked as a copy, since its values' code may change it), and copies
+//! out of torch storages keep the GIL ([`Encoded::copying`]); a refusal found then still names
+//! its field (each tensor's part keeps the path the walk took to it). A resize inside one of
+//! torch's own kernels, which run with the GIL released (`Tensor.resize_`), races with every
+//! reader of that tensor, torch's own included.
 
 use std::collections::HashSet;
 
@@ -507,8 +506,14 @@ impl<'py> Encoder<'py> {
         let open = self.header.begin(Container::Dict);
         let mut n = 0;
         let mut seen = HashSet::new();
-        for pair in m.call_method0(intern!(self.py, "items"))?.try_iter()? {
-            let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair?.extract()?;
+        // Its pairs first, as `dict` walks a copy: walking the values may run Python code
+        // that changes the mapping, and its items() iterator would raise mid-walk.
+        let pairs = m
+            .call_method0(intern!(self.py, "items"))?
+            .try_iter()?
+            .collect::<PyResult<Vec<_>>>()?;
+        for pair in pairs {
+            let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
             self.entry(&k, &v, depth)?;
             distinct(&mut seen, key_text(&k)?)?;
             n += 1;
