@@ -30,6 +30,10 @@
 //! 14 scalar u8 len, dtype descriptor, u32 len, the value's raw bytes (a numpy scalar)
 //! ```
 //!
+//! A numpy descriptor is the dtype's `dtype.str`, or, where that reads back as another scalar
+//! type of the same dtype (longlong's "<i8" is int64's on LP64), its byte order and
+//! character code ("<q").
+//!
 //! Part numbers count from 1 (part 0 is the header), and every part belongs to exactly one
 //! node: as the parts lie one after another inside the payload, the values a payload decodes
 //! into hold at most the payload's own bytes (plus one small object per node of the header),
@@ -239,7 +243,7 @@ impl HeaderBuilder {
         self.strided(TENSOR, dtype, shape, nbytes)
     }
 
-    /// A numpy array (`descr` is its `dtype.str`); returns the new part's number.
+    /// A numpy array (`descr` is its dtype's descriptor); returns the new part's number.
     pub fn array(&mut self, descr: &str, shape: &[u64], nbytes: u64) -> Result<u32> {
         self.strided(ARRAY, descr, shape, nbytes)
     }

@@ -4,6 +4,7 @@ its memory, and the store's hot-path helpers."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import struct
@@ -226,6 +227,37 @@ def test_corrupt_payloads_raise_segment_corrupt(item: dict[str, Any], data: st.D
             except SegmentCorruptError:
                 continue
             assert isinstance(out, dict)  # a flip that still makes a valid item
+
+
+# Every dtype the running torch defines, but the quantized ones (refused on purpose: their
+# scale is not in their bytes): a dtype a newer torch adds (bcomplex32) must be carried too.
+EVERY_TORCH_DTYPE = sorted(
+    {
+        value
+        for name, value in vars(torch).items()
+        if isinstance(value, torch.dtype) and not name.startswith("q")
+    },
+    key=str,
+)
+
+
+@pytest.mark.parametrize("dtype", EVERY_TORCH_DTYPE, ids=str)
+def test_every_torch_dtype_round_trips_through_a_payload_and_the_ring(
+    ring: tuple[ShmWriter, ShmReader], dtype: torch.dtype
+) -> None:
+    writer, reader = ring
+    item = {
+        "t": tensor_of(dtype, (2, 3), bytes(range(6 * dtype.itemsize))),
+        "scalar": tensor_of(dtype, (), bytes(range(dtype.itemsize))),
+        "empty": tensor_of(dtype, (0, 4), b""),
+    }
+    key = f"every-dtype-{dtype}"
+    handle = writer.put_item(key, item)
+    for copy in (True, False):
+        assert same(item, serde.decode(serde.pack(item), copy=copy)), copy
+        assert same(item, reader.resolve_item(writer.issue(key), key, copy=copy)), copy
+    reader.resolve_item(handle, key)
+    writer.invalidate(key)
 
 
 def test_every_truncation_is_corrupt() -> None:
@@ -668,6 +700,45 @@ def test_a_dict_changed_while_its_values_are_walked_is_encoded_as_it_was() -> No
     item: dict[str, Any] = {"a": None, "b": 2}
     item["a"] = Grows(item)
     assert serde.decode(serde.pack(item)) == {"a": {}, "b": 2}
+    # A dict subclass (walked through its items()) alike: it raised "OrderedDict mutated
+    # during iteration" ("dictionary changed size" for a defaultdict) and was refused.
+    for subclass in (collections.OrderedDict(), collections.defaultdict(int)):
+        subclass.update(a=Grows(subclass), b=2)
+        assert serde.decode(serde.pack(subclass)) == {"a": {}, "b": 2}, type(subclass)
+        subclass.pop("late")
+        assert serde.decode(payload_of({"m": subclass}))["m"] == {"a": {}, "b": 2}
+
+
+def test_a_list_changed_while_its_values_are_walked_is_encoded_as_it_was() -> None:
+    """A list walked by index met its fields again (or skipped them) once something shifted
+    it mid-walk: here a value's own code, as another thread could whenever the walk runs
+    Python code or releases the GIL (making a strided tensor contiguous does)."""
+
+    class Shifts(dict[str, Any]):
+        """A mapping (walked through ``items()``) that puts a value in front of the list
+        holding it, the first time it is walked."""
+
+        def __init__(self, outer: list[Any]) -> None:
+            super().__init__()
+            self.outer = outer
+
+        def items(self) -> Any:
+            if self.outer[0] != "early":
+                self.outer.insert(0, "early")
+            return iter(())
+
+    walked: list[Any] = []
+    shifts = Shifts(walked)
+    for encoder in (serde.pack, payload_of):
+        walked[:] = ["a", shifts, "b"]
+        assert serde.decode(encoder({"l": walked}))["l"] == ["a", {}, "b"], encoder
+
+    # And a list's elements are read by the list's own rules: a subclass's __iter__ decides.
+    class Reversed(list[int]):
+        def __iter__(self) -> Any:
+            return reversed(list(super().__iter__()))
+
+    assert serde.decode(serde.pack({"r": Reversed([1, 2, 3])}))["r"] == [3, 2, 1]
 
 
 def test_pack_copies_a_tensors_bytes_even_when_a_keys_finalizer_frees_its_storage() -> None:

@@ -6,6 +6,7 @@ import copy
 import pickle
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -351,6 +352,19 @@ def test_hash_names_the_tensors_it_cannot_read() -> None:
         content_hash(opts={"t": torch.zeros(3).to_sparse()})
     with pytest.raises(TypeError, match=r"parts\[0\] is a tensor on the meta device"):
         content_hash(torch.empty(2, device="meta"))
+
+
+def test_hash_names_a_nested_tensor() -> None:
+    """A torch.nested tensor of the strided layout raised torch's RuntimeError ("Internal
+    error: NestedTensorImpl doesn't support sizes"), not the TypeError naming the value."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's nested tensors are a prototype, and say so
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    assert nested.layout == torch.strided
+    with pytest.raises(TypeError, match=r"\['opts'\]\['n'\] is a nested tensor.*unbind"):
+        content_hash(opts={"n": nested})
 
 
 def test_import_does_not_pull_in_torch() -> None:

@@ -9,6 +9,8 @@ generous join timeout; no duration is asserted).
 
 from __future__ import annotations
 
+import collections
+import enum
 import logging
 import socket
 import struct
@@ -1554,6 +1556,36 @@ def test_prompt_updates_of_any_shape_never_fail_the_update(
         s = p0.stats()
         assert s["remote_unencodable"] == 1 and s["remote_puts"] == 0, s
         assert p0.remote.contains([key(1)]) == [False]
+    finally:
+        p0.close()
+
+
+Span = collections.namedtuple("Span", "offset length")
+
+
+class Kind(enum.IntEnum):
+    IMAGE = 1
+
+
+@pytest.mark.parametrize(
+    "updates", [[Span(3, 4)], {"kind": Kind.IMAGE}], ids=["namedtuple", "IntEnum"]
+)
+def test_prompt_updates_the_codec_gives_back_as_another_type_stay_local(
+    server: LocalServer, namespace: str, updates: Any
+) -> None:
+    """The item codec gives a namedtuple back as a tuple and an IntEnum as an int: another
+    host served such prompt updates from the remote tier got [(3, 4)] for [Span(3, 4)] (and
+    an engine reading .offset failed there). They keep the item local, counted as what the
+    codec refuses, as the ring's 'plain' prompt-updates codec does."""
+    p0 = TieredSenderCache(SenderCache(0.05), open_store(server.url, namespace))
+    try:
+        assert p0.is_cached([key(1)], claim=True) == [False]
+        [(data, got)] = p0.get_and_update([(make_item(1, 100), updates)], [key(1)])
+        assert same(data, make_item(1, 100)) and got is updates
+        assert p0.flush()
+        assert p0.remote.contains([key(1)]) == [False]
+        s = p0.stats()
+        assert s["remote_unencodable"] == 1 and s["remote_puts"] == 0, s
     finally:
         p0.close()
 

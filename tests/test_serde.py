@@ -310,6 +310,25 @@ def test_numpy_scalars_keep_their_type() -> None:
         assert out[name] == value, name
 
 
+def test_numpy_integer_types_that_share_a_descriptor_keep_their_type() -> None:
+    """np.longlong and np.int64 are two types of one ``dtype.str`` ("<i8" on LP64, which reads
+    back as int64): a longlong scalar came back an int64, an array of them one of int64s."""
+    item = {
+        "q": np.longlong(-5),
+        "Q": np.ulonglong(2**64 - 1),
+        "q_array": np.array([1, -2], dtype=np.longlong),
+        "Q_big_endian": np.array([3, 4], dtype=np.dtype(np.ulonglong).newbyteorder(">")),
+        "l": np.int64(6),
+    }
+    for payload in (store_like_core(item), pack(item)):
+        out = decode(payload)
+        for name, value in item.items():
+            assert out[name].dtype.type is value.dtype.type, name
+            assert out[name].dtype == value.dtype, name
+            assert out[name].tobytes() == value.tobytes(), name
+        assert type(out["q"]) is np.longlong and type(out["Q"]) is np.ulonglong
+
+
 class DistinctStr(str):
     """A str subclass whose instances are distinct dict keys even when their text is equal."""
 
@@ -550,6 +569,22 @@ print(*refusals({"t": values.as_subclass(FarOffset)}), sep="\\n")
 """
     )
     assert_refused(code, 6, "item['t']", "storage of")
+
+
+def test_a_nested_tensor_is_refused_with_what_to_pass() -> None:
+    """A torch.nested tensor of the strided layout says it is a contiguous CPU tensor but has
+    no shape: it was refused with torch's own 'Internal error ... Please file an issue'."""
+    code = (
+        ENCODERS
+        + """
+import warnings
+warnings.simplefilter("ignore")  # torch's nested tensors are a prototype, and say so
+nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+assert nested.layout == torch.strided and nested.is_nested
+print(*refusals({"patches": [nested]}), sep="\\n")
+"""
+    )
+    assert_refused(code, 3, "item['patches'][0]", "nested tensor", "unbind()")
 
 
 def test_a_storage_off_the_cpu_is_refused() -> None:

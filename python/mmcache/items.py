@@ -219,8 +219,8 @@ def content_hash(*parts: object, **kwargs: object) -> str:
     and lists/tuples/dicts of these.  Keyword arguments (e.g. the processor's kwargs) are hashed
     by name, in sorted order, so their order does not matter.  Every value is tagged with its
     type and length, so different inputs cannot collide by concatenation.
-    ``TypeError`` naming a value it cannot hash (another type, an object array, a sparse or
-    meta tensor).
+    ``TypeError`` naming a value it cannot hash (another type, an object array, a sparse,
+    meta or nested tensor).
     """
     h = hashlib.blake2b(digest_size=32, person=b"mmcache.v1")
     _feed(h, list(parts), "parts")
@@ -298,6 +298,11 @@ def _feed(h: Any, value: object, path: str) -> None:
             )
         if tensor.is_meta:
             raise TypeError(f"content_hash: {path} is a tensor on the meta device: it has no data")
+        if tensor.is_nested:  # strided, but with no one shape
+            raise TypeError(
+                f"content_hash: {path} is a nested tensor, which has no one shape: hash its "
+                ".unbind() list"
+            )
         t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         tag(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
         if t.is_quantized:  # its bytes are integers whose scale is elsewhere: its values

@@ -22,12 +22,11 @@
 //! each storage's address and size last, once the walk is over (no Python code runs between
 //! those reads and the copy: the references the walk took, such as the keys on a tensor's
 //! path, whose `__del__` is Python code, are released only with the encoding, after the copy;
-//! a dict is walked as a copy, since its values' code may change it), and copies out of torch
-//! storages keep the GIL
-//! ([`Encoded::copying`]); a refusal found then still names its field (each tensor's part
-//! keeps the path the walk took to it). A resize inside one of torch's own kernels, which run
-//! with the GIL released (`Tensor.resize_`), races with every reader of that tensor, torch's
-//! own included.
+//! a mapping or list is walked as a copy, since its values' code may change it), and copies
+//! out of torch storages keep the GIL ([`Encoded::copying`]); a refusal found then still names
+//! its field (each tensor's part keeps the path the walk took to it). A resize inside one of
+//! torch's own kernels, which run with the GIL released (`Tensor.resize_`), races with every
+//! reader of that tensor, torch's own included.
 
 use std::collections::HashSet;
 
@@ -37,7 +36,8 @@ use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{
-    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple, PyType,
+    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PySequence, PyString, PyTuple,
+    PyType,
 };
 
 use super::buffer::{Keeper, PartView, SimpleBuffer, copying, new_bytes};
@@ -506,8 +506,14 @@ impl<'py> Encoder<'py> {
         let open = self.header.begin(Container::Dict);
         let mut n = 0;
         let mut seen = HashSet::new();
-        for pair in m.call_method0(intern!(self.py, "items"))?.try_iter()? {
-            let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair?.extract()?;
+        // Its pairs first, as `dict` walks a copy: walking the values may run Python code
+        // that changes the mapping, and its items() iterator would raise mid-walk.
+        let pairs = m
+            .call_method0(intern!(self.py, "items"))?
+            .try_iter()?
+            .collect::<PyResult<Vec<_>>>()?;
+        for pair in pairs {
+            let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
             self.entry(&k, &v, depth)?;
             distinct(&mut seen, key_text(&k)?)?;
             n += 1;
@@ -523,15 +529,16 @@ impl<'py> Encoder<'py> {
     ) -> EncodeResult<()> {
         self.check_depth(depth)?;
         let open = self.header.begin(kind);
-        let mut n = 0;
-        for v in seq.try_iter()? {
-            let v = v?;
+        // A snapshot of it (a tuple is its own): walking its values may run Python code, or
+        // release the GIL, and a list shifted meanwhile would be walked into fields twice or
+        // none. A subclass's elements are what its iterator gives (`PySequence_Tuple`).
+        let values = seq.cast::<PySequence>().map_err(PyErr::from)?.to_tuple()?;
+        for (n, v) in values.iter().enumerate() {
             self.path.push(Step::Index(n));
             self.value(&v, depth)?;
             self.path.pop();
-            n += 1;
         }
-        Ok(self.header.end(open, n)?)
+        Ok(self.header.end(open, values.len())?)
     }
 
     fn tensor(&mut self, torch: &Torch, t: &Bound<'py, PyAny>) -> EncodeResult<()> {
@@ -564,7 +571,19 @@ impl<'py> Encoder<'py> {
                 .call_method0(intern!(py, "resolve_neg"))?
                 .call_method0(intern!(py, "contiguous"))?
         };
-        let shape = dims(&t.getattr(intern!(py, "shape"))?)?;
+        let shape = match t.getattr(intern!(py, "shape")) {
+            Ok(shape) => dims(&shape)?,
+            // A nested tensor of the strided layout passes every check above but has no one
+            // shape (torch raises an "Internal error"): asked only once reading it failed.
+            Err(_) if t.getattr(intern!(py, "is_nested"))?.is_truthy()? => {
+                return Err(EncodeError::refused(
+                    "a nested tensor (torch.nested) has no one shape: pass its tensors as a \
+                     list (.unbind())"
+                        .into(),
+                ));
+            }
+            Err(err) => return Err(err.into()),
+        };
         // A tensor with a dimension of 0 holds no bytes, however large the others (torch
         // builds `torch.empty((2**63 - 1, 0))`): a product in order overflowed before the 0.
         let nbytes = if shape.contains(&0) {

@@ -52,9 +52,9 @@ pub(super) fn numpy(py: Python<'_>) -> PyResult<&'static Numpy> {
 /// caches are bounded; a miss only costs a Python call).
 const DTYPE_CACHE_ENTRIES: usize = 256;
 
-/// numpy dtype objects (held, so their addresses stay theirs) to their `dtype.str`.
+/// numpy dtype objects (held, so their addresses stay theirs) to their descriptor.
 static ARRAY_DESCRS: Mutex<Vec<(Py<PyAny>, String)>> = Mutex::new(Vec::new());
-/// `dtype.str` to the dtype object and its item size, for decoding.
+/// A descriptor to the dtype object and its item size, for decoding.
 static ARRAY_DTYPES: Mutex<Option<DtypesByDescr>> = Mutex::new(None);
 type DtypesByDescr = HashMap<String, (Py<PyAny>, u64)>;
 
@@ -118,7 +118,31 @@ fn array_dtype_problem(dtype: &Bound<'_, PyAny>) -> PyResult<Option<DtypeProblem
     })
 }
 
-/// An array dtype's descriptor (`dtype.str`), or why it is refused (`what`: the value of
+/// The descriptor of `dtype` that reads back as its own scalar type: `descr` (its
+/// `dtype.str`, which reads back as `named`), or where numpy gives two scalar types one
+/// `dtype.str` (on LP64, longlong and int64 are both "<i8", which reads back as int64) its
+/// byte order and character code ("<q").
+fn same_type_descr(
+    np_dtype: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    named: &Bound<'_, PyAny>,
+    descr: String,
+) -> PyResult<String> {
+    let py = dtype.py();
+    let scalar_type = dtype.getattr(intern!(py, "type"))?;
+    if named.getattr(intern!(py, "type"))?.is(&scalar_type) {
+        return Ok(descr);
+    }
+    let code: String = dtype.getattr(intern!(py, "char"))?.extract()?;
+    let by_code = format!("{}{code}", descr.get(..1).unwrap_or_default());
+    Ok(match np_dtype.call1((&by_code,)) {
+        Ok(d) if d.getattr(intern!(py, "type"))?.is(&scalar_type) && d.eq(dtype)? => by_code,
+        _ => descr,
+    })
+}
+
+/// An array dtype's descriptor (`dtype.str`, or what [`same_type_descr`] makes of it), or
+/// why it is refused (`what`: the value of
 /// that dtype, "an array" or "a numpy scalar").
 pub(super) fn array_descr(
     dtype: &Bound<'_, PyAny>,
@@ -139,12 +163,16 @@ pub(super) fn array_descr(
         )));
     }
     let py = dtype.py();
-    let descr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+    let mut descr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+    let np_dtype = numpy(py)?.dtype.bind(py);
     // A user-defined dtype (ml_dtypes' bfloat16, numpy's test dtype `rational`) has a void
     // descriptor ("<V8"): it would decode as raw void records, another dtype; or one numpy
     // cannot read at all (ml_dtypes' float8_e5m2 says "<f1").
-    let named = match numpy(py)?.dtype.bind(py).call1((&descr,)) {
-        Ok(named) if named.eq(dtype).unwrap_or(false) => None,
+    let named = match np_dtype.call1((&descr,)) {
+        Ok(named) if named.eq(dtype).unwrap_or(false) => {
+            descr = same_type_descr(np_dtype, dtype, &named, descr)?;
+            None
+        }
         Ok(named) => Some(format!(
             "names another dtype ({named}), so it would come back as that"
         )),
@@ -200,7 +228,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Every torch dtype an item may hold, by torch's name, with the DLPack type torch exports
 /// it as and imports back as the same dtype. Dtypes without one (sub-byte integers, bit
-/// types) travel as bytes and are re-viewed on decode. Names the running torch lacks are
+/// types, bcomplex32) travel as bytes and are re-viewed on decode. Names the running torch lacks are
 /// skipped; quantized dtypes are absent on purpose (their scale is not in the bytes).
 const TORCH_DTYPES: &[(&str, Option<DlType>)] = &[
     ("float32", Some(DlType::new(DL_FLOAT, 32, 1))),
@@ -219,6 +247,7 @@ const TORCH_DTYPES: &[(&str, Option<DlType>)] = &[
     ("complex32", Some(DlType::new(DL_COMPLEX, 32, 1))),
     ("complex64", Some(DlType::new(DL_COMPLEX, 64, 1))),
     ("complex128", Some(DlType::new(DL_COMPLEX, 128, 1))),
+    ("bcomplex32", None),
     ("float8_e4m3fn", Some(DlType::new(DL_FLOAT8_E4M3FN, 8, 1))),
     (
         "float8_e4m3fnuz",

@@ -64,8 +64,9 @@ their update.
 The local tiers and their guarantees are unchanged: the local cache sees the same calls in the
 same order as without the tier, only with data where the tier supplied it.  The remote record
 of an item is the item and its prompt updates, stored as one item
-(``{"item": ..., "prompt_updates": ...}``); prompt updates the item codec cannot encode keep
-that item local (counted as ``remote_unencodable``).
+(``{"item": ..., "prompt_updates": ...}``); prompt updates the item codec cannot give back as
+they are (an object; a namedtuple or an ``IntEnum``, which would come back as their base
+types) keep that item local (counted as ``remote_unencodable``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ from mmcache.arguments import check_hash_list, check_item_list, flag, wait_secon
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
+from mmcache.prompt_updates import _exactly_plain
 from mmcache.protection import Holds, RequestState
 from mmcache.remote.store import RemoteStore, check_claim_ttl_s, is_shareable_key
 from mmcache.remote.waiting import Fetched, Publisher
@@ -462,7 +464,8 @@ class TieredSenderCache(BaseSenderCache):
         queued = [
             h
             for h, (item, prompt_updates) in fresh.items()
-            if self._publisher.submit(
+            if self._comes_back_as_is(h, prompt_updates)
+            and self._publisher.submit(
                 h, {"item": item, "prompt_updates": prompt_updates}, size=item_size(item)
             )
         ]
@@ -474,6 +477,21 @@ class TieredSenderCache(BaseSenderCache):
                     ended[h] = claim
         self._release_claims(ended)
         return result
+
+    def _comes_back_as_is(self, mm_hash: str, prompt_updates: Any) -> bool:
+        """Whether the item codec gives ``prompt_updates`` back as they are (the ring's plain
+        codec's test): it gives a subclass back as its base type (a namedtuple as a tuple, an
+        IntEnum as an int), and refuses other objects.  Those keep the item local, counted
+        and logged as the store counts what the codec refuses."""
+        if _exactly_plain(prompt_updates, 0):
+            return True
+        self.remote._fault(
+            "unencodable",
+            f"item {mm_hash} is kept from the remote tier: its prompt updates are not plain "
+            "data of exactly the types the item codec gives back (an object, a namedtuple or "
+            "an IntEnum would come back as something else)",
+        )
+        return False
 
     def _end_claims(self, mm_hashes: Iterable[str]) -> dict[str, _Claim]:
         """This thread's request lets go of its claims on ``mm_hashes``: those that are still
