@@ -668,6 +668,66 @@ def test_a_local_hit_evicted_while_the_lookup_waits_is_reported_missing(
         claimer.close()
 
 
+def test_a_local_hit_evicted_while_the_lookup_waits_is_asked_of_the_remote_tier(
+    server: LocalServer, namespace: str
+) -> None:
+    """A local hit evicted while the lookup waited for another host is a local miss like
+    the others: asked of the remote tier (the host published it: a remote hit, not
+    processed again) and, where the tier lacks it, claimed (else another host's lookup of
+    it would process it too instead of waiting)."""
+    host, claimer = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    published, unpublished, new = key("published"), key("unpublished"), key("new")
+    try:
+        host.get_and_update([item(1)], [published])  # cached here and in the tier
+        assert host.flush()
+        host.local.get_and_update_item(item(2), unpublished)  # cached here only
+        assert claimer.is_cached([new], claim=True) == [False]
+        remote = host.remote
+        evicted: list[bool] = []
+
+        class Waiting:
+            """The host's store, whose first look again during the wait has the host's other
+            requests evict both local hits and the claimer publish ``new`` first."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(remote, name)
+
+            def fetch_or_claim(self, keys: list[str], owner: str, **kwargs: Any) -> Any:
+                if not kwargs["claim"] and not evicted:
+                    for i in range(1, 200):
+                        if not (
+                            host.local.is_cached_item(published)
+                            or host.local.is_cached_item(unpublished)
+                        ):
+                            break
+                        filler = (make_item(i, MiB), ["<image>", i])
+                        host.local.get_and_update_item(filler, key(f"filler-{i}"))
+                    evicted.append(
+                        not host.local.is_cached_item(published)
+                        and not host.local.is_cached_item(unpublished)
+                    )
+                    claimer.get_and_update([item(9)], [new])
+                    assert claimer.flush()
+                return remote.fetch_or_claim(keys, owner, **kwargs)
+
+        host.remote = Waiting()  # type: ignore[assignment]
+        try:
+            looked_up = host.is_cached([published, unpublished, new], claim=True, wait_s=HANG_S)
+        finally:
+            host.remote = remote
+        assert evicted == [True], "both were evicted locally during the wait"
+        assert looked_up == [True, False, True], "the published one is a remote hit"
+        [(_, holder)] = claimer.remote.fetch_or_claim(
+            [unpublished], claimer.host_id, claim=False, claim_ttl_s=5.0
+        )
+        assert holder == host.host_id, "the host claimed the one it now processes"
+        outputs = host.get_and_update([None, item(2), None], [published, unpublished, new])
+        assert [updates for _, updates in outputs] == [["<image>", i] for i in (1, 2, 9)]
+    finally:
+        host.close()
+        claimer.close()
+
+
 def test_a_local_cache_that_takes_claims_gets_them() -> None:
     class LocalWithClaims(SenderCache):
         asked: ClassVar[list[tuple[bool, float]]] = []

@@ -22,7 +22,8 @@ miss another host claimed is waited for, up to ``T`` seconds for the whole call:
 is repeated with backoff (2 ms, doubling, at most 50 ms apart) until the item is there (a
 remote hit), the claim is gone without it (the claimer gave up or died: this host claims
 and processes it) or the time is up (this host processes it); the local hits of a call that
-waited are looked up again after the wait (one evicted meanwhile is a miss).  This host's
+waited are looked up again after the wait (one evicted meanwhile is a local miss, asked of
+the tier and claimed there as the others were, not waited for).  This host's
 own claims are never waited on.  A request never waits for another host holding claims:
 before such a wait it gives up every claim it holds, in the store and in the local cache,
 its earlier lookups' included (a wait inside the local cache, for another writer of this
@@ -233,11 +234,28 @@ class TieredSenderCache(BaseSenderCache):
             if (claim or wait_s > 0) and self.remote.supports_claims:
                 if self._fetch_in_single_flight(wanted, claim, end):
                     # A local hit of before the wait may have been evicted during it
-                    # (reported cached, its update would miss): looked up again.
-                    local = [
+                    # (reported cached, its update would miss): looked up again, and one
+                    # evicted is a local miss as the others were, asked of the tier (and
+                    # claimed there, with claim), though no more waited for.
+                    still = [
                         hit and self.local.is_cached_item(h)
                         for h, hit in zip(mm_hashes, local, strict=True)
                     ]
+                    gone = [
+                        h
+                        for h, was, hit in zip(mm_hashes, local, still, strict=True)
+                        if was and not hit
+                    ]
+                    local = still
+                    with self._lock:
+                        lost = [
+                            h
+                            for h in dict.fromkeys(gone)
+                            if not self._wait_for_fetched(h) and is_shareable_key(h)
+                        ]
+                        self._counts["remote_lookups"] += len(lost)
+                    if lost:
+                        self._fetch_claiming(lost, claim, set(lost))
             else:
                 records = self.remote.get_many(wanted)
                 with self._lock:
