@@ -668,14 +668,18 @@ def test_a_local_hit_evicted_while_the_lookup_waits_is_reported_missing(
         claimer.close()
 
 
+@pytest.mark.parametrize("mode", ["lru", "shm"])
 def test_a_local_hit_evicted_while_the_lookup_waits_is_asked_of_the_remote_tier(
-    server: LocalServer, namespace: str
+    server: LocalServer, namespace: str, mode: str
 ) -> None:
     """A local hit evicted while the lookup waited for another host is a local miss like
     the others: asked of the remote tier (the host published it: a remote hit, not
-    processed again) and, where the tier lacks it, claimed (else another host's lookup of
-    it would process it too instead of waiting)."""
-    host, claimer = open_p0(server.url, namespace), open_p0(server.url, namespace)
+    processed again) and, where the tier lacks it, claimed, in the store and in a local
+    cache that takes claims (else another host's lookup of it, or another writer's of the
+    host's ring, would process it too instead of waiting)."""
+    local = SenderCache(0.05) if mode == "lru" else ShmSenderCache(0.05)
+    host = TieredSenderCache(local, open_store(server.url, namespace, timeout_s=10))
+    claimer = open_p0(server.url, namespace)
     published, unpublished, new = key("published"), key("unpublished"), key("new")
     try:
         host.get_and_update([item(1)], [published])  # cached here and in the tier
@@ -721,6 +725,8 @@ def test_a_local_hit_evicted_while_the_lookup_waits_is_asked_of_the_remote_tier(
             [unpublished], claimer.host_id, claim=False, claim_ttl_s=5.0
         )
         assert holder == host.host_id, "the host claimed the one it now processes"
+        if mode == "shm":  # new (a local miss, claimed again after the wait) and unpublished
+            assert host.local.stats()["store_claims"] == 2
         outputs = host.get_and_update([None, item(2), None], [published, unpublished, new])
         assert [updates for _, updates in outputs] == [["<image>", i] for i in (1, 2, 9)]
     finally:
