@@ -620,6 +620,45 @@ def test_a_server_that_stalls_as_a_wait_begins_costs_it_one_deadline(
         in_time(b.close)
 
 
+def test_a_server_that_stalls_as_a_wait_begins_is_not_asked_about_a_local_hit_lost_meanwhile(
+    own_server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local hit evicted during a wait is asked of the tier after it, unless the store
+    failed: the failing store costs the wait one deadline, not one more for that lookup."""
+    store_options = {"timeout_s": 0.3, "breaker_failures": 100}
+    a = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    b = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    old = key("old")
+    b.local.get_and_update_item(item(0), old)  # cached at b only
+    real_release = b.remote.release_claims
+
+    def release_as_the_server_stalls(keys: Sequence[str], owner: str) -> None:
+        for i in range(1, 200):  # b's other requests evict old meanwhile
+            if not b.local.is_cached_item(old):
+                break
+            b.local.get_and_update_item((make_item(i, MiB), ["<image>", i]), key(f"filler-{i}"))
+        stall(own_server)
+        real_release(keys, owner)
+
+    def b_request() -> list[bool]:  # one thread's: the claim is its request's
+        assert b.is_cached([key(2)], claim=True) == [False]  # an earlier lookup's claim
+        monkeypatch.setattr(b.remote, "release_claims", release_as_the_server_stalls)
+        return b.is_cached([old, key(1)], claim=True, wait_s=HANG_S)
+
+    try:
+        assert a.is_cached([key(1)], claim=True) == [False]
+        try:
+            assert in_time(b_request) == [False, False]
+        finally:
+            resume(own_server)
+        assert not b.local.is_cached_item(old)
+        assert b.stats()["remote_timeouts"] == 1
+    finally:
+        monkeypatch.undo()
+        in_time(a.close)
+        in_time(b.close)
+
+
 def test_a_local_hit_evicted_while_the_lookup_waits_is_reported_missing(
     server: LocalServer, namespace: str
 ) -> None:

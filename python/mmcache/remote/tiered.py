@@ -250,8 +250,8 @@ class TieredSenderCache(BaseSenderCache):
     ) -> list[bool]:
         """The local cache's answer ``local`` of before a wait, as it stands after it: a hit
         evicted during the wait (reported cached, its update would miss) is a local miss as
-        the others were, asked of the tier and, with ``claim``, claimed there and in the
-        local cache, though no more waited for."""
+        the others were, asked of the tier (unless it failed) and, with ``claim``, claimed
+        there and in the local cache, though no more waited for."""
         now = [
             hit and self.local.is_cached_item(h) for h, hit in zip(mm_hashes, local, strict=True)
         ]
@@ -261,7 +261,9 @@ class TieredSenderCache(BaseSenderCache):
         if gone:
             with self._lock:
                 missing = [h for h in gone if not self._wait_for_fetched(h)]
-                asked = [h for h in missing if is_shareable_key(h)]
+                # Not of a store that just failed (the wait's): it cost the wait one deadline.
+                failed = self.remote.last_call_failed
+                asked = [h for h in missing if is_shareable_key(h) and not failed]
                 self._counts["remote_lookups"] += len(asked)
             found = self._fetch_claiming(asked, claim, set(asked))[0] if asked else set()
             if claim and self._local_claims:
