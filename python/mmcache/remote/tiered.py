@@ -24,13 +24,12 @@ remote hit), the claim is gone without it (the claimer gave up or died: this hos
 and processes it) or the time is up (this host processes it); the local hits of a call that
 waited are looked up again after the wait (one evicted meanwhile is a local miss, asked of
 the tier and claimed there and in the local cache as the others were, not waited for).
-This host's
-own claims are never waited on.  A request never waits for another host holding claims:
-before such a wait it gives up every claim it holds, in the store and in the local cache,
-its earlier lookups' included (a wait inside the local cache, for another writer of this
-host's ring, keeps the store claims: a host waiting on those holds none itself), and after
-the wait it claims again those and the call's misses still missing (a miss another
-host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
+This host's own claims are never waited on.  A request never waits for another host
+holding claims: before such a wait it gives up every claim it holds, in the store and in
+the local cache, its earlier lookups' included (a wait inside the local cache, for another
+writer of this host's ring, keeps the store claims: a host waiting on those holds none
+itself), and after the wait it claims again those and the call's misses still missing (a
+miss another host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
 other's items (in turns: vLLM looks a request up once per modality) never wait for each
 other.  A claim ends when the claimer publishes the item (dropped by the writer
 thread once the put returns, so a waiter finds the item before it finds the claim gone) or
