@@ -367,6 +367,16 @@ def test_hash_names_a_nested_tensor() -> None:
         content_hash(opts={"n": nested})
 
 
+def test_hash_names_a_jagged_nested_tensor() -> None:
+    """A torch.nested tensor of the jagged layout is named a nested tensor too: the layout's
+    refusal said to hash its .to_dense(), which a jagged tensor has not (torch raises)."""
+    import torch
+
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"parts\[0\] is a nested tensor.*unbind"):
+        content_hash(nested)
+
+
 def test_import_does_not_pull_in_torch() -> None:
     code = (
         "import sys, numpy as np, mmcache;"

@@ -620,6 +620,45 @@ def test_a_server_that_stalls_as_a_wait_begins_costs_it_one_deadline(
         in_time(b.close)
 
 
+def test_a_server_that_stalls_as_a_wait_begins_is_not_asked_about_a_local_hit_lost_meanwhile(
+    own_server: LocalServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local hit evicted during a wait is asked of the tier after it, unless the store
+    failed: the failing store costs the wait one deadline, not one more for that lookup."""
+    store_options = {"timeout_s": 0.3, "breaker_failures": 100}
+    a = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    b = TieredSenderCache(SenderCache(0.05), open_store(own_server.url, namespace, **store_options))
+    old = key("old")
+    b.local.get_and_update_item(item(0), old)  # cached at b only
+    real_release = b.remote.release_claims
+
+    def release_as_the_server_stalls(keys: Sequence[str], owner: str) -> None:
+        for i in range(1, 200):  # b's other requests evict old meanwhile
+            if not b.local.is_cached_item(old):
+                break
+            b.local.get_and_update_item((make_item(i, MiB), ["<image>", i]), key(f"filler-{i}"))
+        stall(own_server)
+        real_release(keys, owner)
+
+    def b_request() -> list[bool]:  # one thread's: the claim is its request's
+        assert b.is_cached([key(2)], claim=True) == [False]  # an earlier lookup's claim
+        monkeypatch.setattr(b.remote, "release_claims", release_as_the_server_stalls)
+        return b.is_cached([old, key(1)], claim=True, wait_s=HANG_S)
+
+    try:
+        assert a.is_cached([key(1)], claim=True) == [False]
+        try:
+            assert in_time(b_request) == [False, False]
+        finally:
+            resume(own_server)
+        assert not b.local.is_cached_item(old)
+        assert b.stats()["remote_timeouts"] == 1
+    finally:
+        monkeypatch.undo()
+        in_time(a.close)
+        in_time(b.close)
+
+
 def test_a_local_hit_evicted_while_the_lookup_waits_is_reported_missing(
     server: LocalServer, namespace: str
 ) -> None:
@@ -663,6 +702,72 @@ def test_a_local_hit_evicted_while_the_lookup_waits_is_reported_missing(
         # The engine processes what was reported missing; the rest is the claimer's item.
         outputs = host.get_and_update([item(0), None], [old, new])
         assert [updates for _, updates in outputs] == [["<image>", 0], ["<image>", 9]]
+    finally:
+        host.close()
+        claimer.close()
+
+
+@pytest.mark.parametrize("mode", ["lru", "shm"])
+def test_a_local_hit_evicted_while_the_lookup_waits_is_asked_of_the_remote_tier(
+    server: LocalServer, namespace: str, mode: str
+) -> None:
+    """A local hit evicted while the lookup waited for another host is a local miss like
+    the others: asked of the remote tier (the host published it: a remote hit, not
+    processed again) and, where the tier lacks it, claimed, in the store and in a local
+    cache that takes claims (else another host's lookup of it, or another writer's of the
+    host's ring, would process it too instead of waiting)."""
+    local = SenderCache(0.05) if mode == "lru" else ShmSenderCache(0.05)
+    host = TieredSenderCache(local, open_store(server.url, namespace, timeout_s=10))
+    claimer = open_p0(server.url, namespace)
+    published, unpublished, new = key("published"), key("unpublished"), key("new")
+    try:
+        host.get_and_update([item(1)], [published])  # cached here and in the tier
+        assert host.flush()
+        host.local.get_and_update_item(item(2), unpublished)  # cached here only
+        assert claimer.is_cached([new], claim=True) == [False]
+        remote = host.remote
+        evicted: list[bool] = []
+
+        class Waiting:
+            """The host's store, whose first look again during the wait has the host's other
+            requests evict both local hits and the claimer publish ``new`` first."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(remote, name)
+
+            def fetch_or_claim(self, keys: list[str], owner: str, **kwargs: Any) -> Any:
+                if not kwargs["claim"] and not evicted:
+                    for i in range(1, 200):
+                        if not (
+                            host.local.is_cached_item(published)
+                            or host.local.is_cached_item(unpublished)
+                        ):
+                            break
+                        filler = (make_item(i, MiB), ["<image>", i])
+                        host.local.get_and_update_item(filler, key(f"filler-{i}"))
+                    evicted.append(
+                        not host.local.is_cached_item(published)
+                        and not host.local.is_cached_item(unpublished)
+                    )
+                    claimer.get_and_update([item(9)], [new])
+                    assert claimer.flush()
+                return remote.fetch_or_claim(keys, owner, **kwargs)
+
+        host.remote = Waiting()  # type: ignore[assignment]
+        try:
+            looked_up = host.is_cached([published, unpublished, new], claim=True, wait_s=HANG_S)
+        finally:
+            host.remote = remote
+        assert evicted == [True], "both were evicted locally during the wait"
+        assert looked_up == [True, False, True], "the published one is a remote hit"
+        [(_, holder)] = claimer.remote.fetch_or_claim(
+            [unpublished], claimer.host_id, claim=False, claim_ttl_s=5.0
+        )
+        assert holder == host.host_id, "the host claimed the one it now processes"
+        if mode == "shm":  # new (a local miss, claimed again after the wait) and unpublished
+            assert host.local.stats()["store_claims"] == 2
+        outputs = host.get_and_update([None, item(2), None], [published, unpublished, new])
+        assert [updates for _, updates in outputs] == [["<image>", i] for i in (1, 2, 9)]
     finally:
         host.close()
         claimer.close()

@@ -695,6 +695,40 @@ def test_a_hit_evicted_while_the_lookup_waits_is_reported_missing() -> None:
         assert proc.exitcode == 0
 
 
+def test_a_hit_evicted_while_the_lookup_waits_is_claimed_as_a_miss() -> None:
+    """With ``claim``, a hit of before the wait that was evicted during it is a miss like
+    any other: claimed by this writer (unclaimed, another writer's lookup of it would
+    process it too instead of waiting for this one's put)."""
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+    ):
+        a.get_and_update_item((item("old"), updates("old", "a")), "old")
+        assert b.is_cached(["new"], claim=True) == [False]
+        store = a._store
+
+        class Waiting:
+            """``a``'s writer, during whose wait ``b`` drops "old" and puts "new"."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def wait_for(self, keys: list[str], timeout_s: float) -> list[bool]:
+                b.invalidate("old")
+                b.get_and_update_item((item("new"), updates("new", "b")), "new")
+                return store.wait_for(keys, timeout_s)
+
+        a._store = Waiting()  # type: ignore[assignment]
+        try:
+            assert a.is_cached(["old", "new"], claim=True, wait_s=NEVER) == [False, True]
+        finally:
+            a._store = store
+        assert a.stats()["store_claims"] == 1, "a claimed old, which it now processes"
+        assert b.is_cached(["old"], claim=True) == [False] and a.stats()["store_claims"] == 1
+        a.get_and_update_item((item("old"), updates("old", "a")), "old")
+        assert a.stats()["store_claims"] == 0, "its put ended the claim"
+
+
 # -- threads of several processes ------------------------------------------------------------
 
 KEYS = [f"img-{i}" for i in range(24)]

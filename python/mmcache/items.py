@@ -291,6 +291,11 @@ def _feed(h: Any, value: object, path: str) -> None:
         torch = sys.modules["torch"]
         # What has no strided bytes to hash is named, with the fix, rather than failing
         # deep inside torch.
+        if tensor.is_nested:  # strided or jagged, with no one shape (and no .to_dense())
+            raise TypeError(
+                f"content_hash: {path} is a nested tensor, which has no one shape: hash its "
+                ".unbind() list"
+            )
         if tensor.layout != torch.strided:
             raise TypeError(
                 f"content_hash: {path} is a {tensor.layout} tensor, which has no contiguous "
@@ -298,11 +303,6 @@ def _feed(h: Any, value: object, path: str) -> None:
             )
         if tensor.is_meta:
             raise TypeError(f"content_hash: {path} is a tensor on the meta device: it has no data")
-        if tensor.is_nested:  # strided, but with no one shape
-            raise TypeError(
-                f"content_hash: {path} is a nested tensor, which has no one shape: hash its "
-                ".unbind() list"
-            )
         t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         tag(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
         if t.is_quantized:  # its bytes are integers whose scale is elsewhere: its values

@@ -267,9 +267,9 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         claimed.  With ``wait_s``, misses another live writer claimed are waited for, at most
         ``wait_s`` seconds for the whole call, and reported cached if they were put in time
         (after a wait every hash is answered as it stands then: a hit evicted meanwhile is a
-        miss); claims of this writer (any of its threads) are never waited on, and a claim
-        whose writer gave up or died ends the wait for it at once (with ``claim``, this
-        writer then claims it).
+        miss, claimed as the others are); claims of this writer (any of its threads) are
+        never waited on, and a claim whose writer gave up or died ends the wait for it at
+        once (with ``claim``, this writer then claims it).
 
         A request never waits while it holds claims: before a wait, the request gives up
         every claim it holds, its earlier calls' included (they are claimed again after the
@@ -290,12 +290,15 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
             # Without the lock: the other threads' calls go on meanwhile (the wait polls the
             # core lock-free, the GIL released).
             self._store.wait_for(contested, wait_s)
+            # Every hash looked up again: a hit of before the wait may have been evicted
+            # during it (reported cached, its update would miss), a miss then like the others,
+            # claimed with them.
+            cached = [is_cached_item(h) for h in mm_hashes]
             if claim or held:
+                misses = [h for h, hit in zip(mm_hashes, cached, strict=True) if not hit]
                 wanted = dict.fromkeys([*held, *misses] if claim else held)
                 self._claim([h for h in wanted if not self._store.is_cached(h)])
-            # Every hash looked up again: a hit of before the wait may have been evicted
-            # during it (reported cached, its update would miss).
-            return [is_cached_item(h) for h in mm_hashes]
+            return cached
         found = {h for h in misses if self.is_cached_item(h)}
         return [hit or h in found for h, hit in zip(mm_hashes, cached, strict=True)]
 

@@ -22,13 +22,14 @@ miss another host claimed is waited for, up to ``T`` seconds for the whole call:
 is repeated with backoff (2 ms, doubling, at most 50 ms apart) until the item is there (a
 remote hit), the claim is gone without it (the claimer gave up or died: this host claims
 and processes it) or the time is up (this host processes it); the local hits of a call that
-waited are looked up again after the wait (one evicted meanwhile is a miss).  This host's
-own claims are never waited on.  A request never waits for another host holding claims:
-before such a wait it gives up every claim it holds, in the store and in the local cache,
-its earlier lookups' included (a wait inside the local cache, for another writer of this
-host's ring, keeps the store claims: a host waiting on those holds none itself), and after
-the wait it claims again those and the call's misses still missing (a miss another
-host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
+waited are looked up again after the wait (one evicted meanwhile is a local miss, asked of
+the tier and claimed there and in the local cache as the others were, not waited for).
+This host's own claims are never waited on.  A request never waits for another host
+holding claims: before such a wait it gives up every claim it holds, in the store and in
+the local cache, its earlier lookups' included (a wait inside the local cache, for another
+writer of this host's ring, keeps the store claims: a host waiting on those holds none
+itself), and after the wait it claims again those and the call's misses still missing (a
+miss another host claimed meanwhile is waited for in turn), so two hosts whose requests claimed each
 other's items (in turns: vLLM looks a request up once per modality) never wait for each
 other.  A claim ends when the claimer publishes the item (dropped by the writer
 thread once the put returns, so a waiter finds the item before it finds the claim gone) or
@@ -232,12 +233,7 @@ class TieredSenderCache(BaseSenderCache):
         if wanted:
             if (claim or wait_s > 0) and self.remote.supports_claims:
                 if self._fetch_in_single_flight(wanted, claim, end):
-                    # A local hit of before the wait may have been evicted during it
-                    # (reported cached, its update would miss): looked up again.
-                    local = [
-                        hit and self.local.is_cached_item(h)
-                        for h, hit in zip(mm_hashes, local, strict=True)
-                    ]
+                    local = self._local_hits_again(mm_hashes, local, claim)
             else:
                 records = self.remote.get_many(wanted)
                 with self._lock:
@@ -247,6 +243,32 @@ class TieredSenderCache(BaseSenderCache):
             return [
                 hit or self._wait_for_fetched(h) for h, hit in zip(mm_hashes, local, strict=True)
             ]
+
+    def _local_hits_again(
+        self, mm_hashes: Sequence[str], local: list[bool], claim: bool
+    ) -> list[bool]:
+        """The local cache's answer ``local`` of before a wait, as it stands after it: a hit
+        evicted during the wait (reported cached, its update would miss) is a local miss as
+        the others were, asked of the tier (unless it failed) and, with ``claim``, claimed
+        there and in the local cache, though no more waited for."""
+        now = [
+            hit and self.local.is_cached_item(h) for h, hit in zip(mm_hashes, local, strict=True)
+        ]
+        gone = dict.fromkeys(
+            h for h, was, hit in zip(mm_hashes, local, now, strict=True) if was and not hit
+        )
+        if gone:
+            with self._lock:
+                missing = [h for h in gone if not self._wait_for_fetched(h)]
+                # Not of a store that just failed (the wait's): it cost the wait one deadline.
+                failed = self.remote.last_call_failed
+                asked = [h for h in missing if is_shareable_key(h) and not failed]
+                self._counts["remote_lookups"] += len(asked)
+            found = self._fetch_claiming(asked, claim, set(asked))[0] if asked else set()
+            if claim and self._local_claims:
+                unfound = [h for h in missing if h not in found]
+                self.local.is_cached(unfound, claim=True)  # type: ignore[call-arg]
+        return now
 
     def _wait_for_fetched(self, mm_hash: str) -> bool:
         """Keep the item fetched for ``mm_hash`` until this thread's request has updated it;
