@@ -325,6 +325,31 @@ def test_reput_with_unshareable_updates_never_gives_the_old_ones() -> None:
         check_handle(reader, handle, "k")
 
 
+def test_an_update_after_another_writer_reput_the_key_gives_the_new_objects_updates() -> None:
+    # `a` learnt "k"'s updates (its lookup), then `b` invalidated "k" and put it again with
+    # other updates before `a`'s touch and update: `a`'s hit issues the new object, so it
+    # must give the new object's updates, not those it kept for the old one.
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        check_handle(reader, handle, "k")
+        assert a.is_cached(["k"]) == [True]
+        b.invalidate("k")
+        handle, got = b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        assert got == updates("k", "b")
+        check_handle(reader, handle, "k")
+        a.begin_request()
+        a.touch_sender_cache_item("k")
+        handle, got = a.get_and_update_item(None, "k")
+        a.end_request()
+        assert got == updates("k", "b"), "the updates kept for the old object"
+        check_handle(reader, handle, "k")
+        assert a.stats()["store_pinned"] == 0
+
+
 class Modality(enum.IntEnum):
     IMAGE = 1
 
