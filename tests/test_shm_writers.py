@@ -350,6 +350,44 @@ def test_an_update_after_another_writer_reput_the_key_gives_the_new_objects_upda
         assert a.stats()["store_pinned"] == 0
 
 
+def test_an_update_unpins_only_the_object_its_touch_pinned() -> None:
+    # `a`'s request pinned "k"'s first object; `b` replaced it; another request of `a` (another
+    # thread) pinned the new one. The first request's update must undo its own pin (of an
+    # object gone), never the other request's pin of the new object.
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        check_handle(reader, handle, "k")
+        a.touch_sender_cache_item("k")
+        b.invalidate("k")
+        handle, _ = b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        check_handle(reader, handle, "k")
+        pinned, updated = threading.Event(), threading.Event()
+
+        def other_request() -> None:
+            a.touch_sender_cache_item("k")
+            pinned.set()
+            assert updated.wait(TIMEOUT)
+            a.release_sender_touches()  # this request is abandoned
+
+        other = threading.Thread(target=other_request)
+        other.start()
+        try:
+            assert pinned.wait(TIMEOUT)
+            assert a.stats()["store_pinned"] == 1, "the other request's pin of the new object"
+            handle, got = a.get_and_update_item(None, "k")
+            assert got == updates("k", "b")
+            check_handle(reader, handle, "k")
+            assert a.stats()["store_pinned"] == 1, "the update undid another request's pin"
+        finally:
+            updated.set()
+            other.join(TIMEOUT)
+        assert a.stats()["store_pinned"] == 0
+
+
 class Modality(enum.IntEnum):
     IMAGE = 1
 
