@@ -82,6 +82,12 @@ fn handles_from_before_clear_never_alias_new_data() {
     assert!(new.monotonic_id > old.monotonic_id);
     assert!(matches!(read(&r, &old, "k"), Err(Error::Stale)));
     assert_eq!(read(&r, &new, "k").unwrap(), vec![2u8; 896]);
+    // The writer's verify tells them apart too: same key, same address, another object.
+    assert!(w.verify(&new, "k").unwrap());
+    assert!(
+        !w.verify(&old, "k").unwrap(),
+        "a handle of the evicted object verified"
+    );
 }
 
 #[test]
