@@ -388,6 +388,28 @@ def test_an_update_unpins_only_the_object_its_touch_pinned() -> None:
         assert a.stats()["store_pinned"] == 0
 
 
+def test_a_saturated_hit_on_an_object_another_writer_reput_gives_its_updates() -> None:
+    # A worker that never reads holds every reference its slot counts to "k"'s object, which
+    # `b` put after `a`'s (of other updates) was invalidated: `a` serves the item uncached,
+    # from what the ring holds, so with the updates stored with it, not those `a` kept.
+    max_outstanding = (1 << 20) - 1
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as stuck,
+    ):
+        a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        b.invalidate("k")
+        b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        for _ in range(max_outstanding - 1):
+            b._store.issue("k")
+        data, got = a.get_and_update_item(None, "k")
+        assert a.stats()["uncached_saturated"] == 1
+        assert same_item(data, item("k"))
+        assert got == updates("k", "b"), "the updates kept for the old object"
+        assert stuck.get_and_update_item(data, "k") is data  # (plain data: passed through)
+
+
 class Modality(enum.IntEnum):
     IMAGE = 1
 
