@@ -410,6 +410,24 @@ def test_a_saturated_hit_on_an_object_another_writer_reput_gives_its_updates() -
         assert stuck.get_and_update_item(data, "k") is data  # (plain data: passed through)
 
 
+def test_prompt_updates_too_large_to_share_stay_with_the_writer_that_put_them() -> None:
+    # Plain data the codec encodes, but over the store's metadata limit: the item is put
+    # without them (not shareable), never refused.
+    huge = [("key", "k"), b"\x01" * (1 << 20)]
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, got = a.get_and_update_item((item("k"), huge), "k")
+        assert got is huge and a.stats()["unshared_prompt_updates"] == 1
+        check_handle(reader, handle, "k")
+        handle, got = a.get_and_update_item(None, "k")
+        assert got == huge
+        check_handle(reader, handle, "k")
+        assert not b.is_cached_item("k"), "b cannot have a's updates"
+
+
 class Modality(enum.IntEnum):
     IMAGE = 1
 
