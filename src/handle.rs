@@ -204,6 +204,22 @@ mod tests {
     }
 
     #[test]
+    fn a_change_to_any_byte_of_the_signature_fails_verification() {
+        // Every byte counts: a comparison of only a prefix of the MAC (or of the MAC
+        // without the reader set) would accept these.
+        let signer = Signer::new([7; 32]);
+        let good = signer.handle("img", 128, 5, 3);
+        assert!(signer.verify("img", &good).is_some());
+        for i in 0..SIGNATURE_LEN {
+            for bit in [0x01, 0x80] {
+                let mut forged = good;
+                forged.signature[i] ^= bit;
+                assert_eq!(signer.verify("img", &forged), None, "byte {i} bit {bit:#x}");
+            }
+        }
+    }
+
+    #[test]
     fn macs_are_keyed_blake3_of_the_documented_message() {
         // The module doc's definition, hashed in pieces: what every build signs and verifies.
         let secret = [9; 32];

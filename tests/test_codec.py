@@ -314,6 +314,30 @@ def test_lazy_negation_is_resolved_on_encode() -> None:
     assert out["im"].tolist() == [-2.0, 4.0] and not out["im"].is_neg()
 
 
+def test_a_contiguous_lazy_negation_is_resolved_on_encode(
+    ring: tuple[ShmWriter, ShmReader],
+) -> None:
+    # A one-element (or 0-d) negated view is contiguous: its bytes still hold the values
+    # before the negation, so encoding them in place would send +2 for -2.
+    items = {
+        "one": torch.tensor([1 + 2j], dtype=torch.complex64).conj().imag,
+        "scalar": torch.tensor(3 - 4j, dtype=torch.complex128).conj().imag,
+    }
+    for t in items.values():
+        assert t.is_neg() and t.is_contiguous()
+    want = {"one": [-2.0], "scalar": 4.0}
+    out = serde.decode(payload_of(items))
+    assert {k: v.tolist() for k, v in out.items()} == want
+    writer, reader = ring
+    handle = writer.put_item("negated", items)
+    for got in (
+        reader.resolve_item(handle, "negated", copy=True),
+        writer.get_item(writer.issue("negated"), "negated"),
+    ):
+        assert {k: v.tolist() for k, v in got.items()} == want
+        assert not any(v.is_neg() for v in got.values())
+
+
 # -- the copy path -------------------------------------------------------------------------
 
 

@@ -435,6 +435,26 @@ def test_a_request_that_misses_part_way_gives_its_handles_back(
     assert stats["store_pinned"] == 0
 
 
+def test_ending_a_request_unpins_the_items_it_touched_but_never_updated(
+    sender: ShmSenderCache, reader: ShmReceiverCache
+) -> None:
+    for key in "ab":
+        reader.get_and_update_item(put(sender, key), key)
+    sender.begin_request()
+    for key in "ab":
+        sender.touch_sender_cache_item(key)
+    assert sender.stats()["store_pinned"] == 2
+    data, _ = sender.get_and_update_item(None, "a")  # "b"'s update never comes
+    assert sender.stats()["store_pinned"] == 1, "b stays pinned until the request ends"
+    sender.end_request()
+    assert sender.stats()["store_pinned"] == 0, "an abandoned touch kept b pinned"
+    assert same_item(reader.get_and_update_item(data, "a"), make_item("a"))
+    # Nothing is pinned any more: a ring's worth of new items evicts both.
+    for i in range(8):
+        reader.get_and_update_item(put(sender, f"n{i}"), f"n{i}")
+    assert cached(sender, "ab") == set()
+
+
 def test_a_request_that_cannot_be_assembled_issues_nothing(
     sender: ShmSenderCache, reader: ShmReceiverCache
 ) -> None:

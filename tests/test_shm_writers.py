@@ -325,6 +325,109 @@ def test_reput_with_unshareable_updates_never_gives_the_old_ones() -> None:
         check_handle(reader, handle, "k")
 
 
+def test_an_update_after_another_writer_reput_the_key_gives_the_new_objects_updates() -> None:
+    # `a` learnt "k"'s updates (its lookup), then `b` invalidated "k" and put it again with
+    # other updates before `a`'s touch and update: `a`'s hit issues the new object, so it
+    # must give the new object's updates, not those it kept for the old one.
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        check_handle(reader, handle, "k")
+        assert a.is_cached(["k"]) == [True]
+        b.invalidate("k")
+        handle, got = b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        assert got == updates("k", "b")
+        check_handle(reader, handle, "k")
+        a.begin_request()
+        a.touch_sender_cache_item("k")
+        handle, got = a.get_and_update_item(None, "k")
+        a.end_request()
+        assert got == updates("k", "b"), "the updates kept for the old object"
+        check_handle(reader, handle, "k")
+        assert a.stats()["store_pinned"] == 0
+
+
+def test_an_update_unpins_only_the_object_its_touch_pinned() -> None:
+    # `a`'s request pinned "k"'s first object; `b` replaced it; another request of `a` (another
+    # thread) pinned the new one. The first request's update must undo its own pin (of an
+    # object gone), never the other request's pin of the new object.
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        check_handle(reader, handle, "k")
+        a.touch_sender_cache_item("k")
+        b.invalidate("k")
+        handle, _ = b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        check_handle(reader, handle, "k")
+        pinned, updated = threading.Event(), threading.Event()
+
+        def other_request() -> None:
+            a.touch_sender_cache_item("k")
+            pinned.set()
+            assert updated.wait(TIMEOUT)
+            a.release_sender_touches()  # this request is abandoned
+
+        other = threading.Thread(target=other_request)
+        other.start()
+        try:
+            assert pinned.wait(TIMEOUT)
+            assert a.stats()["store_pinned"] == 1, "the other request's pin of the new object"
+            handle, got = a.get_and_update_item(None, "k")
+            assert got == updates("k", "b")
+            check_handle(reader, handle, "k")
+            assert a.stats()["store_pinned"] == 1, "the update undid another request's pin"
+        finally:
+            updated.set()
+            other.join(TIMEOUT)
+        assert a.stats()["store_pinned"] == 0
+
+
+def test_a_saturated_hit_on_an_object_another_writer_reput_gives_its_updates() -> None:
+    # A worker that never reads holds every reference its slot counts to "k"'s object, which
+    # `b` put after `a`'s (of other updates) was invalidated: `a` serves the item uncached,
+    # from what the ring holds, so with the updates stored with it, not those `a` kept.
+    max_outstanding = (1 << 20) - 1
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as stuck,
+    ):
+        a.get_and_update_item((item("k"), updates("k", "a")), "k")
+        b.invalidate("k")
+        b.get_and_update_item((item("k"), updates("k", "b")), "k")
+        for _ in range(max_outstanding - 1):
+            b._store.issue("k")
+        data, got = a.get_and_update_item(None, "k")
+        assert a.stats()["uncached_saturated"] == 1
+        assert same_item(data, item("k"))
+        assert got == updates("k", "b"), "the updates kept for the old object"
+        assert stuck.get_and_update_item(data, "k") is data  # (plain data: passed through)
+
+
+def test_prompt_updates_too_large_to_share_stay_with_the_writer_that_put_them() -> None:
+    # Plain data the codec encodes, but over the store's metadata limit: the item is put
+    # without them (not shareable), never refused.
+    huge = [("key", "k"), b"\x01" * (1 << 20)]
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        handle, got = a.get_and_update_item((item("k"), huge), "k")
+        assert got is huge and a.stats()["unshared_prompt_updates"] == 1
+        check_handle(reader, handle, "k")
+        handle, got = a.get_and_update_item(None, "k")
+        assert got == huge
+        check_handle(reader, handle, "k")
+        assert not b.is_cached_item("k"), "b cannot have a's updates"
+
+
 class Modality(enum.IntEnum):
     IMAGE = 1
 

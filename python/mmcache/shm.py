@@ -487,10 +487,21 @@ class ShmSenderCache(CachedItemCheck, BaseSenderCache):
         if item is not None:
             return split_sender_input(item, mm_hash)
         kept = self._prompt_updates.get(mm_hash)
-        prompt_updates = kept[1] if kept is not None else self._stored_prompt_updates(mm_hash, None)
+        if kept is not None and (kept[0] is None or self._holds_object(mm_hash, kept[0])):
+            prompt_updates = kept[1]
+        else:  # none kept, or kept for an object another writer replaced since
+            prompt_updates = self._stored_prompt_updates(mm_hash, None)
         if prompt_updates is NOT_SHAREABLE:
             raise CacheMissError([mm_hash])
         return serde.decode(self._store.read_stored(mm_hash)), prompt_updates
+
+    def _holds_object(self, mm_hash: str, monotonic_id: int) -> bool:
+        """Whether ``mm_hash`` names the object of ``monotonic_id`` now (lock held)."""
+        try:
+            self._store.read_meta(mm_hash, monotonic_id=monotonic_id)
+        except KeyError:
+            return False
+        return True
 
     def _too_large(self) -> str:
         """Why an item too large for the ring is, naming the setting that would change it."""

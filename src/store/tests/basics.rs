@@ -82,6 +82,32 @@ fn handles_from_before_clear_never_alias_new_data() {
     assert!(new.monotonic_id > old.monotonic_id);
     assert!(matches!(read(&r, &old, "k"), Err(Error::Stale)));
     assert_eq!(read(&r, &new, "k").unwrap(), vec![2u8; 896]);
+    // The writer's verify tells them apart too: same key, same address, another object.
+    assert!(w.verify(&new, "k").unwrap());
+    assert!(
+        !w.verify(&old, "k").unwrap(),
+        "a handle of the evicted object verified"
+    );
+}
+
+#[test]
+fn an_unprotected_copy_of_a_chunk_reused_meanwhile_is_stale() {
+    // A replayed handle's lease protects nothing: if the chunk is reused between the lease
+    // and the copy, the copy (of another object's bytes) must be reported stale.
+    let (w, [r]) = writer_with_readers(1024);
+    let old = w.put("k", &[&[1u8; 896]]).unwrap();
+    assert_eq!(read(&r, &old, "k").unwrap(), vec![1u8; 896]); // its reference consumed
+    let lease = r.acquire(&old, "k").unwrap();
+    assert!(!lease.is_protected());
+    w.clear().unwrap();
+    let new = w.put("j", &[&[2u8; 896]]).unwrap();
+    assert_eq!(
+        new.address, old.address,
+        "the new chunk reuses the old one's bytes"
+    );
+    let mut out = vec![0u8; lease.len()];
+    assert!(matches!(lease.copy_to(&mut out), Err(Error::Stale)));
+    assert_eq!(read(&r, &new, "j").unwrap(), vec![2u8; 896]);
 }
 
 #[test]

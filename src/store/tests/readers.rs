@@ -285,3 +285,20 @@ fn a_put_counts_no_reference_for_a_reader_that_attached_during_its_fill() {
         if protected { "" } else { "not " }
     );
 }
+
+#[test]
+fn a_slots_new_occupant_is_not_charged_for_the_old_ones_unread_references() {
+    // Room for exactly one chunk. The reference "k" owes the slot's first occupant, who left
+    // without reading it, is stamped with that occupant's epoch: it keeps nothing for the
+    // slot's next occupant, so "j" may evict "k".
+    let w = writer(1024, 1);
+    let info = w.reader_info();
+    let first = Reader::attach(&info).unwrap();
+    w.put("k", &[&[1u8; 896]]).unwrap();
+    drop(first);
+    let second = Reader::attach(&info).unwrap();
+    assert_eq!(second.slot(), 0, "the slot the first reader left");
+    let h = w.put("j", &[&[2u8; 896]]).unwrap();
+    assert!(!w.is_cached("k").unwrap());
+    assert_eq!(read(&second, &h, "j").unwrap(), vec![2u8; 896]);
+}
