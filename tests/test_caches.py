@@ -621,18 +621,24 @@ def test_a_size_function_sets_what_an_item_counts_for(cache_type: type) -> None:
     assert sender.stats()["used_bytes"] == 3
 
 
+#: Every cache that takes a size function, made as ``make(capacity_gb, getsizeof=...)``.
+SIZED_CACHES: dict[str, Any] = {
+    "ProcessorOnlyCache": ProcessorOnlyCache,
+    "SenderCache": SenderCache,
+    "ReceiverCache": ReceiverCache,
+    "LRUCache": lambda capacity_gb, getsizeof: LRUCache(GiB * capacity_gb, getsizeof=getsizeof),
+}
+
+
 @pytest.mark.parametrize(
     "make",
     [
-        ProcessorOnlyCache,
-        SenderCache,
-        ReceiverCache,
-        lambda capacity_gb, getsizeof: LRUCache(GiB * capacity_gb, getsizeof=getsizeof),
+        *SIZED_CACHES.values(),
         lambda capacity_gb, getsizeof: make_caches(
             "lru", capacity_gb=capacity_gb, getsizeof=getsizeof
         ),
     ],
-    ids=["ProcessorOnlyCache", "SenderCache", "ReceiverCache", "LRUCache", "make_caches"],
+    ids=[*SIZED_CACHES, "make_caches"],
 )
 @pytest.mark.parametrize("bad", [None, 5, "item_size"], ids=repr)
 def test_a_size_function_that_is_no_function_is_a_type_error_naming_getsizeof(
@@ -1232,16 +1238,7 @@ def test_a_hash_with_a_lone_surrogate_is_one_value_error_in_every_mode(mode: str
             downstream.close()
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        ProcessorOnlyCache,
-        SenderCache,
-        ReceiverCache,
-        lambda capacity_gb, getsizeof: LRUCache(GiB * capacity_gb, getsizeof=getsizeof),
-    ],
-    ids=["ProcessorOnlyCache", "SenderCache", "ReceiverCache", "LRUCache"],
-)
+@pytest.mark.parametrize("make", list(SIZED_CACHES.values()), ids=list(SIZED_CACHES))
 @pytest.mark.parametrize(
     ("size", "error", "says"),
     [

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import json
@@ -31,6 +32,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -89,6 +91,24 @@ def check_handle(reader: ShmReceiverCache, data: Any, key: str, n: int = 256) ->
 
 
 # -- a second writer in another process ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def two_writers_and_a_reader() -> Iterator[tuple[ShmSenderCache, ShmSenderCache, ShmReceiverCache]]:
+    """Writers `a` and `b` of one small ring, and a reader of it."""
+    with (
+        ShmSenderCache(0.01, max_writers=2) as a,
+        ShmSenderCache.join(a.writer_handle()) as b,
+        ShmReceiverCache(a.handle()) as reader,
+    ):
+        yield a, b, reader
+
+
+def put_checked(writer: ShmSenderCache, reader: ShmReceiverCache, key: str, who: str) -> None:
+    """`writer` puts `key`'s item with `who`'s updates, and `reader` resolves its handle."""
+    handle, got = writer.get_and_update_item((item(key), updates(key, who)), key)
+    assert got == updates(key, who)
+    check_handle(reader, handle, key)
 
 
 def _joined_writer(handle: WriterHandle, conn: Any) -> None:
@@ -329,18 +349,11 @@ def test_an_update_after_another_writer_reput_the_key_gives_the_new_objects_upda
     # `a` learnt "k"'s updates (its lookup), then `b` invalidated "k" and put it again with
     # other updates before `a`'s touch and update: `a`'s hit issues the new object, so it
     # must give the new object's updates, not those it kept for the old one.
-    with (
-        ShmSenderCache(0.01, max_writers=2) as a,
-        ShmSenderCache.join(a.writer_handle()) as b,
-        ShmReceiverCache(a.handle()) as reader,
-    ):
-        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
-        check_handle(reader, handle, "k")
+    with two_writers_and_a_reader() as (a, b, reader):
+        put_checked(a, reader, "k", "a")
         assert a.is_cached(["k"]) == [True]
         b.invalidate("k")
-        handle, got = b.get_and_update_item((item("k"), updates("k", "b")), "k")
-        assert got == updates("k", "b")
-        check_handle(reader, handle, "k")
+        put_checked(b, reader, "k", "b")
         a.begin_request()
         a.touch_sender_cache_item("k")
         handle, got = a.get_and_update_item(None, "k")
@@ -354,17 +367,11 @@ def test_an_update_unpins_only_the_object_its_touch_pinned() -> None:
     # `a`'s request pinned "k"'s first object; `b` replaced it; another request of `a` (another
     # thread) pinned the new one. The first request's update must undo its own pin (of an
     # object gone), never the other request's pin of the new object.
-    with (
-        ShmSenderCache(0.01, max_writers=2) as a,
-        ShmSenderCache.join(a.writer_handle()) as b,
-        ShmReceiverCache(a.handle()) as reader,
-    ):
-        handle, _ = a.get_and_update_item((item("k"), updates("k", "a")), "k")
-        check_handle(reader, handle, "k")
+    with two_writers_and_a_reader() as (a, b, reader):
+        put_checked(a, reader, "k", "a")
         a.touch_sender_cache_item("k")
         b.invalidate("k")
-        handle, _ = b.get_and_update_item((item("k"), updates("k", "b")), "k")
-        check_handle(reader, handle, "k")
+        put_checked(b, reader, "k", "b")
         pinned, updated = threading.Event(), threading.Event()
 
         def other_request() -> None:
@@ -393,11 +400,7 @@ def test_a_saturated_hit_on_an_object_another_writer_reput_gives_its_updates() -
     # `b` put after `a`'s (of other updates) was invalidated: `a` serves the item uncached,
     # from what the ring holds, so with the updates stored with it, not those `a` kept.
     max_outstanding = (1 << 20) - 1
-    with (
-        ShmSenderCache(0.01, max_writers=2) as a,
-        ShmSenderCache.join(a.writer_handle()) as b,
-        ShmReceiverCache(a.handle()) as stuck,
-    ):
+    with two_writers_and_a_reader() as (a, b, stuck):
         a.get_and_update_item((item("k"), updates("k", "a")), "k")
         b.invalidate("k")
         b.get_and_update_item((item("k"), updates("k", "b")), "k")
