@@ -94,8 +94,15 @@ class PromptUpdatesCodec:
             return NOT_SHAREABLE
 
 
+def comes_back_as_is(prompt_updates: Any) -> bool:
+    """Whether the item codec gives ``prompt_updates`` back exactly as they are: plain data of
+    exactly the types it decodes to (a namedtuple would come back a tuple, an ``IntEnum`` an
+    int, another object not at all)."""
+    return _exactly_plain(prompt_updates, 0)
+
+
 def _plain_dumps(prompt_updates: Any) -> bytes:
-    if not _exactly_plain(prompt_updates, 0):
+    if not comes_back_as_is(prompt_updates):
         raise TypeError("not plain data of exactly the types it decodes to")
     return _core.pack_item({"u": prompt_updates})
 

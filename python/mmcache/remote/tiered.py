@@ -84,7 +84,7 @@ from mmcache.arguments import check_hash_list, check_item_list, flag, wait_secon
 from mmcache.caches import BaseSenderCache, SenderInput, SenderOutput
 from mmcache.items import Item, item_size
 from mmcache.lru import CacheInfo
-from mmcache.prompt_updates import _exactly_plain
+from mmcache.prompt_updates import comes_back_as_is
 from mmcache.protection import Holds, RequestState
 from mmcache.remote.store import RemoteStore, check_claim_ttl_s, is_shareable_key
 from mmcache.remote.waiting import Fetched, Publisher
@@ -486,7 +486,7 @@ class TieredSenderCache(BaseSenderCache):
         queued = [
             h
             for h, (item, prompt_updates) in fresh.items()
-            if self._comes_back_as_is(h, prompt_updates)
+            if self._publishable_updates(h, prompt_updates)
             and self._publisher.submit(
                 h, {"item": item, "prompt_updates": prompt_updates}, size=item_size(item)
             )
@@ -500,12 +500,12 @@ class TieredSenderCache(BaseSenderCache):
         self._release_claims(ended)
         return result
 
-    def _comes_back_as_is(self, mm_hash: str, prompt_updates: Any) -> bool:
+    def _publishable_updates(self, mm_hash: str, prompt_updates: Any) -> bool:
         """Whether the item codec gives ``prompt_updates`` back as they are (the ring's plain
         codec's test): it gives a subclass back as its base type (a namedtuple as a tuple, an
         IntEnum as an int), and refuses other objects.  Those keep the item local, counted
         and logged as the store counts what the codec refuses."""
-        if _exactly_plain(prompt_updates, 0):
+        if comes_back_as_is(prompt_updates):
             return True
         self.remote._fault(
             "unencodable",
